@@ -1,0 +1,191 @@
+"""device.py: pick and set up the device; sync, seeding, memory figures and peak FLOP/s for MFU.
+
+Everything that differs between backends lives here, so model.py and the trainers stay device-free.
+Order for `--device auto` (the TPU branch first, one switch each):
+
+  1. TorchTPU   - `torch_tpu` importable and `torch.accelerator` reports "tpu"  (native PyTorch on TPU,
+                  torch >= 2.11, its own environment; NOT run here: no TPU in this workplace)
+  2. torch_xla  - PJRT_DEVICE names TPU (lazy tensors, one XLA program per step)
+  3. cuda       - torch.cuda.is_available()
+  4. cpu
+
+`--device xla` forces torch_xla and sets PJRT_DEVICE=CPU when unset, so the XLA path (trace -> HLO ->
+compiled program) runs and is tested on XLA:CPU here.
+
+Peak FLOP/s are the vendors' published dense bf16 numbers per chip; on CPU we measure an fp32 matmul
+peak instead and say so in the log line (MFU on CPU is "fraction of what this CPU's GEMM reaches").
+"""
+import os
+import random
+import resource
+import time
+
+import numpy as np
+import torch
+
+
+class DeviceUnavailable(RuntimeError):
+    """The requested device is not present; train.py turns this into one line and exit code 2."""
+
+
+# Published dense bf16 peak FLOP/s per chip (vendor datasheets / cloud docs).
+PEAK_BF16_FLOPS = {
+    "tpu_v4": 275e12,    # cloud.google.com/tpu/docs/v4
+    "tpu_v5e": 197e12,   # cloud.google.com/tpu/docs/v5e
+    "tpu_v5p": 459e12,   # cloud.google.com/tpu/docs/v5p
+    "tpu_v6e": 918e12,   # cloud.google.com/tpu/docs/v6e (Trillium)
+    "tpu_v7": 2307e12,   # Ironwood: 4614 TFLOP/s fp8, half of it in bf16
+    "a100": 312e12,      # NVIDIA A100 datasheet, dense
+    "h100": 989e12,      # NVIDIA H100 SXM datasheet, dense
+    "h200": 989e12,      # NVIDIA H200 SXM datasheet, dense (same compute as H100)
+}
+
+
+def _torchtpu_available():
+    try:
+        import torch_tpu  # noqa: F401  (registers the "tpu" device with PyTorch)
+    except ImportError:
+        return False
+    acc = getattr(torch, "accelerator", None)
+    return acc is not None and acc.is_available() and acc.current_accelerator().type == "tpu"
+
+
+def _xla_device():
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    try:
+        import torch_xla
+    except ImportError as e:
+        raise DeviceUnavailable(f"--device xla needs torch_xla ({e})") from None
+    return torch_xla.device()
+
+
+def pick_device(name="auto"):
+    """Return a torch.device for `name` in auto|tpu|xla|cuda|cpu, or raise DeviceUnavailable."""
+    if name == "auto":
+        if _torchtpu_available():
+            return torch.device("tpu")
+        if os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
+            return _xla_device()
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "tpu":
+        if _torchtpu_available():
+            return torch.device("tpu")
+        if os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
+            return _xla_device()
+        raise DeviceUnavailable("--device tpu: neither TorchTPU (pip install torch_tpu) nor "
+                                "torch_xla with PJRT_DEVICE=TPU is available on this machine")
+    if name == "xla":
+        return _xla_device()
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceUnavailable("--device cuda: no CUDA device is visible on this machine")
+        return torch.device("cuda")
+    if name == "cpu":
+        return torch.device("cpu")
+    raise DeviceUnavailable(f"--device {name!r}: choose one of auto, tpu, xla, cuda, cpu")
+
+
+def is_xla(device):
+    return torch.device(device).type == "xla"
+
+
+def autocast_type(device):
+    """The device_type string torch.autocast wants for this device."""
+    return torch.device(device).type
+
+
+def sync(device):
+    """Step boundary. XLA: cut the lazy graph and launch it; accelerators: wait; CPU: nothing."""
+    kind = torch.device(device).type
+    if kind == "xla":
+        import torch_xla
+        torch_xla.sync()
+    elif kind == "cuda":
+        torch.cuda.synchronize()
+    elif kind == "tpu":
+        torch.accelerator.synchronize()
+
+
+def wait(device):
+    """Block until queued device work is done (for timing): XLA waits on the launched programs."""
+    sync(device)
+    if torch.device(device).type == "xla":
+        import torch_xla.core.xla_model as xm
+        xm.wait_device_ops()
+
+
+def seed_all(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds CUDA; XLA and TorchTPU seed from it too
+
+
+def host_peak_rss_bytes():
+    # ru_maxrss is KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_stats(device):
+    """{'peak_bytes', 'kind'}: device peak where the backend reports one, else host peak RSS."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return {"peak_bytes": torch.cuda.max_memory_allocated(), "kind": "cuda peak allocated"}
+    if kind == "tpu":
+        return {"peak_bytes": torch.accelerator.max_memory_allocated(), "kind": "tpu peak allocated"}
+    if kind == "xla" and os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
+        import torch_xla.core.xla_model as xm
+        info = xm.get_memory_info(device)
+        return {"peak_bytes": info.get("peak_bytes_used", info.get("bytes_used", 0)),
+                "kind": "tpu hbm peak"}
+    return {"peak_bytes": host_peak_rss_bytes(), "kind": "host peak rss"}
+
+
+def _device_name(device):
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.get_device_name(device).lower()
+    if kind == "tpu" or (kind == "xla" and os.environ.get("PJRT_DEVICE", "").upper() == "TPU"):
+        return os.environ.get("TPU_ACCELERATOR_TYPE", "").lower()  # e.g. "v5litepod-8", "v6e-8"
+    return ""
+
+
+def _lookup_published_peak(name):
+    aliases = {"v5litepod": "tpu_v5e", "v5e": "tpu_v5e", "v5p": "tpu_v5p", "v6e": "tpu_v6e",
+               "v4": "tpu_v4", "v7": "tpu_v7", "a100": "a100", "h100": "h100", "h200": "h200"}
+    for key, table_key in aliases.items():
+        if key in name:
+            return table_key, PEAK_BF16_FLOPS[table_key]
+    return None, None
+
+
+_CPU_PEAK_CACHE = {}
+
+
+def measure_cpu_matmul_peak(n=1024, repeats=5):
+    """Best-of-`repeats` fp32 GEMM throughput of this CPU, in FLOP/s (cached per process)."""
+    if n in _CPU_PEAK_CACHE:
+        return _CPU_PEAK_CACHE[n]
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up: thread pool, page faults
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    _CPU_PEAK_CACHE[n] = 2 * n**3 / best
+    return _CPU_PEAK_CACHE[n]
+
+
+def peak_flops(device, chip=None):
+    """(FLOP/s, label): the published bf16 peak for accelerators, a measured fp32 GEMM peak on CPU.
+
+    `chip` (a PEAK_BF16_FLOPS key) overrides detection, e.g. for a dry run of a TPU generation.
+    """
+    if chip:
+        return PEAK_BF16_FLOPS[chip], f"{chip} bf16 peak (published)"
+    key, peak = _lookup_published_peak(_device_name(device))
+    if peak:
+        return peak, f"{key} bf16 peak (published)"
+    if torch.device(device).type in ("cuda", "tpu"):
+        return PEAK_BF16_FLOPS["h100"], "unknown accelerator, assuming h100 bf16 peak"
+    return measure_cpu_matmul_peak(), "this CPU's measured fp32 matmul peak"

@@ -1,0 +1,360 @@
+"""model.py: Llama 3, Qwen 3 and Qwen 3-MoE as plain nn.Modules, with no device code.
+
+One decoder covers the three families (Llama 3: arXiv 2407.21783; Qwen 3: arXiv 2505.09388):
+pre-norm RMSNorm blocks, rotary position embeddings (Hugging Face "rotate-half" layout), grouped-query
+attention (Qwen 3 adds RMSNorm on q and k per head), and a SwiGLU MLP or, for Qwen 3-MoE, a softmax
+top-k router over stacked experts. Parameter names follow the Hugging Face checkpoints
+(embed_tokens, layers.N.self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, mlp.gate = router, norm,
+lm_head), so released weights load without permutation (MoE experts are stored stacked, w_ExDxF).
+
+Which implementation runs the three hot spots is chosen by name in ModelArgs (attn_impl, loss_impl,
+moe_impl), looked up in the registries below. kernels_pallas.py registers its Pallas versions there;
+`tpu_config(args)` rewrites a config to use them. The model and trainer never change.
+"""
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 192
+    n_layers: int = 4
+    n_heads: int = 6
+    n_kv_heads: int = 2
+    head_dim: Optional[int] = None          # default dim // n_heads
+    vocab_size: int = 256
+    ffn_dim: int = 512
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[tuple] = None    # Llama 3.1: (factor, low_freq, high_freq, original_ctx)
+    max_seq_len: int = 1024
+    tie_embeddings: bool = False
+    qk_norm: bool = False                   # Qwen 3
+    n_experts: int = 0                      # > 0: every block's MLP is a MoE (Qwen 3-MoE)
+    top_k: int = 0
+    moe_ffn_dim: int = 0
+    aux_loss_coef: float = 0.001            # Qwen 3-MoE router_aux_loss_coef
+    attn_impl: str = "sdpa"                 # "sdpa" | "splash" (Pallas)
+    loss_impl: str = "plain"                # "plain" | "fused" (Pallas)
+    moe_impl: str = "reference"             # "reference" | "gmm" (Pallas)
+
+    @property
+    def hd(self):
+        return self.head_dim or self.dim // self.n_heads
+
+
+_L31 = (8.0, 1.0, 4.0, 8192)  # Llama 3.1 rope scaling (factor, low_freq_factor, high_freq_factor, ctx)
+_LLAMA = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, rope_scaling=_L31,
+              max_seq_len=131072, n_kv_heads=8)
+_QWEN = dict(vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6, head_dim=128, qk_norm=True,
+             max_seq_len=40960)
+FLAVORS = {
+    # Debug flavors: byte-level (vocab 256), small enough to train on 2 CPU cores in minutes.
+    "llama3_debug": ModelArgs(),
+    "qwen3_debug": ModelArgs(head_dim=32, qk_norm=True, norm_eps=1e-6, tie_embeddings=True),
+    "qwen3_moe_debug": ModelArgs(head_dim=32, qk_norm=True, norm_eps=1e-6, n_experts=8, top_k=2,
+                                 moe_ffn_dim=128),
+    # Published architectures (Meta's params.json / Qwen's config.json).
+    "llama3_8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **_LLAMA),
+    "llama3_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **_LLAMA),
+    "llama3_405b": ModelArgs(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248, **_LLAMA),
+    "qwen3_0.6b": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=3072,
+                            tie_embeddings=True, **_QWEN),
+    "qwen3_1.7b": ModelArgs(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=6144,
+                            tie_embeddings=True, **_QWEN),
+    "qwen3_8b": ModelArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288, **_QWEN),
+    "qwen3_32b": ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_dim=25600, **_QWEN),
+    "qwen3_30b_a3b": ModelArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144,
+                               n_experts=128, top_k=8, moe_ffn_dim=768, **_QWEN),
+    "qwen3_235b_a22b": ModelArgs(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_dim=12288,
+                                 n_experts=128, top_k=8, moe_ffn_dim=1536, **_QWEN),
+}
+
+
+def check_args(args):
+    """Raise ValueError with a one-line reason if the config cannot describe a model."""
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"{name} must be positive, got {getattr(args, name)}")
+    if args.n_heads % args.n_kv_heads:
+        raise ValueError(f"n_heads ({args.n_heads}) must be divisible by n_kv_heads ({args.n_kv_heads})")
+    if args.hd % 2:
+        raise ValueError(f"head_dim must be even for rotary embeddings, got {args.hd}")
+    if args.n_experts and not (0 < args.top_k <= args.n_experts and args.moe_ffn_dim > 0):
+        raise ValueError(f"MoE needs 0 < top_k <= n_experts and moe_ffn_dim > 0, got top_k="
+                         f"{args.top_k}, n_experts={args.n_experts}, moe_ffn_dim={args.moe_ffn_dim}")
+
+
+def tpu_config(args):
+    """The config rewrite for TPU: same model, Pallas kernels for attention, loss and experts."""
+    return dataclasses.replace(args, attn_impl="splash", loss_impl="fused",
+                               moe_impl="gmm" if args.n_experts else args.moe_impl)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference implementations and their registries. kernels_pallas.py adds the Pallas entries.
+
+def attention_mask(seq_len, window=None, segment_ids=None, device=None):
+    """Boolean (S, S) or (B, S, S) mask, True = may attend: causal, optional sliding window (a query
+    sees itself and the window-1 keys before it), optional packed documents (same segment id)."""
+    q = torch.arange(seq_len, device=device)[:, None]
+    k = torch.arange(seq_len, device=device)[None, :]
+    mask = k <= q
+    if window is not None:
+        mask = mask & (q - k < window)
+    if segment_ids is not None:  # (B, S)
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return mask
+
+
+def sdpa_attention(q_BxHxSxD, k_BxKxSxD, v_BxKxSxD, window=None, segment_ids=None):
+    """Reference attention (materializes the S x S scores): GQA by repeating kv heads."""
+    groups = q_BxHxSxD.shape[1] // k_BxKxSxD.shape[1]
+    k = k_BxKxSxD.repeat_interleave(groups, dim=1)
+    v = v_BxKxSxD.repeat_interleave(groups, dim=1)
+    if window is None and segment_ids is None:
+        return F.scaled_dot_product_attention(q_BxHxSxD, k, v, is_causal=True)
+    mask = attention_mask(q_BxHxSxD.shape[2], window, segment_ids, q_BxHxSxD.device)
+    if mask.dim() == 3:
+        mask = mask[:, None]  # broadcast over heads
+    return F.scaled_dot_product_attention(q_BxHxSxD, k, v, attn_mask=mask)
+
+
+def plain_cross_entropy(h_NxD, w_VxD, targets_N, ignore_index=-100):
+    """Reference final projection + loss: writes the full (N, V) logits."""
+    logits_NxV = h_NxD @ w_VxD.t()
+    return F.cross_entropy(logits_NxV.float(), targets_N, ignore_index=ignore_index)
+
+
+def gmm_reference(x_MxK, w_GxKxN, group_sizes_G):
+    """Grouped matmul: rows [start_g, start_g + size_g) of x times w[g]. Plain PyTorch, one matmul
+    per group (reads group sizes on the host: eager only; the Pallas gmm has static shapes)."""
+    pieces = torch.split(x_MxK, group_sizes_G.tolist(), dim=0)
+    out = [p @ w_GxKxN[g] for g, p in enumerate(pieces)]
+    return torch.cat(out, dim=0) if out else x_MxK.new_zeros(0, w_GxKxN.shape[-1])
+
+
+ATTENTION_IMPLS = {"sdpa": sdpa_attention}
+LOSS_IMPLS = {"plain": plain_cross_entropy}
+GMM_IMPLS = {"reference": gmm_reference}
+
+
+def _impl(registry, name, kind):
+    if name not in registry:
+        import kernels_pallas  # noqa: F401  (registers splash / fused / gmm on import)
+    if name not in registry:
+        raise ValueError(f"unknown {kind} implementation {name!r}; have {sorted(registry)}")
+    return registry[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# Modules
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_inv_freq(args):
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.hd, 2, dtype=torch.float32) / args.hd))
+    if args.rope_scaling is None:
+        return inv_freq
+    factor, low, high, ctx = args.rope_scaling  # Llama 3.1: stretch only the low frequencies
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (ctx / wavelen - low) / (high - low)
+    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > ctx / low, inv_freq / factor, inv_freq)
+    is_mid = (wavelen >= ctx / high) & (wavelen <= ctx / low)
+    return torch.where(is_mid, mid, scaled)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BxHxSxD, cos_SxD, sin_SxD):
+    return x_BxHxSxD * cos_SxD + rotate_half(x_BxHxSxD) * sin_SxD
+
+
+class Attention(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        hd = args.hd
+        self.q_proj = nn.Linear(args.dim, args.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(hd, args.norm_eps)
+            self.k_norm = RMSNorm(hd, args.norm_eps)
+
+    def forward(self, x_BxSxD, cos, sin):
+        a = self.args
+        B, S, _ = x_BxSxD.shape
+        q = self.q_proj(x_BxSxD).view(B, S, a.n_heads, a.hd)
+        k = self.k_proj(x_BxSxD).view(B, S, a.n_kv_heads, a.hd)
+        v = self.v_proj(x_BxSxD).view(B, S, a.n_kv_heads, a.hd)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, S, hd)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, S, hd)
+        out = _impl(ATTENTION_IMPLS, a.attn_impl, "attention")(q, k, v.transpose(1, 2))
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, a.n_heads * a.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Qwen 3-MoE block: softmax router, top-k, renormalized top-k weights, Switch-style load-balancing
+    loss (arXiv 2101.03961). Dispatch: sort the T*k (token, expert) pairs by expert, run each expert's
+    SwiGLU as one grouped matmul over its contiguous rows, scatter-add back weighted."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        E, D, F_ = args.n_experts, args.dim, args.moe_ffn_dim
+        self.gate = nn.Linear(D, E, bias=False)  # router
+        self.w_gate_ExDxF = nn.Parameter(torch.empty(E, D, F_))
+        self.w_up_ExDxF = nn.Parameter(torch.empty(E, D, F_))
+        self.w_down_ExFxD = nn.Parameter(torch.empty(E, F_, D))
+
+    def forward(self, x_BxSxD):
+        a = self.args
+        E, K = a.n_experts, a.top_k
+        x_TxD = x_BxSxD.reshape(-1, x_BxSxD.shape[-1])
+        probs_TxE = F.softmax(self.gate(x_TxD).float(), dim=-1)
+        top_w_TxK, top_e_TxK = probs_TxE.topk(K, dim=-1)
+        top_w_TxK = top_w_TxK / top_w_TxK.sum(-1, keepdim=True)
+        expert_M = top_e_TxK.reshape(-1)                     # M = T*K rows, one per (token, expert)
+        order_M = torch.argsort(expert_M, stable=True)
+        token_M = order_M // K
+        group_sizes_E = torch.bincount(expert_M, minlength=E)
+        gmm = _impl(GMM_IMPLS, a.moe_impl, "grouped matmul")
+        x_MxD = x_TxD[token_M]
+        h_MxF = F.silu(gmm(x_MxD, self.w_gate_ExDxF, group_sizes_E)) * gmm(x_MxD, self.w_up_ExDxF, group_sizes_E)
+        y_MxD = gmm(h_MxF, self.w_down_ExFxD, group_sizes_E)
+        y_MxD = y_MxD * top_w_TxK.reshape(-1)[order_M, None].to(y_MxD.dtype)
+        out_TxD = torch.zeros_like(x_TxD).index_add(0, token_M, y_MxD.to(x_TxD.dtype))
+        # load balance: E * sum_e (fraction of routed rows to e) * (mean router prob of e)
+        aux = E * (group_sizes_E.float() / expert_M.numel() * probs_TxE.mean(0)).sum()
+        return out_TxD.view_as(x_BxSxD), aux
+
+
+class Block(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MoE(args) if args.n_experts else MLP(args.dim, args.ffn_dim)
+
+    def forward(self, x_BxSxD, cos, sin):
+        h = x_BxSxD + self.self_attn(self.input_layernorm(x_BxSxD), cos, sin)
+        out = self.mlp(self.post_attention_layernorm(h))
+        out, aux = out if isinstance(out, tuple) else (out, h.new_zeros((), dtype=torch.float32))
+        return h + out, aux
+
+
+class Transformer(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        check_args(args)
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """GPT-2 style: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * layers); also the
+        way to fill a model first built on the meta device (to_empty + init_weights)."""
+        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
+        self.inv_freq.copy_(rope_inv_freq(self.args))
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)  # norm weights
+            else:
+                is_out = name.endswith(("o_proj.weight", "down_proj.weight", "w_down_ExFxD"))
+                nn.init.normal_(p, std=out_std if is_out else std)
+
+    def output_weight(self):
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope(self, seq_len):
+        pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (S, hd): rotate-half layout
+        return emb.cos(), emb.sin()
+
+    def hidden(self, tokens_BxS):
+        """Final-norm hidden states (B, S, D) and the summed MoE auxiliary loss."""
+        h = self.embed_tokens(tokens_BxS)
+        cos, sin = self.rope(tokens_BxS.shape[1])
+        aux = h.new_zeros((), dtype=torch.float32)
+        for layer in self.layers:
+            h, layer_aux = layer(h, cos, sin)
+            aux = aux + layer_aux
+        return self.norm(h), aux
+
+    def forward(self, tokens_BxS, targets_BxS=None):
+        """Logits (B, S, V) without targets; with targets (cross-entropy, coef * aux loss)."""
+        h, aux = self.hidden(tokens_BxS)
+        if targets_BxS is None:
+            return h @ self.output_weight().t()
+        loss_fn = _impl(LOSS_IMPLS, self.args.loss_impl, "loss")
+        ce = loss_fn(h.reshape(-1, h.shape[-1]), self.output_weight(), targets_BxS.reshape(-1))
+        return ce, self.args.aux_loss_coef * aux
+
+
+def param_counts(args):
+    """(total, embedding, active-non-embedding) parameter counts, from the config alone."""
+    D, hd, L = args.dim, args.hd, args.n_layers
+    attn = D * hd * (2 * args.n_heads + 2 * args.n_kv_heads) + (2 * hd if args.qk_norm else 0)
+    if args.n_experts:
+        mlp_total = D * args.n_experts + 3 * args.n_experts * D * args.moe_ffn_dim
+        mlp_active = D * args.n_experts + 3 * args.top_k * D * args.moe_ffn_dim
+    else:
+        mlp_total = mlp_active = 3 * D * args.ffn_dim
+    per_layer_norms = 2 * D
+    emb = args.vocab_size * D
+    head = 0 if args.tie_embeddings else emb
+    total = emb + head + L * (attn + mlp_total + per_layer_norms) + D
+    active_non_emb = L * (attn + mlp_active + per_layer_norms) + D + emb  # + output projection
+    return total, emb, active_non_emb
+
+
+def flops_per_token(args, seq_len):
+    """Training FLOPs per token, torchtitan's formula: 6 * (N - N_embedding) + 12 * L * H * Dh * S.
+
+    6N: forward 2N + backward 4N for every weight a token multiplies (the embedding lookup is not a
+    matmul, but the output projection is, tied or not); MoE counts only the router and the top_k
+    active experts. 12*L*H*Dh*S: QK^T and PV, forward and backward, over the full (not causal) S.
+    """
+    _, _, active = param_counts(args)
+    return 6 * active + 12 * args.n_layers * args.n_heads * args.hd * seq_len

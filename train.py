@@ -1,0 +1,290 @@
+"""train.py: one CLI that trains Llama 3 / Qwen 3 / Qwen 3-MoE flavors on byte-level text.
+
+    python train.py                                  # llama3_debug on the Python stdlib, eager, CPU
+    python train.py --device xla                     # the same through torch_xla (XLA:CPU here)
+    python train.py --flavor qwen3_moe_debug --kernels pallas
+
+`--mode` is the optimization ladder: eager (plain loop) -> compile (each block torch.compile'd) ->
+graph (the whole step, optimizer included, as one traced graph: graph_trainer.py). Every bad input
+ends in one `error: ...` line and exit code 2; a NaN/Inf loss stops the run with exit code 3 and
+leaves the last good checkpoint as it was.
+"""
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+import checkpoint
+import data
+import device as dev
+import optim
+from model import FLAVORS, Transformer, check_args, flops_per_token, tpu_config
+
+EXIT_BAD_INPUT, EXIT_NONFINITE = 2, 3
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's usage block + error -> one line, same exit code
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def build_parser():
+    p = _Parser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--flavor", default="llama3_debug", help=f"model flavor: {', '.join(FLAVORS)}")
+    a("--set", action="append", default=[], metavar="FIELD=VALUE",
+      help="override a ModelArgs field, e.g. --set n_layers=2 (repeatable)")
+    a("--steps", type=int, default=400, help="optimizer steps")
+    a("--batch-size", type=int, default=32, help="global batch size, sequences")
+    a("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
+    a("--lr", type=float, default=3e-3, help="peak learning rate")
+    a("--warmup", type=int, default=30, help="linear warmup steps, then cosine decay to lr/10")
+    a("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    a("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (matrices only)")
+    a("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (bf16: autocast)")
+    a("--device", default="auto", help="auto | tpu | xla | cuda | cpu")
+    a("--mode", choices=["eager", "compile", "graph"], default="eager", help="optimization ladder")
+    a("--kernels", choices=["reference", "pallas"], default="reference",
+      help="pallas: the TPU config rewrite (splash attention, fused loss, grouped matmul)")
+    a("--seed", type=int, default=0, help="seed for init and batch order")
+    a("--data", default=None, help="text file or directory (default: this Python's stdlib sources)")
+    a("--eval-interval", type=int, default=50, help="validate every N steps (0: only at the end)")
+    a("--eval-batches", type=int, default=8, help="validation batches per evaluation")
+    a("--log-interval", type=int, default=10, help="log every N steps")
+    a("--out-dir", default=None, help="run directory (default runs/<flavor>-<time>)")
+    a("--ckpt-interval", type=int, default=250, help="checkpoint every N steps (0: only at the end)")
+    a("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
+    a("--halt-at", type=int, default=0, help="stop after this step as if preempted (tests resume)")
+    return p
+
+
+def model_args_from(cfg):
+    if cfg.flavor not in FLAVORS:
+        raise ConfigError(f"unknown flavor {cfg.flavor!r}; choose one of {', '.join(FLAVORS)}")
+    args = FLAVORS[cfg.flavor]
+    fields = {f.name for f in dataclasses.fields(args)}
+    for item in cfg.set:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        current = getattr(args, key)
+        kind = type(current) if current is not None else int
+        try:
+            parsed = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
+        except ValueError:
+            raise ConfigError(f"--set {item!r}: {value!r} is not a {kind.__name__}") from None
+        args = dataclasses.replace(args, **{key: parsed})
+    if cfg.kernels == "pallas":
+        args = tpu_config(args)
+    try:
+        check_args(args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.seq_len > args.max_seq_len:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
+    return args
+
+
+def validate(cfg):
+    for name in ("steps", "batch_size", "seq_len"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    for name in ("warmup", "eval_interval", "eval_batches", "ckpt_interval", "halt_at"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.log_interval <= 0:
+        raise ConfigError(f"--log-interval must be positive, got {cfg.log_interval}")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise ConfigError(f"--lr must be a positive finite number, got {cfg.lr}")
+
+
+class Trainer:
+    """Holds model, optimizer state and data; `run()` is the loop. Rank/world come from mesh.py
+    when launched with torchrun (simplefsdp); a single process is rank 0 of 1."""
+
+    def __init__(self, cfg, dist_ctx=None):
+        validate(cfg)
+        self.cfg = cfg
+        self.model_args = model_args_from(cfg)
+        self.dist = dist_ctx
+        self.rank, self.world = (dist_ctx.dp_rank, dist_ctx.dp_size) if dist_ctx else (0, 1)
+        if cfg.batch_size % self.world:
+            raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {self.world} data-parallel ranks")
+        self.device = dev.pick_device(cfg.device) if dist_ctx is None else dist_ctx.device
+        train_bytes, val_bytes = data.load_corpus(cfg.data)
+        self.batches = data.Batches(train_bytes, cfg.batch_size // self.world, cfg.seq_len, cfg.seed)
+        self.val = data.eval_batches(val_bytes, cfg.batch_size // self.world, cfg.seq_len,
+                                     cfg.seed + self.rank, cfg.eval_batches)
+        self.out_dir = cfg.out_dir or os.path.join("runs", f"{cfg.flavor}-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
+        self.meta = {"flavor": cfg.flavor, "model_args": dataclasses.asdict(self.model_args)}
+        for key in ("attn_impl", "loss_impl", "moe_impl"):  # implementations may change across resumes
+            self.meta["model_args"].pop(key)
+        if dist_ctx:
+            self.meta["mesh"] = dist_ctx.mesh_spec
+        resume_from = checkpoint.latest(self.ckpt_dir)
+        if resume_from and not cfg.resume:
+            raise ConfigError(f"{self.out_dir} already holds checkpoints; pass --resume or another --out-dir")
+        if cfg.resume and resume_from:
+            checkpoint.check_compatible(resume_from, self.meta)
+
+        dev.seed_all(cfg.seed)
+        model = Transformer(self.model_args)
+        self.model = dist_ctx.shard(model) if dist_ctx else model.to(self.device)
+        self.params = [p for p in self.model.parameters()]
+        self.param_names = [n for n, _ in self.model.named_parameters()]
+        self.opt = optim.AdamW(self.params, weight_decay=cfg.weight_decay)
+        self.step = 0
+        if cfg.resume and resume_from:
+            self.restore(resume_from)
+        self.flops_per_token = flops_per_token(self.model_args, cfg.seq_len)
+        self.peak, self.peak_label = dev.peak_flops(self.device)
+        self.step_fn = self.make_step_fn()
+
+    # ---------------------------------------------------------------------------------------------
+    def autocast(self):
+        if self.cfg.dtype == "bf16":
+            return torch.autocast(dev.autocast_type(self.device), dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def make_step_fn(self):
+        if self.cfg.mode == "graph":
+            import graph_trainer
+            return graph_trainer.GraphStep(self)
+        if self.cfg.mode == "compile":
+            backend = "openxla" if dev.is_xla(self.device) else "inductor"
+            for layer in self.model.layers:
+                layer.compile(backend=backend)
+        return self.eager_step
+
+    def loss_and_grads(self, inputs, targets):
+        with self.autocast():
+            ce, aux = self.model(inputs, targets)
+        grads = torch.autograd.grad(ce + aux, self.params)
+        return ce.detach(), grads
+
+    def eager_step(self, inputs, targets, lr):
+        ce, grads = self.loss_and_grads(inputs, targets)
+        if self.dist:
+            grads = self.dist.finish_grads(grads)
+        grads, norm = optim.clip_by_global_norm(grads, self.cfg.clip)
+        self.opt.step(grads, lr)
+        return ce, norm
+
+    @torch.no_grad()
+    def evaluate(self):
+        if not self.val:
+            return float("nan")
+        total = torch.zeros((), device=self.device)
+        for inputs, targets in self.val:
+            with self.autocast():
+                ce, _ = self.model(inputs.to(self.device), targets.to(self.device))
+            total = total + ce.float()
+        if self.dist:
+            total = self.dist.mean_over_dp(total)
+        dev.sync(self.device)
+        return total.item() / len(self.val)
+
+    # ---------------------------------------------------------------------------------------------
+    def state(self):
+        named = lambda ts: dict(zip(self.param_names, ts))
+        return {"model": self.model.state_dict(),
+                "optim": {"exp_avg": named(self.opt.state["exp_avg"]),
+                          "exp_avg_sq": named(self.opt.state["exp_avg_sq"])},
+                "step": torch.tensor(self.step), "rng": torch.get_rng_state()}
+
+    def save(self):
+        checkpoint.save(self.ckpt_dir, self.step, checkpoint.to_cpu(self.state()), self.meta)
+
+    def restore(self, path):
+        live = self.state()
+        host = checkpoint.load(path, checkpoint.to_cpu(live))
+        with torch.no_grad():
+            for key, tensor in live["model"].items():
+                tensor.copy_(host["model"][key])
+            for kind in ("exp_avg", "exp_avg_sq"):
+                for name, tensor in live["optim"][kind].items():
+                    tensor.copy_(host["optim"][kind][name])
+        self.step = int(host["step"])
+        self.opt.step_count = self.step
+        torch.set_rng_state(host["rng"])
+
+    # ---------------------------------------------------------------------------------------------
+    def log(self, record, line):
+        if self.rank != 0 or (self.dist and self.dist.global_rank != 0):
+            return
+        print(line, flush=True)
+        with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def run(self):
+        cfg = self.cfg
+        os.makedirs(self.out_dir, exist_ok=True)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self.log({"event": "start", "params": n_params, "device": str(self.device), "resumed_at": self.step},
+                 f"{cfg.flavor}: {n_params / 1e6:.2f}M params on {self.device}, mode {cfg.mode}, "
+                 f"{cfg.batch_size}x{cfg.seq_len} tokens/step, start at step {self.step}, out {self.out_dir}")
+        if self.step == 0 and self.val:
+            val = self.evaluate()
+            self.log({"step": 0, "val_loss": val}, f"step     0 | val loss {val:.4f}")
+        t_last, step_last, t_start, start_step = time.perf_counter(), self.step, time.perf_counter(), self.step
+        while self.step < cfg.steps:
+            self.step += 1
+            inputs, targets = self.batches.get(self.step, self.rank)
+            lr = optim.lr_at(self.step, cfg.lr, cfg.warmup, cfg.steps)
+            ce, norm = self.step_fn(inputs.to(self.device), targets.to(self.device),
+                                    torch.tensor(lr, device=self.device))
+            dev.sync(self.device)
+            loss = ce.item()
+            if not math.isfinite(loss):
+                self.log({"event": "nonfinite", "step": self.step, "loss": loss},
+                         f"error: loss is {loss} at step {self.step}; stopping (last good checkpoint kept)")
+                return EXIT_NONFINITE
+            last = self.step == cfg.steps or self.step == cfg.halt_at
+            if self.step % cfg.log_interval == 0 or last:
+                now = time.perf_counter()
+                tok_s = (self.step - step_last) * cfg.batch_size * cfg.seq_len / (now - t_last)
+                flops = tok_s * self.flops_per_token
+                eta = (cfg.steps - self.step) * (now - t_start) / (self.step - start_step)
+                mem = dev.memory_stats(self.device)
+                rec = {"step": self.step, "loss": loss, "grad_norm": norm.item(), "lr": lr,
+                       "tokens_per_s": tok_s, "tflops": flops / 1e12, "mfu": flops / self.peak,
+                       "peak_label": self.peak_label, "mem_bytes": mem["peak_bytes"], "mem_kind": mem["kind"]}
+                self.log(rec, f"step {self.step:5d} | loss {loss:.4f} | gnorm {rec['grad_norm']:.3f} | lr {lr:.2e}"
+                         f" | {tok_s / 1e3:.1f}k tok/s | {flops / 1e12:.3f} TFLOP/s | MFU {100 * rec['mfu']:.1f}%"
+                         f" of {self.peak_label} | mem {mem['peak_bytes'] / 2**30:.2f} GiB ({mem['kind']})"
+                         f" | eta {eta:.0f}s")
+                t_last, step_last = time.perf_counter(), self.step
+            if (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == cfg.steps:
+                val = self.evaluate()
+                self.log({"step": self.step, "val_loss": val}, f"step {self.step:5d} | val loss {val:.4f}")
+            if (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or last:
+                self.save()
+            if self.step == cfg.halt_at:
+                break
+        return 0
+
+
+def main(argv=None, dist_ctx=None):
+    cfg = build_parser().parse_args(argv)
+    try:
+        trainer = Trainer(cfg, dist_ctx)
+        return trainer.run()
+    except (ConfigError, data.DataError, checkpoint.CheckpointError, dev.DeviceUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
