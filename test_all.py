@@ -357,3 +357,202 @@ def test_xla_cpu_matches_eager_over_10_steps(corpus, tmp_path):
     assert sorted(eager) == list(range(1, 11)) and sorted(xla) == sorted(eager)
     for step in eager:
         assert abs(eager[step] - xla[step]) < 1e-4, (step, eager[step], xla[step])
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels_pallas.py + jax_op.py
+
+def _grads(fn, inputs, cot):
+    out = fn(*inputs)
+    return out, torch.autograd.grad(out, [x for x in inputs if x.requires_grad], cot)
+
+
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,H,Hkv,S,D,window,segments,block", [
+    (2, 4, 2, 40, 16, None, False, 16),   # GQA, S not a multiple of the block
+    (1, 4, 1, 50, 8, 7, True, 16),        # window + packed documents, MQA
+    (1, 2, 2, 64, 16, 20, False, 32),     # window only
+])
+def test_splash_attention_matches_reference(dtype, B, H, Hkv, S, D, window, segments, block):
+    import kernels_pallas as kp
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, h, S, D, dtype=dtype, requires_grad=True) for h in (H, Hkv, Hkv))
+    seg = torch.randint(0, 3, (B, S)).sort(-1).values if segments else None
+    cot = torch.randn(B, H, S, D, dtype=dtype)
+    out, grads = _grads(lambda q, k, v: kp.splash_attention(q, k, v, window, seg, block=block), (q, k, v), cot)
+    ref = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    want, want_grads = _grads(lambda q, k, v: sdpa_attention(q, k, v, window, seg), ref, cot.float())
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g.float(), w, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,D,V", [(37, 16, 300), (64, 8, 256)])
+def test_fused_linear_cross_entropy_matches_reference(dtype, N, D, V):
+    import kernels_pallas as kp
+    from model import plain_cross_entropy
+    torch.manual_seed(0)
+    h = torch.randn(N, D, dtype=dtype, requires_grad=True)
+    w = torch.randn(V, D, dtype=dtype, requires_grad=True)
+    t = torch.randint(0, V, (N,))
+    t[::5] = -100  # ignored rows
+    loss, grads = _grads(lambda h, w: kp.fused_linear_cross_entropy(h, w, t, block_n=16, block_v=128), (h, w), None)
+    ref = [x.detach().float().requires_grad_() for x in (h, w)]
+    want, want_grads = _grads(lambda h, w: plain_cross_entropy(h, w, t), ref, None)
+    torch.testing.assert_close(loss.float(), want, **TOL[dtype])
+    for g, w_ in zip(grads, want_grads):
+        torch.testing.assert_close(g.float(), w_, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sizes", [[3, 0, 10, 7], [0, 0, 20, 0], [5, 5, 5, 5], [1, 17, 0, 2]])
+def test_grouped_matmul_matches_reference(dtype, sizes):
+    import kernels_pallas as kp
+    from model import gmm_reference
+    torch.manual_seed(0)
+    gs = torch.tensor(sizes)
+    x = torch.randn(int(gs.sum()), 6, dtype=dtype, requires_grad=True)
+    w = torch.randn(4, 6, 5, dtype=dtype, requires_grad=True)
+    cot = torch.randn(x.shape[0], 5, dtype=dtype)
+    out, grads = _grads(lambda x, w: kp.gmm(x, w, gs, block_m=8), (x, w), cot)
+    ref = [t.detach().float().requires_grad_() for t in (x, w)]
+    want, want_grads = _grads(lambda x, w: gmm_reference(x, w, gs), ref, cot.float())
+    torch.testing.assert_close(out.float(), want, **TOL[dtype])
+    for g, w_ in zip(grads, want_grads):
+        torch.testing.assert_close(g.float(), w_, **TOL[dtype])
+    if 0 in sizes:  # an empty group's weight gradient is exactly zero
+        assert grads[1][gs == 0].abs().max() == 0
+
+
+def test_splash_matches_jax_production_splash_attention():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    import kernels_pallas as kp
+    H, S, D, window = 2, 256, 64, 32
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((H, S, D)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray(np.sort(rng.integers(0, 3, S)), jnp.int32)
+    mask = sm.MultiHeadMask([sm.LocalMask((S, S), (window - 1, 0), 0) for _ in range(H)])  # causal window
+    bs = sk.BlockSizes(**{f: 128 for f in ("block_q", "block_kv", "block_kv_compute", "block_q_dkv",
+                                              "block_kv_dkv", "block_kv_dkv_compute", "block_q_dq", "block_kv_dq")})
+    theirs = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=bs, interpret=True)
+    # JAX's splash does not scale q by 1/sqrt(d); ours does.
+    f_theirs = lambda q, k, v: (theirs(q * D ** -0.5, k, v, segment_ids=sk.SegmentIds(q=seg, kv=seg)) ** 2).sum()
+    f_ours = lambda q, k, v: (kp.splash_jax.jax_fn(q[None], k[None], v[None], seg[None], window=window,
+                                                   block=128, segments=1)[0] ** 2).sum()
+    assert abs(float(f_theirs(q, k, v) - f_ours(q, k, v))) < 1e-2  # sum of S*H*D squares ~ 3e4
+    for a, b in zip(jax.grad(f_theirs, (0, 1, 2))(q, k, v), jax.grad(f_ours, (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_gmm_matches_jax_megablox():
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as mb_gmm, tgmm as mb_tgmm
+    import kernels_pallas as kp
+    rng = np.random.default_rng(0)
+    gs = jnp.array([100, 0, 156, 0], jnp.int32)
+    x, dy = (jnp.asarray(rng.standard_normal((256, 128)), jnp.float32) for _ in range(2))
+    w = jnp.asarray(rng.standard_normal((4, 128, 128)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(kp.gmm_jax.jax_fn(x, w, gs, block_m=128)),
+                               np.asarray(mb_gmm(x, w, gs, tiling=(128, 128, 128), interpret=True)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(kp._tgmm_call(x, dy, gs, 128)),
+                               np.asarray(mb_tgmm(x.T, dy, gs, tiling=(128, 128, 128), interpret=True)), rtol=1e-5, atol=1e-5)
+
+
+def _largest_intermediate(fn, *specs):
+    """Largest tensor (elements) in the lowered StableHLO of forward + backward."""
+    import re
+    import jax
+    text = jax.jit(fn).lower(*specs).as_text()
+    sizes = [math.prod(int(d) for d in m.split("x")) for m in re.findall(r"tensor<((?:\d+x)+)[a-z]", text)
+             for m in [m.rstrip("x")]]
+    return max(sizes)
+
+
+def test_kernels_never_materialize_the_quadratic_arrays():
+    import jax
+    import jax.numpy as jnp
+    import kernels_pallas as kp
+    S, D = 4096, 64
+    f = lambda q, k, v, s: kp.splash_jax.jax_fn(q, k, v, s, window=0, block=128, segments=1).sum()
+    qs = jax.ShapeDtypeStruct((1, 1, S, D), jnp.float32)
+    seg = jax.ShapeDtypeStruct((1, S), jnp.int32)
+    biggest = _largest_intermediate(jax.grad(f, (0, 1, 2)), qs, qs, qs, seg)
+    assert S * D <= biggest < S * S
+    T, V = 4096, 32768
+    g = lambda h, w, t: kp.fused_ce_jax.jax_fn(h, w, t, ignore_index=-100, block_n=256, block_v=512)
+    biggest = _largest_intermediate(jax.grad(g, (0, 1)), jax.ShapeDtypeStruct((T, D), jnp.float32),
+                                    jax.ShapeDtypeStruct((V, D), jnp.float32), jax.ShapeDtypeStruct((T,), jnp.int32))
+    assert V * D <= biggest < T * V
+
+
+def test_jax_ops_are_single_nodes_under_make_fx():
+    from torch.fx.experimental.proxy_tensor import make_fx
+    import kernels_pallas as kp
+    q, k, v = torch.randn(1, 2, 16, 8), torch.randn(1, 1, 16, 8), torch.randn(1, 1, 16, 8)
+
+    def step(q, k, v):
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        out = kp.splash_attention(q, k, v)
+        return torch.autograd.grad(out.square().sum(), (q, k, v))
+
+    with torch.enable_grad():
+        gm = make_fx(step, tracing_mode="fake")(q, k, v)
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count("minititan.splash.default") == 1 and targets.count("minititan.splash_vjp.default") == 1
+    with torch.no_grad():
+        got = gm(q, k, v)
+    want = step(q.clone(), k.clone(), v.clone())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+XLA_KERNEL_SCRIPT = r'''
+import os, sys, torch
+sys.path.insert(0, os.getcwd())
+import torch_xla, kernels_pallas as kp
+torch.manual_seed(0)
+dev = torch_xla.device()
+q, k, v = torch.randn(1, 2, 24, 8), torch.randn(1, 1, 24, 8), torch.randn(1, 1, 24, 8)
+h, w, t = torch.randn(20, 8), torch.randn(40, 8), torch.randint(0, 40, (20,))
+x, wg, gs = torch.randn(12, 8), torch.randn(3, 8, 4), torch.tensor([5, 0, 7])
+def run(d):
+    qq, kk, vv, hh, ww, xx, wgw = (z.to(d).requires_grad_() for z in (q, k, v, h, w, x, wg))
+    a = kp.splash_attention(qq, kk, vv, window=5)
+    l = kp.fused_linear_cross_entropy(hh, ww, t.to(d))
+    m = kp.gmm(xx, wgw, gs.to(d))
+    total = a.square().sum() + l + m.square().sum()
+    grads = torch.autograd.grad(total, (qq, kk, vv, hh, ww, xx, wgw))
+    return [z.detach().cpu() for z in (a, l, m, *grads)]
+cpu, xla = run("cpu"), run(dev)
+print("max diff", max((a - b).abs().max().item() for a, b in zip(cpu, xla)))
+'''
+
+
+def test_kernels_on_xla_cpu_through_call_jax_equal_cpu():
+    proc = subprocess.run([sys.executable, "-c", XLA_KERNEL_SCRIPT], cwd=HERE, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.split("max diff")[1]) < 1e-5
+
+
+@pytest.mark.parametrize("flavor", ["qwen3_debug", "qwen3_moe_debug"])
+def test_training_with_pallas_kernels_matches_reference(flavor, corpus, tmp_path):
+    common = [*TINY, "--flavor", flavor, "--data", corpus, "--steps", "20", "--ckpt-interval", "0",
+              "--eval-interval", "0", "--eval-batches", "0"]
+    if flavor == "qwen3_moe_debug":
+        common += ["--set", "moe_ffn_dim=32"]
+    for k in ("reference", "pallas"):
+        rc, _, err = run_train([*common, "--kernels", k, "--out-dir", str(tmp_path / k)])
+        assert rc == 0, err
+    ref, pal = losses(str(tmp_path / "reference")), losses(str(tmp_path / "pallas"))
+    assert sorted(ref) == list(range(1, 21)) and sorted(pal) == sorted(ref)
+    assert max(abs(ref[s] - pal[s]) for s in ref) < 1e-4
