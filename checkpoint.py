@@ -52,7 +52,9 @@ def save(ckpt_dir, step, state, meta):
         os.makedirs(ckpt_dir, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed write
     _barrier()
-    dcp.save(state, checkpoint_id=tmp)
+    # per_thread_copy_ahead=0: our state is already on the host; it also keeps DCP off its
+    # stream-overlapping loader, which breaks once torchax (imported by call_jax) claims PrivateUse1.
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0))
     _barrier()
     if _rank() == 0:
         with open(os.path.join(tmp, "meta.json"), "w") as f:

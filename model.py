@@ -251,7 +251,8 @@ class MoE(nn.Module):
         expert_M = top_e_TxK.reshape(-1)                     # M = T*K rows, one per (token, expert)
         order_M = torch.argsort(expert_M, stable=True)
         token_M = order_M // K
-        group_sizes_E = torch.bincount(expert_M, minlength=E)
+        # (bincount's output size depends on the data; scatter_add's does not, so it traces)
+        group_sizes_E = expert_M.new_zeros(E).scatter_add(0, expert_M, torch.ones_like(expert_M))
         gmm = _impl(GMM_IMPLS, a.moe_impl, "grouped matmul")
         x_MxD = x_TxD[token_M]
         h_MxF = F.silu(gmm(x_MxD, self.w_gate_ExDxF, group_sizes_E)) * gmm(x_MxD, self.w_up_ExDxF, group_sizes_E)

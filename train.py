@@ -55,6 +55,8 @@ def build_parser():
     a("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (bf16: autocast)")
     a("--device", default="auto", help="auto | tpu | xla | cuda | cpu")
     a("--mode", choices=["eager", "compile", "graph"], default="eager", help="optimization ladder")
+    a("--backend", choices=["fx", "inductor", "xla"], default=None,
+      help="graph mode backend (default: xla on XLA devices, else fx)")
     a("--kernels", choices=["reference", "pallas"], default="reference",
       help="pallas: the TPU config rewrite (splash attention, fused loss, grouped matmul)")
     a("--seed", type=int, default=0, help="seed for init and batch order")
@@ -161,7 +163,10 @@ class Trainer:
     def make_step_fn(self):
         if self.cfg.mode == "graph":
             import graph_trainer
-            return graph_trainer.GraphStep(self)
+            try:
+                return graph_trainer.GraphStep(self)
+            except graph_trainer.GraphCaptureError as e:
+                raise ConfigError(str(e)) from None
         if self.cfg.mode == "compile":
             backend = "openxla" if dev.is_xla(self.device) else "inductor"
             for layer in self.model.layers:
@@ -243,8 +248,13 @@ class Trainer:
             self.step += 1
             inputs, targets = self.batches.get(self.step, self.rank)
             lr = optim.lr_at(self.step, cfg.lr, cfg.warmup, cfg.steps)
-            ce, norm = self.step_fn(inputs.to(self.device), targets.to(self.device),
-                                    torch.tensor(lr, device=self.device))
+            try:
+                ce, norm = self.step_fn(inputs.to(self.device), targets.to(self.device),
+                                        torch.tensor(lr, device=self.device))
+            except Exception as e:
+                if type(e).__name__ != "GraphCaptureError":
+                    raise
+                raise ConfigError(str(e)) from None
             dev.sync(self.device)
             loss = ce.item()
             if not math.isfinite(loss):
@@ -266,7 +276,7 @@ class Trainer:
                          f" of {self.peak_label} | mem {mem['peak_bytes'] / 2**30:.2f} GiB ({mem['kind']})"
                          f" | eta {eta:.0f}s")
                 t_last, step_last = time.perf_counter(), self.step
-            if (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == cfg.steps:
+            if self.val and ((cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == cfg.steps):
                 val = self.evaluate()
                 self.log({"step": self.step, "val_loss": val}, f"step {self.step:5d} | val loss {val:.4f}")
             if (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or last:

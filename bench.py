@@ -1,0 +1,193 @@
+"""bench.py: measurements, not tests. Speed, MFU and memory, side by side, as ratios within one run.
+
+    .venv/bin/python bench.py --quick        # < 5 min on 2 cores
+    .venv/bin/python bench.py                # the full set
+
+Each configuration runs in its own process (so peak memory is its own), configurations alternate
+A B A B across repeats, and each figure is the median of several timed steps after warm-up. Ratios
+to the baseline (a plain PyTorch loop with torch.optim.AdamW(foreach=True), as a nanoGPT user writes
+it) are computed inside the same run, because machines here are noisy. Writes bench_results/*.md and
+*.json; the README shows the latest table.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ------------------------------------------------------------------------------------------------
+# Child side: one configuration, printed as one JSON line.
+
+def _child_memory(kind, size):
+    """Peak RSS growth of one forward + backward of a kernel vs its plain PyTorch path."""
+    import resource
+    import torch
+    import kernels_pallas as kp  # noqa: F401 (jit caches, imports: part of the baseline)
+    from model import plain_cross_entropy
+    torch.manual_seed(0)
+    if kind.startswith("loss"):
+        N, D = 4096, 256
+        h, w = torch.randn(N, D, requires_grad=True), torch.randn(size, D, requires_grad=True)
+        t = torch.randint(0, size, (N,))
+        fn = (lambda: kp.fused_linear_cross_entropy(h, w, t)) if kind == "loss_fused" else (lambda: plain_cross_entropy(h, w, t))
+        args = (h, w)
+    else:
+        H, D = 4, 64
+        q, k, v = (torch.randn(1, H, size, D, requires_grad=True) for _ in range(3))
+        fn = (lambda: kp.splash_attention(q, k, v)) if kind == "attn_splash" else (lambda: _dense_attention(q, k, v))
+        args = (q, k, v)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = fn()
+    torch.autograd.grad(out.float().sum(), args)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"kind": kind, "size": size, "peak_growth_mib": (peak - base) / 1024}
+
+
+def _dense_attention(q, k, v):
+    """The textbook formula: softmax(QK^T / sqrt(d) + causal mask) V, with its S x S scores."""
+    S = q.shape[2]
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v
+
+
+def _child_train(mode, steps):
+    """Tokens/s of the bench model: `plain` (torch.optim loop) or a train.py mode."""
+    import torch
+    import device as dev
+    import optim
+    import train
+    cfg = train.build_parser().parse_args(["--steps", str(steps), "--eval-batches", "0", "--data", _bench_data(),
+                                           "--ckpt-interval", "0", "--out-dir", "/tmp/minititan-bench",
+                                           *(["--mode", mode] if mode in ("eager", "compile", "graph") else []),
+                                           *(["--mode", "graph", "--backend", mode.split(":")[1]] if mode.startswith("graph:") else [])])
+    trainer = train.Trainer(cfg)
+    params = trainer.params
+    torch_opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+
+    def plain_step(x, y, lr):  # what a nanoGPT user writes
+        ce, aux = trainer.model(x, y)
+        (ce + aux).backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch_opt.step()
+        torch_opt.zero_grad(set_to_none=True)
+        return ce.detach(), norm
+
+    step = plain_step if mode == "plain" else trainer.step_fn
+    times, first = [], None
+    for i in range(1, steps + 1):
+        x, y = trainer.batches.get(i)
+        t0 = time.perf_counter()
+        ce, _ = step(x, y, torch.tensor(optim.lr_at(i, 1e-3, 5, steps)))
+        dev.wait(trainer.device)
+        ce.item()
+        times.append(time.perf_counter() - t0)
+        first = first if first is not None else times[0]
+    med = statistics.median(times[max(2, steps // 3):])
+    tokens = cfg.batch_size * cfg.seq_len
+    flops = trainer.flops_per_token * tokens / med
+    peak = dev.measure_cpu_matmul_peak()
+    return {"mode": mode, "tokens_per_s": tokens / med, "tflops": flops / 1e12, "mfu": flops / peak,
+            "first_step_s": first, "peak_rss_mib": dev.host_peak_rss_bytes() / 2**20}
+
+
+def _bench_data():
+    shakespeare = os.path.join(HERE, "..", "shared", "data", "tinyshakespeare.txt")
+    return shakespeare if os.path.exists(shakespeare) else os.path.join(os.__file__)
+
+
+# ------------------------------------------------------------------------------------------------
+# Parent side
+
+def _spawn(*args):
+    proc = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], cwd=HERE,
+                          capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def memory_tables(quick):
+    vocabs = [4096, 32768] if quick else [4096, 16384, 32768, 65536]
+    seqs = [1024, 4096] if quick else [1024, 2048, 4096, 8192]
+    rows = []
+    for v in vocabs:
+        plain, fused = _spawn("mem", "loss_plain", v), _spawn("mem", "loss_fused", v)
+        rows.append(("loss", v, plain.get("peak_growth_mib"), fused.get("peak_growth_mib")))
+    for s in seqs:
+        dense, splash = _spawn("mem", "attn_dense", s), _spawn("mem", "attn_splash", s)
+        rows.append(("attention", s, dense.get("peak_growth_mib"), splash.get("peak_growth_mib")))
+    return rows
+
+
+def speed_table(modes, repeats, steps):
+    results = {m: [] for m in modes}
+    for _ in range(repeats):  # A B A B: drift hits every configuration alike
+        for m in modes:
+            results[m].append(_spawn("train", m, steps))
+    table = []
+    for m in modes:
+        ok = [r for r in results[m] if "error" not in r]
+        if not ok:
+            table.append({"mode": m, "error": results[m][0]["error"]})
+            continue
+        table.append({k: statistics.median(r[k] for r in ok) if k != "mode" else m for k in ok[0]})
+    base = next((r["tokens_per_s"] for r in table if r["mode"] == "plain" and "error" not in r), None)
+    for r in table:
+        if base and "error" not in r:
+            r["ratio_to_plain"] = r["tokens_per_s"] / base
+    return table
+
+
+def to_markdown(speed, memory):
+    lines = [f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}; "
+             f"{time.strftime('%Y-%m-%d')}", "",
+             "| mode | tokens/s | x plain loop | TFLOP/s | MFU (vs measured fp32 GEMM peak) | first step s | peak RSS MiB |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in speed:
+        if "error" in r:
+            lines.append(f"| {r['mode']} | failed: {r['error'][:80]} | | | | | |")
+            continue
+        lines.append(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r.get('ratio_to_plain', float('nan')):.2f} | "
+                     f"{r['tflops']:.3f} | {100 * r['mfu']:.0f}% | {r['first_step_s']:.1f} | {r['peak_rss_mib']:.0f} |")
+    lines += ["", "| kernel | size (vocab / seq len) | plain peak growth MiB | Pallas peak growth MiB | ratio |",
+              "| --- | --- | --- | --- | --- |"]
+    for kind, size, plain, pallas in memory:
+        ratio = f"{plain / pallas:.1f}x" if plain and pallas else "n/a"
+        lines.append(f"| {kind} | {size} | {plain if plain is None else round(plain)} | "
+                     f"{pallas if pallas is None else round(pallas)} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        sys.path.insert(0, HERE)
+        kind = sys.argv[2]
+        result = _child_memory(sys.argv[3], int(sys.argv[4])) if kind == "mem" else _child_train(sys.argv[3], int(sys.argv[4]))
+        print(json.dumps(result))
+        return
+    p = argparse.ArgumentParser(description="minititan measurements")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (< 5 min on 2 cores)")
+    args = p.parse_args()
+    modes = ["plain", "eager", "compile", "graph"]
+    speed = speed_table(modes, repeats=1 if args.quick else 3, steps=12 if args.quick else 30)
+    memory = memory_tables(args.quick)
+    md = to_markdown(speed, memory)
+    os.makedirs(os.path.join(HERE, "bench_results"), exist_ok=True)
+    with open(os.path.join(HERE, "bench_results", "latest.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(HERE, "bench_results", "latest.json"), "w") as f:
+        json.dump({"speed": speed, "memory": memory}, f, indent=1)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

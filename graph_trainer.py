@@ -1,0 +1,98 @@
+"""graph_trainer.py: the whole training step as ONE graph, handed whole to a backend.
+
+After TorchTitan's Graph Trainer: instead of letting a compiler see one block at a time, trace
+forward, loss, backward (torch.autograd.grad) and, one step further than upstream, gradient clipping
+and the functional AdamW update into a single FX GraphModule with make_fx, on fake tensors (no
+memory, no compute). The compiler then sees what JAX's jit sees: a pure function
+    (params, optimizer state, step, lr, batch) -> (new params, new state, loss, grad norm)
+so it can fuse across the forward/backward/update boundaries and there is no host-side gap
+between backward and update. Pallas kernels appear as single opaque nodes (jax_op.py).
+
+Backends: "fx" (the GraphModule run node by node by Python: the FX interpreter), "inductor"
+(torch.compile of the graph), "xla" (the graph's aten ops run on XLA tensors: torch_xla traces
+them lazily into one HLO program per step, compiled once and cached by graph hash).
+The traced graph must run under torch.no_grad(): autograd is already inside it.
+"""
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import device as dev
+import optim
+
+
+class GraphCaptureError(ValueError):
+    pass
+
+
+def build_step_fn(model, names, clip, betas, eps, weight_decay, mask, autocast):
+    """The pure step function that make_fx traces."""
+    buffer_names = [n for n, _ in model.named_buffers()]
+
+    def step_fn(params, buffers, exp_avg, exp_avg_sq, step, lr, inputs, targets):
+        with torch.enable_grad():
+            leaves = [p.detach().requires_grad_() for p in params]
+            state = {**dict(zip(names, leaves)), **dict(zip(buffer_names, buffers))}
+            with autocast():
+                ce, aux = torch.func.functional_call(model, state, (inputs, targets))
+            grads = torch.autograd.grad(ce + aux, leaves)
+        grads, norm = optim.clip_by_global_norm(list(grads), clip)
+        new_params, state = optim.adamw(params, grads, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
+                                        step, lr, betas, eps, weight_decay, mask)
+        return new_params, state["exp_avg"], state["exp_avg_sq"], ce.detach(), norm
+    return step_fn
+
+
+def capture(step_fn, example_args):
+    """Trace `step_fn` on fake tensors into one GraphModule (no real memory or compute)."""
+    try:
+        return make_fx(step_fn, tracing_mode="fake")(*example_args)
+    except Exception as e:  # data-dependent shapes (e.g. the host-side MoE split) cannot be traced
+        raise GraphCaptureError(f"cannot capture the step as one graph ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:160]}); for MoE use --kernels pallas") from None
+
+
+def op_counts(gm):
+    counts = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            key = str(node.target)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+class GraphStep:
+    """Drop-in for Trainer.eager_step: captures on first use, then runs the compiled graph."""
+
+    def __init__(self, trainer, backend=None):
+        self.trainer = trainer
+        self.backend = backend or getattr(trainer.cfg, "backend", None) or (
+            "xla" if dev.is_xla(trainer.device) else "fx")
+        if self.backend == "xla" and not dev.is_xla(trainer.device):
+            raise GraphCaptureError("--backend xla needs --device xla (or a TPU)")
+        if trainer.dist is not None:
+            raise GraphCaptureError("graph mode with a device mesh is not supported yet")
+        opt = trainer.opt
+        self.step_fn = build_step_fn(trainer.model, trainer.param_names, trainer.cfg.clip, opt.betas,
+                                     opt.eps, opt.weight_decay, opt.mask, trainer.autocast)
+        self.gm = None
+        self.compiled = None
+
+    def _args(self, inputs, targets, lr):
+        opt = self.trainer.opt
+        step = torch.tensor(float(opt.step_count + 1), device=self.trainer.device)
+        return ([p.detach() for p in self.trainer.params], list(self.trainer.model.buffers()), opt.state["exp_avg"], opt.state["exp_avg_sq"],
+                step, lr, inputs, targets)
+
+    def __call__(self, inputs, targets, lr):
+        args = self._args(inputs, targets, lr)
+        if self.gm is None:
+            dev.sync(self.trainer.device)  # XLA: materialize params/state so every step sees device data
+            self.gm = capture(self.step_fn, args)
+            self.compiled = torch.compile(self.gm, backend="inductor") if self.backend == "inductor" else self.gm
+        with torch.no_grad():
+            new_params, exp_avg, exp_avg_sq, ce, norm = self.compiled(*args)
+            torch._foreach_copy_([p.data for p in self.trainer.params], new_params)
+        opt = self.trainer.opt
+        opt.state = {"exp_avg": list(exp_avg), "exp_avg_sq": list(exp_avg_sq)}
+        opt.step_count += 1
+        return ce, norm
