@@ -177,7 +177,7 @@ def main():
     p = argparse.ArgumentParser(description="minititan measurements")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (< 5 min on 2 cores)")
     args = p.parse_args()
-    modes = ["plain", "eager", "compile", "graph"]
+    modes = ["plain", "eager", "compile", "graph", "graph:inductor"]
     speed = speed_table(modes, repeats=1 if args.quick else 3, steps=12 if args.quick else 30)
     memory = memory_tables(args.quick)
     md = to_markdown(speed, memory)

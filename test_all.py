@@ -628,3 +628,23 @@ def test_graph_mode_on_xla_one_program_per_step_shape(corpus, tmp_path):
     assert res["compiles"][1] == res["compiles"][-1]
     want = _train_losses(_trainer(corpus, tmp_path), steps=8)
     assert max(abs(a - b) for a, b in zip(want, res["losses"])) < 1e-4
+
+
+def test_crash_during_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    import checkpoint
+    ckpt_dir = str(tmp_path / "ck")
+    state = {"w": torch.arange(4.0)}
+    checkpoint.save(ckpt_dir, 1, state, {"flavor": "x"})
+
+    def crash(state, storage_writer):  # dies halfway: a partial file in the tmp dir, then an error
+        os.makedirs(ckpt_dir + "/step_000002.tmp", exist_ok=True)
+        open(ckpt_dir + "/step_000002.tmp/__0_0.distcp", "wb").write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", crash)
+    with pytest.raises(OSError):
+        checkpoint.save(ckpt_dir, 2, {"w": torch.zeros(4)}, {"flavor": "x"})
+    monkeypatch.undo()
+    assert checkpoint.latest(ckpt_dir).endswith("step_000001")
+    restored = checkpoint.load(checkpoint.latest(ckpt_dir), {"w": torch.zeros(4)})
+    assert torch.equal(restored["w"], torch.arange(4.0))
