@@ -4,9 +4,10 @@ Tokens are raw bytes (vocab 256): no tokenizer to download, any text trains. The
 one every machine with Python has: the running interpreter's standard-library sources (~37 MB of real
 code and docstrings), found through sysconfig, without site-packages.
 
-Batch `i` of rank `r` is a pure function of (seed, i, r): random windows drawn by a generator seeded
-with exactly those numbers. So the data position is just the step counter, resuming is exact, and
-data-parallel ranks read different data without coordinating.
+Global batch `i` is a pure function of (seed, i): random windows drawn by a generator seeded with
+exactly those numbers; data-parallel rank `r` of `w` reads rows [r*B/w, (r+1)*B/w) of it. So the
+data position is just the step counter, resuming is exact, ranks read different data without
+coordinating, and N ranks together see exactly what one process would (the oracle of the FSDP tests).
 """
 import os
 import sysconfig
@@ -62,24 +63,26 @@ def load_corpus(path=None, val_fraction=0.05):
 
 
 class Batches:
-    """Random windows of seq_len + 1 bytes -> (inputs, targets), each (B, S) int64."""
+    """Random windows of seq_len + 1 bytes -> (inputs, targets), each (B / world, S) int64."""
 
-    def __init__(self, data, batch_size, seq_len, seed):
+    def __init__(self, data, batch_size, seq_len, seed, world=1):
         if len(data) < seq_len + 2:
             raise DataError(f"corpus split has {len(data)} bytes, fewer than seq_len + 2 = {seq_len + 2}")
-        self.data, self.batch_size, self.seq_len, self.seed = data, batch_size, seq_len, seed
+        self.data, self.batch_size, self.seq_len, self.seed, self.world = data, batch_size, seq_len, seed, world
 
     def get(self, index, rank=0):
-        rng = np.random.default_rng([self.seed, index, rank])
+        rng = np.random.default_rng([self.seed, index])
         starts = rng.integers(0, len(self.data) - self.seq_len - 1, size=self.batch_size)
+        per_rank = self.batch_size // self.world
+        starts = starts[rank * per_rank:(rank + 1) * per_rank]
         windows = np.stack([self.data[s:s + self.seq_len + 1] for s in starts]).astype(np.int64)
         chunk = torch.from_numpy(windows)
         return chunk[:, :-1], chunk[:, 1:]
 
 
-def eval_batches(val, batch_size, seq_len, seed, count):
+def eval_batches(val, batch_size, seq_len, seed, count, rank=0, world=1):
     """A fixed list of validation batches (the same at every evaluation, so losses compare)."""
     if count <= 0 or len(val) < seq_len + 2:
         return []
-    batches = Batches(val, batch_size, seq_len, seed + 1_000_003)
-    return [batches.get(i) for i in range(count)]
+    batches = Batches(val, batch_size, seq_len, seed + 1_000_003, world)
+    return [batches.get(i, rank) for i in range(count)]

@@ -45,15 +45,18 @@ def adamw(params, grads, state, step, lr, betas=(0.9, 0.95), eps=1e-8, weight_de
     return new_params, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
-def global_norm(tensors):
-    """L2 norm over all tensors together, in fp32."""
+def global_norm(tensors, reduce_sq=None):
+    """L2 norm over all tensors together, in fp32. With sharded tensors, `reduce_sq` sums the local
+    sum of squares across shards (one all-reduce of one scalar)."""
     norms = torch._foreach_norm([t.float() for t in tensors])
-    return torch.linalg.vector_norm(torch.stack(norms))
+    if reduce_sq is None:
+        return torch.linalg.vector_norm(torch.stack(norms))
+    return reduce_sq(torch.stack(norms).square().sum()).sqrt()
 
 
-def clip_by_global_norm(grads, max_norm):
+def clip_by_global_norm(grads, max_norm, reduce_sq=None):
     """(clipped grads, pre-clip norm): the rule of torch.nn.utils.clip_grad_norm_ (coef capped at 1)."""
-    norm = global_norm(grads)
+    norm = global_norm(grads, reduce_sq)
     if max_norm is None or max_norm <= 0:
         return list(grads), norm
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -81,12 +84,14 @@ class AdamW:
         self.step_count = 0
 
     @torch.no_grad()
-    def step(self, grads, lr):
+    def step(self, grads, lr, params=None):
+        """`params`: fresh views of the same parameters, for owners that re-point storage (FSDP2)."""
+        params = self.params if params is None else params
         self.step_count += 1
-        new_params, self.state = adamw([p.detach() for p in self.params], grads, self.state,
+        new_params, self.state = adamw([p.detach() for p in params], grads, self.state,
                                        self.step_count, lr, self.betas, self.eps,
                                        self.weight_decay, self.mask)
-        torch._foreach_copy_([p.data for p in self.params], new_params)
+        torch._foreach_copy_([p.data for p in params], new_params)
 
     def state_dict(self):
         return {"step": self.step_count, "exp_avg": self.state["exp_avg"],

@@ -249,7 +249,8 @@ def test_data_is_deterministic_and_rank_dependent(corpus):
     x2, y2 = b.get(7)
     assert torch.equal(x1, x2) and torch.equal(y1, y2)
     assert torch.equal(x1[:, 1:], y1[:, :-1])            # targets are inputs shifted by one
-    assert not torch.equal(a.get(7, rank=1)[0], x1)       # ranks read different data
+    halves = data.Batches(train, 4, 16, seed=1, world=2)  # ranks read disjoint halves of the batch
+    assert torch.equal(torch.cat([halves.get(7, 0)[0], halves.get(7, 1)[0]]), x1)
     assert not torch.equal(a.get(8)[0], x1)               # steps read different data
     assert not torch.equal(data.Batches(train, 4, 16, seed=2).get(7)[0], x1)
 
@@ -648,3 +649,135 @@ def test_crash_during_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypa
     assert checkpoint.latest(ckpt_dir).endswith("step_000001")
     restored = checkpoint.load(checkpoint.latest(ckpt_dir), {"w": torch.zeros(4)})
     assert torch.equal(restored["w"], torch.arange(4.0))
+
+
+# ------------------------------------------------------------------------------------------------
+# mesh.py + simplefsdp.py (gloo, CPU, processes launched by torchrun)
+
+DIST_TINY = [*TINY, "--set", "ffn_dim=131"]  # 131: an uneven first dimension for the shards
+
+
+def torchrun(nproc, args, timeout=300):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), os.path.join(HERE, "train.py"), *args], cwd=HERE, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _full_params(ckpt_dir, args):
+    """Load a (possibly sharded) checkpoint into full, plain tensors in this process."""
+    import checkpoint
+    import train
+    cfg = train.build_parser().parse_args(args)
+    state = {"model": Transformer(train.model_args_from(cfg)).state_dict()}
+    return checkpoint.load(checkpoint.latest(ckpt_dir), state)["model"]
+
+
+@pytest.mark.parametrize("nproc,mesh,impl", [(2, "ici=2", "simple"), (4, "dcn=2,ici=2", "simple"),
+                                             (2, "ici=2", "fsdp2")])
+def test_data_parallel_matches_single_process(nproc, mesh, impl, corpus, tmp_path):
+    common = [*DIST_TINY, "--data", corpus, "--steps", "10", "--ckpt-interval", "0", "--eval-batches", "1"]
+    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
+    assert run_train([*common, "--out-dir", single])[0] == 0
+    rc, out, err = torchrun(nproc, [*common, "--out-dir", multi, "--mesh", mesh, "--dp-impl", impl])
+    assert rc == 0, err[-3000:]
+    want, got = losses(single), losses(multi)
+    assert sorted(got) == list(range(1, 11))
+    assert max(abs(want[s] - got[s]) for s in want) < 1e-5
+    p_single = _full_params(os.path.join(single, "checkpoints"), common)
+    p_multi = _full_params(os.path.join(multi, "checkpoints"), common)
+    for name in p_single:
+        torch.testing.assert_close(p_multi[name], p_single[name], rtol=0, atol=1e-5)
+    # Per-rank parameter and optimizer bytes: 1/shards of the total, plus at most one row per tensor.
+    start = lambda d: next(json.loads(line) for line in open(os.path.join(d, "metrics.jsonl")) if '"start"' in line)
+    shards = int(mesh.split("ici=")[1])
+    row_bytes = sum(p[0].numel() * 4 for p in p_single.values())
+    for key in ("param_bytes_local", "optim_bytes_local"):
+        total, local = start(single)[key], start(multi)[key]
+        slack = row_bytes * (2 if key == "optim_bytes_local" else 1)
+        assert total / shards <= local <= total / shards + slack, (key, total, local)
+
+
+def test_sharded_resume_equals_uninterrupted_and_other_mesh_is_refused(corpus, tmp_path):
+    common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0",
+              "--mesh", "ici=2"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    assert torchrun(2, [*common, "--out-dir", full])[0] == 0
+    assert torchrun(2, [*common, "--out-dir", part, "--halt-at", "3"])[0] == 0
+    rc, out, err = torchrun(2, [*common, "--out-dir", part, "--resume"])
+    assert rc == 0, err[-3000:]
+    assert losses(part) == losses(full)
+    rc, _, err = torchrun(4, [*common[:-2], "--mesh", "dcn=2,ici=2", "--out-dir", part, "--resume"])
+    assert rc != 0 and "was saved on mesh 'ici=2', this run uses 'dcn=2,ici=2'" in err
+
+
+def test_mesh_that_does_not_match_world_size_fails_fast(corpus, tmp_path):
+    rc, _, err = torchrun(2, [*DIST_TINY, "--data", corpus, "--steps", "2", "--mesh", "ici=4",
+                              "--out-dir", str(tmp_path / "r")], timeout=120)
+    assert rc != 0 and "error: --mesh 'ici=4' has 4 devices but the world size is 2" in err
+    assert not os.path.exists(tmp_path / "r")
+
+
+def test_a_killed_rank_ends_the_run_within_60s(corpus, tmp_path):
+    import signal
+    import time
+    out_dir = tmp_path / "r"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             os.path.join(HERE, "train.py"), *DIST_TINY, "--data", corpus, "--steps", "100000",
+                             "--eval-batches", "0", "--ckpt-interval", "0", "--mesh", "ici=2", "--out-dir", str(out_dir)],
+                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out_dir / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    time.sleep(2)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    os.kill(int(workers[-1]), signal.SIGKILL)
+    killed_at = time.time()
+    _, err = proc.communicate(timeout=90)
+    assert time.time() - killed_at < 60 and proc.returncode != 0
+    assert "Signals.SIGKILL" in err or "a collective failed" in err
+
+
+SIMPLEFSDP_FX_SCRIPT = r'''
+import os, sys, torch
+sys.path.insert(0, os.getcwd())
+from torch.fx.experimental.proxy_tensor import make_fx
+import mesh, simplefsdp
+ctx = mesh.DistContext("ici=2")
+torch.manual_seed(0)
+model = simplefsdp.data_parallel(torch.nn.Sequential(torch.nn.Linear(8, 7, bias=False), torch.nn.Linear(7, 3, bias=False)), ctx.mesh["ici"])
+params = list(model.parameters())
+x = torch.randn(4, 8) + ctx.global_rank
+def step(x):
+    with torch.enable_grad():
+        loss = model(x).square().mean()
+        grads = torch.autograd.grad(loss, params)
+    return [g.to_local() for g in grads]
+gm = make_fx(step)(x)
+names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+with torch.no_grad():  # a traced graph already holds its backward: run it without autograd
+    got = gm(x)
+want = step(x)
+with simplefsdp.parametrization_off():
+    assert isinstance(model[0].weight, torch.distributed.tensor.DTensor) and model[0].weight.to_local().shape[0] == (4 if ctx.global_rank == 0 else 3)
+if ctx.global_rank == 0:
+    print("RESULT", {k: names.count(k) for k in ("_c10d_functional.all_gather_into_tensor.default",
+      "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.wait_tensor.default")},
+          max((a - b).abs().max().item() for a, b in zip(got, want)))
+'''
+
+
+def test_simplefsdp_collectives_are_nodes_of_the_traced_graph(tmp_path):
+    script = tmp_path / "fx.py"
+    script.write_text(SIMPLEFSDP_FX_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], cwd=HERE, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    import ast
+    counts = ast.literal_eval(line[len("RESULT"):line.rindex("}") + 1].strip())
+    assert counts["_c10d_functional.all_gather_into_tensor.default"] == 2      # one per parameter
+    assert counts["_c10d_functional.reduce_scatter_tensor.default"] == 2
+    assert counts["_c10d_functional.wait_tensor.default"] >= 4
+    assert float(line[line.rindex("}") + 1:]) == 0.0                             # graph == eager

@@ -26,7 +26,7 @@ import device as dev
 import optim
 from model import FLAVORS, Transformer, check_args, flops_per_token, tpu_config
 
-EXIT_BAD_INPUT, EXIT_NONFINITE = 2, 3
+EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PEER_FAILED = 2, 3, 4
 
 
 class ConfigError(ValueError):
@@ -59,6 +59,9 @@ def build_parser():
       help="graph mode backend (default: xla on XLA devices, else fx)")
     a("--kernels", choices=["reference", "pallas"], default="reference",
       help="pallas: the TPU config rewrite (splash attention, fused loss, grouped matmul)")
+    a("--mesh", default=None, help="data-parallel mesh under torchrun: ici=N (FSDP) or dcn=R,ici=S (HSDP)")
+    a("--dp-impl", choices=["simple", "fsdp2"], default="simple",
+      help="how parameters are sharded over the mesh: SimpleFSDP (ours) or torch's FSDP2")
     a("--seed", type=int, default=0, help="seed for init and batch order")
     a("--data", default=None, help="text file or directory (default: this Python's stdlib sources)")
     a("--eval-interval", type=int, default=50, help="validate every N steps (0: only at the end)")
@@ -125,9 +128,9 @@ class Trainer:
             raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {self.world} data-parallel ranks")
         self.device = dev.pick_device(cfg.device) if dist_ctx is None else dist_ctx.device
         train_bytes, val_bytes = data.load_corpus(cfg.data)
-        self.batches = data.Batches(train_bytes, cfg.batch_size // self.world, cfg.seq_len, cfg.seed)
-        self.val = data.eval_batches(val_bytes, cfg.batch_size // self.world, cfg.seq_len,
-                                     cfg.seed + self.rank, cfg.eval_batches)
+        self.batches = data.Batches(train_bytes, cfg.batch_size, cfg.seq_len, cfg.seed, self.world)
+        self.val = data.eval_batches(val_bytes, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches,
+                                     self.rank, self.world)
         self.out_dir = cfg.out_dir or os.path.join("runs", f"{cfg.flavor}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
         self.meta = {"flavor": cfg.flavor, "model_args": dataclasses.asdict(self.model_args)}
@@ -146,7 +149,9 @@ class Trainer:
         self.model = dist_ctx.shard(model) if dist_ctx else model.to(self.device)
         self.params = [p for p in self.model.parameters()]
         self.param_names = [n for n, _ in self.model.named_parameters()]
-        self.opt = optim.AdamW(self.params, weight_decay=cfg.weight_decay)
+        # The optimizer works on local shards (plain tensors sharing the parameters' storage).
+        self.opt = optim.AdamW(dist_ctx.local(self.params) if dist_ctx else self.params,
+                               weight_decay=cfg.weight_decay)
         self.step = 0
         if cfg.resume and resume_from:
             self.restore(resume_from)
@@ -176,15 +181,22 @@ class Trainer:
     def loss_and_grads(self, inputs, targets):
         with self.autocast():
             ce, aux = self.model(inputs, targets)
-        grads = torch.autograd.grad(ce + aux, self.params)
+        if self.dist and self.dist.dp_impl == "fsdp2":  # FSDP2 reduce-scatters from backward hooks
+            (ce + aux).backward()
+            grads = [p.grad for p in self.params]
+            for p in self.params:
+                p.grad = None
+        else:
+            grads = torch.autograd.grad(ce + aux, self.params)
         return ce.detach(), grads
 
     def eager_step(self, inputs, targets, lr):
         ce, grads = self.loss_and_grads(inputs, targets)
-        if self.dist:
-            grads = self.dist.finish_grads(grads)
-        grads, norm = optim.clip_by_global_norm(grads, self.cfg.clip)
-        self.opt.step(grads, lr)
+        reduce_sq = None
+        if self.dist:  # gradients arrive as averaged shards; the loss is averaged for logging
+            grads, reduce_sq, ce = self.dist.local(grads), self.dist.sum_over_shards, self.dist.mean_over_dp(ce)
+        grads, norm = optim.clip_by_global_norm(grads, self.cfg.clip, reduce_sq)
+        self.opt.step(grads, lr, self.dist.local(self.params) if self.dist else None)
         return ce, norm
 
     @torch.no_grad()
@@ -203,7 +215,13 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------
     def state(self):
-        named = lambda ts: dict(zip(self.param_names, ts))
+        def named(tensors):  # optimizer shards as DTensors like their parameters, so DCP shards them
+            if self.dist:
+                from torch.distributed.tensor import DTensor
+                tensors = [DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                                              shape=p.shape, stride=p.stride())
+                           for t, p in zip(tensors, self.params)]
+            return dict(zip(self.param_names, tensors))
         return {"model": self.model.state_dict(),
                 "optim": {"exp_avg": named(self.opt.state["exp_avg"]),
                           "exp_avg_sq": named(self.opt.state["exp_avg_sq"])},
@@ -237,7 +255,11 @@ class Trainer:
         cfg = self.cfg
         os.makedirs(self.out_dir, exist_ok=True)
         n_params = sum(p.numel() for p in self.model.parameters())
-        self.log({"event": "start", "params": n_params, "device": str(self.device), "resumed_at": self.step},
+        local = self.dist.local(self.params) if self.dist else self.params
+        self.log({"event": "start", "params": n_params, "device": str(self.device), "resumed_at": self.step,
+                  "param_bytes_local": sum(t.numel() * t.element_size() for t in local),
+                  "optim_bytes_local": sum(t.numel() * t.element_size() for k in ("exp_avg", "exp_avg_sq")
+                                           for t in self.opt.state[k])},
                  f"{cfg.flavor}: {n_params / 1e6:.2f}M params on {self.device}, mode {cfg.mode}, "
                  f"{cfg.batch_size}x{cfg.seq_len} tokens/step, start at step {self.step}, out {self.out_dir}")
         if self.step == 0 and self.val:
@@ -286,14 +308,43 @@ class Trainer:
         return 0
 
 
-def main(argv=None, dist_ctx=None):
+def main(argv=None):
     cfg = build_parser().parse_args(argv)
+    dist_ctx = None
     try:
-        trainer = Trainer(cfg, dist_ctx)
-        return trainer.run()
+        if cfg.mesh or launched_by_torchrun():
+            dist_ctx = make_dist(cfg)
+        rc = Trainer(cfg, dist_ctx).run()
+        if dist_ctx is not None:
+            dist_ctx.close()  # only on the happy path: after a peer failure it could wait on the dead
+        return rc
     except (ConfigError, data.DataError, checkpoint.CheckpointError, dev.DeviceUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except (RuntimeError, torch.distributed.DistError) as e:
+        if dist_ctx is None:
+            raise
+        # A peer died or timed out: say so in one line instead of a wall of gloo traces.
+        print(f"error: rank {dist_ctx.global_rank}: a collective failed, a peer process probably died "
+              f"({str(e).splitlines()[0][:200]})", file=sys.stderr)
+        return EXIT_PEER_FAILED
+
+
+def launched_by_torchrun():
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def make_dist(cfg):
+    import mesh
+    if not launched_by_torchrun():
+        raise ConfigError("--mesh needs a torchrun launch, e.g. torchrun --nproc-per-node 2 train.py --mesh ici=2")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--mesh with --device {cfg.device} is not supported (use cpu or cuda)")
+    try:
+        return mesh.DistContext(cfg.mesh or f"ici={os.environ['WORLD_SIZE']}", cfg.dp_impl,
+                                torch.bfloat16 if cfg.dtype == "bf16" else None)
+    except mesh.MeshError as e:
+        raise ConfigError(str(e)) from None
 
 
 if __name__ == "__main__":

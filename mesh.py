@@ -1,0 +1,97 @@
+"""mesh.py: process groups and the 1-D / 2-D device mesh for data parallelism; torchrun launches.
+
+    torchrun --nproc-per-node 2 train.py --mesh ici=2             # FSDP: shard over 2
+    torchrun --nproc-per-node 4 train.py --mesh dcn=2,ici=2       # HSDP: 2 replicas x 2 shards
+
+Names follow TPU pods: `ici` is the fast inter-chip interconnect inside a slice (shard there: the
+all-gathers and reduce-scatters of FSDP run on it), `dcn` the data-center network between slices
+(replicate there: only one gradient all-reduce per step crosses it). The backend is gloo on CPU, nccl
+on CUDA; on TPU, TorchTPU provides its own backend for torch.distributed (not run here). Every
+collective has a timeout, so a dead peer ends the run instead of hanging it.
+
+Data: every data-parallel rank (dcn x ici of them) reads its own slice of each global batch.
+"""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+
+class MeshError(ValueError):
+    pass
+
+
+def parse_mesh(spec):
+    """'ici=4' -> (1, 4); 'dcn=2,ici=2' -> (2, 2)."""
+    sizes = {"dcn": 1, "ici": None}
+    for part in spec.split(","):
+        key, sep, value = part.strip().partition("=")
+        if key not in sizes or not sep or not value.isdigit() or int(value) <= 0:
+            raise MeshError(f"--mesh {spec!r}: expected ici=N or dcn=R,ici=S with positive integers")
+        sizes[key] = int(value)
+    if sizes["ici"] is None:
+        raise MeshError(f"--mesh {spec!r}: ici=N is required")
+    return sizes["dcn"], sizes["ici"]
+
+
+def launched_by_torchrun():
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+class DistContext:
+    """The mesh and what the trainer asks of it: shard the model, finish gradients, reduce metrics."""
+
+    def __init__(self, spec, dp_impl="simple", param_dtype=None, timeout_s=60):
+        dcn, ici = parse_mesh(spec)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if dcn * ici != world:
+            raise MeshError(f"--mesh {spec!r} has {dcn * ici} devices but the world size is {world} "
+                            f"(torchrun --nproc-per-node {dcn * ici})")
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        self.mesh = init_device_mesh(self.device.type, (dcn, ici), mesh_dim_names=("dcn", "ici"))
+        self.mesh_spec, self.dcn, self.ici = spec, dcn, ici
+        self.global_rank, self.dp_rank, self.dp_size = dist.get_rank(), dist.get_rank(), world
+        self.dp_impl, self.param_dtype = dp_impl, param_dtype
+
+    def shard(self, model):
+        """Parameters become DTensor shards on this mesh: SimpleFSDP (ours) or FSDP2 (the oracle)."""
+        model = model.to(self.device)
+        mesh = self.mesh if self.dcn > 1 else self.mesh["ici"]  # 1-D when there is nothing to replicate
+        if self.dp_impl == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+            for block in model.layers:
+                fully_shard(block, mesh=mesh, mp_policy=mp)
+            # (FSDP2 re-points uneven local shards at each reshard: take fresh `local()` views per step.)
+            return fully_shard(model, mesh=mesh, mp_policy=mp)
+        import simplefsdp
+        return simplefsdp.data_parallel(model, mesh, param_dtype=self.param_dtype)
+
+    @staticmethod
+    def local(tensors):
+        """Local shards (plain tensors sharing storage) of DTensors: the optimizer is elementwise,
+        so it runs on shards alone; only the gradient norm needs a collective."""
+        return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+    def sum_over_shards(self, x):
+        """All-reduce a sum of per-shard partial sums over ici (dcn replicas hold the same shards)."""
+        x = x.clone()
+        dist.all_reduce(x, group=self.mesh.get_group("ici"))  # same collective for FSDP2 shards
+        return x
+
+    def mean_over_dp(self, x):
+        x = x.detach().clone()
+        dist.all_reduce(x)
+        return x / self.dp_size
+
+    def close(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()
