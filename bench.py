@@ -147,7 +147,37 @@ def speed_table(modes, repeats, steps):
     return table
 
 
-def to_markdown(speed, memory):
+def dist_table(repeats, steps):
+    """2 processes SimpleFSDP vs FSDP2 vs one process, through train.py (torchrun), same global batch."""
+    import tempfile
+    configs = [("1 process", 1, []), ("2 proc SimpleFSDP", 2, ["--mesh", "ici=2"]),
+               ("2 proc FSDP2", 2, ["--mesh", "ici=2", "--dp-impl", "fsdp2"])]
+    results = {name: [] for name, _, _ in configs}
+    for _ in range(repeats):
+        for name, nproc, extra in configs:
+            out = tempfile.mkdtemp(prefix="minititan-bench-")
+            cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+                   if nproc > 1 else [sys.executable]) + [os.path.join(HERE, "train.py"), "--steps", str(steps),
+                   "--log-interval", "1", "--eval-batches", "0", "--ckpt-interval", "0", "--data", _bench_data(),
+                   "--out-dir", out, *extra]
+            subprocess.run(cmd, cwd=HERE, capture_output=True, timeout=1200)
+            try:
+                recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+            except OSError:
+                continue
+            start = next(r for r in recs if r.get("event") == "start")
+            steady = [r["tokens_per_s"] for r in recs if "tokens_per_s" in r][2:]
+            results[name].append({"tokens_per_s": statistics.median(steady), "param_mib": start["param_bytes_local"] / 2**20,
+                                  "optim_mib": start["optim_bytes_local"] / 2**20,
+                                  "rss_mib": max(r["mem_bytes"] for r in recs if "mem_bytes" in r) / 2**20})
+    rows = []
+    for name, _, _ in configs:
+        if results[name]:
+            rows.append({"config": name, **{k: statistics.median(r[k] for r in results[name]) for k in results[name][0]}})
+    return rows
+
+
+def to_markdown(speed, memory, dist_rows=()):
     lines = [f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}; "
              f"{time.strftime('%Y-%m-%d')}", "",
              "| mode | tokens/s | x plain loop | TFLOP/s | MFU (vs measured fp32 GEMM peak) | first step s | peak RSS MiB |",
@@ -164,6 +194,13 @@ def to_markdown(speed, memory):
         ratio = f"{plain / pallas:.1f}x" if plain and pallas else "n/a"
         lines.append(f"| {kind} | {size} | {plain if plain is None else round(plain)} | "
                      f"{pallas if pallas is None else round(pallas)} | {ratio} |")
+    if dist_rows:
+        base = dist_rows[0]["tokens_per_s"]
+        lines += ["", "| data parallel (llama3_debug, global batch 32 x 128) | tokens/s (all ranks) | x 1 process | "
+                  "params MiB / rank | AdamW state MiB / rank | peak RSS MiB (rank 0) |", "| --- | --- | --- | --- | --- | --- |"]
+        for r in dist_rows:
+            lines.append(f"| {r['config']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f} | {r['param_mib']:.2f} | "
+                         f"{r['optim_mib']:.2f} | {r['rss_mib']:.0f} |")
     return "\n".join(lines)
 
 
@@ -180,12 +217,13 @@ def main():
     modes = ["plain", "eager", "compile", "graph", "graph:inductor"]
     speed = speed_table(modes, repeats=1 if args.quick else 3, steps=12 if args.quick else 30)
     memory = memory_tables(args.quick)
-    md = to_markdown(speed, memory)
+    dist_rows = dist_table(repeats=1 if args.quick else 2, steps=8 if args.quick else 20)
+    md = to_markdown(speed, memory, dist_rows)
     os.makedirs(os.path.join(HERE, "bench_results"), exist_ok=True)
     with open(os.path.join(HERE, "bench_results", "latest.md"), "w") as f:
         f.write(md + "\n")
     with open(os.path.join(HERE, "bench_results", "latest.json"), "w") as f:
-        json.dump({"speed": speed, "memory": memory}, f, indent=1)
+        json.dump({"speed": speed, "memory": memory, "data_parallel": dist_rows}, f, indent=1)
     print(md)
 
 
