@@ -17,6 +17,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import device as dev
+import graph_passes
 import optim
 
 
@@ -34,7 +35,8 @@ def build_step_fn(model, names, clip, betas, eps, weight_decay, mask, autocast):
             state = {**dict(zip(names, leaves)), **dict(zip(buffer_names, buffers))}
             with autocast():
                 ce, aux = torch.func.functional_call(model, state, (inputs, targets))
-            grads = torch.autograd.grad(ce + aux, leaves)
+            loss = graph_passes.forward_end(ce + aux)  # marks the forward/backward boundary
+            grads = torch.autograd.grad(loss, leaves)
         grads, norm = optim.clip_by_global_norm(list(grads), clip)
         new_params, state = optim.adamw(params, grads, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
                                         step, lr, betas, eps, weight_decay, mask)
@@ -74,8 +76,23 @@ class GraphStep:
         opt = trainer.opt
         self.step_fn = build_step_fn(trainer.model, trainer.param_names, trainer.cfg.clip, opt.betas,
                                      opt.eps, opt.weight_decay, opt.mask, trainer.autocast)
+        cfg = trainer.cfg
+        self.remat, self.offload, self.split = (getattr(cfg, "remat", False), getattr(cfg, "offload", False),
+                                                getattr(cfg, "split", 0))
         self.gm = None
         self.compiled = None
+        self.report = {}
+
+    def transform(self, gm):
+        """Apply the enabled passes, recording saved-activation bytes before and after."""
+        self.report["saved_bytes_captured"] = graph_passes.saved_bytes(gm)
+        if self.remat:
+            gm = graph_passes.remat(gm)
+        if self.offload:
+            gm = graph_passes.offload_saved(gm)
+        self.report["saved_bytes"] = graph_passes.saved_bytes(gm)
+        self.report["offloaded_bytes"] = graph_passes.host_bytes(gm)
+        return gm
 
     def _args(self, inputs, targets, lr):
         opt = self.trainer.opt
@@ -87,8 +104,9 @@ class GraphStep:
         args = self._args(inputs, targets, lr)
         if self.gm is None:
             dev.sync(self.trainer.device)  # XLA: materialize params/state so every step sees device data
-            self.gm = capture(self.step_fn, args)
-            self.compiled = torch.compile(self.gm, backend="inductor") if self.backend == "inductor" else self.gm
+            self.gm = self.transform(capture(self.step_fn, args))
+            run = self.gm if not self.split else graph_passes.SplitStep(self.gm, self.split)
+            self.compiled = torch.compile(run, backend="inductor") if self.backend == "inductor" else run
         with torch.no_grad():
             new_params, exp_avg, exp_avg_sq, ce, norm = self.compiled(*args)
             torch._foreach_copy_([p.data for p in self.trainer.params], new_params)

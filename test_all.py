@@ -781,3 +781,23 @@ def test_simplefsdp_collectives_are_nodes_of_the_traced_graph(tmp_path):
     assert counts["_c10d_functional.reduce_scatter_tensor.default"] == 2
     assert counts["_c10d_functional.wait_tensor.default"] >= 4
     assert float(line[line.rindex("}") + 1:]) == 0.0                             # graph == eager
+
+
+@pytest.mark.parametrize("flags", [["--remat"], ["--offload"], ["--split", "3"], ["--remat", "--offload", "--split", "2"]])
+def test_graph_passes_keep_losses_and_do_their_job(flags, corpus, tmp_path):
+    import graph_passes
+    plain = _trainer(corpus, tmp_path, "--mode", "graph")
+    passed = _trainer(corpus, tmp_path, "--mode", "graph", *flags)
+    assert _train_losses(plain, steps=5) == _train_losses(passed, steps=5)  # bit for bit
+    before, after = plain.step_fn.report, passed.step_fn.report
+    assert before["saved_bytes"] == before["saved_bytes_captured"] > 0
+    n_off, n_back = graph_passes.transfer_counts(passed.step_fn.gm)
+    if "--remat" in flags:
+        assert after["saved_bytes"] * 2 <= before["saved_bytes"]
+    if "--offload" in flags:  # the graph holds the transfers; what stays on device shrinks
+        assert n_off == n_back > 0 and after["offloaded_bytes"] > 0
+        assert after["saved_bytes"] < (before["saved_bytes"] if "--remat" not in flags else after["saved_bytes_captured"])
+    else:
+        assert n_off == n_back == 0
+    if "--split" in flags:
+        assert len(passed.step_fn.compiled.stages) == int(flags[flags.index("--split") + 1])

@@ -57,6 +57,9 @@ def build_parser():
     a("--mode", choices=["eager", "compile", "graph"], default="eager", help="optimization ladder")
     a("--backend", choices=["fx", "inductor", "xla"], default=None,
       help="graph mode backend (default: xla on XLA devices, else fx)")
+    a("--remat", action="store_true", help="graph mode: recompute all but matmul outputs in the backward")
+    a("--offload", action="store_true", help="graph mode: saved activations to host memory and back")
+    a("--split", type=int, default=0, help="graph mode: cut the step graph into N stages run in order")
     a("--kernels", choices=["reference", "pallas"], default="reference",
       help="pallas: the TPU config rewrite (splash attention, fused loss, grouped matmul)")
     a("--mesh", default=None, help="data-parallel mesh under torchrun: ici=N (FSDP) or dcn=R,ici=S (HSDP)")

@@ -1,0 +1,188 @@
+"""graph_passes.py: transformations of the whole-step graph, each GraphModule -> GraphModule.
+
+The step graph from graph_trainer.py holds forward, backward and optimizer in one FX graph, in
+tracing order. A `forward_end` marker node (an identity on the loss) separates forward from the rest,
+so "saved activations" are exact: forward values that a node after the marker reads. Then:
+
+  remat        recompute cheap saved values in the backward, right before their first use, instead
+               of keeping them alive across the step (policy: save only matmul-like outputs;
+               Chen et al., arXiv 1604.06174; torchtitan's selective activation checkpointing).
+  offload      move saved values to host memory after their forward use and back before their
+               backward use (TPU/XLA: torch_xla's place_to_host / place_to_device annotations;
+               CUDA: copies to and from CPU; CPU: a copy standing in for the transfer).
+  split        cut the graph into stages run in order (torch.fx split_module), so each compile unit
+               stays small and memory can be moved between stages.
+Every pass leaves the numerics unchanged; tests check each against the untransformed graph.
+"""
+import torch
+import torch.utils._pytree as pytree
+from torch.fx.passes.split_module import split_module
+
+aten = torch.ops.aten
+
+
+# ------------------------------------------------------------------------------------------------
+# Marker and transfer ops
+
+@torch.library.custom_op("minititan::forward_end", mutates_args=())
+def forward_end(loss: torch.Tensor) -> torch.Tensor:
+    """Identity on the loss; its node marks where the forward ends in the traced step."""
+    return loss.clone()
+
+
+forward_end.register_fake(lambda loss: torch.empty_like(loss))
+forward_end.register_autograd(lambda ctx, grad: grad)
+
+
+@torch.library.custom_op("minititan::offload", mutates_args=())
+def offload(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "xla":
+        from torch_xla.experimental.stablehlo_custom_call import place_to_host
+        return place_to_host(x)
+    return x.to("cpu", copy=True)  # CUDA: to host memory; CPU: a copy standing in for the transfer
+
+
+@torch.library.custom_op("minititan::reload", mutates_args=())
+def reload(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if torch.device(device).type == "xla":
+        from torch_xla.experimental.stablehlo_custom_call import place_to_device
+        return place_to_device(x)
+    return x.to(device, copy=True)
+
+
+offload.register_fake(lambda x: torch.empty_like(x, device="cpu") if x.device.type == "cuda" else torch.empty_like(x))
+reload.register_fake(lambda x, device: torch.empty_like(x, device=device))
+
+
+# ------------------------------------------------------------------------------------------------
+# Analysis
+
+def _marker_index(gm):
+    for i, node in enumerate(gm.graph.nodes):
+        if node.op == "call_function" and node.target == torch.ops.minititan.forward_end.default:
+            return i
+    raise ValueError("graph has no forward_end marker: was it traced by graph_trainer.capture?")
+
+
+def saved_activations(gm):
+    """Forward values (not inputs) read after the forward ends: what the step keeps alive."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    end = _marker_index(gm)
+    return [n for n in gm.graph.nodes if n.op == "call_function" and order[n] < end
+            and n.target != torch.ops.minititan.offload.default  # those live in host memory
+            and isinstance(n.meta.get("val"), torch.Tensor) and any(order[u] > end for u in n.users)]
+
+
+def tensor_bytes(node):
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def saved_bytes(gm):
+    """Device bytes kept alive from forward to backward."""
+    return sum(tensor_bytes(n) for n in saved_activations(gm))
+
+
+def host_bytes(gm):
+    return sum(tensor_bytes(n) for n in gm.graph.nodes if n.target == torch.ops.minititan.offload.default)
+
+
+# ------------------------------------------------------------------------------------------------
+# remat
+
+_KEEP = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
+         aten._scaled_dot_product_flash_attention_for_cpu.default,
+         aten._scaled_dot_product_efficient_attention.default,
+         aten._scaled_dot_product_flash_attention.default}
+
+
+def _keep(node):
+    """Policy: matmul-like results (and anything opaque: kernels, collectives, RNG) are saved."""
+    if node.op != "call_function":
+        return True
+    name = str(node.target)
+    return (node.target in _KEEP or name.startswith(("minititan.", "_c10d_functional.")) or "rand" in name
+            or name.split(".")[-2:-1] and name.split(".")[-2].endswith("_"))  # in-place: never replay
+
+
+def remat(gm):
+    """Recompute every saved value the policy does not keep, just before its first backward use."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    end = _marker_index(gm)
+    graph, copies = gm.graph, {}
+
+    def copy_of(node, before):
+        if node.op != "call_function" or order.get(node, end) >= end or _keep(node):
+            return node
+        if node not in copies:
+            args = pytree.tree_map_only(torch.fx.Node, lambda a: copy_of(a, before), (node.args, node.kwargs))
+            with graph.inserting_before(before):
+                copies[node] = graph.call_function(node.target, *args)
+            copies[node].meta = dict(node.meta)
+        return copies[node]
+
+    for node in [n for n in graph.nodes if order[n] > end]:
+        node.args, node.kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: copy_of(a, node),
+                                                      (node.args, node.kwargs))
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+# ------------------------------------------------------------------------------------------------
+# host offload
+
+def offload_saved(gm, min_bytes=1 << 16):
+    """Offload every saved activation of at least `min_bytes` between its forward and backward use."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    end = _marker_index(gm)
+    graph = gm.graph
+    for node in saved_activations(gm):
+        if tensor_bytes(node) < min_bytes:
+            continue
+        late = sorted((u for u in node.users if order[u] > end), key=order.get)
+        with graph.inserting_after(node):
+            host = graph.call_function(torch.ops.minititan.offload.default, (node,))
+        with graph.inserting_before(late[0]):
+            back = graph.call_function(torch.ops.minititan.reload.default, (host, node.meta["val"].device))
+        host.meta["val"], back.meta["val"] = node.meta["val"], node.meta["val"]
+        for user in late:
+            user.replace_input_with(node, back)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def transfer_counts(gm):
+    names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    return names.count("minititan.offload.default"), names.count("minititan.reload.default")
+
+
+# ------------------------------------------------------------------------------------------------
+# splitter
+
+class SplitStep:
+    """The step graph cut into `stages` contiguous pieces (topological order, so every edge points
+    forward), each a GraphModule run in turn; called like the original (pytree in, pytree out)."""
+
+    def __init__(self, gm, stages):
+        self.out_spec = gm.graph._codegen.pytree_info.out_spec
+        flat = torch.fx.GraphModule(gm, _flat_graph(gm))
+        calls = [n for n in flat.graph.nodes if n.op == "call_function"]
+        stage_of = {n: min(stages - 1, i * stages // max(1, len(calls))) for i, n in enumerate(calls)}
+        self.split = split_module(flat, None, lambda n: stage_of[n], keep_original_order=True)
+        self.stages = [m for name, m in self.split.named_children() if name.startswith("submod_")]
+
+    def __call__(self, *args):
+        out = self.split(*pytree.tree_flatten(args)[0])
+        return pytree.tree_unflatten(list(out), self.out_spec)
+
+
+def _flat_graph(gm):
+    """A copy of gm's graph with plain (flat) positional inputs and a flat tuple output."""
+    graph, env = torch.fx.Graph(), {}
+    graph.graph_copy(gm.graph, env)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat_out = pytree.tree_flatten(out.args[0])[0]
+    graph.output(tuple(env[o] if isinstance(o, torch.fx.Node) else o for o in flat_out))
+    return graph
