@@ -34,20 +34,25 @@ forward_end.register_fake(lambda loss: torch.empty_like(loss))
 forward_end.register_autograd(lambda ctx, grad: grad)
 
 
+def _xla_tpu(device):
+    import os
+    return torch.device(device).type == "xla" and os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
+
+
 @torch.library.custom_op("minititan::offload", mutates_args=())
 def offload(x: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "xla":
+    if _xla_tpu(x.device):  # memory-space annotation; XLA:CPU has no host memory space (it crashes)
         from torch_xla.experimental.stablehlo_custom_call import place_to_host
         return place_to_host(x)
-    return x.to("cpu", copy=True)  # CUDA: to host memory; CPU: a copy standing in for the transfer
+    return x.to("cpu", copy=True) if x.is_cuda else x.clone()  # CPU, XLA:CPU: a copy stands in
 
 
 @torch.library.custom_op("minititan::reload", mutates_args=())
 def reload(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if torch.device(device).type == "xla":
+    if _xla_tpu(device):
         from torch_xla.experimental.stablehlo_custom_call import place_to_device
         return place_to_device(x)
-    return x.to(device, copy=True)
+    return x.to(device, copy=True) if x.device != torch.device(device) else x.clone()
 
 
 offload.register_fake(lambda x: torch.empty_like(x, device="cpu") if x.device.type == "cuda" else torch.empty_like(x))

@@ -317,11 +317,18 @@ class Transformer(nn.Module):
         """Final-norm hidden states (B, S, D) and the summed MoE auxiliary loss."""
         h = self.embed_tokens(tokens_BxS)
         cos, sin = self.rope(tokens_BxS.shape[1])
+        h, aux = self.run_layers(h, cos, sin)
+        return self.norm(h), aux
+
+    def run_layers(self, h, cos, sin):
+        """The layer loop. layer_scan.py may swap self.layers for a stacked scan with its own run()."""
+        if hasattr(self.layers, "run"):
+            return self.layers.run(h, cos, sin)
         aux = h.new_zeros((), dtype=torch.float32)
         for layer in self.layers:
             h, layer_aux = layer(h, cos, sin)
             aux = aux + layer_aux
-        return self.norm(h), aux
+        return h, aux
 
     def forward(self, tokens_BxS, targets_BxS=None):
         """Logits (B, S, V) without targets; with targets (cross-entropy, coef * aux loss)."""

@@ -59,6 +59,7 @@ def build_parser():
       help="graph mode backend (default: xla on XLA devices, else fx)")
     a("--remat", action="store_true", help="graph mode: recompute all but matmul outputs in the backward")
     a("--offload", action="store_true", help="graph mode: saved activations to host memory and back")
+    a("--scan", action="store_true", help="run the blocks as one scan over stacked weights (dense flavors)")
     a("--split", type=int, default=0, help="graph mode: cut the step graph into N stages run in order")
     a("--kernels", choices=["reference", "pallas"], default="reference",
       help="pallas: the TPU config rewrite (splash attention, fused loss, grouped matmul)")
@@ -149,6 +150,12 @@ class Trainer:
 
         dev.seed_all(cfg.seed)
         model = Transformer(self.model_args)
+        if cfg.scan:
+            if self.model_args.n_experts or dist_ctx or dev.is_xla(self.device):
+                raise ConfigError("--scan supports dense flavors on one CPU/CUDA process (MoE routing, sharded "
+                                  "weights and XLA lazy tensors do not compose with its torch.func backward yet)")
+            import layer_scan
+            model = layer_scan.stack_layers(model)
         self.model = dist_ctx.shard(model) if dist_ctx else model.to(self.device)
         self.params = [p for p in self.model.parameters()]
         self.param_names = [n for n, _ in self.model.named_parameters()]
