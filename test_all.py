@@ -840,3 +840,33 @@ def test_layer_scan_keeps_the_step_graph_constant_in_depth(corpus, tmp_path):
     # Gradients agree to 1e-6 (above); the global norm sums stacked tensors in another order, so
     # the clip coefficient differs in the last bits and losses drift by ~2e-5 over 5 steps.
     assert max(abs(a - b) for a, b in zip(want, got)) < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------
+# dry run
+
+def test_dry_run_bytes_equal_a_real_runs_allocation(corpus, tmp_path, capsys):
+    import train
+    assert train.main(["--dry-run", *TINY]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    real = _trainer(corpus, tmp_path)
+    param_bytes = sum(p.numel() * p.element_size() for p in real.params)
+    optim_bytes = sum(t.numel() * t.element_size() for k in ("exp_avg", "exp_avg_sq") for t in real.opt.state[k])
+    assert report["memory_bytes"]["params (fp32 shard)"] == param_bytes
+    assert report["memory_bytes"]["AdamW state (fp32 shard)"] == optim_bytes
+    assert report["memory_bytes"]["saved activations (bf16)"] > 0 and report["fits"]
+
+
+@pytest.mark.parametrize("flavor,mesh", [("llama3_405b", "dcn=2,ici=128"), ("qwen3_235b_a22b", "dcn=2,ici=128")])
+def test_dry_run_of_the_largest_flavors_is_fast_and_says_whether_it_fits(flavor, mesh):
+    import time
+    t0 = time.time()
+    rc, out, err = run_train(["--dry-run", "--flavor", flavor, "--mesh", mesh, "--batch-size", "256",
+                              "--seq-len", "4096", "--remat"], timeout=120)
+    assert rc == 0, err[-2000:]
+    assert time.time() - t0 < 120
+    report = json.loads(out.strip().splitlines()[-1])
+    shard = math.ceil(report["params"] / 128)
+    assert report["memory_bytes"]["params (fp32 shard)"] == 4 * shard
+    assert ("fits" in out) if report["fits"] else ("DOES NOT FIT: short by" in out)
+    assert report["flops_per_device"] == flops_per_token(FLAVORS[flavor], 4096) * 4096  # 1 sequence/device

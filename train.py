@@ -74,6 +74,8 @@ def build_parser():
     a("--out-dir", default=None, help="run directory (default runs/<flavor>-<time>)")
     a("--ckpt-interval", type=int, default=250, help="checkpoint every N steps (0: only at the end)")
     a("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
+    a("--dry-run", action="store_true", help="trace at full scale on meta tensors; print memory/FLOPs/step-time estimates")
+    a("--chip", default="tpu_v5p", help="TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")
     a("--halt-at", type=int, default=0, help="stop after this step as if preempted (tests resume)")
     return p
 
@@ -322,6 +324,8 @@ def main(argv=None):
     cfg = build_parser().parse_args(argv)
     dist_ctx = None
     try:
+        if cfg.dry_run:
+            return dry_run(cfg)
         if cfg.mesh or launched_by_torchrun():
             dist_ctx = make_dist(cfg)
         rc = Trainer(cfg, dist_ctx).run()
@@ -338,6 +342,22 @@ def main(argv=None):
         print(f"error: rank {dist_ctx.global_rank}: a collective failed, a peer process probably died "
               f"({str(e).splitlines()[0][:200]})", file=sys.stderr)
         return EXIT_PEER_FAILED
+
+
+def dry_run(cfg):
+    import dryrun
+    import mesh
+    validate(cfg)
+    if cfg.chip not in dryrun.TPU_SPECS:
+        raise ConfigError(f"--chip {cfg.chip!r}: choose one of {', '.join(dryrun.TPU_SPECS)}")
+    try:
+        report = dryrun.dry_run(model_args_from(cfg), cfg.flavor, mesh.parse_mesh(cfg.mesh or "ici=1"),
+                                cfg.batch_size, cfg.seq_len, cfg.chip, cfg.remat)
+    except (ValueError, mesh.MeshError) as e:
+        raise ConfigError(str(e)) from None
+    print(dryrun.format_report(report))
+    print(json.dumps({k: v for k, v in report.items()}), flush=True)
+    return 0
 
 
 def launched_by_torchrun():
