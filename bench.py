@@ -59,16 +59,16 @@ def _dense_attention(q, k, v):
     return torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v
 
 
-def _child_train(mode, steps):
-    """Tokens/s of the bench model: `plain` (torch.optim loop) or a train.py mode."""
-    import torch
+def _child_train(config, steps, extra=""):
+    """Tokens/s of the bench model for one configuration: `plain` (a torch.optim loop) or train.py
+    flags such as "--mode graph --backend inductor"."""
     import device as dev
     import optim
     import train
+    flags = [] if config == "plain" else config.split()
     cfg = train.build_parser().parse_args(["--steps", str(steps), "--eval-batches", "0", "--data", _bench_data(),
                                            "--ckpt-interval", "0", "--out-dir", "/tmp/minititan-bench",
-                                           *(["--mode", mode] if mode in ("eager", "compile", "graph") else []),
-                                           *(["--mode", "graph", "--backend", mode.split(":")[1]] if mode.startswith("graph:") else [])])
+                                           *flags, *extra.split()])
     trainer = train.Trainer(cfg)
     params = trainer.params
     torch_opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
@@ -81,22 +81,21 @@ def _child_train(mode, steps):
         torch_opt.zero_grad(set_to_none=True)
         return ce.detach(), norm
 
-    step = plain_step if mode == "plain" else trainer.step_fn
-    times, first = [], None
+    step = plain_step if config == "plain" else trainer.step_fn
+    times = []
     for i in range(1, steps + 1):
         x, y = trainer.batches.get(i)
         t0 = time.perf_counter()
-        ce, _ = step(x, y, torch.tensor(optim.lr_at(i, 1e-3, 5, steps)))
-        dev.wait(trainer.device)
+        ce, _ = step(x.to(trainer.device), y.to(trainer.device), torch.tensor(optim.lr_at(i, 1e-3, 5, steps), device=trainer.device))
+        dev.sync(trainer.device)
         ce.item()
         times.append(time.perf_counter() - t0)
-        first = first if first is not None else times[0]
     med = statistics.median(times[max(2, steps // 3):])
     tokens = cfg.batch_size * cfg.seq_len
     flops = trainer.flops_per_token * tokens / med
     peak = dev.measure_cpu_matmul_peak()
-    return {"mode": mode, "tokens_per_s": tokens / med, "tflops": flops / 1e12, "mfu": flops / peak,
-            "first_step_s": first, "peak_rss_mib": dev.host_peak_rss_bytes() / 2**20}
+    return {"mode": config, "tokens_per_s": tokens / med, "tflops": flops / 1e12, "mfu": flops / peak,
+            "first_step_s": times[0], "peak_rss_mib": dev.host_peak_rss_bytes() / 2**20}
 
 
 def _bench_data():
@@ -108,11 +107,13 @@ def _bench_data():
 # Parent side
 
 def _spawn(*args):
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
     proc = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], cwd=HERE,
-                          capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
+                          capture_output=True, text=True, timeout=1200, env=env)
+    results = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not results:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(results[-1])
 
 
 def memory_tables(quick):
@@ -128,11 +129,11 @@ def memory_tables(quick):
     return rows
 
 
-def speed_table(modes, repeats, steps):
+def speed_table(modes, repeats, steps, extra=""):
     results = {m: [] for m in modes}
     for _ in range(repeats):  # A B A B: drift hits every configuration alike
         for m in modes:
-            results[m].append(_spawn("train", m, steps))
+            results[m].append(_spawn("train", m, steps, extra))
     table = []
     for m in modes:
         ok = [r for r in results[m] if "error" not in r]
@@ -145,6 +146,27 @@ def speed_table(modes, repeats, steps):
         if base and "error" not in r:
             r["ratio_to_plain"] = r["tokens_per_s"] / base
     return table
+
+
+QUICK_CONFIGS = ["plain", "--mode eager", "--mode compile", "--mode graph", "--mode graph --backend inductor",
+                 "--mode graph --device xla"]
+FULL_CONFIGS = ["--mode eager --device xla", "--mode graph --backend inductor --remat",
+                "--mode graph --backend inductor --scan", "--mode eager --kernels pallas",
+                "--mode graph --backend inductor --split 4"]
+
+
+def compile_vs_depth():
+    """First-step (trace + compile) seconds against depth, with and without scan."""
+    rows = []
+    for layers in (2, 4, 8, 16):
+        row = {"layers": layers}
+        for name, config in (("inductor", "--mode graph --backend inductor"),
+                             ("inductor+scan", "--mode graph --backend inductor --scan"),
+                             ("xla", "--mode graph --device xla")):
+            r = _spawn("train", config, 3, f"--set n_layers={layers}")
+            row[name] = r.get("first_step_s")
+        rows.append(row)
+    return rows
 
 
 def dist_table(repeats, steps):
@@ -177,7 +199,7 @@ def dist_table(repeats, steps):
     return rows
 
 
-def to_markdown(speed, memory, dist_rows=()):
+def to_markdown(speed, memory, dist_rows=(), depth=()):
     lines = [f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}; "
              f"{time.strftime('%Y-%m-%d')}", "",
              "| mode | tokens/s | x plain loop | TFLOP/s | MFU (vs measured fp32 GEMM peak) | first step s | peak RSS MiB |",
@@ -194,6 +216,10 @@ def to_markdown(speed, memory, dist_rows=()):
         ratio = f"{plain / pallas:.1f}x" if plain and pallas else "n/a"
         lines.append(f"| {kind} | {size} | {plain if plain is None else round(plain)} | "
                      f"{pallas if pallas is None else round(pallas)} | {ratio} |")
+    if depth:
+        lines += ["", "| layers | first step s: graph+inductor | graph+inductor+scan | graph on XLA |", "| --- | --- | --- | --- |"]
+        for r in depth:
+            lines.append("| " + " | ".join([str(r["layers"])] + [f"{r[k]:.1f}" if r[k] else "failed" for k in ("inductor", "inductor+scan", "xla")]) + " |")
     if dist_rows:
         base = dist_rows[0]["tokens_per_s"]
         lines += ["", "| data parallel (llama3_debug, global batch 32 x 128) | tokens/s (all ranks) | x 1 process | "
@@ -208,22 +234,24 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         sys.path.insert(0, HERE)
         kind = sys.argv[2]
-        result = _child_memory(sys.argv[3], int(sys.argv[4])) if kind == "mem" else _child_train(sys.argv[3], int(sys.argv[4]))
-        print(json.dumps(result))
-        return
+        result = (_child_memory(sys.argv[3], int(sys.argv[4])) if kind == "mem"
+                  else _child_train(sys.argv[3], int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else ""))
+        print(json.dumps(result), flush=True)
+        os._exit(0)  # skip interpreter teardown: JAX/XLA threads sometimes abort it after the work is done
     p = argparse.ArgumentParser(description="minititan measurements")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (< 5 min on 2 cores)")
     args = p.parse_args()
-    modes = ["plain", "eager", "compile", "graph", "graph:inductor"]
+    modes = QUICK_CONFIGS if args.quick else QUICK_CONFIGS + FULL_CONFIGS
     speed = speed_table(modes, repeats=1 if args.quick else 3, steps=12 if args.quick else 30)
+    depth = [] if args.quick else compile_vs_depth()
     memory = memory_tables(args.quick)
     dist_rows = dist_table(repeats=1 if args.quick else 2, steps=8 if args.quick else 20)
-    md = to_markdown(speed, memory, dist_rows)
+    md = to_markdown(speed, memory, dist_rows, depth)
     os.makedirs(os.path.join(HERE, "bench_results"), exist_ok=True)
     with open(os.path.join(HERE, "bench_results", "latest.md"), "w") as f:
         f.write(md + "\n")
     with open(os.path.join(HERE, "bench_results", "latest.json"), "w") as f:
-        json.dump({"speed": speed, "memory": memory, "data_parallel": dist_rows}, f, indent=1)
+        json.dump({"speed": speed, "memory": memory, "data_parallel": dist_rows, "compile_vs_depth": depth}, f, indent=1)
     print(md)
 
 
