@@ -25,19 +25,30 @@ class GraphCaptureError(ValueError):
     pass
 
 
-def build_step_fn(model, names, clip, betas, eps, weight_decay, mask, autocast):
-    """The pure step function that make_fx traces."""
+def build_step_fn(model, names, clip, betas, eps, weight_decay, mask, autocast, dist_ctx=None):
+    """The pure step function that make_fx traces. With a mesh, `params` are the local shards: they
+    are wrapped back into DTensors for the model (whose parameter reads all-gather and whose backward
+    reduce-scatters), and the gradient norm and logged loss are reduced across ranks, all inside."""
     buffer_names = [n for n, _ in model.named_buffers()]
+    if dist_ctx is not None:
+        from torch.distributed.tensor import DTensor
+        metas = [(p.device_mesh, p.placements, p.shape, p.stride()) for p in model.parameters()]
+        wrap = lambda leaves: [DTensor.from_local(t, m, pl, run_check=False, shape=sh, stride=st)
+                               for t, (m, pl, sh, st) in zip(leaves, metas)]
+    else:
+        wrap = lambda leaves: leaves
 
     def step_fn(params, buffers, exp_avg, exp_avg_sq, step, lr, inputs, targets):
         with torch.enable_grad():
             leaves = [p.detach().requires_grad_() for p in params]
-            state = {**dict(zip(names, leaves)), **dict(zip(buffer_names, buffers))}
+            state = {**dict(zip(names, wrap(leaves))), **dict(zip(buffer_names, buffers))}
             with autocast():
                 ce, aux = torch.func.functional_call(model, state, (inputs, targets))
             loss = graph_passes.forward_end(ce + aux)  # marks the forward/backward boundary
             grads = torch.autograd.grad(loss, leaves)
-        grads, norm = optim.clip_by_global_norm(list(grads), clip)
+        grads, norm = optim.clip_by_global_norm(list(grads), clip, dist_ctx.sum_over_shards if dist_ctx else None)
+        if dist_ctx is not None:
+            ce = dist_ctx.mean_over_dp(ce)
         new_params, state = optim.adamw(params, grads, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
                                         step, lr, betas, eps, weight_decay, mask)
         return new_params, state["exp_avg"], state["exp_avg_sq"], ce.detach(), norm
@@ -71,11 +82,11 @@ class GraphStep:
             "xla" if dev.is_xla(trainer.device) else "fx")
         if self.backend == "xla" and not dev.is_xla(trainer.device):
             raise GraphCaptureError("--backend xla needs --device xla (or a TPU)")
-        if trainer.dist is not None:
-            raise GraphCaptureError("graph mode with a device mesh is not supported yet")
+        if trainer.dist is not None and trainer.dist.dp_impl != "simple":
+            raise GraphCaptureError("graph mode under a mesh needs --dp-impl simple (FSDP2's hooks do not trace)")
         opt = trainer.opt
         self.step_fn = build_step_fn(trainer.model, trainer.param_names, trainer.cfg.clip, opt.betas,
-                                     opt.eps, opt.weight_decay, opt.mask, trainer.autocast)
+                                     opt.eps, opt.weight_decay, opt.mask, trainer.autocast, trainer.dist)
         cfg = trainer.cfg
         self.remat, self.offload, self.split = (getattr(cfg, "remat", False), getattr(cfg, "offload", False),
                                                 getattr(cfg, "split", 0))
@@ -92,12 +103,19 @@ class GraphStep:
             gm = graph_passes.offload_saved(gm)
         self.report["saved_bytes"] = graph_passes.saved_bytes(gm)
         self.report["offloaded_bytes"] = graph_passes.host_bytes(gm)
+        ops = op_counts(gm)
+        self.report["nodes"] = len(gm.graph.nodes)
+        self.report["collectives"] = {k.split(".")[1]: v for k, v in ops.items() if k.startswith("_c10d_functional.")}
         return gm
+
+    def _params(self):
+        dist_ctx = self.trainer.dist
+        return [p.detach() for p in (dist_ctx.local(self.trainer.params) if dist_ctx else self.trainer.params)]
 
     def _args(self, inputs, targets, lr):
         opt = self.trainer.opt
         step = torch.tensor(float(opt.step_count + 1), device=self.trainer.device)
-        return ([p.detach() for p in self.trainer.params], list(self.trainer.model.buffers()), opt.state["exp_avg"], opt.state["exp_avg_sq"],
+        return (self._params(), list(self.trainer.model.buffers()), opt.state["exp_avg"], opt.state["exp_avg_sq"],
                 step, lr, inputs, targets)
 
     def __call__(self, inputs, targets, lr):
@@ -109,7 +127,7 @@ class GraphStep:
             self.compiled = torch.compile(run, backend="inductor") if self.backend == "inductor" else run
         with torch.no_grad():
             new_params, exp_avg, exp_avg_sq, ce, norm = self.compiled(*args)
-            torch._foreach_copy_([p.data for p in self.trainer.params], new_params)
+            torch._foreach_copy_(self._params(), new_params)
         opt = self.trainer.opt
         opt.state = {"exp_avg": list(exp_avg), "exp_avg_sq": list(exp_avg_sq)}
         opt.step_count += 1

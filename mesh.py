@@ -16,6 +16,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
 
 
@@ -81,16 +82,13 @@ class DistContext:
         so it runs on shards alone; only the gradient norm needs a collective."""
         return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
+    # Functional collectives (return new tensors): the same code runs eagerly and traces into graphs.
     def sum_over_shards(self, x):
         """All-reduce a sum of per-shard partial sums over ici (dcn replicas hold the same shards)."""
-        x = x.clone()
-        dist.all_reduce(x, group=self.mesh.get_group("ici"))  # same collective for FSDP2 shards
-        return x
+        return funcol.all_reduce(x, "sum", self.mesh.get_group("ici"))
 
     def mean_over_dp(self, x):
-        x = x.detach().clone()
-        dist.all_reduce(x)
-        return x / self.dp_size
+        return funcol.all_reduce(x.detach(), "sum", dist.group.WORLD) / self.dp_size
 
     def close(self):
         if dist.is_initialized():

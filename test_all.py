@@ -595,6 +595,12 @@ def test_graph_mode_is_one_graph_and_equals_eager(corpus, tmp_path, extra):
     assert sum(v for k, v in ops.items() if k in ("aten.mm.default", "aten.bmm.default")) >= 3 * 4 * 2
 
 
+def test_compile_mode_matches_eager_over_20_steps(corpus, tmp_path):
+    want = _train_losses(_trainer(corpus, tmp_path))
+    got = _train_losses(_trainer(corpus, tmp_path, "--mode", "compile"))
+    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5
+
+
 def test_graph_mode_inductor_backend_matches_eager(corpus, tmp_path):
     want = _train_losses(_trainer(corpus, tmp_path), steps=6)
     got = _train_losses(_trainer(corpus, tmp_path, "--mode", "graph", "--backend", "inductor"), steps=6)
@@ -673,10 +679,13 @@ def _full_params(ckpt_dir, args):
     return checkpoint.load(checkpoint.latest(ckpt_dir), state)["model"]
 
 
-@pytest.mark.parametrize("nproc,mesh,impl", [(2, "ici=2", "simple"), (4, "dcn=2,ici=2", "simple"),
-                                             (2, "ici=2", "fsdp2")])
-def test_data_parallel_matches_single_process(nproc, mesh, impl, corpus, tmp_path):
-    common = [*DIST_TINY, "--data", corpus, "--steps", "10", "--ckpt-interval", "0", "--eval-batches", "1"]
+@pytest.mark.parametrize("nproc,mesh,impl,flavor", [(2, "ici=2", "simple", "llama3_debug"),
+                                                    (4, "dcn=2,ici=2", "simple", "llama3_debug"),
+                                                    (2, "ici=2", "fsdp2", "llama3_debug"),
+                                                    (2, "ici=2", "simple", "qwen3_moe_debug")])
+def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus, tmp_path):
+    common = [*DIST_TINY, "--flavor", flavor, "--data", corpus, "--steps", "10", "--ckpt-interval", "0",
+              "--eval-batches", "1", *(["--set", "moe_ffn_dim=32"] if "moe" in flavor else [])]
     single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
     assert run_train([*common, "--out-dir", single])[0] == 0
     rc, out, err = torchrun(nproc, [*common, "--out-dir", multi, "--mesh", mesh, "--dp-impl", impl])
@@ -696,6 +705,22 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, corpus, tmp_pat
         total, local = start(single)[key], start(multi)[key]
         slack = row_bytes * (2 if key == "optim_bytes_local" else 1)
         assert total / shards <= local <= total / shards + slack, (key, total, local)
+
+
+def test_graph_mode_with_simplefsdp_hsdp_is_one_graph_with_its_collectives(corpus, tmp_path):
+    common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0"]
+    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
+    assert run_train([*common, "--out-dir", single])[0] == 0
+    rc, out, err = torchrun(4, [*common, "--out-dir", multi, "--mesh", "dcn=2,ici=2", "--mode", "graph"])
+    assert rc == 0, err[-3000:]
+    want, got = losses(single), losses(multi)
+    assert max(abs(want[s] - got[s]) for s in want) < 1e-5
+    graph = next(json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl")) if '"graph"' in line)
+    n_params = len(Transformer(dataclasses.replace(ModelArgs(), n_layers=2, dim=64, n_heads=4, n_kv_heads=2,
+                                                   ffn_dim=131)).state_dict())
+    c = graph["collectives"]  # per parameter: all-gather (ici) and reduce-scatter (ici) + all-reduce (dcn)
+    assert c["all_gather_into_tensor"] >= n_params and c["reduce_scatter_tensor"] >= n_params
+    assert c["all_reduce"] >= n_params and c["wait_tensor"] >= 3 * n_params
 
 
 def test_sharded_resume_equals_uninterrupted_and_other_mesh_is_refused(corpus, tmp_path):

@@ -291,6 +291,11 @@ class Trainer:
                 raise ConfigError(str(e)) from None
             dev.sync(self.device)
             loss = ce.item()
+            if self.step == start_step + 1 and cfg.mode == "graph":
+                rep = self.step_fn.report
+                self.log({"event": "graph", **rep}, f"graph: {rep['nodes']} nodes, collectives {rep['collectives']}, "
+                         f"saved activations {rep['saved_bytes'] / 2**20:.1f} MiB (captured "
+                         f"{rep['saved_bytes_captured'] / 2**20:.1f} MiB), offloaded {rep['offloaded_bytes'] / 2**20:.1f} MiB")
             if not math.isfinite(loss):
                 self.log({"event": "nonfinite", "step": self.step, "loss": loss},
                          f"error: loss is {loss} at step {self.step}; stopping (last good checkpoint kept)")
