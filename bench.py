@@ -242,7 +242,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (< 5 min on 2 cores)")
     args = p.parse_args()
     modes = QUICK_CONFIGS if args.quick else QUICK_CONFIGS + FULL_CONFIGS
-    speed = speed_table(modes, repeats=1 if args.quick else 3, steps=12 if args.quick else 30)
+    speed = speed_table(modes, repeats=1 if args.quick else 2, steps=12 if args.quick else 20)
     depth = [] if args.quick else compile_vs_depth()
     memory = memory_tables(args.quick)
     dist_rows = dist_table(repeats=1 if args.quick else 2, steps=8 if args.quick else 20)
