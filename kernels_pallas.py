@@ -308,9 +308,7 @@ def _ce_lse(h, w, t, vocab, bn, bv):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _ce_padded(h, w, t, vocab, ignore, bn, bv):
-    lse, tl = _ce_lse(h, w, t, vocab, bn, bv)
-    valid = t != ignore
-    return jnp.where(valid, lse - tl, 0.0).sum() / valid.sum()
+    return _ce_fwd_rule(h, w, t, vocab, ignore, bn, bv)[0]
 
 
 def _ce_fwd_rule(h, w, t, vocab, ignore, bn, bv):
@@ -409,22 +407,23 @@ def _tgmm_kernel(meta, x_ref, dy_ref, dw_ref, *, block_m):
     dw_ref[...] += _dot(x.T, dy_ref[...]).astype(dw_ref.dtype)
 
 
+# Block specs indexed by the visit metadata: rows of the visit's tile, or the visit's group.
+_ROWS = lambda bm, cols: pl.BlockSpec((bm, cols), lambda v, m: (m[0, v], 0))
+_GROUP = lambda K, N: pl.BlockSpec((None, K, N), lambda v, m: (m[1, v], 0, 0))
+
+
 def _gmm_call(x, w, group_sizes, block_m):
     (M, K), N = x.shape, w.shape[2]
     meta, n_visits = group_metadata(group_sizes, M // block_m, block_m)
     return _call(functools.partial(_gmm_kernel, block_m=block_m), jax.ShapeDtypeStruct((M, N), jnp.float32),
-                 (n_visits,), [pl.BlockSpec((block_m, K), lambda v, m: (m[0, v], 0)),
-                               pl.BlockSpec((None, K, N), lambda v, m: (m[1, v], 0, 0))],
-                 pl.BlockSpec((block_m, N), lambda v, m: (m[0, v], 0)), 1)(meta, x, w)
+                 (n_visits,), [_ROWS(block_m, K), _GROUP(K, N)], _ROWS(block_m, N), 1)(meta, x, w)
 
 
 def _tgmm_call(x, dy, group_sizes, block_m):
     (M, K), N, G = x.shape, dy.shape[1], group_sizes.shape[0]
     meta, n_visits = group_metadata(group_sizes, M // block_m, block_m)
     return _call(functools.partial(_tgmm_kernel, block_m=block_m), jax.ShapeDtypeStruct((G, K, N), jnp.float32),
-                 (n_visits,), [pl.BlockSpec((block_m, K), lambda v, m: (m[0, v], 0)),
-                               pl.BlockSpec((block_m, N), lambda v, m: (m[0, v], 0))],
-                 pl.BlockSpec((None, K, N), lambda v, m: (m[1, v], 0, 0)), 1)(meta, x, dy)
+                 (n_visits,), [_ROWS(block_m, K), _ROWS(block_m, N)], _GROUP(K, N), 1)(meta, x, dy)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -433,7 +432,7 @@ def _gmm_padded(x, w, group_sizes, block_m):
 
 
 def _gmm_fwd_rule(x, w, group_sizes, block_m):
-    return _gmm_padded(x, w, group_sizes, block_m), (x, w, group_sizes)
+    return _gmm_call(x, w, group_sizes, block_m).astype(x.dtype), (x, w, group_sizes)
 
 
 def _gmm_bwd_rule(block_m, res, dy):

@@ -291,6 +291,10 @@ BAD_INPUTS = [
     (["--device", "cuda"], "no CUDA device"),
     (["--lr", "nan"], "--lr must be"),
     (["--steps", "ten"], "invalid int value"),
+    (["--remat"], "add --mode graph"),
+    (["--mode", "graph", "--flavor", "qwen3_moe_debug"], "add --kernels pallas"),
+    (["--mode", "compile", "--scan"], "--scan has no per-block modules"),
+    (["--scan", "--flavor", "qwen3_moe_debug"], "--scan supports dense flavors"),
 ]
 
 

@@ -118,6 +118,14 @@ def validate(cfg):
         raise ConfigError(f"--log-interval must be positive, got {cfg.log_interval}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive finite number, got {cfg.lr}")
+    graph_only = [f for f, on in (("--remat", cfg.remat), ("--offload", cfg.offload), ("--split", cfg.split),
+                                  ("--backend", cfg.backend)) if on]
+    if graph_only and cfg.mode != "graph" and not cfg.dry_run:
+        raise ConfigError(f"{', '.join(graph_only)} transform(s) the step graph: add --mode graph")
+    if cfg.split < 0:
+        raise ConfigError(f"--split must be >= 0, got {cfg.split}")
+    if cfg.scan and cfg.mode == "compile":
+        raise ConfigError("--scan has no per-block modules for --mode compile to compile: use eager or graph")
 
 
 class Trainer:
@@ -152,6 +160,9 @@ class Trainer:
 
         dev.seed_all(cfg.seed)
         model = Transformer(self.model_args)
+        if cfg.mode == "graph" and self.model_args.n_experts and self.model_args.moe_impl == "reference":
+            raise ConfigError("graph mode needs static shapes; the reference MoE dispatch reads group sizes "
+                              "on the host: add --kernels pallas")
         if cfg.scan:
             if self.model_args.n_experts or dist_ctx or dev.is_xla(self.device):
                 raise ConfigError("--scan supports dense flavors on one CPU/CUDA process (MoE routing, sharded "
