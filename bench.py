@@ -26,9 +26,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # ------------------------------------------------------------------------------------------------
 # Child side: one configuration, printed as one JSON line.
 
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
 def _child_memory(kind, size):
-    """Peak RSS growth of one forward + backward of a kernel vs its plain PyTorch path."""
-    import resource
+    """Peak RSS growth of one (warmed-up) forward + backward of a kernel vs its plain PyTorch path."""
+    import gc
     import torch
     import kernels_pallas as kp  # noqa: F401 (jit caches, imports: part of the baseline)
     from model import plain_cross_entropy
@@ -44,10 +49,14 @@ def _child_memory(kind, size):
         q, k, v = (torch.randn(1, H, size, D, requires_grad=True) for _ in range(3))
         fn = (lambda: kp.splash_attention(q, k, v)) if kind == "attn_splash" else (lambda: _dense_attention(q, k, v))
         args = (q, k, v)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    torch.autograd.grad(fn().float().sum(), args)  # warm-up: JAX compilation is a one-off, not the step
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:   # reset the RSS high-water mark (Linux)
+        f.write("5")
+    base = _status_kib("VmRSS")
     out = fn()
     torch.autograd.grad(out.float().sum(), args)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _status_kib("VmHWM")
     return {"kind": kind, "size": size, "peak_growth_mib": (peak - base) / 1024}
 
 
