@@ -151,9 +151,11 @@ def speed_table(modes, repeats, steps, extra=""):
             continue
         table.append({k: statistics.median(r[k] for r in ok) if k != "mode" else m for k in ok[0]})
     base = next((r["tokens_per_s"] for r in table if r["mode"] == "plain" and "error" not in r), None)
+    peak = _spawn("peak")["flops"]  # one measurement of this CPU's GEMM peak for every row
     for r in table:
         if base and "error" not in r:
             r["ratio_to_plain"] = r["tokens_per_s"] / base
+            r["mfu"] = r["tflops"] * 1e12 / peak
     return table
 
 
@@ -243,8 +245,12 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         sys.path.insert(0, HERE)
         kind = sys.argv[2]
-        result = (_child_memory(sys.argv[3], int(sys.argv[4])) if kind == "mem"
-                  else _child_train(sys.argv[3], int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else ""))
+        if kind == "peak":
+            import device
+            result = {"flops": device.measure_cpu_matmul_peak(repeats=20)}
+        else:
+            result = (_child_memory(sys.argv[3], int(sys.argv[4])) if kind == "mem"
+                      else _child_train(sys.argv[3], int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else ""))
         print(json.dumps(result), flush=True)
         os._exit(0)  # skip interpreter teardown: JAX/XLA threads sometimes abort it after the work is done
     p = argparse.ArgumentParser(description="minititan measurements")
