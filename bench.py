@@ -159,9 +159,9 @@ def speed_table(modes, repeats, steps, extra=""):
     return table
 
 
-QUICK_CONFIGS = ["plain", "--mode eager", "--mode compile", "--mode graph", "--mode graph --backend inductor",
+QUICK_CONFIGS = ["plain", "--mode eager", "--mode compile", "--mode graph --backend inductor",
                  "--mode graph --device xla"]
-FULL_CONFIGS = ["--mode eager --device xla", "--mode graph --backend inductor --remat",
+FULL_CONFIGS = ["--mode graph", "--mode eager --device xla", "--mode graph --backend inductor --remat",
                 "--mode graph --backend inductor --scan", "--mode eager --kernels pallas",
                 "--mode graph --backend inductor --split 4"]
 
@@ -257,10 +257,10 @@ def main():
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (< 5 min on 2 cores)")
     args = p.parse_args()
     modes = QUICK_CONFIGS if args.quick else QUICK_CONFIGS + FULL_CONFIGS
-    speed = speed_table(modes, repeats=1 if args.quick else 2, steps=12 if args.quick else 20)
+    speed = speed_table(modes, repeats=1 if args.quick else 2, steps=10 if args.quick else 20)
     depth = [] if args.quick else compile_vs_depth()
     memory = memory_tables(args.quick)
-    dist_rows = dist_table(repeats=1 if args.quick else 2, steps=8 if args.quick else 20)
+    dist_rows = dist_table(repeats=1 if args.quick else 2, steps=6 if args.quick else 20)
     md = to_markdown(speed, memory, dist_rows, depth)
     os.makedirs(os.path.join(HERE, "bench_results"), exist_ok=True)
     with open(os.path.join(HERE, "bench_results", "latest.md"), "w") as f:
