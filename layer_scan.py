@@ -8,21 +8,25 @@ layer axis; torch_xla's is torch_xla.experimental.scan_layers. Ours, for the tra
                            parameter name, one (L, ...) parameter; the model's run_layers() calls it.
   minititan::scan_layers   one custom op: forward loops over the layers, keeping each layer's input
                            (the scan carry, (L, B, S, D)) for the backward;
-  ..._scan_layers_bwd      the backward op: walks the layers in reverse, recomputing each block
-                           under torch.func.vjp from its saved input (per-layer remat, like JAX's
-                           scan + checkpoint) and stacking the weight gradients.
+  ..._scan_layers_bwd      the backward op: walks the layers in reverse, replaying one block's
+                           forward + vjp, traced once by make_fx, from each saved input (per-layer
+                           remat, like JAX's scan + checkpoint), stacking the weight gradients.
 
 Under make_fx each is one node, so the step graph has the same size at 2 or 200 layers. (torch's
 own torch._higher_order_ops.scan gave wrong gradients in torch 2.9 in our measurement, hence this.)
-Limit: on XLA the op's Python loop is traced lazily and unrolls into the HLO; there
-torch_xla.experimental.scan_layers would keep the program small (not wired in here).
+Limits: static shapes only (MoE needs the Pallas gmm); not on XLA, where this op gave wrong
+gradients and tracing the block's vjp on XLA fake tensors hits an autograd-engine assert;
+torch_xla.experimental.scan_layers is the XLA-side route (not wired in here).
 """
 import copy
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 
 _BLOCKS = {}  # id -> (template block module, parameter names): custom ops take no modules
+_VJPS = {}    # (id, shape, dtype, device) -> traced GraphModule of one block's forward + vjp
 
 
 def _block_call(block_id, params, h, cos, sin):
@@ -47,16 +51,39 @@ def _(h, cos, sin, stacked, block_id):
     return torch.empty_like(h), h.new_empty((), dtype=torch.float32), h.new_empty((stacked[0].shape[0], *h.shape))
 
 
+def _vjp_key(block_id, h):
+    return block_id, tuple(h.shape), h.dtype, str(h.device)
+
+
+def _trace_block_vjp(block_id, h, cos, sin, stacked):
+    """Trace one block's forward + backward, (h, cos, sin, params, grad_h, grad_aux) -> grads, into a
+    GraphModule, once per shape/device. The backward op replays it per layer: no autograd is needed
+    inside the op's kernel (where the dispatcher has switched autograd off), the same on every device."""
+    key = _vjp_key(block_id, h)
+    if key in _VJPS:
+        return
+
+    def block_vjp(h, cos, sin, params, grad_h, grad_aux):
+        with torch.enable_grad():
+            leaves = [h.detach().requires_grad_()] + [p.detach().requires_grad_() for p in params]
+            out, aux = _block_call(block_id, leaves[1:], leaves[0], cos, sin)
+            outs, cots = ((out, aux), (grad_h, grad_aux)) if aux.requires_grad else ((out,), (grad_h,))
+            return list(torch.autograd.grad(outs, leaves, cots))  # (dense blocks have a constant aux)
+
+    with disable_proxy_modes_tracing(), unset_fake_temporarily():  # also when called during a capture
+        empty = lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        example = (empty(h), empty(cos), empty(sin), [empty(w[0]) for w in stacked], empty(h),
+                   torch.empty((), dtype=torch.float32, device=h.device))
+        _VJPS[key] = make_fx(block_vjp, tracing_mode="fake")(*example)
+
+
 @torch.library.custom_op("minititan::scan_layers_bwd", mutates_args=())
 def scan_layers_bwd(carries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stacked: list[torch.Tensor],
                     grad_h: torch.Tensor, grad_aux: torch.Tensor, block_id: int) -> list[torch.Tensor]:
     grads = [torch.zeros_like(w) for w in stacked]
-    for i in reversed(range(stacked[0].shape[0])):
-        # Recompute layer i from its saved input and pull the cotangents back through it. torch.func,
-        # because plain autograd is switched off (at the dispatcher) inside a custom op's kernel.
-        _, pullback = torch.func.vjp(lambda h, *p: _block_call(block_id, list(p), h, cos, sin),
-                                     carries[i], *[w[i] for w in stacked])
-        grad_h, *grad_params = pullback((grad_h, grad_aux))
+    block_vjp = _VJPS[_vjp_key(block_id, carries[0])]
+    for i in reversed(range(stacked[0].shape[0])):  # recompute layer i from its saved input, pull back
+        grad_h, *grad_params = block_vjp(carries[i], cos, sin, [w[i] for w in stacked], grad_h, grad_aux)
         for g, gp in zip(grads, grad_params):
             g[i] = gp
     return [grad_h, *grads]
@@ -100,6 +127,7 @@ class StackedLayers(nn.Module):
 
     def run(self, h, cos, sin):
         stacked = [getattr(self, n.replace(".", "__")) for n in self.names]
+        _trace_block_vjp(self.block_id, h, cos, sin, stacked)
         out, aux, _ = scan_layers(h, cos, sin, stacked, self.block_id)
         return out, aux
 

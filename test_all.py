@@ -294,7 +294,7 @@ BAD_INPUTS = [
     (["--remat"], "add --mode graph"),
     (["--mode", "graph", "--flavor", "qwen3_moe_debug"], "add --kernels pallas"),
     (["--mode", "compile", "--scan"], "--scan has no per-block modules"),
-    (["--scan", "--flavor", "qwen3_moe_debug"], "--scan supports dense flavors"),
+    (["--scan", "--flavor", "qwen3_moe_debug"], "MoE: add --kernels pallas"),
 ]
 
 
@@ -834,17 +834,18 @@ def test_graph_passes_keep_losses_and_do_their_job(flags, corpus, tmp_path):
         assert len(passed.step_fn.compiled.stages) == int(flags[flags.index("--split") + 1])
 
 
-@pytest.mark.parametrize("flavor", ["llama3_debug", "qwen3_debug"])
+@pytest.mark.parametrize("flavor", ["llama3_debug", "qwen3_debug", "qwen3_moe_debug"])
 def test_layer_scan_equals_the_unrolled_loop(flavor):
     import copy
     import layer_scan
     torch.manual_seed(0)
-    unrolled = Transformer(FLAVORS[flavor])
+    unrolled = Transformer(dataclasses.replace(FLAVORS[flavor], moe_impl="gmm" if "moe" in flavor else "reference"))
     scanned = layer_scan.stack_layers(copy.deepcopy(unrolled))
     x, y = torch.randint(0, 256, (2, 24)), torch.randint(0, 256, (2, 24))
-    ce, _ = unrolled(x, y)
-    ce_s, _ = scanned(x, y)
-    assert ce.item() == ce_s.item()
+    ce, aux = unrolled(x, y)
+    ce_s, aux_s = scanned(x, y)
+    assert ce.item() == ce_s.item() and aux.item() == pytest.approx(aux_s.item(), rel=1e-6)
+    ce, ce_s = ce + aux, ce_s + aux_s
     grads = dict(zip([n for n, _ in unrolled.named_parameters()], torch.autograd.grad(ce, list(unrolled.parameters()))))
     for name, g in zip([n for n, _ in scanned.named_parameters()], torch.autograd.grad(ce_s, list(scanned.parameters()))):
         if name.startswith("layers."):
@@ -868,6 +869,9 @@ def test_layer_scan_keeps_the_step_graph_constant_in_depth(corpus, tmp_path):
     assert sizes[8, False] > 3 * sizes[2, True]
     want = _train_losses(_trainer(corpus, tmp_path), steps=5)
     got = _train_losses(_trainer(corpus, tmp_path, "--mode", "graph", "--scan"), steps=5)
+    moe = ["--flavor", "qwen3_moe_debug", "--kernels", "pallas", "--set", "moe_ffn_dim=32"]
+    want += _train_losses(_trainer(corpus, tmp_path, *moe), steps=3)
+    got += _train_losses(_trainer(corpus, tmp_path, "--mode", "graph", "--scan", *moe), steps=3)
     # Gradients agree to 1e-6 (above); the global norm sums stacked tensors in another order, so
     # the clip coefficient differs in the last bits and losses drift by ~2e-5 over 5 steps.
     assert max(abs(a - b) for a, b in zip(want, got)) < 1e-4
