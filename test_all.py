@@ -591,7 +591,8 @@ def test_graph_mode_is_one_graph_and_equals_eager(corpus, tmp_path, extra):
     assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5, (want, got)
     for p, q in zip(eager.params, graph.params):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
-    ops = graph.step_fn.gm and __import__("graph_trainer").op_counts(graph.step_fn.gm)
+    import graph_trainer
+    ops = graph_trainer.op_counts(graph.step_fn.gm)
     # forward (embedding, matmuls), backward (embedding_dense_backward), optimizer (sqrt of AdamW's
     # second moment, foreach lerp), all in ONE GraphModule:
     assert ops.get("aten.embedding.default") == 1 and ops.get("aten.embedding_dense_backward.default") == 1

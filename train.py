@@ -23,6 +23,7 @@ import torch
 import checkpoint
 import data
 import device as dev
+import graph_trainer
 import optim
 from model import FLAVORS, Transformer, check_args, flops_per_token, tpu_config
 
@@ -190,11 +191,7 @@ class Trainer:
 
     def make_step_fn(self):
         if self.cfg.mode == "graph":
-            import graph_trainer
-            try:
-                return graph_trainer.GraphStep(self)
-            except graph_trainer.GraphCaptureError as e:
-                raise ConfigError(str(e)) from None
+            return graph_trainer.GraphStep(self)
         if self.cfg.mode == "compile":
             backend = "openxla" if dev.is_xla(self.device) else "inductor"
             for layer in self.model.layers:
@@ -293,13 +290,8 @@ class Trainer:
             self.step += 1
             inputs, targets = self.batches.get(self.step, self.rank)
             lr = optim.lr_at(self.step, cfg.lr, cfg.warmup, cfg.steps)
-            try:
-                ce, norm = self.step_fn(inputs.to(self.device), targets.to(self.device),
-                                        torch.tensor(lr, device=self.device))
-            except Exception as e:
-                if type(e).__name__ != "GraphCaptureError":
-                    raise
-                raise ConfigError(str(e)) from None
+            ce, norm = self.step_fn(inputs.to(self.device), targets.to(self.device),
+                                    torch.tensor(lr, device=self.device))
             dev.sync(self.device)
             loss = ce.item()
             if self.step == start_step + 1 and cfg.mode == "graph":
@@ -348,7 +340,8 @@ def main(argv=None):
         if dist_ctx is not None:
             dist_ctx.close()  # only on the happy path: after a peer failure it could wait on the dead
         return rc
-    except (ConfigError, data.DataError, checkpoint.CheckpointError, dev.DeviceUnavailable) as e:
+    except (ConfigError, data.DataError, checkpoint.CheckpointError, dev.DeviceUnavailable,
+            graph_trainer.GraphCaptureError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except (RuntimeError, torch.distributed.DistError) as e:
