@@ -14,9 +14,11 @@ layer axis; torch_xla's is torch_xla.experimental.scan_layers. Ours, for the tra
 
 Under make_fx each is one node, so the step graph has the same size at 2 or 200 layers. (torch's
 own torch._higher_order_ops.scan gave wrong gradients in torch 2.9 in our measurement, hence this.)
-Limits: static shapes only (MoE needs the Pallas gmm); not on XLA, where this op gave wrong
-gradients and tracing the block's vjp on XLA fake tensors hits an autograd-engine assert;
-torch_xla.experimental.scan_layers is the XLA-side route (not wired in here).
+On XLA the two ops' kernels build XLA While loops instead of Python loops (torch_xla's scan core,
+torch_xla/experimental/scan.py, without its AOTAutograd layer: our backward op is the vjp), so
+the compiled program, not only the FX graph, stays one block long: the same path in eager XLA
+(autograd calls the backward op) and graph mode (both ops are nodes of the step graph).
+Limits: static shapes only (MoE needs the Pallas gmm); one process (no --mesh).
 """
 import copy
 
@@ -35,9 +37,25 @@ def _block_call(block_id, params, h, cos, sin):
     return h, aux.float()
 
 
+def _xla_while(body, init, xs, reverse=False):
+    """One XLA While loop over the leading axis of xs: body(carry, x_i) -> (carry, y_i) is traced
+    once on placeholder tensors into the loop body; ys are stacked at index i (also when reverse).
+    _scan_impl_pytree is private API of torch_xla 2.9 (pinned); its public scan() would re-derive
+    the backward with AOTAutograd, which cannot run inside a custom op's kernel."""
+    from torch_xla.experimental.scan import _scan_impl_pytree
+    return _scan_impl_pytree(body, init, xs, reverse=reverse)
+
+
 @torch.library.custom_op("minititan::scan_layers", mutates_args=())
 def scan_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stacked: list[torch.Tensor],
                 block_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if h.device.type == "xla":
+        def body(carry, weights):
+            h, aux = carry
+            out, layer_aux = _block_call(block_id, list(weights), h, cos, sin)
+            return (out, aux + layer_aux), h
+        (h, aux), carries = _xla_while(body, (h, h.new_zeros((), dtype=torch.float32)), tuple(stacked))
+        return h, aux, carries
     carries, aux = [], h.new_zeros((), dtype=torch.float32)
     for i in range(stacked[0].shape[0]):
         carries.append(h)
@@ -80,13 +98,19 @@ def _trace_block_vjp(block_id, h, cos, sin, stacked):
 @torch.library.custom_op("minititan::scan_layers_bwd", mutates_args=())
 def scan_layers_bwd(carries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stacked: list[torch.Tensor],
                     grad_h: torch.Tensor, grad_aux: torch.Tensor, block_id: int) -> list[torch.Tensor]:
-    grads = [torch.zeros_like(w) for w in stacked]
     block_vjp = _VJPS[_vjp_key(block_id, carries[0])]
+    if carries.device.type == "xla":
+        def body(grad_h, saved):
+            h, weights = saved
+            grad_h, *grad_params = block_vjp(h, cos, sin, list(weights), grad_h, grad_aux)
+            return grad_h, tuple(grad_params)
+        grad_h, grads = _xla_while(body, grad_h, (carries, tuple(stacked)), reverse=True)
+        return [grad_h, *grads]
+    per_layer = []  # stacked at the end: in-place writes into a fresh tensor are lost on XLA here
     for i in reversed(range(stacked[0].shape[0])):  # recompute layer i from its saved input, pull back
         grad_h, *grad_params = block_vjp(carries[i], cos, sin, [w[i] for w in stacked], grad_h, grad_aux)
-        for g, gp in zip(grads, grad_params):
-            g[i] = gp
-    return [grad_h, *grads]
+        per_layer.insert(0, grad_params)
+    return [grad_h, *[torch.stack(g) for g in zip(*per_layer)]]
 
 
 @scan_layers_bwd.register_fake

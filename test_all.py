@@ -630,8 +630,10 @@ print(json.dumps({"losses": losses, "compiles": compiles}))
 '''
 
 
-def test_graph_mode_on_xla_one_program_per_step_shape(corpus, tmp_path):
-    args = [*TINY, "--data", corpus, "--ckpt-interval", "0", "--eval-batches", "0", "--out-dir", str(tmp_path / "x")]
+@pytest.mark.parametrize("scan", [False, True])
+def test_graph_mode_on_xla_one_program_per_step_shape(scan, corpus, tmp_path):
+    args = [*TINY, "--data", corpus, "--ckpt-interval", "0", "--eval-batches", "0", "--out-dir", str(tmp_path / "x"),
+            *(["--scan"] if scan else [])]
     proc = subprocess.run([sys.executable, "-c", XLA_GRAPH_SCRIPT, *args, "--mode", "graph", "--device", "xla"],
                           cwd=HERE, capture_output=True, text=True, timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -855,6 +857,46 @@ def test_layer_scan_equals_the_unrolled_loop(flavor):
         else:
             want = grads[name]
         torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+
+
+XLA_SCAN_SCRIPT = r'''
+import copy, dataclasses, json, os, sys, torch
+sys.path.insert(0, os.getcwd())
+import torch_xla
+import layer_scan
+from model import Transformer, FLAVORS
+out = {}
+for flavor, layers in (("llama3_debug", 2), ("llama3_debug", 5), ("qwen3_moe_debug", 2)):
+    torch.manual_seed(0)
+    unrolled = Transformer(dataclasses.replace(FLAVORS[flavor], n_layers=layers, moe_impl="gmm" if "moe" in flavor else "reference"))
+    scanned = layer_scan.stack_layers(copy.deepcopy(unrolled)).to(torch_xla.device())
+    x, y = torch.randint(0, 256, (2, 24)), torch.randint(0, 256, (2, 24))
+    want = torch.autograd.grad(sum(unrolled(x, y)), list(unrolled.parameters()))
+    got = torch.autograd.grad(sum(scanned(x.to("xla"), y.to("xla"))), list(scanned.parameters()))
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(got))
+    torch_xla.sync()  # one program for all gradients (reading them one by one would compile one each)
+    by_name = dict(zip([n for n, _ in unrolled.named_parameters()], want))
+    err = 0.0
+    for name, g in zip([n for n, _ in scanned.named_parameters()], got):
+        leaf = name[len("layers."):].replace("__", ".")
+        w = torch.stack([by_name[f"layers.{i}.{leaf}"] for i in range(layers)]) if name.startswith("layers.") else by_name[name]
+        err = max(err, (g.cpu() - w).abs().max().item())
+    out[f"{flavor}/{layers}"] = {"err": err, "hlo_lines": len(hlo.splitlines()), "whiles": hlo.count(" while(")}
+print(json.dumps(out))
+'''
+
+
+def test_layer_scan_on_xla_is_one_while_loop_with_the_unrolled_gradients():
+    """On XLA the scan op lowers to XLA While loops (forward and backward): the program is the same
+    size at 2 and 5 layers, and the gradients equal the unrolled model's on CPU (MoE: Pallas gmm
+    inside the loop body, through call_jax)."""
+    proc = subprocess.run([sys.executable, "-c", XLA_SCAN_SCRIPT], cwd=HERE, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    for r in res.values():
+        assert r["err"] < 1e-6 and r["whiles"] >= 2, res
+    assert res["llama3_debug/2"]["hlo_lines"] == res["llama3_debug/5"]["hlo_lines"], res
 
 
 def test_layer_scan_keeps_the_step_graph_constant_in_depth(corpus, tmp_path):

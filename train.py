@@ -165,9 +165,9 @@ class Trainer:
             raise ConfigError("graph mode needs static shapes; the reference MoE dispatch reads group sizes "
                               "on the host: add --kernels pallas")
         if cfg.scan:
-            if (self.model_args.n_experts and self.model_args.moe_impl == "reference") or dist_ctx or dev.is_xla(self.device):
+            if (self.model_args.n_experts and self.model_args.moe_impl == "reference") or dist_ctx:
                 raise ConfigError("--scan traces one block's backward ahead of time: it needs static shapes "
-                                  "(MoE: add --kernels pallas), one process, and CPU/CUDA (XLA: wrong gradients, see README)")
+                                  "(MoE: add --kernels pallas) and one process")
             import layer_scan
             model = layer_scan.stack_layers(model)
         self.model = dist_ctx.shard(model) if dist_ctx else model.to(self.device)
