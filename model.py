@@ -186,7 +186,9 @@ def rotate_half(x):
 
 
 def apply_rope(x_BxHxSxD, cos_SxD, sin_SxD):
-    return x_BxHxSxD * cos_SxD + rotate_half(x_BxHxSxD) * sin_SxD
+    # fp32 tables; the result keeps x's dtype so q, k and v agree under autocast (XLA's autocast
+    # does not cast scaled_dot_product_attention's inputs to one dtype, CUDA's does)
+    return (x_BxHxSxD * cos_SxD + rotate_half(x_BxHxSxD) * sin_SxD).type_as(x_BxHxSxD)
 
 
 class Attention(nn.Module):
