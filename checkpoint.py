@@ -87,6 +87,9 @@ def check_compatible(path, meta):
         if key in meta and saved.get(key, meta[key]) != meta[key]:
             raise CheckpointError(f"checkpoint {path} was saved on mesh {saved.get(key)!r}, this run "
                                   f"uses {meta[key]!r}")
+    if saved.get("layers", "per-layer") != meta.get("layers", "per-layer"):  # parameter names differ
+        raise CheckpointError(f"checkpoint {path} holds {saved.get('layers', 'per-layer')} layer weights, this "
+                              f"run {meta.get('layers', 'per-layer')}: resume with{'out' if meta.get('layers') else ''} --scan")
     return saved
 
 

@@ -149,7 +149,7 @@ class StackedLayers(nn.Module):
         _BLOCKS[self.block_id] = (template, self.names)
         self.n_layers = len(layers)
 
-    def run(self, h, cos, sin):
+    def forward(self, h, cos, sin):
         stacked = [getattr(self, n.replace(".", "__")) for n in self.names]
         _trace_block_vjp(self.block_id, h, cos, sin, stacked)
         out, aux, _ = scan_layers(h, cos, sin, stacked, self.block_id)

@@ -69,8 +69,8 @@ class DistContext:
         if self.dp_impl == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
             mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
-            for block in model.layers:
-                fully_shard(block, mesh=mesh, mp_policy=mp)
+            for block in (model.layers if isinstance(model.layers, torch.nn.ModuleList) else [model.layers]):
+                fully_shard(block, mesh=mesh, mp_policy=mp)  # (with --scan: all blocks are one unit)
             # (FSDP2 re-points uneven local shards at each reshard: take fresh `local()` views per step.)
             return fully_shard(model, mesh=mesh, mp_policy=mp)
         import simplefsdp

@@ -323,9 +323,9 @@ class Transformer(nn.Module):
         return self.norm(h), aux
 
     def run_layers(self, h, cos, sin):
-        """The layer loop. layer_scan.py may swap self.layers for a stacked scan with its own run()."""
-        if hasattr(self.layers, "run"):
-            return self.layers.run(h, cos, sin)
+        """The layer loop. layer_scan.py may swap self.layers for one module that scans them."""
+        if not isinstance(self.layers, nn.ModuleList):
+            return self.layers(h, cos, sin)
         aux = h.new_zeros((), dtype=torch.float32)
         for layer in self.layers:
             h, layer_aux = layer(h, cos, sin)

@@ -330,6 +330,8 @@ def test_checkpoint_of_another_flavor_is_refused_and_kept(corpus, tmp_path):
     assert sorted(os.listdir(ckpt)) == before and not os.path.exists(os.path.join(out_dir, "checkpoints", "step_000004"))
     rc, _, err = run_train([*TINY, "--data", corpus, "--steps", "4", "--out-dir", out_dir])
     assert rc == 2 and "--resume" in err  # a fresh run refuses to overwrite existing checkpoints
+    rc, _, err = run_train([*TINY, "--data", corpus, "--steps", "4", "--out-dir", out_dir, "--resume", "--scan"])
+    assert rc == 2 and err.strip().endswith("resume without --scan")  # stacked names differ
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, monkeypatch, capsys):
@@ -716,6 +718,20 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus,
         total, local = start(single)[key], start(multi)[key]
         slack = row_bytes * (2 if key == "optim_bytes_local" else 1)
         assert total / shards <= local <= total / shards + slack, (key, total, local)
+
+
+@pytest.mark.parametrize("impl,mode", [("simple", "graph"), ("fsdp2", "eager")])
+def test_layer_scan_under_a_mesh_matches_single_process(impl, mode, corpus, tmp_path):
+    """Stacked (L, ...) weights are sharded on the layer axis; the scan op gets them gathered. (The
+    oracle is one process with --scan: scan vs unrolled is tested above, and its grad norm sums in
+    another order, ~2e-5 over 6 steps.)"""
+    common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0", "--scan"]
+    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
+    assert run_train([*common, "--out-dir", single])[0] == 0
+    rc, out, err = torchrun(2, [*common, "--out-dir", multi, "--mesh", "ici=2", "--dp-impl", impl, "--mode", mode])
+    assert rc == 0, err[-3000:]
+    want, got = losses(single), losses(multi)
+    assert sorted(got) == list(range(1, 7)) and max(abs(want[s] - got[s]) for s in want) < 1e-5
 
 
 def test_graph_mode_with_simplefsdp_hsdp_is_one_graph_with_its_collectives(corpus, tmp_path):

@@ -60,7 +60,7 @@ def build_parser():
       help="graph mode backend (default: xla on XLA devices, else fx)")
     a("--remat", action="store_true", help="graph mode: recompute all but matmul outputs in the backward")
     a("--offload", action="store_true", help="graph mode: saved activations to host memory and back")
-    a("--scan", action="store_true", help="run the blocks as one scan over stacked weights (dense flavors)")
+    a("--scan", action="store_true", help="run the blocks as one scan over stacked weights (XLA: a While loop; MoE needs --kernels pallas)")
     a("--split", type=int, default=0, help="graph mode: cut the step graph into N stages run in order")
     a("--kernels", choices=["reference", "pallas"], default="reference",
       help="pallas: the TPU config rewrite (splash attention, fused loss, grouped matmul)")
@@ -153,6 +153,8 @@ class Trainer:
             self.meta["model_args"].pop(key)
         if dist_ctx:
             self.meta["mesh"] = dist_ctx.mesh_spec
+        if cfg.scan:
+            self.meta["layers"] = "stacked"
         resume_from = checkpoint.latest(self.ckpt_dir)
         if resume_from and not cfg.resume:
             raise ConfigError(f"{self.out_dir} already holds checkpoints; pass --resume or another --out-dir")
@@ -165,7 +167,7 @@ class Trainer:
             raise ConfigError("graph mode needs static shapes; the reference MoE dispatch reads group sizes "
                               "on the host: add --kernels pallas")
         if cfg.scan:
-            if (self.model_args.n_experts and self.model_args.moe_impl == "reference") or dist_ctx:
+            if (self.model_args.n_experts and self.model_args.moe_impl == "reference"):
                 raise ConfigError("--scan traces one block's backward ahead of time: it needs static shapes "
                                   "(MoE: add --kernels pallas) and one process")
             import layer_scan
