@@ -95,7 +95,7 @@ def _child_train(config, steps, extra=""):
     for i in range(1, steps + 1):
         x, y = trainer.batches.get(i)
         t0 = time.perf_counter()
-        ce, _ = step(x.to(trainer.device), y.to(trainer.device), torch.tensor(optim.lr_at(i, 1e-3, 5, steps), device=trainer.device))
+        ce, _ = step(x.to(trainer.device), y.to(trainer.device), dev.scalar(optim.lr_at(i, 1e-3, 5, steps), trainer.device))
         dev.sync(trainer.device)
         ce.item()
         times.append(time.perf_counter() - t0)

@@ -89,6 +89,16 @@ def is_xla(device):
     return torch.device(device).type == "xla"
 
 
+def scalar(value, device):
+    """A 0-d float tensor on `device` for a per-step input (lr, step number). On XLA it is uploaded
+    as a 1-element array and indexed: torch_xla caches scalar uploads by value and feeds inputs
+    holding the same data through one HLO parameter, so a step whose lr or step number equals
+    another scalar input would get a program of its own and recompile (pytorch/xla#3604)."""
+    if is_xla(device):
+        return torch.tensor([float(value)], device=device)[0]
+    return torch.tensor(float(value), device=device)
+
+
 def autocast_type(device):
     """The device_type string torch.autocast wants for this device."""
     return torch.device(device).type

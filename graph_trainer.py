@@ -114,14 +114,13 @@ class GraphStep:
 
     def _args(self, inputs, targets, lr):
         opt = self.trainer.opt
-        step = torch.tensor(float(opt.step_count + 1), device=self.trainer.device)
+        step = dev.scalar(opt.step_count + 1, self.trainer.device)
         return (self._params(), list(self.trainer.model.buffers()), opt.state["exp_avg"], opt.state["exp_avg_sq"],
                 step, lr, inputs, targets)
 
     def __call__(self, inputs, targets, lr):
         args = self._args(inputs, targets, lr)
         if self.gm is None:
-            dev.sync(self.trainer.device)  # XLA: materialize params/state so every step sees device data
             self.gm = self.transform(capture(self.step_fn, args))
             run = self.gm if not self.split else graph_passes.SplitStep(self.gm, self.split)
             self.compiled = torch.compile(run, backend="inductor") if self.backend == "inductor" else run

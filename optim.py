@@ -84,12 +84,13 @@ class AdamW:
         self.step_count = 0
 
     @torch.no_grad()
-    def step(self, grads, lr, params=None):
-        """`params`: fresh views of the same parameters, for owners that re-point storage (FSDP2)."""
+    def step(self, grads, lr, params=None, step=None):
+        """`params`: fresh views of the same parameters, for owners that re-point storage (FSDP2).
+        `step`: this update's number as a 0-d tensor (XLA: an input, not a new constant per step)."""
         params = self.params if params is None else params
         self.step_count += 1
         new_params, self.state = adamw([p.detach() for p in params], grads, self.state,
-                                       self.step_count, lr, self.betas, self.eps,
+                                       self.step_count if step is None else step, lr, self.betas, self.eps,
                                        self.weight_decay, self.mask)
         torch._foreach_copy_([p.data for p in params], new_params)
 

@@ -620,13 +620,13 @@ XLA_GRAPH_SCRIPT = r'''
 import os, sys, json, torch
 sys.path.insert(0, os.getcwd())
 import torch_xla, torch_xla.debug.metrics as met
-import train, optim
+import device, train, optim
 cfg = train.build_parser().parse_args(sys.argv[1:])
 tr = train.Trainer(cfg)
 losses, compiles = [], []
 for i in range(1, 9):
     x, y = tr.batches.get(i)
-    ce, _ = tr.step_fn(x.to(tr.device), y.to(tr.device), torch.tensor(optim.lr_at(i, cfg.lr, cfg.warmup, 8), device=tr.device))
+    ce, _ = tr.step_fn(x.to(tr.device), y.to(tr.device), device.scalar(optim.lr_at(i, cfg.lr, cfg.warmup, 8), tr.device))
     torch_xla.sync()
     losses.append(ce.item())
     compiles.append(met.metric_data("CompileTime")[0])
@@ -634,16 +634,20 @@ print(json.dumps({"losses": losses, "compiles": compiles}))
 '''
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_graph_mode_on_xla_one_program_per_step_shape(scan, corpus, tmp_path):
+@pytest.mark.parametrize("mode,scan", [("graph", False), ("graph", True)])
+def test_xla_compiles_one_program_per_step_shape(mode, scan, corpus, tmp_path):
+    # (Not asserted for --mode eager: there, on a loaded machine, a step now and then compiles a new
+    # program (6 of 12 runs with two at once); see README, Known limits.)
     args = [*TINY, "--data", corpus, "--ckpt-interval", "0", "--eval-batches", "0", "--out-dir", str(tmp_path / "x"),
             *(["--scan"] if scan else [])]
-    proc = subprocess.run([sys.executable, "-c", XLA_GRAPH_SCRIPT, *args, "--mode", "graph", "--device", "xla"],
+    proc = subprocess.run([sys.executable, "-c", XLA_GRAPH_SCRIPT, *args, "--mode", mode, "--device", "xla"],
                           cwd=HERE, capture_output=True, text=True, timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    # Step 1 may compile once more (fresh, not-yet-donated buffers); from then on: one cached program.
-    assert res["compiles"][1] == res["compiles"][-1]
+    # Step 1 compiles the step program (after one small program that materializes the initial
+    # state); no step compiles again, also not step 2, whose bias correction (1 - 0.9 = 0.1) equals
+    # the weight decay: per-step scalars enter as inputs that torch_xla does not merge by value.
+    assert res["compiles"][0] == res["compiles"][-1] == 2, res["compiles"]
     want = _train_losses(_trainer(corpus, tmp_path), steps=8)
     assert max(abs(a - b) for a, b in zip(want, res["losses"])) < 1e-4
 

@@ -183,7 +183,8 @@ class Trainer:
             self.restore(resume_from)
         self.flops_per_token = flops_per_token(self.model_args, cfg.seq_len)
         self.peak, self.peak_label = dev.peak_flops(self.device)
-        self.step_fn = self.make_step_fn()
+        dev.sync(self.device)  # XLA: parameters and AdamW state become device data before step 1, so
+        self.step_fn = self.make_step_fn()  # step 1 builds the same program as every later step
 
     # ---------------------------------------------------------------------------------------------
     def autocast(self):
@@ -218,7 +219,8 @@ class Trainer:
         if self.dist:  # gradients arrive as averaged shards; the loss is averaged for logging
             grads, reduce_sq, ce = self.dist.local(grads), self.dist.sum_over_shards, self.dist.mean_over_dp(ce)
         grads, norm = optim.clip_by_global_norm(grads, self.cfg.clip, reduce_sq)
-        self.opt.step(grads, lr, self.dist.local(self.params) if self.dist else None)
+        step = dev.scalar(self.opt.step_count + 1, self.device) if dev.is_xla(self.device) else None
+        self.opt.step(grads, lr, self.dist.local(self.params) if self.dist else None, step)
         return ce, norm
 
     @torch.no_grad()
@@ -293,7 +295,7 @@ class Trainer:
             inputs, targets = self.batches.get(self.step, self.rank)
             lr = optim.lr_at(self.step, cfg.lr, cfg.warmup, cfg.steps)
             ce, norm = self.step_fn(inputs.to(self.device), targets.to(self.device),
-                                    torch.tensor(lr, device=self.device))
+                                    dev.scalar(lr, self.device))
             dev.sync(self.device)
             loss = ce.item()
             if self.step == start_step + 1 and cfg.mode == "graph":
