@@ -106,7 +106,7 @@ def scan_layers_bwd(carries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             return grad_h, tuple(grad_params)
         grad_h, grads = _xla_while(body, grad_h, (carries, tuple(stacked)), reverse=True)
         return [grad_h, *grads]
-    per_layer = []  # stacked at the end: in-place writes into a fresh tensor are lost on XLA here
+    per_layer = []  # stacked at the end, not written in place: inside this op on XLA such writes were lost
     for i in reversed(range(stacked[0].shape[0])):  # recompute layer i from its saved input, pull back
         grad_h, *grad_params = block_vjp(carries[i], cos, sin, [w[i] for w in stacked], grad_h, grad_aux)
         per_layer.insert(0, grad_params)
