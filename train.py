@@ -167,9 +167,9 @@ class Trainer:
             raise ConfigError("graph mode needs static shapes; the reference MoE dispatch reads group sizes "
                               "on the host: add --kernels pallas")
         if cfg.scan:
-            if (self.model_args.n_experts and self.model_args.moe_impl == "reference"):
+            if self.model_args.n_experts and self.model_args.moe_impl == "reference":
                 raise ConfigError("--scan traces one block's backward ahead of time: it needs static shapes "
-                                  "(MoE: add --kernels pallas) and one process")
+                                  "(MoE: add --kernels pallas)")
             import layer_scan
             model = layer_scan.stack_layers(model)
         self.model = dist_ctx.shard(model) if dist_ctx else model.to(self.device)
