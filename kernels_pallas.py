@@ -383,26 +383,24 @@ def _rows_in_group(meta, v, shape, block_m):
     return (row >= meta[2, v]) & (row < meta[3, v])
 
 
+def _zero_on_first_visit(meta, v, key, out_ref):
+    """Zero the output block when visit v is the first to write it (meta row `key`: 0 = the
+    visit's row tile, for gmm; 1 = its group, for tgmm); later visits accumulate into it."""
+    @pl.when((v == 0) | (meta[key, v] != meta[key, jnp.maximum(v - 1, 0)]))
+    def _():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+
 def _gmm_kernel(meta, x_ref, w_ref, o_ref, *, block_m):
     v = pl.program_id(0)
-    first_visit = (v == 0) | (meta[0, v] != meta[0, jnp.maximum(v - 1, 0)])
-
-    @pl.when(first_visit)
-    def _():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
-
+    _zero_on_first_visit(meta, v, 0, o_ref)
     x = jnp.where(_rows_in_group(meta, v, x_ref.shape, block_m), x_ref[...], 0)
     o_ref[...] += _dot(x, w_ref[...]).astype(o_ref.dtype)
 
 
 def _tgmm_kernel(meta, x_ref, dy_ref, dw_ref, *, block_m):
     v = pl.program_id(0)
-    first_visit = (v == 0) | (meta[1, v] != meta[1, jnp.maximum(v - 1, 0)])
-
-    @pl.when(first_visit)
-    def _():
-        dw_ref[...] = jnp.zeros(dw_ref.shape, dw_ref.dtype)
-
+    _zero_on_first_visit(meta, v, 1, dw_ref)
     x = jnp.where(_rows_in_group(meta, v, x_ref.shape, block_m), x_ref[...], 0)
     dw_ref[...] += _dot(x.T, dy_ref[...]).astype(dw_ref.dtype)
 
