@@ -1,13 +1,21 @@
-"""checkpoint.py: atomic checkpoints with torch.distributed.checkpoint (DCP).
+"""checkpoint.py: atomic, verified checkpoints with torch.distributed.checkpoint (DCP).
 
-DCP writes each rank's shards in parallel and reshards on load, so the same code serves one process
-and a sharded (SimpleFSDP) run. Atomicity is ours: a checkpoint is written into `step_N.tmp`, renamed
-to `step_N` only when complete, and only then does the one-line `latest` file (replaced with
-os.replace, atomic on POSIX) point at it. A crash at any moment leaves `latest` naming the previous
-complete checkpoint. meta.json records the model config so a checkpoint of another model is refused.
+DCP writes each rank's shards in parallel, so the same code serves one process and a sharded
+(SimpleFSDP) run; a checkpoint is loaded on the mesh it was saved on (another one is refused).
+
+The write protocol, in order (a crash between any two steps leaves the previous checkpoint usable):
+  1. DCP writes every rank's files into `step_N.tmp/` (a failed write removes it again);
+  2. rank 0 writes `meta.json` there: the model config, the training config, and a sha256 of every
+     file DCP wrote (so a flipped or truncated byte is found at resume, not as a NaN loss later);
+  3. `step_N.tmp` is renamed to `step_N` (atomic on POSIX): a `step_N` directory is always complete;
+  4. the one-line `latest` file is replaced (os.replace, atomic) to name `step_N`.
+`latest` is a hint for people and tools; resuming trusts the directories: it takes the newest
+`step_N` and verifies it, so a missing or garbage `latest` cannot hide the checkpoints.
 """
+import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
 
@@ -17,12 +25,18 @@ import torch.distributed.checkpoint as dcp
 
 
 class CheckpointError(ValueError):
-    pass
+    """A checkpoint that cannot be used (broken, another model, another config): one line, exit 2."""
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (disk full, size limit): partial files removed, previous kept."""
 
 
 # DCP's notes for single-process use and its internal TypedStorage call: expected, not actionable.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def _rank():
@@ -34,68 +48,207 @@ def _barrier():
         dist.barrier()
 
 
-def latest(ckpt_dir):
-    """Path of the newest complete checkpoint, or None."""
-    pointer = os.path.join(ckpt_dir, "latest")
-    if not os.path.exists(pointer):
-        return None
-    with open(pointer) as f:
-        path = os.path.join(ckpt_dir, f.read().strip())
-    return path if os.path.isdir(path) else None
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_dirs(ckpt_dir):
+    """Complete checkpoint directories, newest first: [(step, path)]."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    found = [(int(m.group(1)), os.path.join(ckpt_dir, name))
+             for name in os.listdir(ckpt_dir) if (m := STEP_DIR.match(name))]
+    return sorted(found, reverse=True)
+
+
+def holds_checkpoints(ckpt_dir):
+    return bool(step_dirs(ckpt_dir)) or os.path.exists(os.path.join(ckpt_dir, "latest"))
 
 
 def save(ckpt_dir, step, state, meta):
-    """Write `state` (a nested dict of tensors / picklable values) as checkpoint `step`, atomically."""
+    """Write `state` (a nested dict of tensors / picklable values) as checkpoint `step`, atomically:
+    the four steps of the protocol in the module docstring, one function each."""
     name = f"step_{step:06d}"
     final, tmp = os.path.join(ckpt_dir, name), os.path.join(ckpt_dir, name + ".tmp")
     if _rank() == 0:
         os.makedirs(ckpt_dir, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed write
     _barrier()
-    # per_thread_copy_ahead=0: our state is already on the host; it also keeps DCP off its
-    # stream-overlapping loader, which breaks once torchax (imported by call_jax) claims PrivateUse1.
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0))
-    _barrier()
+    try:
+        _write_shards(tmp, state)                              # 1.
+        _barrier()
+        if _rank() == 0:
+            _write_meta(tmp, dict(meta, step=step))            # 2.
+    except (Exception, dcp.api.CheckpointException) as e:  # disk full, size limit, I/O error
+        if isinstance(e, dist.DistError):  # a peer died mid-save: that is train.py's one-line error
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # leave nothing half-written behind
+        raise _write_error(ckpt_dir, name, e) from None
     if _rank() == 0:
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(dict(meta, step=step), f)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        pointer_tmp = os.path.join(ckpt_dir, "latest.tmp")
-        with open(pointer_tmp, "w") as f:
-            f.write(name)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer_tmp, os.path.join(ckpt_dir, "latest"))
+        _commit(tmp, final)                                    # 3.
+        _point_latest(ckpt_dir, name)                          # 4.
     _barrier()
     return final
 
 
+def _write_shards(tmp, state):
+    # per_thread_copy_ahead=0: our state is already on the host; it also keeps DCP off its
+    # stream-overlapping loader, which breaks once torchax (imported by call_jax) claims PrivateUse1.
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0))
+
+
+def _write_meta(tmp, meta):
+    files = {f: _sha256(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(dict(meta, files=files), f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _commit(tmp, final):
+    if os.path.isdir(final):  # a re-run of the same step (resumed from an older checkpoint)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+
+
+def _point_latest(ckpt_dir, name):
+    pointer_tmp = os.path.join(ckpt_dir, "latest.tmp")
+    with open(pointer_tmp, "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer_tmp, os.path.join(ckpt_dir, "latest"))
+
+
+def _write_error(ckpt_dir, name, e):
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+    if "unexpected pos" in reason or "file write failed" in reason:  # torch.save's short-write check
+        reason = "a short write: the disk is full or a file-size limit was hit"
+    free = shutil.disk_usage(ckpt_dir).free / 2**20 if os.path.isdir(ckpt_dir) else float("nan")
+    kept = step_dirs(ckpt_dir)
+    return CheckpointWriteError(f"writing checkpoint {name} failed ({reason}; {free:.0f} MiB free on that "
+                                f"disk); the partial files were removed, "
+                                f"{os.path.basename(kept[0][1]) if kept else 'no earlier checkpoint'} is kept")
+
+
 def read_meta(path):
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{os.path.join(path, 'meta.json')} is missing or unreadable "
+                              f"({type(e).__name__})") from None
 
 
-def check_compatible(path, meta):
-    """Refuse a checkpoint whose model config differs from this run's (one-line reason)."""
+def verify(path):
+    """None if every file of checkpoint `path` is there with the checksum meta.json recorded, else
+    the first problem found, naming the file."""
+    try:
+        files = read_meta(path)["files"]
+    except CheckpointError as e:
+        return str(e)
+    except (KeyError, TypeError):
+        return f"{os.path.join(path, 'meta.json')} records no checksums"
+    for name, digest in files.items():
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            return f"{full} is missing"
+        if _sha256(full) != digest:
+            return f"{full} does not match its checksum (corrupt or truncated)"
+    return None
+
+
+def find_resumable(ckpt_dir):
+    """(path, note) of the newest checkpoint to resume from, or (None, note) if there is none.
+
+    The newest `step_N` must verify: if it does not, the run is refused with the newest good one
+    named (resume from it explicitly with --resume-from), rather than silently going back in time.
+    """
+    found = step_dirs(ckpt_dir)
+    if not found:
+        return None, f"no checkpoint in {ckpt_dir}: starting at step 0"
+    newest = found[0][1]
+    problem = verify(newest)
+    if problem:
+        good = next((p for _, p in found[1:] if verify(p) is None), None)
+        hint = (f"the newest good checkpoint is {good}: pass --resume-from {os.path.basename(good)}"
+                if good else "no good checkpoint remains")
+        raise CheckpointError(f"checkpoint {newest} is broken: {problem}; {hint}")
+    note = None
+    try:
+        with open(os.path.join(ckpt_dir, "latest"), encoding="utf-8") as f:
+            pointer = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        pointer = None
+    if pointer != os.path.basename(newest):
+        note = (f"{os.path.join(ckpt_dir, 'latest')} is missing or does not name the newest checkpoint; "
+                f"resuming from {os.path.basename(newest)}, which verifies")
+    return newest, note
+
+
+def resolve(ckpt_dir, name):
+    """An explicitly named checkpoint (--resume-from): it must verify."""
+    path = name if os.path.isdir(name) else os.path.join(ckpt_dir, name)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--resume-from {name}: no such checkpoint in {ckpt_dir}")
+    problem = verify(path)
+    if problem:
+        raise CheckpointError(f"--resume-from {name}: {problem}")
+    return path
+
+
+def set_aside_newer(ckpt_dir, step):
+    """Rename checkpoints newer than `step` to `step_N.superseded` (kept, not resumed from)."""
+    for s, path in step_dirs(ckpt_dir):
+        if s > step:
+            os.replace(path, path + ".superseded")
+
+
+def check_compatible(path, meta, allow_change=()):
+    """Refuse a checkpoint of another model, mesh, layer layout or training config (one-line reason).
+    Training-config keys named in `allow_change` may differ (a deliberate change)."""
     saved = read_meta(path)
     for key in ("flavor", "model_args"):
         if saved.get(key) != meta.get(key):
             raise CheckpointError(f"checkpoint {path} is from another model ({key}: saved "
                                   f"{saved.get(key)!r}, this run {meta.get(key)!r})")
-    for key in ("mesh",):
-        if key in meta and saved.get(key, meta[key]) != meta[key]:
-            raise CheckpointError(f"checkpoint {path} was saved on mesh {saved.get(key)!r}, this run "
-                                  f"uses {meta[key]!r}")
+    if saved.get("mesh") != meta.get("mesh"):
+        raise CheckpointError(f"checkpoint {path} was saved on mesh {saved.get('mesh')!r}, this run "
+                              f"uses {meta.get('mesh')!r} (resharding on load is not supported)")
     if saved.get("layers", "per-layer") != meta.get("layers", "per-layer"):  # parameter names differ
         raise CheckpointError(f"checkpoint {path} holds {saved.get('layers', 'per-layer')} layer weights, this "
                               f"run {meta.get('layers', 'per-layer')}: resume with{'out' if meta.get('layers') else ''} --scan")
+    old, new = saved.get("train", {}), meta.get("train", {})
+    if saved.get("step", 0) >= new.get("steps", float("inf")):
+        raise CheckpointError(f"{path} is at step {saved.get('step')}, --steps is {new['steps']}: nothing to "
+                              f"train (raise --steps, with --allow-change steps)")
+    changed = [k for k in new if k not in allow_change and old.get(k) != new[k]]
+    if changed:
+        what = ", ".join(f"{k}: saved {old.get(k)!r}, now {new[k]!r}" for k in changed)
+        raise CheckpointError(f"--resume with a different training config ({what}); pass "
+                              f"--allow-change {','.join(changed)} to continue with the new values")
     return saved
 
 
 def load(path, state):
     """Fill `state` (same structure as saved, tensors preallocated) in place from `path`."""
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as e:  # verified files that DCP still cannot read (e.g. written by another version)
+        raise CheckpointError(f"checkpoint {path} could not be loaded ({str(e).strip().splitlines()[-1][:200]})") from None
     return state
 
 

@@ -9,6 +9,7 @@ exactly those numbers; data-parallel rank `r` of `w` reads rows [r*B/w, (r+1)*B/
 data position is just the step counter, resuming is exact, ranks read different data without
 coordinating, and N ranks together see exactly what one process would (the oracle of the FSDP tests).
 """
+import hashlib
 import os
 import sysconfig
 
@@ -16,8 +17,20 @@ import numpy as np
 import torch
 
 
+BYTE_VOCAB = 256  # one token per byte value
+
+
 class DataError(ValueError):
     pass
+
+
+def fingerprint(*arrays):
+    """A short content hash of the corpus (a resumed run must read the same data)."""
+    h = hashlib.blake2b(digest_size=8)
+    for a in arrays:
+        h.update(len(a).to_bytes(8, "little"))
+        h.update(a.tobytes())
+    return h.hexdigest()
 
 
 def stdlib_dir():

@@ -150,6 +150,21 @@ def memory_stats(device):
     return {"peak_bytes": host_peak_rss_bytes(), "kind": "host peak rss"}
 
 
+def free_memory_bytes(device):
+    """Memory free for a new model on `device`: MemAvailable of this host for CPU and XLA:CPU (the
+    model is built on the host first), free device memory for CUDA; None where we cannot tell."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    if kind == "cpu" or (kind == "xla" and os.environ.get("PJRT_DEVICE", "CPU").upper() == "CPU"):
+        try:
+            with open("/proc/meminfo") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration):
+            return None
+    return None
+
+
 def _device_name(device):
     kind = torch.device(device).type
     if kind == "cuda":
@@ -175,7 +190,8 @@ def measure_cpu_matmul_peak(n=1024, repeats=5):
     """Best-of-`repeats` fp32 GEMM throughput of this CPU, in FLOP/s (cached per process)."""
     if n in _CPU_PEAK_CACHE:
         return _CPU_PEAK_CACHE[n]
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    gen = torch.Generator().manual_seed(0)  # its own generator: the global RNG state is the run's
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
     a @ b  # warm-up: thread pool, page faults
     best = float("inf")
     for _ in range(repeats):

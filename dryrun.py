@@ -17,6 +17,7 @@ import torch
 
 import graph_passes
 import graph_trainer
+import optim
 from model import Transformer, flops_per_token, param_counts, tpu_config
 
 GiB = 2**30
@@ -40,7 +41,7 @@ def traced_saved_bytes(args, local_batch, seq_len, remat):
     params = [p.detach() for p in model.parameters()]
     state = [torch.zeros_like(p) for p in params]
     step_fn = graph_trainer.build_step_fn(model, names, 1.0, (0.9, 0.95), 1e-8, 0.1,
-                                          [p.dim() >= 2 for p in params], lambda: torch.autocast("cpu", enabled=False))
+                                          optim.decay_mask(names, params), lambda: torch.autocast("cpu", enabled=False))
     tokens = torch.zeros(local_batch, seq_len, dtype=torch.long, device="meta")
     one = torch.ones((), device="meta")
     gm = graph_trainer.capture(step_fn, (params, list(model.buffers()), state, state, one, one, tokens, tokens))

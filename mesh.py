@@ -38,7 +38,7 @@ def parse_mesh(spec):
 
 
 def launched_by_torchrun():
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 class DistContext:

@@ -89,6 +89,12 @@ def check_args(args):
     if args.n_experts and not (0 < args.top_k <= args.n_experts and args.moe_ffn_dim > 0):
         raise ValueError(f"MoE needs 0 < top_k <= n_experts and moe_ffn_dim > 0, got top_k="
                          f"{args.top_k}, n_experts={args.n_experts}, moe_ffn_dim={args.moe_ffn_dim}")
+    for name in ("norm_eps", "rope_theta"):  # RMSNorm's eps keeps 1/sqrt finite; theta is a log base
+        if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
+            raise ValueError(f"{name} must be a positive number, got {getattr(args, name)}")
+    for registry, name, kind in ((ATTENTION_IMPLS, args.attn_impl, "attention"), (LOSS_IMPLS, args.loss_impl, "loss"),
+                                 (GMM_IMPLS, args.moe_impl, "grouped matmul")):
+        _impl(registry, name, kind)  # ValueError naming the choices for an unknown name
 
 
 def tpu_config(args):

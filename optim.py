@@ -6,17 +6,19 @@ as forward and backward (no host-side gap between backward and update), and what
 easy to check: it must equal torch.optim.AdamW step for step. The `_foreach_*` ops keep the eager
 path fast (one kernel launch per op over all tensors) and are traceable by make_fx.
 
-Weight decay: applied to matrices only (ndim >= 2); norm weights and biases are not decayed, the
-usual choice (nanoGPT, most LLM recipes), since shrinking a scale or offset towards 0 is no
-regularizer.
+Weight decay: applied to weight matrices (embeddings, projections, experts); norm weights and
+biases are not decayed, the usual choice (nanoGPT, most LLM recipes), since shrinking a scale or
+offset towards 0 is no regularizer. The rule reads names as well as shapes: under --scan a norm
+weight is stacked to (L, D), a matrix by shape alone.
 """
 import math
 
 import torch
 
 
-def decay_mask(params):
-    return [p.dim() >= 2 for p in params]
+def decay_mask(names, params):
+    """True where weight decay applies: matrices that are not norm weights or biases."""
+    return [p.dim() >= 2 and "norm" not in name and not name.endswith("bias") for name, p in zip(names, params)]
 
 
 def init_state(params):
@@ -32,7 +34,7 @@ def adamw(params, grads, state, step, lr, betas=(0.9, 0.95), eps=1e-8, weight_de
       p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
     """
     b1, b2 = betas
-    mask = decay_mask(params) if mask is None else mask
+    mask = [True] * len(params) if mask is None else mask
     bias1 = 1 - b1 ** step
     bias2_sqrt = (1 - b2 ** step) ** 0.5
     exp_avg = torch._foreach_lerp(state["exp_avg"], grads, 1 - b1)
@@ -76,10 +78,10 @@ class AdamW:
     """Stateful shell around `adamw` for the eager loop: keeps the state, writes the new values back
     into the module's parameters (so the module, its hooks and checkpoints see them)."""
 
-    def __init__(self, params, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+    def __init__(self, params, names, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
         self.params = list(params)
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
-        self.mask = decay_mask(self.params)
+        self.mask = decay_mask(names, self.params)
         self.state = init_state(self.params)
         self.step_count = 0
 

@@ -6,8 +6,9 @@
 
 `--mode` is the optimization ladder: eager (plain loop) -> compile (each block torch.compile'd) ->
 graph (the whole step, optimizer included, as one traced graph: graph_trainer.py). Every bad input
-ends in one `error: ...` line and exit code 2; a NaN/Inf loss stops the run with exit code 3 and
-leaves the last good checkpoint as it was.
+ends in one `error: ...` line and exit code 2; a NaN/Inf loss, gradient norm or validation loss stops
+the run with exit code 3 before anything non-finite is saved; a stalled peer ends it with exit code 4
+(rundir.Watchdog); a failed write (disk full) with exit code 5. The last good checkpoint always stays.
 """
 import argparse
 import contextlib
@@ -25,9 +26,13 @@ import data
 import device as dev
 import graph_trainer
 import optim
-from model import FLAVORS, Transformer, check_args, flops_per_token, tpu_config
+import rundir
+from mesh import launched_by_torchrun
+from model import FLAVORS, Transformer, check_args, flops_per_token, param_counts, tpu_config
 
-EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PEER_FAILED = 2, 3, 4
+EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED = 2, 3, 4, 5
+# What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
+RESUME_CHECKED = ("seed", "batch_size", "seq_len", "lr", "warmup", "clip", "weight_decay", "dtype", "steps")
 
 
 class ConfigError(ValueError):
@@ -74,7 +79,13 @@ def build_parser():
     a("--log-interval", type=int, default=10, help="log every N steps")
     a("--out-dir", default=None, help="run directory (default runs/<flavor>-<time>)")
     a("--ckpt-interval", type=int, default=250, help="checkpoint every N steps (0: only at the end)")
-    a("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
+    a("--resume", action="store_true", help="continue from the newest verified checkpoint in --out-dir")
+    a("--resume-from", default=None, metavar="STEP_DIR",
+      help="continue from this checkpoint (e.g. step_000010; newer ones are set aside as *.superseded)")
+    a("--allow-change", default="", metavar="NAMES",
+      help=f"on resume, accept these changed settings (comma list of {', '.join(RESUME_CHECKED)}, data)")
+    a("--watchdog", type=float, default=300, help="end the run (exit 4) after this many seconds without "
+      "progress, e.g. a stalled peer (0: off; raise it for long first-step compiles)")
     a("--dry-run", action="store_true", help="trace at full scale on meta tensors; print memory/FLOPs/step-time estimates")
     a("--chip", default="tpu_v5p", help="TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")
     a("--halt-at", type=int, default=0, help="stop after this step as if preempted (tests resume)")
@@ -97,6 +108,8 @@ def model_args_from(cfg):
         except ValueError:
             raise ConfigError(f"--set {item!r}: {value!r} is not a {kind.__name__}") from None
         args = dataclasses.replace(args, **{key: parsed})
+    if args.vocab_size < data.BYTE_VOCAB:
+        raise ConfigError(f"vocab_size {args.vocab_size} is smaller than the data's {data.BYTE_VOCAB} byte values")
     if cfg.kernels == "pallas":
         args = tpu_config(args)
     try:
@@ -119,6 +132,14 @@ def validate(cfg):
         raise ConfigError(f"--log-interval must be positive, got {cfg.log_interval}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive finite number, got {cfg.lr}")
+    if cfg.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {cfg.seed}")
+    if not (cfg.watchdog >= 0 and math.isfinite(cfg.watchdog)):
+        raise ConfigError(f"--watchdog must be >= 0 seconds, got {cfg.watchdog}")
+    unknown = set(filter(None, cfg.allow_change.split(","))) - set(RESUME_CHECKED) - {"data"}
+    if unknown:
+        raise ConfigError(f"--allow-change {cfg.allow_change!r}: unknown {sorted(unknown)}; choose from "
+                          f"{', '.join(RESUME_CHECKED)}, data")
     graph_only = [f for f, on in (("--remat", cfg.remat), ("--offload", cfg.offload), ("--split", cfg.split),
                                   ("--backend", cfg.backend)) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:
@@ -142,24 +163,27 @@ class Trainer:
         if cfg.batch_size % self.world:
             raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {self.world} data-parallel ranks")
         self.device = dev.pick_device(cfg.device) if dist_ctx is None else dist_ctx.device
+        self.out_dir = cfg.out_dir or os.path.join("runs", f"{cfg.flavor}-{time.strftime('%Y%m%d-%H%M%S')}")
+        rundir.check_writable(self.out_dir)
         train_bytes, val_bytes = data.load_corpus(cfg.data)
         self.batches = data.Batches(train_bytes, cfg.batch_size, cfg.seq_len, cfg.seed, self.world)
         self.val = data.eval_batches(val_bytes, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches,
                                      self.rank, self.world)
-        self.out_dir = cfg.out_dir or os.path.join("runs", f"{cfg.flavor}-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.notes = []  # one-line remarks printed at start (the user should know, nothing is wrong)
+        if cfg.eval_batches and not self.val:
+            self.notes.append(f"note: validation skipped: the validation split has {len(val_bytes)} bytes, "
+                              f"fewer than --seq-len + 2 = {cfg.seq_len + 2}")
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
-        self.meta = {"flavor": cfg.flavor, "model_args": dataclasses.asdict(self.model_args)}
+        self.meta = {"flavor": cfg.flavor, "model_args": dataclasses.asdict(self.model_args),
+                     "mesh": dist_ctx.mesh_spec if dist_ctx else None,
+                     "train": {**{k: getattr(cfg, k) for k in RESUME_CHECKED},
+                               "data": data.fingerprint(train_bytes, val_bytes)}}
         for key in ("attn_impl", "loss_impl", "moe_impl"):  # implementations may change across resumes
             self.meta["model_args"].pop(key)
-        if dist_ctx:
-            self.meta["mesh"] = dist_ctx.mesh_spec
         if cfg.scan:
             self.meta["layers"] = "stacked"
-        resume_from = checkpoint.latest(self.ckpt_dir)
-        if resume_from and not cfg.resume:
-            raise ConfigError(f"{self.out_dir} already holds checkpoints; pass --resume or another --out-dir")
-        if cfg.resume and resume_from:
-            checkpoint.check_compatible(resume_from, self.meta)
+        resume_from = self.find_checkpoint()
+        check_memory(self.model_args, self.world, self.device)
 
         dev.seed_all(cfg.seed)
         model = Transformer(self.model_args)
@@ -176,15 +200,36 @@ class Trainer:
         self.params = [p for p in self.model.parameters()]
         self.param_names = [n for n, _ in self.model.named_parameters()]
         # The optimizer works on local shards (plain tensors sharing the parameters' storage).
-        self.opt = optim.AdamW(dist_ctx.local(self.params) if dist_ctx else self.params,
+        self.opt = optim.AdamW(dist_ctx.local(self.params) if dist_ctx else self.params, self.param_names,
                                weight_decay=cfg.weight_decay)
         self.step = 0
-        if cfg.resume and resume_from:
+        self.resume_from = resume_from
+        if resume_from:
             self.restore(resume_from)
         self.flops_per_token = flops_per_token(self.model_args, cfg.seq_len)
         self.peak, self.peak_label = dev.peak_flops(self.device)
         dev.sync(self.device)  # XLA: parameters and AdamW state become device data before step 1, so
         self.step_fn = self.make_step_fn()  # step 1 builds the same program as every later step
+
+    def find_checkpoint(self):
+        """The checkpoint to resume from (None: start at step 0), refusing what would lose data or
+        silently change the run: checkpoints without --resume, broken ones, another model, mesh or
+        training config, a checkpoint already at or past --steps."""
+        cfg = self.cfg
+        if not (cfg.resume or cfg.resume_from):
+            if checkpoint.holds_checkpoints(self.ckpt_dir):
+                raise ConfigError(f"{self.out_dir} already holds checkpoints; pass --resume or another --out-dir")
+            return None
+        if cfg.resume_from:
+            path = checkpoint.resolve(self.ckpt_dir, cfg.resume_from)
+        else:
+            path, note = checkpoint.find_resumable(self.ckpt_dir)
+            if note:
+                self.notes.append(f"note: {note}")
+            if path is None:
+                return None
+        checkpoint.check_compatible(path, self.meta, set(cfg.allow_change.split(",")))
+        return path
 
     # ---------------------------------------------------------------------------------------------
     def autocast(self):
@@ -268,16 +313,34 @@ class Trainer:
         torch.set_rng_state(host["rng"])
 
     # ---------------------------------------------------------------------------------------------
-    def log(self, record, line):
+    def log(self, record, line, to_stderr=False):
         if self.rank != 0 or (self.dist and self.dist.global_rank != 0):
             return
-        print(line, flush=True)
-        with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        print(line, file=sys.stderr if to_stderr else sys.stdout, flush=True)
+        self.run_dir.append_metrics(record)
+
+    def stop_nonfinite(self, what, value):
+        self.log({"event": "nonfinite", "step": self.step, what: value},
+                 f"error: {what.replace('_', ' ')} is {value} at step {self.step}; stopping before it is "
+                 f"saved (last good checkpoint kept)", to_stderr=True)
+        return EXIT_NONFINITE
 
     def run(self):
+        self.run_dir = rundir.RunDir(self.out_dir, self.dist.global_rank if self.dist else 0).open()
+        self.watchdog = rundir.Watchdog(self.cfg.watchdog, self.dist.global_rank if self.dist else 0)
+        try:
+            return self.loop()
+        finally:
+            self.watchdog.stop()
+            self.run_dir.close()
+
+    def loop(self):
         cfg = self.cfg
-        os.makedirs(self.out_dir, exist_ok=True)
+        if cfg.resume_from and self.rank == 0:
+            checkpoint.set_aside_newer(self.ckpt_dir, self.step)
+        for note in self.notes:
+            if self.rank == 0:
+                print(note, file=sys.stderr, flush=True)
         n_params = sum(p.numel() for p in self.model.parameters())
         local = self.dist.local(self.params) if self.dist else self.params
         self.log({"event": "start", "params": n_params, "device": str(self.device), "resumed_at": self.step,
@@ -287,45 +350,50 @@ class Trainer:
                  f"{cfg.flavor}: {n_params / 1e6:.2f}M params on {self.device}, mode {cfg.mode}, "
                  f"{cfg.batch_size}x{cfg.seq_len} tokens/step, start at step {self.step}, out {self.out_dir}")
         if self.step == 0 and self.val:
+            self.watchdog.beat("evaluation at step 0")
             val = self.evaluate()
             self.log({"step": 0, "val_loss": val}, f"step     0 | val loss {val:.4f}")
         t_last, step_last, t_start, start_step = time.perf_counter(), self.step, time.perf_counter(), self.step
         while self.step < cfg.steps:
             self.step += 1
+            self.watchdog.beat(f"step {self.step}")
             inputs, targets = self.batches.get(self.step, self.rank)
             lr = optim.lr_at(self.step, cfg.lr, cfg.warmup, cfg.steps)
             ce, norm = self.step_fn(inputs.to(self.device), targets.to(self.device),
                                     dev.scalar(lr, self.device))
             dev.sync(self.device)
-            loss = ce.item()
+            loss, gnorm = ce.item(), norm.item()  # (both computed already: no new device program)
             if self.step == start_step + 1 and cfg.mode == "graph":
                 rep = self.step_fn.report
                 self.log({"event": "graph", **rep}, f"graph: {rep['nodes']} nodes, collectives {rep['collectives']}, "
                          f"saved activations {rep['saved_bytes'] / 2**20:.1f} MiB (captured "
                          f"{rep['saved_bytes_captured'] / 2**20:.1f} MiB), offloaded {rep['offloaded_bytes'] / 2**20:.1f} MiB")
-            if not math.isfinite(loss):
-                self.log({"event": "nonfinite", "step": self.step, "loss": loss},
-                         f"error: loss is {loss} at step {self.step}; stopping (last good checkpoint kept)")
-                return EXIT_NONFINITE
+            for what, value in (("loss", loss), ("grad_norm", gnorm)):
+                if not math.isfinite(value):  # the update was applied: these weights must not be saved
+                    return self.stop_nonfinite(what, value)
             last = self.step == cfg.steps or self.step == cfg.halt_at
             if self.step % cfg.log_interval == 0 or last:
                 now = time.perf_counter()
                 tok_s = (self.step - step_last) * cfg.batch_size * cfg.seq_len / (now - t_last)
-                flops = tok_s * self.flops_per_token
+                flops = tok_s * self.flops_per_token  # all ranks' FLOP/s; MFU is per device:
                 eta = (cfg.steps - self.step) * (now - t_start) / (self.step - start_step)
                 mem = dev.memory_stats(self.device)
-                rec = {"step": self.step, "loss": loss, "grad_norm": norm.item(), "lr": lr,
-                       "tokens_per_s": tok_s, "tflops": flops / 1e12, "mfu": flops / self.peak,
-                       "peak_label": self.peak_label, "mem_bytes": mem["peak_bytes"], "mem_kind": mem["kind"]}
+                rec = {"step": self.step, "loss": loss, "grad_norm": gnorm, "lr": lr,
+                       "tokens_per_s": tok_s, "tflops": flops / 1e12, "mfu": flops / (self.peak * self.world),
+                       "peak_label": self.peak_label, "peak_flops": self.peak, "devices": self.world, "mem_bytes": mem["peak_bytes"], "mem_kind": mem["kind"]}
                 self.log(rec, f"step {self.step:5d} | loss {loss:.4f} | gnorm {rec['grad_norm']:.3f} | lr {lr:.2e}"
                          f" | {tok_s / 1e3:.1f}k tok/s | {flops / 1e12:.3f} TFLOP/s | MFU {100 * rec['mfu']:.1f}%"
                          f" of {self.peak_label} | mem {mem['peak_bytes'] / 2**30:.2f} GiB ({mem['kind']})"
                          f" | eta {eta:.0f}s")
                 t_last, step_last = time.perf_counter(), self.step
             if self.val and ((cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == cfg.steps):
+                self.watchdog.beat(f"evaluation at step {self.step}")
                 val = self.evaluate()
                 self.log({"step": self.step, "val_loss": val}, f"step {self.step:5d} | val loss {val:.4f}")
+                if not math.isfinite(val):
+                    return self.stop_nonfinite("val_loss", val)
             if (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or last:
+                self.watchdog.beat(f"checkpoint at step {self.step}")
                 self.save()
             if self.step == cfg.halt_at:
                 break
@@ -345,9 +413,13 @@ def main(argv=None):
             dist_ctx.close()  # only on the happy path: after a peer failure it could wait on the dead
         return rc
     except (ConfigError, data.DataError, checkpoint.CheckpointError, dev.DeviceUnavailable,
-            graph_trainer.GraphCaptureError) as e:
+            graph_trainer.GraphCaptureError, rundir.RunDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as e:  # disk full, file-size limit, read-only disk: the checkpoint on disk is intact
+        what = str(e) if isinstance(e, checkpoint.CheckpointWriteError) else f"{e.strerror}: {e.filename}"
+        print(f"error: a write failed: {what}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
     except (RuntimeError, torch.distributed.DistError) as e:
         if dist_ctx is None:
             raise
@@ -373,8 +445,15 @@ def dry_run(cfg):
     return 0
 
 
-def launched_by_torchrun():
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+def check_memory(args, shards, device):
+    """Refuse, before building it, a model whose fp32 weights, gradients and AdamW moments (16 bytes
+    a parameter, activations not counted) exceed the memory free on this host or device."""
+    need = 16 * param_counts(args)[0] / shards
+    free = dev.free_memory_bytes(device)
+    if free is not None and need > free:
+        raise ConfigError(f"the model needs ~{need / 2**30:.1f} GiB per process for weights, gradients and "
+                          f"AdamW state ({param_counts(args)[0] / 1e9:.2f}B parameters x 16 bytes, before "
+                          f"activations); {free / 2**30:.1f} GiB is free: use a smaller --flavor or more ranks")
 
 
 def make_dist(cfg):

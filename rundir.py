@@ -1,0 +1,109 @@
+"""rundir.py: the run directory as a guarded resource: one run at a time, strict metrics, no hangs.
+
+A run directory holds what a user cannot afford to lose (checkpoints, metrics.jsonl), so:
+  - `RunDir.open` checks the path before anything is written and takes an exclusive lock per rank
+    (fcntl.flock on `.lock.rankN`): a second run on the same directory is refused in one line. The
+    kernel drops the lock when the process dies, so a crashed run leaves no stale lock.
+  - metrics.jsonl is strict JSON, one record a line: a non-finite float is written as null.
+  - `Watchdog` ends a process that makes no progress for `timeout_s` (a peer stopped without dying
+    leaves the others waiting in a collective forever: no timeout of ours fires inside a functional
+    collective's wait) with one line naming where it stalled, and exit code 4. It is a Python thread:
+    collectives and XLA waits release the GIL, so it runs while the main thread is blocked.
+"""
+import fcntl
+import json
+import math
+import os
+import socket
+import sys
+import threading
+import time
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used (a file, not writable, in use): one line, exit 2."""
+
+
+def check_writable(path):
+    """Refuse, before anything is written, a path that is a file or lies under one or under a
+    directory this user cannot write."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise RunDirError(f"--out-dir {path} exists and is not a directory")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise RunDirError(f"--out-dir {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise RunDirError(f"--out-dir {path}: {parent} is not writable")
+
+
+def strict(value):
+    """JSON-safe copy: NaN/Inf become None (json.dumps would write bare NaN, which is not JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
+class RunDir:
+    def __init__(self, path, rank=0):
+        self.path, self.rank, self._lock = path, rank, None
+
+    def open(self):
+        """Create the directory and take this rank's lock (RunDirError if another run holds it)."""
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            fd = os.open(os.path.join(self.path, f".lock.rank{self.rank}"), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirError(f"--out-dir {self.path}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunDirError(f"{self.path} is in use by another run ({holder}); wait for it to end "
+                              f"or choose another --out-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        self._lock = fd
+        return self
+
+    def append_metrics(self, record):
+        line = json.dumps(strict(record), allow_nan=False)
+        with open(os.path.join(self.path, "metrics.jsonl"), "a") as f:
+            f.write(line + "\n")
+
+    def close(self):
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
+
+
+class Watchdog:
+    """`beat(where)` after every unit of progress; no beat for timeout_s -> one line, exit code."""
+
+    def __init__(self, timeout_s, rank, exit_code=4):
+        self.timeout_s, self.rank, self.exit_code = timeout_s, rank, exit_code
+        self.where, self.last = "start-up", time.monotonic()
+        self._stop = threading.Event()
+        if timeout_s > 0:
+            threading.Thread(target=self._watch, daemon=True, name="minititan-watchdog").start()
+
+    def beat(self, where):
+        self.where, self.last = where, time.monotonic()
+
+    def _watch(self):
+        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+            stalled = time.monotonic() - self.last
+            if stalled > self.timeout_s:
+                print(f"error: rank {self.rank}: no progress for {stalled:.0f} s in {self.where} "
+                      f"(--watchdog {self.timeout_s:g}); a peer is probably stalled; stopping",
+                      file=sys.stderr, flush=True)
+                os._exit(self.exit_code)  # the main thread is stuck in C++: no unwinding possible
+
+    def stop(self):
+        self._stop.set()
