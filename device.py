@@ -50,6 +50,21 @@ def _torchtpu_available():
     return acc is not None and acc.is_available() and acc.current_accelerator().type == "tpu"
 
 
+def pjrt_is_tpu():
+    """torch_xla is (to be) pointed at TPU chips: the one test of 'real TPU behind XLA'."""
+    return os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
+
+
+def is_xla(device):
+    """A torch_xla lazy-tensor device (XLA:CPU here, TPU on a TPU VM)."""
+    return torch.device(device).type == "xla"
+
+
+def is_tpu(device):
+    """A device that is a TPU chip: TorchTPU's native device, or torch_xla with PJRT_DEVICE=TPU."""
+    return torch.device(device).type == "tpu" or (is_xla(device) and pjrt_is_tpu())
+
+
 def _xla_device():
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     try:
@@ -64,13 +79,13 @@ def pick_device(name="auto"):
     if name == "auto":
         if _torchtpu_available():
             return torch.device("tpu")
-        if os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
+        if pjrt_is_tpu():
             return _xla_device()
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "tpu":
         if _torchtpu_available():
             return torch.device("tpu")
-        if os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
+        if pjrt_is_tpu():
             return _xla_device()
         raise DeviceUnavailable("--device tpu: neither TorchTPU (pip install torch_tpu) nor "
                                 "torch_xla with PJRT_DEVICE=TPU is available on this machine")
@@ -83,10 +98,6 @@ def pick_device(name="auto"):
     if name == "cpu":
         return torch.device("cpu")
     raise DeviceUnavailable(f"--device {name!r}: choose one of auto, tpu, xla, cuda, cpu")
-
-
-def is_xla(device):
-    return torch.device(device).type == "xla"
 
 
 def scalar(value, device):
@@ -119,7 +130,7 @@ def sync(device):
 def wait(device):
     """Block until queued device work is done (for timing): XLA waits on the launched programs."""
     sync(device)
-    if torch.device(device).type == "xla":
+    if is_xla(device):
         import torch_xla.core.xla_model as xm
         xm.wait_device_ops()
 
@@ -142,7 +153,7 @@ def memory_stats(device):
         return {"peak_bytes": torch.cuda.max_memory_allocated(), "kind": "cuda peak allocated"}
     if kind == "tpu":
         return {"peak_bytes": torch.accelerator.max_memory_allocated(), "kind": "tpu peak allocated"}
-    if kind == "xla" and os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
+    if is_xla(device) and is_tpu(device):
         import torch_xla.core.xla_model as xm
         info = xm.get_memory_info(device)
         return {"peak_bytes": info.get("peak_bytes_used", info.get("bytes_used", 0)),
@@ -156,7 +167,7 @@ def free_memory_bytes(device):
     kind = torch.device(device).type
     if kind == "cuda":
         return torch.cuda.mem_get_info()[0]
-    if kind == "cpu" or (kind == "xla" and os.environ.get("PJRT_DEVICE", "CPU").upper() == "CPU"):
+    if kind == "cpu" or (is_xla(device) and not is_tpu(device)):
         try:
             with open("/proc/meminfo") as f:
                 return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
@@ -169,7 +180,7 @@ def _device_name(device):
     kind = torch.device(device).type
     if kind == "cuda":
         return torch.cuda.get_device_name(device).lower()
-    if kind == "tpu" or (kind == "xla" and os.environ.get("PJRT_DEVICE", "").upper() == "TPU"):
+    if is_tpu(device):
         return os.environ.get("TPU_ACCELERATOR_TYPE", "").lower()  # e.g. "v5litepod-8", "v6e-8"
     return ""
 

@@ -15,21 +15,25 @@ import math
 
 import torch
 
+import device as dev
 import graph_passes
 import graph_trainer
 import optim
 from model import Transformer, flops_per_token, param_counts, tpu_config
 
 GiB = 2**30
-# Per chip, published (cloud.google.com/tpu/docs/<generation>): bf16 peak FLOP/s, HBM bytes, HBM
-# bandwidth, ICI bandwidth (bytes/s; the listed Gbps / 8). DCN: an assumption of 25 GB/s per chip.
+# Per chip, published (cloud.google.com/tpu/docs/<generation>): HBM bytes, HBM bandwidth, ICI
+# bandwidth (bytes/s; the listed Gbps / 8); the bf16 peak FLOP/s from device.py's table. DCN: an
+# assumption of 25 GB/s per chip.
 TPU_SPECS = {
-    "tpu_v4": dict(peak=275e12, hbm=32 * GiB, hbm_bw=1228e9, ici_bw=2400e9 / 8),
-    "tpu_v5e": dict(peak=197e12, hbm=16 * GiB, hbm_bw=819e9, ici_bw=1600e9 / 8),
-    "tpu_v5p": dict(peak=459e12, hbm=95 * GiB, hbm_bw=2765e9, ici_bw=4800e9 / 8),
-    "tpu_v6e": dict(peak=918e12, hbm=32 * GiB, hbm_bw=1640e9, ici_bw=3584e9 / 8),
-    "tpu_v7": dict(peak=2307e12, hbm=192 * GiB, hbm_bw=7370e9, ici_bw=9600e9 / 8),
+    "tpu_v4": dict(hbm=32 * GiB, hbm_bw=1228e9, ici_bw=2400e9 / 8),
+    "tpu_v5e": dict(hbm=16 * GiB, hbm_bw=819e9, ici_bw=1600e9 / 8),
+    "tpu_v5p": dict(hbm=95 * GiB, hbm_bw=2765e9, ici_bw=4800e9 / 8),
+    "tpu_v6e": dict(hbm=32 * GiB, hbm_bw=1640e9, ici_bw=3584e9 / 8),
+    "tpu_v7": dict(hbm=192 * GiB, hbm_bw=7370e9, ici_bw=9600e9 / 8),
 }
+for _chip, _spec in TPU_SPECS.items():
+    _spec["peak"] = dev.PEAK_BF16_FLOPS[_chip]
 DCN_BW = 25e9
 
 

@@ -18,6 +18,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.passes.split_module import split_module
 
+import device as dev
+
 aten = torch.ops.aten
 
 
@@ -34,14 +36,9 @@ forward_end.register_fake(lambda loss: torch.empty_like(loss))
 forward_end.register_autograd(lambda ctx, grad: grad)
 
 
-def _xla_tpu(device):
-    import os
-    return torch.device(device).type == "xla" and os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
-
-
 @torch.library.custom_op("minititan::offload", mutates_args=())
 def offload(x: torch.Tensor) -> torch.Tensor:
-    if _xla_tpu(x.device):  # memory-space annotation; XLA:CPU has no host memory space (it crashes)
+    if dev.is_xla(x.device) and dev.is_tpu(x.device):  # memory-space annotation; XLA:CPU has no host memory space (it crashes)
         from torch_xla.experimental.stablehlo_custom_call import place_to_host
         return place_to_host(x)
     return x.to("cpu", copy=True) if x.is_cuda else x.clone()  # CPU, XLA:CPU: a copy stands in
@@ -49,7 +46,7 @@ def offload(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("minititan::reload", mutates_args=())
 def reload(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if _xla_tpu(device):
+    if dev.is_xla(device) and dev.is_tpu(device):
         from torch_xla.experimental.stablehlo_custom_call import place_to_device
         return place_to_device(x)
     return x.to(device, copy=True) if x.device != torch.device(device) else x.clone()
@@ -95,19 +92,33 @@ def host_bytes(gm):
 # ------------------------------------------------------------------------------------------------
 # remat
 
-_KEEP = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
-         aten._scaled_dot_product_flash_attention_for_cpu.default,
-         aten._scaled_dot_product_efficient_attention.default,
-         aten._scaled_dot_product_flash_attention.default}
+_MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
+_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default,
+              aten._scaled_dot_product_efficient_attention.default,
+              aten._scaled_dot_product_flash_attention.default}
+
+
+def _namespace(node):
+    return getattr(node.target, "namespace", None)
+
+
+# The remat policy, one row per reason to SAVE a forward value the backward reads. Everything else
+# (elementwise math, norms, casts, views: cheap, and often the largest tensors) is recomputed.
+SAVE_POLICY = [
+    ("matmul: the FLOPs remat must not pay twice", lambda n: n.target in _MATMULS),
+    ("attention: quadratic work", lambda n: n.target in _ATTENTION),
+    ("our ops (Pallas kernels, markers, transfers): opaque cost", lambda n: _namespace(n) == "minititan"),
+    ("collectives: a replay would communicate again", lambda n: _namespace(n) == "_c10d_functional"),
+    ("random ops: a replay would draw other numbers",
+     lambda n: torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())),
+    ("in-place ops: a replay would mutate twice",
+     lambda n: getattr(getattr(n.target, "_schema", None), "is_mutable", False)),
+]
 
 
 def _keep(node):
-    """Policy: matmul-like results (and anything opaque: kernels, collectives, RNG) are saved."""
-    if node.op != "call_function":
-        return True
-    name = str(node.target)
-    return (node.target in _KEEP or name.startswith(("minititan.", "_c10d_functional.")) or "rand" in name
-            or name.split(".")[-2:-1] and name.split(".")[-2].endswith("_"))  # in-place: never replay
+    """Saved (not recomputed) under the policy; graph inputs and non-op nodes are always kept."""
+    return node.op != "call_function" or any(test(node) for _, test in SAVE_POLICY)
 
 
 def remat(gm):

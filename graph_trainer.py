@@ -1,9 +1,9 @@
 """graph_trainer.py: the whole training step as ONE graph, handed whole to a backend.
 
 After TorchTitan's Graph Trainer: instead of letting a compiler see one block at a time, trace
-forward, loss, backward (torch.autograd.grad) and, one step further than upstream, gradient clipping
-and the functional AdamW update into a single FX GraphModule with make_fx, on fake tensors (no
-memory, no compute). The compiler then sees what JAX's jit sees: a pure function
+forward, loss, backward (torch.autograd.grad), gradient clipping and the functional AdamW update
+(upstream's tracer can include optimizer.step too, optionally; here it always does) into a single FX
+GraphModule with make_fx, on fake tensors (no memory, no compute). The compiler then sees what JAX's jit sees: a pure function
     (params, optimizer state, step, lr, batch) -> (new params, new state, loss, grad norm)
 so it can fuse across the forward/backward/update boundaries and there is no host-side gap
 between backward and update. Pallas kernels appear as single opaque nodes (jax_op.py).
@@ -30,13 +30,8 @@ def build_step_fn(model, names, clip, betas, eps, weight_decay, mask, autocast, 
     are wrapped back into DTensors for the model (whose parameter reads all-gather and whose backward
     reduce-scatters), and the gradient norm and logged loss are reduced across ranks, all inside."""
     buffer_names = [n for n, _ in model.named_buffers()]
-    if dist_ctx is not None:
-        from torch.distributed.tensor import DTensor
-        metas = [(p.device_mesh, p.placements, p.shape, p.stride()) for p in model.parameters()]
-        wrap = lambda leaves: [DTensor.from_local(t, m, pl, run_check=False, shape=sh, stride=st)
-                               for t, (m, pl, sh, st) in zip(leaves, metas)]
-    else:
-        wrap = lambda leaves: leaves
+    placed_like = list(model.parameters())  # (DTensors under a mesh: their mesh and placements)
+    wrap = (lambda shards: dist_ctx.like(shards, placed_like)) if dist_ctx is not None else (lambda t: t)
 
     def step_fn(params, buffers, exp_avg, exp_avg_sq, step, lr, inputs, targets):
         with torch.enable_grad():
@@ -59,9 +54,9 @@ def capture(step_fn, example_args):
     """Trace `step_fn` on fake tensors into one GraphModule (no real memory or compute)."""
     try:
         return make_fx(step_fn, tracing_mode="fake")(*example_args)
-    except Exception as e:  # data-dependent shapes (e.g. the host-side MoE split) cannot be traced
+    except Exception as e:  # data-dependent shapes cannot be traced (train.py refuses the known case first)
         raise GraphCaptureError(f"cannot capture the step as one graph ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0][:160]}); for MoE use --kernels pallas") from None
+                                f"{str(e).splitlines()[0][:160]})") from None
 
 
 def op_counts(gm):
@@ -74,25 +69,25 @@ def op_counts(gm):
 
 
 class GraphStep:
-    """Drop-in for Trainer.eager_step: captures on first use, then runs the compiled graph."""
+    """Drop-in for Trainer.eager_step: (inputs, targets, lr) -> (loss, grad norm). Captures the step on
+    first use, then runs the compiled graph. Its ingredients: the model (the code to trace), the
+    optimizer (the parameters it updates, its hyper-parameters and state, which it keeps owning),
+    and how to run: clipping, autocast, the mesh, the backend and the graph passes."""
 
-    def __init__(self, trainer, backend=None):
-        self.trainer = trainer
-        self.backend = backend or getattr(trainer.cfg, "backend", None) or (
-            "xla" if dev.is_xla(trainer.device) else "fx")
-        if self.backend == "xla" and not dev.is_xla(trainer.device):
+    def __init__(self, model, opt, device, *, clip, autocast, dist_ctx=None, backend=None, remat=False,
+                 offload=False, split=0):
+        self.backend = backend or ("xla" if dev.is_xla(device) else "fx")
+        if self.backend == "xla" and not dev.is_xla(device):
             raise GraphCaptureError("--backend xla needs --device xla (or a TPU)")
-        if trainer.dist is not None and trainer.dist.dp_impl != "simple":
+        if dist_ctx is not None and dist_ctx.dp_impl != "simple":
             raise GraphCaptureError("graph mode under a mesh needs --dp-impl simple (FSDP2's hooks do not trace)")
-        opt = trainer.opt
-        self.step_fn = build_step_fn(trainer.model, trainer.param_names, trainer.cfg.clip, opt.betas,
-                                     opt.eps, opt.weight_decay, opt.mask, trainer.autocast, trainer.dist)
-        cfg = trainer.cfg
-        self.remat, self.offload, self.split = (getattr(cfg, "remat", False), getattr(cfg, "offload", False),
-                                                getattr(cfg, "split", 0))
-        self.gm = None
-        self.compiled = None
-        self.report = {}
+        self.model, self.opt, self.device = model, opt, device
+        self.step_fn = build_step_fn(model, [n for n, _ in model.named_parameters()], clip, opt.betas, opt.eps,
+                                     opt.weight_decay, opt.mask, autocast, dist_ctx)
+        self.remat, self.offload, self.split = remat, offload, split
+        self.gm = None        # the captured (and transformed) step graph
+        self.compiled = None  # what runs it: gm, its stages (split), or inductor's compilation
+        self.report = {}      # graph size, collectives, saved / offloaded bytes (the `graph:` log line)
 
     def transform(self, gm):
         """Apply the enabled passes, recording saved-activation bytes before and after."""
@@ -108,26 +103,15 @@ class GraphStep:
         self.report["collectives"] = {k.split(".")[1]: v for k, v in ops.items() if k.startswith("_c10d_functional.")}
         return gm
 
-    def _params(self):
-        dist_ctx = self.trainer.dist
-        return [p.detach() for p in (dist_ctx.local(self.trainer.params) if dist_ctx else self.trainer.params)]
-
-    def _args(self, inputs, targets, lr):
-        opt = self.trainer.opt
-        step = dev.scalar(opt.step_count + 1, self.trainer.device)
-        return (self._params(), list(self.trainer.model.buffers()), opt.state["exp_avg"], opt.state["exp_avg_sq"],
-                step, lr, inputs, targets)
-
     def __call__(self, inputs, targets, lr):
-        args = self._args(inputs, targets, lr)
+        opt = self.opt
+        args = ([p.detach() for p in opt.params], list(self.model.buffers()), opt.state["exp_avg"],
+                opt.state["exp_avg_sq"], dev.scalar(opt.step_count + 1, self.device), lr, inputs, targets)
         if self.gm is None:
             self.gm = self.transform(capture(self.step_fn, args))
             run = self.gm if not self.split else graph_passes.SplitStep(self.gm, self.split)
             self.compiled = torch.compile(run, backend="inductor") if self.backend == "inductor" else run
         with torch.no_grad():
             new_params, exp_avg, exp_avg_sq, ce, norm = self.compiled(*args)
-            torch._foreach_copy_(self._params(), new_params)
-        opt = self.trainer.opt
-        opt.state = {"exp_avg": list(exp_avg), "exp_avg_sq": list(exp_avg_sq)}
-        opt.step_count += 1
+        opt.commit(new_params, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
         return ce, norm

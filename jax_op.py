@@ -21,6 +21,8 @@ import functools
 import jax
 import torch
 
+import device as dev
+
 _LIB = "minititan"
 
 
@@ -53,12 +55,12 @@ def _closure(fn, statics):
 def _run(fn, tensors, statics):
     """Evaluate JAX `fn` on torch tensors (all on one device), returning torch tensor(s)."""
     device = tensors[0].device
-    if device.type == "xla":
+    if dev.is_xla(device):
         import torch_xla.core.xla_builder as xb
         ints = [t.to(torch.int32) if not t.dtype.is_floating_point else t for t in tensors]
         return xb.call_jax(_closure(fn, statics), tuple(ints),
                            override_hash=hash((fn.__module__, fn.__qualname__, statics)))
-    if device.type == "tpu":  # TorchTPU: its bridge compiles through Mosaic directly.
+    if dev.is_tpu(device):  # (not XLA, handled above) TorchTPU: its bridge compiles through Mosaic directly.
         from torch.tpu.pallas import jax_op as native  # noqa: not installable beside torch 2.9
         return native(_closure(fn, statics))(*tensors)
     if device.type != "cpu":

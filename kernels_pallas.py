@@ -16,7 +16,6 @@ PyTorch op by jax_op.py and in model.py's registries as "splash", "fused" and "g
 them on TPU; everywhere else they run in Pallas interpret mode (one switch: INTERPRET).
 """
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +30,14 @@ from jax_op import jax_op
 INTERPRET = jax.default_backend() != "tpu"
 NEG_INF = -1e30  # finite: exp(NEG_INF - m) == 0 without inf - inf = nan
 EMPTY, PARTIAL, FULL = 0, 1, 2
+# TPU vector registers are (8 sublanes x 128 lanes) of 32-bit values: a block's last dim should be a
+# multiple of NUM_LANES and its second-to-last of NUM_SUBLANES, or Mosaic pads (or refuses) it.
+NUM_LANES, NUM_SUBLANES = 128, 8
+
+
+def round_up(x, multiple):
+    """The smallest multiple of `multiple` that is >= x (sizes padded to whole blocks)."""
+    return -(-x // multiple) * multiple
 
 
 def _dot(a, b, trans_b=False):
@@ -38,10 +45,13 @@ def _dot(a, b, trans_b=False):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _call(kernel, out_shape, grid, in_specs, out_specs, prefetch):
+def _call(kernel, *, out_shape, grid, in_specs, out_specs, num_scalar_prefetch=0):
+    """pl.pallas_call with scalar prefetch: the first `num_scalar_prefetch` operands are small int
+    arrays (block lists, visit metadata) placed in SMEM and passed to every index map; in_specs
+    describe the remaining operands, in order."""
     return pl.pallas_call(kernel, out_shape=out_shape, interpret=INTERPRET,
                           grid_spec=pltpu.PrefetchScalarGridSpec(
-                              num_scalar_prefetch=prefetch, grid=grid, in_specs=in_specs,
+                              num_scalar_prefetch=num_scalar_prefetch, grid=grid, in_specs=in_specs,
                               out_specs=out_specs))
 
 
@@ -172,8 +182,13 @@ def _splash_forward(q, k, v, seg, window, block, segments):
     cnt, idx, kind, *_ = map(jnp.asarray, block_layout(n, block, window, segments))
     q_blk, kv_all, row_blk, segq, segk = _splash_specs(B, H, Hkv, S, D, block, H // Hkv)
     kern = functools.partial(_splash_fwd_kernel, block=block, window=window, scale=D ** -0.5)
-    return _call(kern, (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32)),
-                 (B, H, n), [q_blk, kv_all, kv_all, segq, segk], [q_blk, row_blk], 3)(cnt, idx, kind, q, k, v, seg, seg)
+    call = _call(kern, grid=(B, H, n),
+                 out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),             # o
+                            jax.ShapeDtypeStruct((B, H, S), jnp.float32)),       # lse
+                 num_scalar_prefetch=3,                                          # cnt, idx, kind
+                 in_specs=[q_blk, kv_all, kv_all, segq, segk],                  # q, k, v, seg (q), seg (k)
+                 out_specs=[q_blk, row_blk])
+    return call(cnt, idx, kind, q, k, v, seg, seg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -194,9 +209,9 @@ def _splash_bwd_rule(window, block, segments, res, do):
     cnt, idx, kind, cnt_t, idx_t, kind_t = map(jnp.asarray, block_layout(n, block, window, segments))
     q_blk, kv_all, row_blk, segq, segk = _splash_specs(B, H, Hkv, S, D, block, group)
     dq = _call(functools.partial(_splash_dq_kernel, block=block, window=window, scale=D ** -0.5),
-               jax.ShapeDtypeStruct(q.shape, q.dtype), (B, H, n),
-               [q_blk, kv_all, kv_all, q_blk, row_blk, row_blk, segq, segk], q_blk, 3)(
-        cnt, idx, kind, q, k, v, do, lse, delta, seg, seg)
+               grid=(B, H, n), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), num_scalar_prefetch=3,
+               in_specs=[q_blk, kv_all, kv_all, q_blk, row_blk, row_blk, segq, segk],  # q k v do lse delta seg seg
+               out_specs=q_blk)(cnt, idx, kind, q, k, v, do, lse, delta, seg, seg)
     # dk/dv: one program per (batch, kv head, kv block); the group's query heads are looped inside.
     grp = lambda x: x.reshape(B, Hkv, group, *x.shape[2:])
     q_grp = pl.BlockSpec((None, None, group, S, D), lambda b, h, j, *_: (b, h, 0, 0, 0))
@@ -205,9 +220,10 @@ def _splash_bwd_rule(window, block, segments, res, do):
     seg_all = pl.BlockSpec((None, S), lambda b, h, j, *_: (b, 0))
     seg_blk = pl.BlockSpec((None, block), lambda b, h, j, *_: (b, j))
     dk, dv = _call(functools.partial(_splash_dkv_kernel, block=block, window=window, scale=D ** -0.5, group=group),
-                   (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-                   (B, Hkv, n), [q_grp, kv_blk, kv_blk, q_grp, r_grp, r_grp, seg_all, seg_blk],
-                   [kv_blk, kv_blk], 3)(cnt_t, idx_t, kind_t, grp(q), k, v, grp(do), grp(lse), grp(delta), seg, seg)
+                   grid=(B, Hkv, n), num_scalar_prefetch=3,  # the transposed block lists: q blocks per kv block
+                   out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+                   in_specs=[q_grp, kv_blk, kv_blk, q_grp, r_grp, r_grp, seg_all, seg_blk],  # q k v do lse delta seg seg
+                   out_specs=[kv_blk, kv_blk])(cnt_t, idx_t, kind_t, grp(q), k, v, grp(do), grp(lse), grp(delta), seg, seg)
     return dq, dk, dv, None
 
 
@@ -220,7 +236,7 @@ def splash_jax(q, k, v, segment_ids, *, window, block, segments):
     1/sqrt(D) inside. window 0 = none. S is padded up to a multiple of block (padded keys are in
     every real query's future, so causality masks them)."""
     S = q.shape[2]
-    S_pad = -(-S // block) * block
+    S_pad = round_up(S, block)
     out = _splash_padded(_pad_seq(q, S_pad, 2), _pad_seq(k, S_pad, 2), _pad_seq(v, S_pad, 2),
                          _pad_seq(segment_ids, S_pad, 1, -1), window, block, segments)
     return out[:, :, :S]
@@ -228,7 +244,7 @@ def splash_jax(q, k, v, segment_ids, *, window, block, segments):
 
 def splash_attention(q, k, v, window=None, segment_ids=None, block=128):
     """PyTorch entry point, same contract as model.sdpa_attention."""
-    block = min(block, -(-q.shape[2] // 8) * 8)
+    block = min(block, round_up(q.shape[2], NUM_SUBLANES))
     seg = segment_ids if segment_ids is not None else q.new_zeros(q.shape[0], q.shape[2], dtype=torch.int32)
     return splash_jax(q, k, v, seg, window=window or 0, block=block, segments=int(segment_ids is not None))
 
@@ -299,10 +315,9 @@ def _ce_lse(h, w, t, vocab, bn, bv):
     N, D = h.shape
     h_s, w_s, r_s = _ce_specs(D, bn, bv, False)
     row = jax.ShapeDtypeStruct((N,), jnp.float32)
-    m, l, tl = pl.pallas_call(functools.partial(_ce_fwd_kernel, block_v=bv, vocab=vocab),
-                              out_shape=(row, row, row), grid=(N // bn, w.shape[0] // bv),
-                              in_specs=[h_s, w_s, r_s], out_specs=[r_s, r_s, r_s],
-                              interpret=INTERPRET)(h, w, t)
+    m, l, tl = _call(functools.partial(_ce_fwd_kernel, block_v=bv, vocab=vocab), grid=(N // bn, w.shape[0] // bv),
+                     out_shape=(row, row, row),                 # running max, running sum, target logit
+                     in_specs=[h_s, w_s, r_s], out_specs=[r_s, r_s, r_s])(h, w, t)
     return m + jnp.log(l), tl
 
 
@@ -324,13 +339,13 @@ def _ce_bwd_rule(vocab, ignore, bn, bv, res, g):
     g_rows = jnp.where(valid, g / valid.sum(), 0.0).astype(jnp.float32)
     kw = dict(block_v=bv, vocab=vocab)
     h_s, w_s, r_s = _ce_specs(D, bn, bv, False)
-    dh = pl.pallas_call(functools.partial(_ce_dh_kernel, **kw), out_shape=jax.ShapeDtypeStruct(h.shape, jnp.float32),
-                        grid=(N // bn, V // bv), in_specs=[h_s, w_s, r_s, r_s, r_s], out_specs=h_s,
-                        interpret=INTERPRET)(h, w, t, lse, g_rows)
+    dh = _call(functools.partial(_ce_dh_kernel, **kw), grid=(N // bn, V // bv),   # rows outer, vocab inner
+               out_shape=jax.ShapeDtypeStruct(h.shape, jnp.float32),
+               in_specs=[h_s, w_s, r_s, r_s, r_s], out_specs=h_s)(h, w, t, lse, g_rows)
     h_s, w_s, r_s = _ce_specs(D, bn, bv, True)
-    dw = pl.pallas_call(functools.partial(_ce_dw_kernel, **kw), out_shape=jax.ShapeDtypeStruct(w.shape, jnp.float32),
-                        grid=(V // bv, N // bn), in_specs=[h_s, w_s, r_s, r_s, r_s], out_specs=w_s,
-                        interpret=INTERPRET)(h, w, t, lse, g_rows)
+    dw = _call(functools.partial(_ce_dw_kernel, **kw), grid=(V // bv, N // bn),   # vocab outer, rows inner
+               out_shape=jax.ShapeDtypeStruct(w.shape, jnp.float32),
+               in_specs=[h_s, w_s, r_s, r_s, r_s], out_specs=w_s)(h, w, t, lse, g_rows)
     return dh.astype(h.dtype), dw.astype(w.dtype), None
 
 
@@ -341,15 +356,15 @@ _ce_padded.defvjp(_ce_fwd_rule, _ce_bwd_rule)
 def fused_ce_jax(h, w, targets, *, ignore_index, block_n, block_v):
     """mean over non-ignored rows of cross_entropy(h @ w.T, targets); h (N, D), w (V, D)."""
     (N, _), V = h.shape, w.shape[0]
-    N_pad, V_pad = -(-N // block_n) * block_n, -(-V // block_v) * block_v
+    N_pad, V_pad = round_up(N, block_n), round_up(V, block_v)
     return _ce_padded(_pad_seq(h, N_pad, 0), _pad_seq(w, V_pad, 0),
                       _pad_seq(targets, N_pad, 0, ignore_index), V, ignore_index, block_n, block_v)
 
 
 def fused_linear_cross_entropy(h_NxD, w_VxD, targets_N, ignore_index=-100, block_n=256, block_v=512):
     """PyTorch entry point, same contract as model.plain_cross_entropy."""
-    block_n = min(block_n, -(-h_NxD.shape[0] // 8) * 8)
-    block_v = min(block_v, -(-w_VxD.shape[0] // 128) * 128)
+    block_n = min(block_n, round_up(h_NxD.shape[0], NUM_SUBLANES))  # rows: the sublane dim of a logits tile
+    block_v = min(block_v, round_up(w_VxD.shape[0], NUM_LANES))     # vocab: its lane dim
     return fused_ce_jax(h_NxD, w_VxD, targets_N, ignore_index=ignore_index, block_n=block_n, block_v=block_v)
 
 
@@ -357,24 +372,41 @@ def fused_linear_cross_entropy(h_NxD, w_VxD, targets_N, ignore_index=-100, block
 # 3. Grouped matmul (MoE)
 
 def group_metadata(group_sizes, m_tiles, block_m):
-    """Traceable (static shapes): the (row tile, group) pairs to visit, in group order. A tile
-    shared by two groups is visited twice; an empty group gets one visit with no rows, so tgmm
-    still writes its zero gradient. Padding visits (up to m_tiles + G) repeat the last with no rows."""
+    """The (row tile, group) pairs the grid visits, in group order, as traceable arrays.
+
+    Args:
+      group_sizes: (G,) int, rows per group; the M = sum(group_sizes) rows are sorted by group.
+      m_tiles: M_pad // block_m, the number of row tiles.
+      block_m: rows per tile.
+    Returns:
+      meta: (4, m_tiles + G) int32, per visit v: [row tile, group, first row, end row (exclusive)].
+      n_visits: m_tiles + G, the static grid size.
+
+    Example, block_m=4, group_sizes=[3, 0, 6] (rows 0-2 in group 0, rows 3-8 in group 2, 3 tiles):
+    visits (tile, group) = (0, 0), (0, 1) with no rows, (0, 2), (1, 2), (2, 2), then one padding visit.
+    """
     G = group_sizes.shape[0]
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
-    first = jnp.minimum(starts // block_m, m_tiles - 1)
-    last = jnp.where(group_sizes > 0, (ends - 1) // block_m, first)
-    visits = last - first + 1
-    offsets = jnp.cumsum(visits) - visits
+    # 1. Each group's row range [start, end).
+    ends = jnp.cumsum(group_sizes)                                           # (G,)  [3, 3, 9]
+    starts = ends - group_sizes                                              # (G,)  [0, 3, 3]
+    # 2. The tiles each group touches: first..last. An empty group still gets one visit (of its
+    #    start tile, with no rows), so tgmm writes its all-zero weight gradient.
+    first = jnp.minimum(starts // block_m, m_tiles - 1)                     # (G,)  [0, 0, 0]
+    last = jnp.where(group_sizes > 0, (ends - 1) // block_m, first)         # (G,)  [0, 0, 2]
+    visits = last - first + 1                                                # (G,)  [1, 1, 3]
+    offsets = jnp.cumsum(visits) - visits                                    # (G,)  [0, 1, 2]: group's first visit
+    # 3. Visit v belongs to the group whose visit range [offset, offset + visits) holds v. A tile is
+    #    split between at most two groups at each of the G - 1 boundaries, so m_tiles + G visits
+    #    always suffice: a static grid size.
     v = jnp.arange(m_tiles + G)
     group = jnp.minimum(jnp.searchsorted(jnp.cumsum(visits), v, side="right"), G - 1)
+    # 4. Visits past the real ones are padding: they revisit the last tile with an empty row range.
     real = v < visits.sum()
     tile = jnp.where(real, first[group] + v - offsets[group], m_tiles - 1)
     group = jnp.where(real, group, G - 1)
     lo = jnp.where(real, starts[group], 0)
     hi = jnp.where(real, ends[group], 0)
-    meta = jnp.stack([tile, group, lo, hi]).astype(jnp.int32)               # (4, visits)
+    meta = jnp.stack([tile, group, lo, hi]).astype(jnp.int32)               # (4, m_tiles + G)
     return meta, m_tiles + G
 
 
@@ -413,15 +445,17 @@ _GROUP = lambda K, N: pl.BlockSpec((None, K, N), lambda v, m: (m[1, v], 0, 0))
 def _gmm_call(x, w, group_sizes, block_m):
     (M, K), N = x.shape, w.shape[2]
     meta, n_visits = group_metadata(group_sizes, M // block_m, block_m)
-    return _call(functools.partial(_gmm_kernel, block_m=block_m), jax.ShapeDtypeStruct((M, N), jnp.float32),
-                 (n_visits,), [_ROWS(block_m, K), _GROUP(K, N)], _ROWS(block_m, N), 1)(meta, x, w)
+    return _call(functools.partial(_gmm_kernel, block_m=block_m), grid=(n_visits,), num_scalar_prefetch=1,
+                 out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32),
+                 in_specs=[_ROWS(block_m, K), _GROUP(K, N)], out_specs=_ROWS(block_m, N))(meta, x, w)
 
 
 def _tgmm_call(x, dy, group_sizes, block_m):
     (M, K), N, G = x.shape, dy.shape[1], group_sizes.shape[0]
     meta, n_visits = group_metadata(group_sizes, M // block_m, block_m)
-    return _call(functools.partial(_tgmm_kernel, block_m=block_m), jax.ShapeDtypeStruct((G, K, N), jnp.float32),
-                 (n_visits,), [_ROWS(block_m, K), _ROWS(block_m, N)], _GROUP(K, N), 1)(meta, x, dy)
+    return _call(functools.partial(_tgmm_kernel, block_m=block_m), grid=(n_visits,), num_scalar_prefetch=1,
+                 out_shape=jax.ShapeDtypeStruct((G, K, N), jnp.float32),
+                 in_specs=[_ROWS(block_m, K), _ROWS(block_m, N)], out_specs=_GROUP(K, N))(meta, x, dy)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -447,13 +481,13 @@ _gmm_padded.defvjp(_gmm_fwd_rule, _gmm_bwd_rule)
 def gmm_jax(x, w, group_sizes, *, block_m):
     """x (M, K) rows sorted by group, w (G, K, N), group_sizes (G,) summing to M -> (M, N)."""
     M = x.shape[0]
-    M_pad = -(-M // block_m) * block_m
+    M_pad = round_up(M, block_m)
     return _gmm_padded(_pad_seq(x, M_pad, 0), w, group_sizes, block_m)[:M]
 
 
 def gmm(x_MxK, w_GxKxN, group_sizes_G, block_m=128):
     """PyTorch entry point, same contract as model.gmm_reference."""
-    return gmm_jax(x_MxK, w_GxKxN, group_sizes_G, block_m=min(block_m, -(-x_MxK.shape[0] // 8) * 8))
+    return gmm_jax(x_MxK, w_GxKxN, group_sizes_G, block_m=min(block_m, round_up(x_MxK.shape[0], NUM_SUBLANES)))
 
 
 model.ATTENTION_IMPLS["splash"] = splash_attention

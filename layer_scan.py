@@ -12,28 +12,50 @@ layer axis; torch_xla's is torch_xla.experimental.scan_layers. Ours, for the tra
                            forward + vjp, traced once by make_fx, from each saved input (per-layer
                            remat, like JAX's scan + checkpoint), stacking the weight gradients.
 
-Under make_fx each is one node, so the step graph has the same size at 2 or 200 layers. (torch's
-own torch._higher_order_ops.scan gave wrong gradients in torch 2.9 in our measurement, hence this.)
-On XLA the two ops' kernels build XLA While loops instead of Python loops (torch_xla's scan core,
-torch_xla/experimental/scan.py, without its AOTAutograd layer: our backward op is the vjp), so
-the compiled program, not only the FX graph, stays one block long: the same path in eager XLA
-(autograd calls the backward op) and graph mode (both ops are nodes of the step graph).
-Limits: static shapes only (MoE needs the Pallas gmm); one process (no --mesh).
+How control flows (one stacked block registered once as a `ScannedBlock`, found by id, since
+custom ops take tensors and ints, not modules):
+
+    StackedLayers.forward(h)
+      |-- trace_block_vjp: make_fx of ONE block's forward + vjp, once per shape  -> ScannedBlock.vjps
+      `-- scan_layers(h, stacked)            forward: for i in 0..L-1: h = block(h, w[i]); keep h_i
+              |  autograd (eager) or make_fx (graph mode) records one node; saves carries (L, B, S, D)
+              v
+          scan_layers_bwd(carries, stacked, grad_h)   backward: for i in L-1..0:
+                                                      grad_h, grad_w[i] = vjp(carries[i], w[i], grad_h)
+
+Under make_fx each op is one node, so the step graph has the same size at 2 or 200 layers. We write
+our own ops rather than use torch's scan higher-order op so that one code path serves eager, make_fx
+and XLA (torch's scan was not evaluated here). On XLA the two ops' kernels build XLA While loops
+instead of Python loops (torch_xla's scan core, torch_xla/experimental/scan.py, without its
+AOTAutograd layer: our backward op is the vjp), so the compiled program, not only the FX graph,
+stays one block long: the same path in eager XLA (autograd calls the backward op) and graph mode.
+Limits: static shapes only (MoE needs the Pallas gmm). Under --mesh the (L, ...) weights are
+sharded on the layer axis and gathered whole before the scan (not one layer at a time).
 """
 import copy
+import dataclasses
 
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 
-_BLOCKS = {}  # id -> (template block module, parameter names): custom ops take no modules
-_VJPS = {}    # (id, shape, dtype, device) -> traced GraphModule of one block's forward + vjp
+import device as dev
+
+@dataclasses.dataclass
+class ScannedBlock:
+    """All the two ops need of a stacked block, registered under an id."""
+    template: nn.Module  # one block on the meta device: its code and shapes (weights come stacked)
+    names: list          # its parameter names, in the order of the stacked list
+    vjps: dict = dataclasses.field(default_factory=dict)  # (shape, dtype, device) -> traced fwd + vjp
+
+
+_BLOCKS = {}  # block id -> ScannedBlock
 
 
 def _block_call(block_id, params, h, cos, sin):
-    block, names = _BLOCKS[block_id]
-    h, aux = torch.func.functional_call(block, dict(zip(names, params)), (h, cos, sin))
+    block = _BLOCKS[block_id]
+    h, aux = torch.func.functional_call(block.template, dict(zip(block.names, params)), (h, cos, sin))
     return h, aux.float()
 
 
@@ -49,7 +71,7 @@ def _xla_while(body, init, xs, reverse=False):
 @torch.library.custom_op("minititan::scan_layers", mutates_args=())
 def scan_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stacked: list[torch.Tensor],
                 block_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if h.device.type == "xla":
+    if dev.is_xla(h.device):
         def body(carry, weights):
             h, aux = carry
             out, layer_aux = _block_call(block_id, list(weights), h, cos, sin)
@@ -69,16 +91,16 @@ def _(h, cos, sin, stacked, block_id):
     return torch.empty_like(h), h.new_empty((), dtype=torch.float32), h.new_empty((stacked[0].shape[0], *h.shape))
 
 
-def _vjp_key(block_id, h):
-    return block_id, tuple(h.shape), h.dtype, str(h.device)
+def _vjp_key(h):
+    return tuple(h.shape), h.dtype, str(h.device)
 
 
-def _trace_block_vjp(block_id, h, cos, sin, stacked):
+def trace_block_vjp(block_id, h, cos, sin, stacked):
     """Trace one block's forward + backward, (h, cos, sin, params, grad_h, grad_aux) -> grads, into a
     GraphModule, once per shape/device. The backward op replays it per layer: no autograd is needed
     inside the op's kernel (where the dispatcher has switched autograd off), the same on every device."""
-    key = _vjp_key(block_id, h)
-    if key in _VJPS:
+    vjps = _BLOCKS[block_id].vjps
+    if _vjp_key(h) in vjps:
         return
 
     def block_vjp(h, cos, sin, params, grad_h, grad_aux):
@@ -92,14 +114,14 @@ def _trace_block_vjp(block_id, h, cos, sin, stacked):
         empty = lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)
         example = (empty(h), empty(cos), empty(sin), [empty(w[0]) for w in stacked], empty(h),
                    torch.empty((), dtype=torch.float32, device=h.device))
-        _VJPS[key] = make_fx(block_vjp, tracing_mode="fake")(*example)
+        vjps[_vjp_key(h)] = make_fx(block_vjp, tracing_mode="fake")(*example)
 
 
 @torch.library.custom_op("minititan::scan_layers_bwd", mutates_args=())
 def scan_layers_bwd(carries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stacked: list[torch.Tensor],
                     grad_h: torch.Tensor, grad_aux: torch.Tensor, block_id: int) -> list[torch.Tensor]:
-    block_vjp = _VJPS[_vjp_key(block_id, carries[0])]
-    if carries.device.type == "xla":
+    block_vjp = _BLOCKS[block_id].vjps[_vjp_key(carries[0])]
+    if dev.is_xla(carries.device):
         def body(grad_h, saved):
             h, weights = saved
             grad_h, *grad_params = block_vjp(h, cos, sin, list(weights), grad_h, grad_aux)
@@ -146,12 +168,12 @@ class StackedLayers(nn.Module):
             stacked = torch.stack([dict(layer.named_parameters())[name].detach() for layer in layers])
             self.register_parameter(name.replace(".", "__"), nn.Parameter(stacked))
         self.block_id = len(_BLOCKS)
-        _BLOCKS[self.block_id] = (template, self.names)
+        _BLOCKS[self.block_id] = ScannedBlock(template, self.names)
         self.n_layers = len(layers)
 
     def forward(self, h, cos, sin):
         stacked = [getattr(self, n.replace(".", "__")) for n in self.names]
-        _trace_block_vjp(self.block_id, h, cos, sin, stacked)
+        trace_block_vjp(self.block_id, h, cos, sin, stacked)
         out, aux, _ = scan_layers(h, cos, sin, stacked, self.block_id)
         return out, aux
 

@@ -79,8 +79,26 @@ class DistContext:
     @staticmethod
     def local(tensors):
         """Local shards (plain tensors sharing storage) of DTensors: the optimizer is elementwise,
-        so it runs on shards alone; only the gradient norm needs a collective."""
+        so it runs on shards alone; only the gradient norm needs a collective. Inverse: `like`."""
         return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+    @staticmethod
+    def like(shards, params):
+        """Local shards back into DTensors placed like `params` (for DCP and for the traced step)."""
+        from torch.distributed.tensor import DTensor
+        return [DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                   stride=p.stride()) for t, p in zip(shards, params)]
+
+    def grads(self, loss, params):
+        """d loss / d params as this rank's averaged gradient shards. SimpleFSDP: ordinary autograd
+        (the reduce-scatter is in the graph). FSDP2: backward() fires its reduce-scatter hooks."""
+        if self.dp_impl != "fsdp2":
+            return self.local(torch.autograd.grad(loss, params))
+        loss.backward()
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return self.local(grads)
 
     # Functional collectives (return new tensors): the same code runs eagerly and traces into graphs.
     def sum_over_shards(self, x):

@@ -82,6 +82,9 @@ def check_args(args):
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
         if getattr(args, name) <= 0:
             raise ValueError(f"{name} must be positive, got {getattr(args, name)}")
+    if args.rope_scaling is not None and len(args.rope_scaling) != 4:
+        raise ValueError(f"rope_scaling is (factor, low_freq_factor, high_freq_factor, original_ctx), got "
+                         f"{args.rope_scaling}")
     if args.n_heads % args.n_kv_heads:
         raise ValueError(f"n_heads ({args.n_heads}) must be divisible by n_kv_heads ({args.n_kv_heads})")
     if args.hd % 2:
@@ -95,6 +98,15 @@ def check_args(args):
     for registry, name, kind in ((ATTENTION_IMPLS, args.attn_impl, "attention"), (LOSS_IMPLS, args.loss_impl, "loss"),
                                  (GMM_IMPLS, args.moe_impl, "grouped matmul")):
         _impl(registry, name, kind)  # ValueError naming the choices for an unknown name
+
+
+def dynamic_shapes_reason(args):
+    """Why this config's step has data-dependent shapes (so it cannot be traced ahead of time:
+    graph mode, --scan), or None. The reference MoE dispatch reads per-expert group sizes on the host."""
+    if args.n_experts and args.moe_impl == "reference":
+        return ("the reference MoE dispatch reads group sizes on the host (data-dependent shapes): "
+                "add --kernels pallas (the grouped-matmul kernel has static shapes)")
+    return None
 
 
 def tpu_config(args):
@@ -232,7 +244,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """(SwiGLU output, aux loss 0): the same (output, aux) contract as MoE, so Block need not ask."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), x.new_zeros((), dtype=torch.float32)
 
 
 class MoE(nn.Module):
@@ -282,8 +295,7 @@ class Block(nn.Module):
 
     def forward(self, x_BxSxD, cos, sin):
         h = x_BxSxD + self.self_attn(self.input_layernorm(x_BxSxD), cos, sin)
-        out = self.mlp(self.post_attention_layernorm(h))
-        out, aux = out if isinstance(out, tuple) else (out, h.new_zeros((), dtype=torch.float32))
+        out, aux = self.mlp(self.post_attention_layernorm(h))
         return h + out, aux
 
 
@@ -349,7 +361,9 @@ class Transformer(nn.Module):
 
 
 def param_counts(args):
-    """(total, embedding, active-non-embedding) parameter counts, from the config alone."""
+    """(total, embedding, active matmul) parameter counts, from the config alone. `active matmul`:
+    the weights one token multiplies (the MoE router and its top_k experts; the output head, tied
+    or not), i.e. all active parameters except the embedding lookup, which is no matmul."""
     D, hd, L = args.dim, args.hd, args.n_layers
     attn = D * hd * (2 * args.n_heads + 2 * args.n_kv_heads) + (2 * hd if args.qk_norm else 0)
     if args.n_experts:
@@ -361,8 +375,8 @@ def param_counts(args):
     emb = args.vocab_size * D
     head = 0 if args.tie_embeddings else emb
     total = emb + head + L * (attn + mlp_total + per_layer_norms) + D
-    active_non_emb = L * (attn + mlp_active + per_layer_norms) + D + emb  # + output projection
-    return total, emb, active_non_emb
+    active_matmul = L * (attn + mlp_active + per_layer_norms) + D + emb  # (+ emb: the output head)
+    return total, emb, active_matmul
 
 
 def flops_per_token(args, seq_len):

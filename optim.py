@@ -90,11 +90,18 @@ class AdamW:
         """`params`: fresh views of the same parameters, for owners that re-point storage (FSDP2).
         `step`: this update's number as a 0-d tensor (XLA: an input, not a new constant per step)."""
         params = self.params if params is None else params
+        new_params, new_state = adamw([p.detach() for p in params], grads, self.state,
+                                      self.step_count + 1 if step is None else step, lr, self.betas, self.eps,
+                                      self.weight_decay, self.mask)
+        self.commit(new_params, new_state, params)
+
+    @torch.no_grad()
+    def commit(self, new_params, new_state, params=None):
+        """Take an update computed by `adamw` here or inside a traced step graph: write the new values
+        into the parameters (so the module, its hooks and checkpoints see them), keep the new state."""
+        torch._foreach_copy_([p.data for p in (self.params if params is None else params)], list(new_params))
+        self.state = {k: list(v) for k, v in new_state.items()}
         self.step_count += 1
-        new_params, self.state = adamw([p.detach() for p in params], grads, self.state,
-                                       self.step_count if step is None else step, lr, self.betas, self.eps,
-                                       self.weight_decay, self.mask)
-        torch._foreach_copy_([p.data for p in params], new_params)
 
     def state_dict(self):
         return {"step": self.step_count, "exp_avg": self.state["exp_avg"],

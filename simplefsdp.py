@@ -61,7 +61,7 @@ def data_parallel(model, mesh, param_dtype=None):
             module._parameters[name] = nn.Parameter(distribute_tensor(p.data, mesh, placements),
                                                     requires_grad=p.requires_grad)
         key = (module.__class__, tuple(names))
-        if key not in classes:  # one subclass per (class, parameter names), as torchtitan does
+        if key not in classes:  # one subclass per (class, parameter names), shared by its instances
             props = {n: _property(n, param_dtype) for n in names}
             classes[key] = type(f"SimpleFSDP{module.__class__.__name__}", (module.__class__,), props)
         module.__class__ = classes[key]

@@ -1,13 +1,17 @@
 """test_all.py: every concept checked against an independent oracle. Run: .venv/bin/python -m pytest test_all.py
 
-Oracles: straightforward formulas written out loop by loop (RoPE, GQA attention, MoE per token),
-torch.optim.AdamW and clip_grad_norm_, the uninterrupted run (resume), eager CPU (XLA:CPU), JAX's
-production Pallas kernels, FSDP2, the unrolled loop (scan). Runs on CPU only, ~minutes on 2 cores.
+One section per file, in the README's reading order, each naming its oracles: formulas written out
+loop by loop (RoPE, GQA attention, MoE per token), torch's own functional ops (the architecture
+written out), torch.optim.AdamW and clip_grad_norm_, the uninterrupted run (resume), eager CPU
+(XLA:CPU), JAX's production Pallas kernels, one process and FSDP2 (data parallel), the unrolled loop
+(scan). A test that must run in a fresh process (XLA runtime first, torchrun) calls one of the
+`child_*` functions below through `python test_all.py child_NAME ARGS`. CPU only, ~10 min on 2 cores.
 """
 import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +21,7 @@ import torch.nn.functional as F
 
 import data
 import optim
-from model import (FLAVORS, ModelArgs, Transformer, apply_rope, attention_mask, check_args,
+from model import (FLAVORS, ModelArgs, Transformer, apply_rope, check_args,
                    flops_per_token, param_counts, rope_inv_freq, sdpa_attention)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,7 +63,82 @@ def tiny_args(**kw):
 
 
 # ------------------------------------------------------------------------------------------------
-# model.py
+# Shared helpers: train.py in this process or a subprocess, torchrun, a trainer driven step by step
+
+def _main(argv):
+    import train
+    try:
+        return train.main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+def _trainer(corpus, tmp_path, *extra):
+    import train
+    cfg = train.build_parser().parse_args([*TINY, "--data", corpus, "--steps", "20", "--ckpt-interval", "0",
+                                           "--eval-batches", "0", "--out-dir", str(tmp_path / "r"), *extra])
+    return train.Trainer(cfg)
+
+
+def _train_losses(trainer, steps=20):
+    import optim as o
+    out = []
+    for i in range(1, steps + 1):
+        x, y = trainer.batches.get(i)
+        ce, _ = trainer.step_fn(x, y, torch.tensor(o.lr_at(i, trainer.cfg.lr, trainer.cfg.warmup, steps)))
+        out.append(ce.item())
+    return out
+
+
+DIST_TINY = [*TINY, "--set", "ffn_dim=131"]  # 131: an uneven first dimension for the shards
+
+def torchrun(nproc, args, timeout=300):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), os.path.join(HERE, "train.py"), *args], cwd=HERE, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _full_params(ckpt_dir, args, name=None):
+    """Load a (possibly sharded) checkpoint into full, plain tensors in this process."""
+    import checkpoint
+    import train
+    cfg = train.build_parser().parse_args(args)
+    state = {"model": Transformer(train.model_args_from(cfg)).state_dict()}
+    path = os.path.join(ckpt_dir, name) if name else checkpoint.find_resumable(ckpt_dir)[0]
+    return checkpoint.load(path, state)["model"]
+
+
+def _files(run_dir):
+    """{relative path: sha256} of everything under run_dir/checkpoints: 'nothing lost' = unchanged."""
+    import checkpoint
+    root = os.path.join(run_dir, "checkpoints")
+    return {os.path.relpath(os.path.join(d, f), root): checkpoint._sha256(os.path.join(d, f))
+            for d, _, fs in os.walk(root) for f in fs}
+
+
+# ------------------------------------------------------------------------------------------------
+# device.py: the XLA path. Oracle: eager PyTorch on CPU
+
+@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-4), ("bf16", 1e-2)])
+def test_xla_cpu_matches_eager_over_10_steps(dtype, tol, corpus, tmp_path):
+    common = [*TINY, "--data", corpus, "--steps", "10", "--ckpt-interval", "0", "--eval-interval", "0",
+              "--dtype", dtype]
+    rc, _, err = run_train([*common, "--device", "cpu", "--out-dir", str(tmp_path / "cpu")])
+    assert rc == 0, err
+    rc, out, err = run_train([*common, "--device", "xla", "--out-dir", str(tmp_path / "xla")],
+                             env={"PJRT_DEVICE": "CPU"})
+    assert rc == 0, err
+    assert "on xla" in out
+    eager, xla = losses(str(tmp_path / "cpu")), losses(str(tmp_path / "xla"))
+    assert sorted(eager) == list(range(1, 11)) and sorted(xla) == sorted(eager)
+    for step in eager:
+        assert abs(eager[step] - xla[step]) < tol, (step, eager[step], xla[step])
+
+
+# ------------------------------------------------------------------------------------------------
+# model.py. Oracles: loop formulas (RoPE, GQA attention, MoE per token), torch's own F.rms_norm and
+# F.scaled_dot_product_attention in the architecture written out (reference_logits), published counts
 
 @pytest.mark.parametrize("flavor", ["llama3_debug", "qwen3_debug", "qwen3_moe_debug"])
 def test_causality_future_tokens_do_not_change_past_logits(flavor):
@@ -275,7 +354,7 @@ def test_bad_model_configs_are_refused():
 
 
 # ------------------------------------------------------------------------------------------------
-# optim.py
+# optim.py. Oracles: torch.optim.AdamW (param groups chosen by name), clip_grad_norm_
 
 def test_functional_adamw_equals_torch_adamw_over_20_steps():
     torch.manual_seed(0)
@@ -305,7 +384,6 @@ def test_the_trainers_decay_mask_follows_the_rule_and_steps_like_torch_adamw(fla
     """The mask the trainer really builds, checked per parameter against the modules it belongs to
     (Linear, Embedding and expert matrices decay; RMSNorm weights do not), also with --scan, where a
     norm weight is stacked to (L, D). Then one update against torch.optim.AdamW with groups by name."""
-    import train
     from model import RMSNorm
     tr = _trainer(corpus, tmp_path, *flags)
     plain = Transformer(tr.model_args)  # per-layer names: layers.<i>.<path>
@@ -336,14 +414,15 @@ def test_adamw_is_pure():
     assert torch.equal(params[0], before[0]) and torch.equal(state["exp_avg"][0], before[1])
 
 
-def test_clipping_matches_torch():
+@pytest.mark.parametrize("max_norm", [1.0, 1e3])  # above the norm (clipped) and below it (untouched)
+def test_clipping_matches_torch(max_norm):
     torch.manual_seed(0)
     grads = [torch.randn(10, 10) * 3, torch.randn(7)]
     ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
     for p, g in zip(ref, grads):
         p.grad = g.clone()
-    want_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
-    clipped, norm = optim.clip_by_global_norm(grads, 1.0)
+    want_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    clipped, norm = optim.clip_by_global_norm(grads, max_norm)
     torch.testing.assert_close(norm, want_norm)
     for c, p in zip(clipped, ref):
         torch.testing.assert_close(c, p.grad)
@@ -358,7 +437,7 @@ def test_schedule_warmup_then_cosine():
 
 
 # ------------------------------------------------------------------------------------------------
-# data.py
+# data.py. Oracle: the one-process batch (rank slices concatenate to it)
 
 def test_data_is_deterministic_and_rank_dependent(corpus):
     train, val = data.load_corpus(corpus)
@@ -391,7 +470,8 @@ def test_default_corpus_is_the_stdlib_and_split_by_file(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# train.py: resume, bad input, non-finite loss, XLA:CPU
+# checkpoint.py + rundir.py + train.py: the promises (README). Oracles: the uninterrupted run,
+# checksums of the files on disk before and after, real processes (SIGKILL, a file-size limit, SIGSTOP)
 
 def test_resume_equals_uninterrupted_bit_for_bit(corpus, tmp_path):
     """Also: a garbage `latest` pointer neither hides the checkpoints from a fresh run (refused) nor
@@ -427,9 +507,9 @@ BAD_INPUTS = [
     (["--lr", "nan"], "--lr must be"),
     (["--steps", "ten"], "invalid int value"),
     (["--remat"], "add --mode graph"),
-    (["--mode", "graph", "--flavor", "qwen3_moe_debug"], "add --kernels pallas"),
+    (["--mode", "graph", "--flavor", "qwen3_moe_debug"], "graph mode traces ahead of time; the reference MoE dispatch"),
     (["--mode", "compile", "--scan"], "--scan has no per-block modules"),
-    (["--scan", "--flavor", "qwen3_moe_debug"], "MoE: add --kernels pallas"),
+    (["--scan", "--flavor", "qwen3_moe_debug"], "--scan traces ahead of time; the reference MoE dispatch reads group sizes on the host (data-dependent shapes): add --kernels pallas"),
     (["--set", "vocab_size=10"], "smaller than the data's 256 byte values"),  # (was an IndexError at step 1)
     (["--set", "attn_impl=foo"], "unknown attention implementation 'foo'"),
     (["--set", "norm_eps=-1"], "norm_eps must be a positive number"),  # (was a NaN loss, exit 3)
@@ -440,7 +520,6 @@ BAD_INPUTS = [
     (["--resume-from", "step_000001"], "no such checkpoint"),
     (["--watchdog", "-1"], "--watchdog must be >= 0"),
 ]
-
 
 @pytest.mark.parametrize("args,message", BAD_INPUTS)
 def test_bad_input_one_line_exit_2_nothing_written(args, message, corpus, tmp_path, capsys):
@@ -461,6 +540,19 @@ def test_bad_input_in_a_real_process_has_no_traceback(tmp_path):
     empty.write_text("")
     rc, out, err = run_train(["--data", str(empty), "--out-dir", str(tmp_path / "r")])
     assert rc == 2 and err.strip().splitlines() == [f"error: --data {empty}: no text found (empty, or only binary files)"]
+
+
+def test_set_parses_each_field_by_its_declared_type():
+    import train
+    parse = lambda *sets: train.model_args_from(train.build_parser().parse_args([x for s in sets for x in ("--set", s)]))
+    args = parse("rope_scaling=8,1,4,8192", "head_dim=none", "qk_norm=true", "norm_eps=1e-6", "n_layers=3")
+    assert args.rope_scaling == (8, 1, 4, 8192) and args.head_dim is None and args.qk_norm is True
+    assert args.norm_eps == 1e-6 and args.n_layers == 3
+    assert parse("head_dim=16").head_dim == 16  # Optional[int]: an int, not a string
+    for bad, message in [("qk_norm=maybe", "is not a bool"), ("n_layers=2.5", "is not a int"),
+                         ("rope_scaling=8,1", "rope_scaling is (factor, low_freq_factor")]:
+        with pytest.raises(train.ConfigError, match=re.escape(message)):
+            parse(bad)
 
 
 def test_checkpoint_of_another_flavor_is_refused_and_kept(corpus, tmp_path):
@@ -496,24 +588,151 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, m
     assert checkpoint.find_resumable(ckpts)[0].endswith("step_000003")
 
 
-@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-4), ("bf16", 1e-2)])
-def test_xla_cpu_matches_eager_over_10_steps(dtype, tol, corpus, tmp_path):
-    common = [*TINY, "--data", corpus, "--steps", "10", "--ckpt-interval", "0", "--eval-interval", "0",
-              "--dtype", dtype]
-    rc, _, err = run_train([*common, "--device", "cpu", "--out-dir", str(tmp_path / "cpu")])
-    assert rc == 0, err
-    rc, out, err = run_train([*common, "--device", "xla", "--out-dir", str(tmp_path / "xla")],
-                             env={"PJRT_DEVICE": "CPU"})
-    assert rc == 0, err
-    assert "on xla" in out
-    eager, xla = losses(str(tmp_path / "cpu")), losses(str(tmp_path / "xla"))
-    assert sorted(eager) == list(range(1, 11)) and sorted(xla) == sorted(eager)
-    for step in eager:
-        assert abs(eager[step] - xla[step]) < tol, (step, eager[step], xla[step])
+def test_checkpoint_write_protocol_survives_a_crash_at_every_step(tmp_path, monkeypatch):
+    """Fault injection at each write step in turn: the DCP write, the checksums, meta.json, the
+    rename, the `latest` pointer. After each crash `latest` names a complete checkpoint and the
+    resumable one holds exactly what its step saved (a crash before the rename: the previous one)."""
+    import checkpoint
+    ckpt_dir = str(tmp_path / "ck")
+    checkpoint.save(ckpt_dir, 1, {"w": torch.full((4,), 1.0)}, {"flavor": "x"})
+    committed = 1
+
+    def crash(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    for step, name in enumerate(["_write_shards", "_sha256", "_write_meta", "_commit", "_point_latest"], start=2):
+        with monkeypatch.context() as m:
+            m.setattr(checkpoint, name, crash)
+            with pytest.raises(OSError):
+                checkpoint.save(ckpt_dir, step, {"w": torch.full((4,), float(step))}, {"flavor": "x"})
+        if name == "_point_latest":  # renamed, so complete: only the pointer is behind
+            committed = step
+        pointer = open(os.path.join(ckpt_dir, "latest")).read()
+        assert checkpoint.verify(os.path.join(ckpt_dir, pointer)) is None, name
+        path, _ = checkpoint.find_resumable(ckpt_dir)
+        assert path.endswith(f"step_{committed:06d}") and checkpoint.verify(path) is None, name
+        restored = checkpoint.load(path, {"w": torch.zeros(4)})["w"]
+        assert torch.equal(restored, torch.full((4,), float(committed))), name
+        if name in ("_write_shards", "_sha256", "_write_meta"):  # failed writes clean up after themselves
+            assert not [f for f in os.listdir(ckpt_dir) if f.endswith(".tmp")], name
+
+
+def test_a_second_run_on_the_same_directory_is_refused_and_a_dead_holder_leaves_no_lock(corpus, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, rundir; rundir.RunDir(sys.argv[1]).open(); "
+                               "print('locked', flush=True); time.sleep(300)", out], cwd=HERE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        rc = _main([*TINY, "--data", corpus, "--steps", "2", "--out-dir", out])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and err.startswith("error:") and f"is in use by another run (pid {holder.pid}" in err
+        assert sorted(os.listdir(out)) == [".lock.rank0"]  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _main([*TINY, "--data", corpus, "--steps", "2", "--out-dir", out]) == 0  # the kernel dropped its lock
+
+
+def test_nonfinite_values_are_never_saved_and_metrics_stay_strict_json(corpus, tmp_path, monkeypatch, capsys):
+    import train
+    out = str(tmp_path / "lr")  # lr 1e6: the gradient norm turns NaN while the loss is still finite
+    rc = _main([*TINY, "--data", corpus, "--steps", "6", "--lr", "1e6", "--ckpt-interval", "1", "--out-dir", out])
+    err = capsys.readouterr().err
+    assert rc == 3 and ("error: grad norm is nan" in err or "error: loss is nan" in err), err
+    saved = [d for d in os.listdir(os.path.join(out, "checkpoints")) if d.startswith("step_")]
+    assert saved
+    for name in saved:
+        state = _full_params(os.path.join(out, "checkpoints"), [*TINY, "--data", corpus], name)
+        assert all(torch.isfinite(t).all() for t in state.values()), name
+    for line in open(os.path.join(out, "metrics.jsonl")):
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c} in metrics.jsonl"))
+    # A NaN validation loss at the last step: exit 3 before the final checkpoint is written.
+    monkeypatch.setattr(train.Trainer, "evaluate", lambda self: float("nan") if self.step else 1.0)
+    out = str(tmp_path / "val")
+    assert _main([*TINY, "--data", corpus, "--steps", "2", "--ckpt-interval", "0", "--out-dir", out]) == 3
+    assert "error: val loss is nan at step 2" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(out, "checkpoints"))
+
+
+def test_resume_refuses_a_changed_config_and_says_what_it_does(corpus, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "3", "--out-dir", out]
+    assert _main([*common, "--halt-at", "3"]) == 0
+    before = _files(out)
+    capsys.readouterr()
+    other = tmp_path / "other.txt"
+    other.write_text(open(corpus).read()[::-1])
+    for extra, message in [(["--lr", "0.01"], "lr: saved 0.003, now 0.01); pass --allow-change lr"),
+                           (["--data", str(other)], "data: saved"), (["--seed", "1"], "seed: saved 0, now 1"),
+                           (["--steps", "3"], "is at step 3, --steps is 3: nothing to train")]:
+        assert _main([*common, "--resume", *extra]) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
+    assert _files(out) == before and sorted(losses(out)) == [1, 2, 3]
+    assert _main([*common, "--resume", "--lr", "0.01", "--allow-change", "lr"]) == 0  # deliberate
+    assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6]
+    assert _main([*common[:-1], str(tmp_path / "empty"), "--resume", "--steps", "1"]) == 0
+    assert "note: no checkpoint in" in capsys.readouterr().err
+
+
+def _corrupt_truncate(d):
+    f = next(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".distcp"))
+    os.truncate(f, os.path.getsize(f) // 2)
+
+
+def _corrupt_metadata(d):
+    with open(os.path.join(d, ".metadata"), "r+b") as f:
+        f.seek(40)
+        f.write(os.urandom(16))
+
+
+@pytest.mark.parametrize("corrupt,names", [(_corrupt_truncate, ".distcp does not match its checksum"),
+                                           (_corrupt_metadata, ".metadata does not match its checksum"),
+                                           (lambda d: os.remove(os.path.join(d, "meta.json")), "meta.json is missing"),
+                                           (lambda d: open(os.path.join(d, "meta.json"), "w").write("{"), "meta.json is missing or unreadable")])
+def test_a_corrupt_checkpoint_is_named_and_the_good_one_resumes(corrupt, names, corpus, tmp_path, capsys):
+    full = str(tmp_path / "full")
+    common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "3", "--eval-batches", "0"]
+    assert _main([*common, "--out-dir", full]) == 0
+    corrupt(os.path.join(full, "checkpoints", "step_000006"))
+    capsys.readouterr()
+    assert _main([*common, "--out-dir", full, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and names in err and "pass --resume-from step_000003" in err, err
+    want = losses(full)
+    os.remove(os.path.join(full, "metrics.jsonl"))
+    assert _main([*common, "--out-dir", full, "--resume-from", "step_000003"]) == 0
+    assert losses(full) == {s: want[s] for s in (4, 5, 6)}  # the good checkpoint, bit for bit
+    assert os.path.isdir(os.path.join(full, "checkpoints", "step_000006.superseded"))  # kept, not resumed
+
+
+def test_small_data_says_validation_is_skipped(tmp_path, capsys):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_bytes(b"All work and no play makes a dull model. " * 3)
+    assert _main([*TINY, "--data", str(tiny), "--steps", "1", "--out-dir", str(tmp_path / "r")]) == 0
+    assert "note: validation skipped: the validation split has 7 bytes" in capsys.readouterr().err
+
+
+def test_disk_full_during_a_checkpoint_removes_the_partial_one_and_keeps_the_last(corpus, tmp_path):
+    import checkpoint
+    out = str(tmp_path / "run")
+    common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "3", "--out-dir", out]
+    assert run_train([*common, "--halt-at", "3"])[0] == 0
+    before = _files(out)
+    # A file-size limit of 256 KiB (smaller than one checkpoint) stands in for a full disk.
+    proc = subprocess.run(["bash", "-c", 'ulimit -f 256 && exec "$@"', "-", sys.executable, "train.py", *common,
+                           "--resume"], cwd=HERE, capture_output=True, text=True, timeout=300)
+    err = proc.stderr.strip()
+    assert proc.returncode == 5 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: a write failed: writing checkpoint step_000006 failed") and "step_000003 is kept" in err
+    assert _files(out) == before  # no step_000006.tmp left behind, step_000003 untouched
+    assert checkpoint.find_resumable(os.path.join(out, "checkpoints"))[0].endswith("step_000003")
+    assert run_train([*common, "--resume"])[0] == 0 and sorted(losses(out))[-1] == 6
 
 
 # ------------------------------------------------------------------------------------------------
-# kernels_pallas.py + jax_op.py
+# jax_op.py + kernels_pallas.py. Oracles: plain PyTorch, JAX's production splash attention and
+# megablox kernels, the lowered program's array sizes, CPU (for XLA:CPU through call_jax)
 
 def _grads(fn, inputs, cot):
     out = fn(*inputs)
@@ -521,7 +740,6 @@ def _grads(fn, inputs, cot):
 
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,H,Hkv,S,D,window,segments,block", [
@@ -668,30 +886,30 @@ def test_jax_ops_are_single_nodes_under_make_fx():
         torch.testing.assert_close(a, b)
 
 
-XLA_KERNEL_SCRIPT = r'''
-import os, sys, torch
-sys.path.insert(0, os.getcwd())
-import torch_xla, kernels_pallas as kp
-torch.manual_seed(0)
-dev = torch_xla.device()
-q, k, v = torch.randn(1, 2, 24, 8), torch.randn(1, 1, 24, 8), torch.randn(1, 1, 24, 8)
-h, w, t = torch.randn(20, 8), torch.randn(40, 8), torch.randint(0, 40, (20,))
-x, wg, gs = torch.randn(12, 8), torch.randn(3, 8, 4), torch.tensor([5, 0, 7])
-def run(d):
-    qq, kk, vv, hh, ww, xx, wgw = (z.to(d).requires_grad_() for z in (q, k, v, h, w, x, wg))
-    a = kp.splash_attention(qq, kk, vv, window=5)
-    l = kp.fused_linear_cross_entropy(hh, ww, t.to(d))
-    m = kp.gmm(xx, wgw, gs.to(d))
-    total = a.square().sum() + l + m.square().sum()
-    grads = torch.autograd.grad(total, (qq, kk, vv, hh, ww, xx, wgw))
-    return [z.detach().cpu() for z in (a, l, m, *grads)]
-cpu, xla = run("cpu"), run(dev)
-print("max diff", max((a - b).abs().max().item() for a, b in zip(cpu, xla)))
-'''
+def child_xla_kernels():
+    """(child process) The three kernels on XLA:CPU through call_jax and on CPU: fwd + grads."""
+    import torch_xla
+    import kernels_pallas as kp
+    torch.manual_seed(0)
+    xla = torch_xla.device()  # the XLA runtime starts before any CPU backward (see README)
+    q, k, v = torch.randn(1, 2, 24, 8), torch.randn(1, 1, 24, 8), torch.randn(1, 1, 24, 8)
+    h, w, t = torch.randn(20, 8), torch.randn(40, 8), torch.randint(0, 40, (20,))
+    x, wg, gs = torch.randn(12, 8), torch.randn(3, 8, 4), torch.tensor([5, 0, 7])
+
+    def run(d):
+        qq, kk, vv, hh, ww, xx, wgw = (z.to(d).requires_grad_() for z in (q, k, v, h, w, x, wg))
+        a = kp.splash_attention(qq, kk, vv, window=5)
+        l = kp.fused_linear_cross_entropy(hh, ww, t.to(d))
+        m = kp.gmm(xx, wgw, gs.to(d))
+        total = a.square().sum() + l + m.square().sum()
+        grads = torch.autograd.grad(total, (qq, kk, vv, hh, ww, xx, wgw))
+        return [z.detach().cpu() for z in (a, l, m, *grads)]
+    on_cpu, on_xla = run("cpu"), run(xla)
+    print("max diff", max((a - b).abs().max().item() for a, b in zip(on_cpu, on_xla)))
 
 
 def test_kernels_on_xla_cpu_through_call_jax_equal_cpu():
-    proc = subprocess.run([sys.executable, "-c", XLA_KERNEL_SCRIPT], cwd=HERE, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "test_all.py", "child_xla_kernels"], cwd=HERE, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.split("max diff")[1]) < 1e-5
@@ -712,274 +930,8 @@ def test_training_with_pallas_kernels_matches_reference(flavor, corpus, tmp_path
 
 
 # ------------------------------------------------------------------------------------------------
-# checkpoint.py + rundir.py: nothing lost, nothing silently wrong, nothing hangs (README: Promises).
-# Oracles: checksums of the files on disk before and after, the uninterrupted run, real processes
-# (a lock holder killed with SIGKILL, a file-size limit, a peer stopped with SIGSTOP).
-
-def _main(argv):
-    import train
-    try:
-        return train.main(argv)
-    except SystemExit as exit_:
-        return exit_.code
-
-
-def _files(run_dir):
-    """{relative path: sha256} of everything under run_dir/checkpoints: 'nothing lost' = unchanged."""
-    import checkpoint
-    root = os.path.join(run_dir, "checkpoints")
-    return {os.path.relpath(os.path.join(d, f), root): checkpoint._sha256(os.path.join(d, f))
-            for d, _, fs in os.walk(root) for f in fs}
-
-
-def test_checkpoint_write_protocol_survives_a_crash_at_every_step(tmp_path, monkeypatch):
-    """Fault injection at each write step in turn: the DCP write, the checksums, meta.json, the
-    rename, the `latest` pointer. After each crash `latest` names a complete checkpoint and the
-    resumable one holds exactly what its step saved (a crash before the rename: the previous one)."""
-    import checkpoint
-    ckpt_dir = str(tmp_path / "ck")
-    checkpoint.save(ckpt_dir, 1, {"w": torch.full((4,), 1.0)}, {"flavor": "x"})
-    committed = 1
-
-    def crash(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    for step, name in enumerate(["_write_shards", "_sha256", "_write_meta", "_commit", "_point_latest"], start=2):
-        with monkeypatch.context() as m:
-            m.setattr(checkpoint, name, crash)
-            with pytest.raises(OSError):
-                checkpoint.save(ckpt_dir, step, {"w": torch.full((4,), float(step))}, {"flavor": "x"})
-        if name == "_point_latest":  # renamed, so complete: only the pointer is behind
-            committed = step
-        pointer = open(os.path.join(ckpt_dir, "latest")).read()
-        assert checkpoint.verify(os.path.join(ckpt_dir, pointer)) is None, name
-        path, _ = checkpoint.find_resumable(ckpt_dir)
-        assert path.endswith(f"step_{committed:06d}") and checkpoint.verify(path) is None, name
-        restored = checkpoint.load(path, {"w": torch.zeros(4)})["w"]
-        assert torch.equal(restored, torch.full((4,), float(committed))), name
-        if name in ("_write_shards", "_sha256", "_write_meta"):  # failed writes clean up after themselves
-            assert not [f for f in os.listdir(ckpt_dir) if f.endswith(".tmp")], name
-
-
-def test_a_second_run_on_the_same_directory_is_refused_and_a_dead_holder_leaves_no_lock(corpus, tmp_path, capsys):
-    out = str(tmp_path / "run")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, rundir; rundir.RunDir(sys.argv[1]).open(); "
-                               "print('locked', flush=True); time.sleep(300)", out], cwd=HERE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        rc = _main([*TINY, "--data", corpus, "--steps", "2", "--out-dir", out])
-        err = capsys.readouterr().err.strip()
-        assert rc == 2 and err.startswith("error:") and f"is in use by another run (pid {holder.pid}" in err
-        assert sorted(os.listdir(out)) == [".lock.rank0"]  # nothing written
-    finally:
-        holder.kill()
-        holder.wait()
-    assert _main([*TINY, "--data", corpus, "--steps", "2", "--out-dir", out]) == 0  # the kernel dropped its lock
-
-
-def test_nonfinite_values_are_never_saved_and_metrics_stay_strict_json(corpus, tmp_path, monkeypatch, capsys):
-    import train
-    out = str(tmp_path / "lr")  # lr 1e6: the gradient norm turns NaN while the loss is still finite
-    rc = _main([*TINY, "--data", corpus, "--steps", "6", "--lr", "1e6", "--ckpt-interval", "1", "--out-dir", out])
-    err = capsys.readouterr().err
-    assert rc == 3 and ("error: grad norm is nan" in err or "error: loss is nan" in err), err
-    saved = [d for d in os.listdir(os.path.join(out, "checkpoints")) if d.startswith("step_")]
-    assert saved
-    for name in saved:
-        state = _full_params(os.path.join(out, "checkpoints"), [*TINY, "--data", corpus], name)
-        assert all(torch.isfinite(t).all() for t in state.values()), name
-    for line in open(os.path.join(out, "metrics.jsonl")):
-        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c} in metrics.jsonl"))
-    # A NaN validation loss at the last step: exit 3 before the final checkpoint is written.
-    monkeypatch.setattr(train.Trainer, "evaluate", lambda self: float("nan") if self.step else 1.0)
-    out = str(tmp_path / "val")
-    assert _main([*TINY, "--data", corpus, "--steps", "2", "--ckpt-interval", "0", "--out-dir", out]) == 3
-    assert "error: val loss is nan at step 2" in capsys.readouterr().err
-    assert not os.path.exists(os.path.join(out, "checkpoints"))
-
-
-def test_resume_refuses_a_changed_config_and_says_what_it_does(corpus, tmp_path, capsys):
-    out = str(tmp_path / "run")
-    common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "3", "--out-dir", out]
-    assert _main([*common, "--halt-at", "3"]) == 0
-    before, capsys_ = _files(out), capsys.readouterr()
-    other = tmp_path / "other.txt"
-    other.write_text(open(corpus).read()[::-1])
-    for extra, message in [(["--lr", "0.01"], "lr: saved 0.003, now 0.01); pass --allow-change lr"),
-                           (["--data", str(other)], "data: saved"), (["--seed", "1"], "seed: saved 0, now 1"),
-                           (["--steps", "3"], "is at step 3, --steps is 3: nothing to train")]:
-        assert _main([*common, "--resume", *extra]) == 2, extra
-        err = capsys.readouterr().err.strip()
-        assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
-    assert _files(out) == before and sorted(losses(out)) == [1, 2, 3]
-    assert _main([*common, "--resume", "--lr", "0.01", "--allow-change", "lr"]) == 0  # deliberate
-    assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6]
-    assert _main([*common[:-1], str(tmp_path / "empty"), "--resume", "--steps", "1"]) == 0
-    assert "note: no checkpoint in" in capsys.readouterr().err
-
-
-def _corrupt_truncate(d):
-    f = next(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".distcp"))
-    os.truncate(f, os.path.getsize(f) // 2)
-
-
-def _corrupt_metadata(d):
-    with open(os.path.join(d, ".metadata"), "r+b") as f:
-        f.seek(40)
-        f.write(os.urandom(16))
-
-
-@pytest.mark.parametrize("corrupt,names", [(_corrupt_truncate, ".distcp does not match its checksum"),
-                                           (_corrupt_metadata, ".metadata does not match its checksum"),
-                                           (lambda d: os.remove(os.path.join(d, "meta.json")), "meta.json is missing"),
-                                           (lambda d: open(os.path.join(d, "meta.json"), "w").write("{"), "meta.json is missing or unreadable")])
-def test_a_corrupt_checkpoint_is_named_and_the_good_one_resumes(corrupt, names, corpus, tmp_path, capsys):
-    full = str(tmp_path / "full")
-    common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "3", "--eval-batches", "0"]
-    assert _main([*common, "--out-dir", full]) == 0
-    corrupt(os.path.join(full, "checkpoints", "step_000006"))
-    capsys.readouterr()
-    assert _main([*common, "--out-dir", full, "--resume"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and names in err and "pass --resume-from step_000003" in err, err
-    want = losses(full)
-    os.remove(os.path.join(full, "metrics.jsonl"))
-    assert _main([*common, "--out-dir", full, "--resume-from", "step_000003"]) == 0
-    assert losses(full) == {s: want[s] for s in (4, 5, 6)}  # the good checkpoint, bit for bit
-    assert os.path.isdir(os.path.join(full, "checkpoints", "step_000006.superseded"))  # kept, not resumed
-
-
-def test_small_data_says_validation_is_skipped(tmp_path, capsys):
-    tiny = tmp_path / "tiny.txt"
-    tiny.write_bytes(b"All work and no play makes a dull model. " * 3)
-    assert _main([*TINY, "--data", str(tiny), "--steps", "1", "--out-dir", str(tmp_path / "r")]) == 0
-    assert "note: validation skipped: the validation split has 7 bytes" in capsys.readouterr().err
-
-
-def test_disk_full_during_a_checkpoint_removes_the_partial_one_and_keeps_the_last(corpus, tmp_path):
-    import checkpoint
-    out = str(tmp_path / "run")
-    common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "3", "--out-dir", out]
-    assert run_train([*common, "--halt-at", "3"])[0] == 0
-    before = _files(out)
-    # A file-size limit of 256 KiB (smaller than one checkpoint) stands in for a full disk.
-    proc = subprocess.run(["bash", "-c", 'ulimit -f 256 && exec "$@"', "-", sys.executable, "train.py", *common,
-                           "--resume"], cwd=HERE, capture_output=True, text=True, timeout=300)
-    err = proc.stderr.strip()
-    assert proc.returncode == 5 and len(err.splitlines()) == 1, err
-    assert err.startswith("error: a write failed: writing checkpoint step_000006 failed") and "step_000003 is kept" in err
-    assert _files(out) == before  # no step_000006.tmp left behind, step_000003 untouched
-    assert checkpoint.find_resumable(os.path.join(out, "checkpoints"))[0].endswith("step_000003")
-    assert run_train([*common, "--resume"])[0] == 0 and sorted(losses(out))[-1] == 6
-
-
-# ------------------------------------------------------------------------------------------------
-# graph_trainer.py
-
-def _trainer(corpus, tmp_path, *extra):
-    import train
-    cfg = train.build_parser().parse_args([*TINY, "--data", corpus, "--steps", "20", "--ckpt-interval", "0",
-                                           "--eval-batches", "0", "--out-dir", str(tmp_path / "r"), *extra])
-    return train.Trainer(cfg)
-
-
-def _train_losses(trainer, steps=20):
-    import optim as o
-    out = []
-    for i in range(1, steps + 1):
-        x, y = trainer.batches.get(i)
-        ce, _ = trainer.step_fn(x, y, torch.tensor(o.lr_at(i, trainer.cfg.lr, trainer.cfg.warmup, steps)))
-        out.append(ce.item())
-    return out
-
-
-@pytest.mark.parametrize("extra", [[], ["--flavor", "qwen3_moe_debug", "--kernels", "pallas", "--set", "moe_ffn_dim=32"]])
-def test_graph_mode_is_one_graph_and_equals_eager(corpus, tmp_path, extra):
-    eager = _trainer(corpus, tmp_path, *extra)
-    graph = _trainer(corpus, tmp_path, "--mode", "graph", *extra)
-    want, got = _train_losses(eager), _train_losses(graph)
-    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5, (want, got)
-    for p, q in zip(eager.params, graph.params):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
-    import graph_trainer
-    ops = graph_trainer.op_counts(graph.step_fn.gm)
-    # forward (embedding, matmuls), backward (embedding_dense_backward), optimizer (sqrt of AdamW's
-    # second moment, foreach lerp), all in ONE GraphModule:
-    assert ops.get("aten.embedding.default") == 1 and ops.get("aten.embedding_dense_backward.default") == 1
-    assert any("lerp" in k for k in ops) and any("sqrt" in k for k in ops)
-    assert sum(v for k, v in ops.items() if k in ("aten.mm.default", "aten.bmm.default")) >= 3 * 4 * 2
-
-
-def test_compile_mode_matches_eager_over_20_steps(corpus, tmp_path):
-    want = _train_losses(_trainer(corpus, tmp_path))
-    got = _train_losses(_trainer(corpus, tmp_path, "--mode", "compile"))
-    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5
-
-
-def test_graph_mode_inductor_backend_matches_eager(corpus, tmp_path):
-    want = _train_losses(_trainer(corpus, tmp_path), steps=6)
-    got = _train_losses(_trainer(corpus, tmp_path, "--mode", "graph", "--backend", "inductor"), steps=6)
-    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-4
-
-
-XLA_GRAPH_SCRIPT = r'''
-import os, sys, json, torch
-sys.path.insert(0, os.getcwd())
-import torch_xla, torch_xla.debug.metrics as met
-import device, train, optim
-cfg = train.build_parser().parse_args(sys.argv[1:])
-tr = train.Trainer(cfg)
-losses, compiles = [], []
-for i in range(1, 9):
-    x, y = tr.batches.get(i)
-    ce, _ = tr.step_fn(x.to(tr.device), y.to(tr.device), device.scalar(optim.lr_at(i, cfg.lr, cfg.warmup, 8), tr.device))
-    torch_xla.sync()
-    losses.append(ce.item())
-    compiles.append(met.metric_data("CompileTime")[0])
-print(json.dumps({"losses": losses, "compiles": compiles}))
-'''
-
-
-@pytest.mark.parametrize("mode,scan", [("graph", False), ("graph", True)])
-def test_xla_compiles_one_program_per_step_shape(mode, scan, corpus, tmp_path):
-    # (Not asserted for --mode eager: there, on a loaded machine, a step now and then compiles a new
-    # program (6 of 12 runs with two at once); see README, Known limits.)
-    args = [*TINY, "--data", corpus, "--ckpt-interval", "0", "--eval-batches", "0", "--out-dir", str(tmp_path / "x"),
-            *(["--scan"] if scan else [])]
-    proc = subprocess.run([sys.executable, "-c", XLA_GRAPH_SCRIPT, *args, "--mode", mode, "--device", "xla"],
-                          cwd=HERE, capture_output=True, text=True, timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    # Step 1 compiles the step program (after one small program that materializes the initial
-    # state); no step compiles again, also not step 2, whose bias correction (1 - 0.9 = 0.1) equals
-    # the weight decay: per-step scalars enter as inputs that torch_xla does not merge by value.
-    assert res["compiles"][0] == res["compiles"][-1] == 2, res["compiles"]
-    want = _train_losses(_trainer(corpus, tmp_path), steps=8)
-    assert max(abs(a - b) for a, b in zip(want, res["losses"])) < 1e-4
-
-
-# ------------------------------------------------------------------------------------------------
-# mesh.py + simplefsdp.py (gloo, CPU, processes launched by torchrun)
-
-DIST_TINY = [*TINY, "--set", "ffn_dim=131"]  # 131: an uneven first dimension for the shards
-
-
-def torchrun(nproc, args, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), os.path.join(HERE, "train.py"), *args], cwd=HERE, capture_output=True,
-                          text=True, timeout=timeout)
-    return proc.returncode, proc.stdout, proc.stderr
-
-
-def _full_params(ckpt_dir, args, name=None):
-    """Load a (possibly sharded) checkpoint into full, plain tensors in this process."""
-    import checkpoint
-    import train
-    cfg = train.build_parser().parse_args(args)
-    state = {"model": Transformer(train.model_args_from(cfg)).state_dict()}
-    path = os.path.join(ckpt_dir, name) if name else checkpoint.find_resumable(ckpt_dir)[0]
-    return checkpoint.load(path, state)["model"]
-
+# mesh.py + simplefsdp.py (gloo, CPU, torchrun). Oracles: one process on the same global batch
+# (losses, gradient norms, validation, final parameters), FSDP2, eager (for the traced graph)
 
 @pytest.mark.parametrize("nproc,mesh,impl,flavor", [(2, "ici=2", "simple", "llama3_debug"),
                                                     (4, "dcn=2,ici=2", "simple", "llama3_debug"),
@@ -1020,36 +972,6 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus,
         total, local = start(single)[key], start(multi)[key]
         slack = row_bytes * (2 if key == "optim_bytes_local" else 1)
         assert total / shards <= local <= total / shards + slack, (key, total, local)
-
-
-@pytest.mark.parametrize("impl,mode", [("simple", "graph"), ("fsdp2", "eager")])
-def test_layer_scan_under_a_mesh_matches_single_process(impl, mode, corpus, tmp_path):
-    """Stacked (L, ...) weights are sharded on the layer axis; the scan op gets them gathered. (The
-    oracle is one process with --scan: scan vs unrolled is tested above, and its grad norm sums in
-    another order, ~2e-5 over 6 steps.)"""
-    common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0", "--scan"]
-    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
-    assert run_train([*common, "--out-dir", single])[0] == 0
-    rc, out, err = torchrun(2, [*common, "--out-dir", multi, "--mesh", "ici=2", "--dp-impl", impl, "--mode", mode])
-    assert rc == 0, err[-3000:]
-    want, got = losses(single), losses(multi)
-    assert sorted(got) == list(range(1, 7)) and max(abs(want[s] - got[s]) for s in want) < 1e-5
-
-
-def test_graph_mode_with_simplefsdp_hsdp_is_one_graph_with_its_collectives(corpus, tmp_path):
-    common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0"]
-    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
-    assert run_train([*common, "--out-dir", single])[0] == 0
-    rc, out, err = torchrun(4, [*common, "--out-dir", multi, "--mesh", "dcn=2,ici=2", "--mode", "graph"])
-    assert rc == 0, err[-3000:]
-    want, got = losses(single), losses(multi)
-    assert max(abs(want[s] - got[s]) for s in want) < 1e-5
-    graph = next(json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl")) if '"graph"' in line)
-    n_params = len(Transformer(dataclasses.replace(ModelArgs(), n_layers=2, dim=64, n_heads=4, n_kv_heads=2,
-                                                   ffn_dim=131)).state_dict())
-    c = graph["collectives"]  # per parameter: all-gather (ici) and reduce-scatter (ici) + all-reduce (dcn)
-    assert c["all_gather_into_tensor"] >= n_params and c["reduce_scatter_tensor"] >= n_params
-    assert c["all_reduce"] >= n_params and c["wait_tensor"] >= 3 * n_params
 
 
 def test_sharded_resume_equals_uninterrupted_and_other_mesh_is_refused(corpus, tmp_path):
@@ -1130,40 +1052,41 @@ def test_a_stalled_peer_ends_every_rank_within_the_watchdog(corpus, tmp_path):
     assert "exitcode: 4" in err
 
 
-SIMPLEFSDP_FX_SCRIPT = r'''
-import os, sys, torch
-sys.path.insert(0, os.getcwd())
-from torch.fx.experimental.proxy_tensor import make_fx
-import mesh, simplefsdp
-ctx = mesh.DistContext("ici=2")
-torch.manual_seed(0)
-model = simplefsdp.data_parallel(torch.nn.Sequential(torch.nn.Linear(8, 7, bias=False), torch.nn.Linear(7, 3, bias=False)), ctx.mesh["ici"])
-params = list(model.parameters())
-x = torch.randn(4, 8) + ctx.global_rank
-def step(x):
-    with torch.enable_grad():
-        loss = model(x).square().mean()
-        grads = torch.autograd.grad(loss, params)
-    return [g.to_local() for g in grads]
-gm = make_fx(step)(x)
-names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-with torch.no_grad():  # a traced graph already holds its backward: run it without autograd
-    got = gm(x)
-want = step(x)
-with simplefsdp.parametrization_off():
-    assert isinstance(model[0].weight, torch.distributed.tensor.DTensor) and model[0].weight.to_local().shape[0] == (4 if ctx.global_rank == 0 else 3)
-if ctx.global_rank == 0:
-    print("RESULT", {k: names.count(k) for k in ("_c10d_functional.all_gather_into_tensor.default",
-      "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.wait_tensor.default")},
-          max((a - b).abs().max().item() for a, b in zip(got, want)))
-'''
+def child_simplefsdp_fx():
+    """(child process, torchrun, 2 ranks) make_fx of a SimpleFSDP model's forward + backward."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    import mesh
+    import simplefsdp
+    ctx = mesh.DistContext("ici=2")
+    torch.manual_seed(0)
+    model = simplefsdp.data_parallel(torch.nn.Sequential(torch.nn.Linear(8, 7, bias=False),
+                                                         torch.nn.Linear(7, 3, bias=False)), ctx.mesh["ici"])
+    params = list(model.parameters())
+    x = torch.randn(4, 8) + ctx.global_rank
+
+    def step(x):
+        with torch.enable_grad():
+            loss = model(x).square().mean()
+            grads = torch.autograd.grad(loss, params)
+        return [g.to_local() for g in grads]
+    gm = make_fx(step)(x)
+    names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    with torch.no_grad():  # a traced graph already holds its backward: run it without autograd
+        got = gm(x)
+    want = step(x)
+    with simplefsdp.parametrization_off():
+        shard = model[0].weight
+        assert isinstance(shard, torch.distributed.tensor.DTensor) and shard.to_local().shape[0] == (4 if ctx.global_rank == 0 else 3)
+    if ctx.global_rank == 0:
+        print("RESULT", {k: names.count(k) for k in ("_c10d_functional.all_gather_into_tensor.default",
+                                                     "_c10d_functional.reduce_scatter_tensor.default",
+                                                     "_c10d_functional.wait_tensor.default")},
+              max((a - b).abs().max().item() for a, b in zip(got, want)))
 
 
 def test_simplefsdp_collectives_are_nodes_of_the_traced_graph(tmp_path):
-    script = tmp_path / "fx.py"
-    script.write_text(SIMPLEFSDP_FX_SCRIPT)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], cwd=HERE, capture_output=True, text=True, timeout=180)
+                           "test_all.py", "child_simplefsdp_fx"], cwd=HERE, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
     import ast
@@ -1173,6 +1096,93 @@ def test_simplefsdp_collectives_are_nodes_of_the_traced_graph(tmp_path):
     assert counts["_c10d_functional.wait_tensor.default"] >= 4
     assert float(line[line.rindex("}") + 1:]) == 0.0                             # graph == eager
 
+
+# ------------------------------------------------------------------------------------------------
+# graph_trainer.py. Oracles: the eager loop, one process (under HSDP), torch_xla's compile counter
+
+@pytest.mark.parametrize("extra", [[], ["--flavor", "qwen3_moe_debug", "--kernels", "pallas", "--set", "moe_ffn_dim=32"]])
+def test_graph_mode_is_one_graph_and_equals_eager(corpus, tmp_path, extra):
+    eager = _trainer(corpus, tmp_path, *extra)
+    graph = _trainer(corpus, tmp_path, "--mode", "graph", *extra)
+    want, got = _train_losses(eager), _train_losses(graph)
+    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5, (want, got)
+    for p, q in zip(eager.params, graph.params):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    import graph_trainer
+    ops = graph_trainer.op_counts(graph.step_fn.gm)
+    # forward (embedding, matmuls), backward (embedding_dense_backward), optimizer (sqrt of AdamW's
+    # second moment, foreach lerp), all in ONE GraphModule:
+    assert ops.get("aten.embedding.default") == 1 and ops.get("aten.embedding_dense_backward.default") == 1
+    assert any("lerp" in k for k in ops) and any("sqrt" in k for k in ops)
+    assert sum(v for k, v in ops.items() if k in ("aten.mm.default", "aten.bmm.default")) >= 3 * 4 * 2
+
+
+def test_compile_mode_matches_eager_over_20_steps(corpus, tmp_path):
+    want = _train_losses(_trainer(corpus, tmp_path))
+    got = _train_losses(_trainer(corpus, tmp_path, "--mode", "compile"))
+    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5
+
+
+def test_graph_mode_inductor_backend_matches_eager(corpus, tmp_path):
+    want = _train_losses(_trainer(corpus, tmp_path), steps=6)
+    got = _train_losses(_trainer(corpus, tmp_path, "--mode", "graph", "--backend", "inductor"), steps=6)
+    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-4
+
+
+def child_xla_graph_steps(*argv):
+    """(child process) 8 steps of train.py's step function on XLA; losses and compile counts."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+    import device
+    import train
+    cfg = train.build_parser().parse_args(argv)
+    tr = train.Trainer(cfg)
+    out, compiles = [], []
+    for i in range(1, 9):
+        x, y = tr.batches.get(i)
+        ce, _ = tr.step_fn(x.to(tr.device), y.to(tr.device), device.scalar(optim.lr_at(i, cfg.lr, cfg.warmup, 8), tr.device))
+        torch_xla.sync()
+        out.append(ce.item())
+        compiles.append(met.metric_data("CompileTime")[0])
+    print(json.dumps({"losses": out, "compiles": compiles}))
+
+
+@pytest.mark.parametrize("mode,scan", [("graph", False), ("graph", True)])
+def test_xla_compiles_one_program_per_step_shape(mode, scan, corpus, tmp_path):
+    # (Not asserted for --mode eager: there, on a loaded machine, a step now and then compiles a new
+    # program (6 of 12 runs with two at once); see README, Known limits.)
+    args = [*TINY, "--data", corpus, "--ckpt-interval", "0", "--eval-batches", "0", "--out-dir", str(tmp_path / "x"),
+            *(["--scan"] if scan else [])]
+    proc = subprocess.run([sys.executable, "test_all.py", "child_xla_graph_steps", *args, "--mode", mode, "--device", "xla"],
+                          cwd=HERE, capture_output=True, text=True, timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Step 1 compiles the step program (after one small program that materializes the initial
+    # state); no step compiles again, also not step 2, whose bias correction (1 - 0.9 = 0.1) equals
+    # the weight decay: per-step scalars enter as inputs that torch_xla does not merge by value.
+    assert res["compiles"][0] == res["compiles"][-1] == 2, res["compiles"]
+    want = _train_losses(_trainer(corpus, tmp_path), steps=8)
+    assert max(abs(a - b) for a, b in zip(want, res["losses"])) < 1e-4
+
+
+def test_graph_mode_with_simplefsdp_hsdp_is_one_graph_with_its_collectives(corpus, tmp_path):
+    common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0"]
+    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
+    assert run_train([*common, "--out-dir", single])[0] == 0
+    rc, out, err = torchrun(4, [*common, "--out-dir", multi, "--mesh", "dcn=2,ici=2", "--mode", "graph"])
+    assert rc == 0, err[-3000:]
+    want, got = losses(single), losses(multi)
+    assert max(abs(want[s] - got[s]) for s in want) < 1e-5
+    graph = next(json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl")) if '"graph"' in line)
+    n_params = len(Transformer(dataclasses.replace(ModelArgs(), n_layers=2, dim=64, n_heads=4, n_kv_heads=2,
+                                                   ffn_dim=131)).state_dict())
+    c = graph["collectives"]  # per parameter: all-gather (ici) and reduce-scatter (ici) + all-reduce (dcn)
+    assert c["all_gather_into_tensor"] >= n_params and c["reduce_scatter_tensor"] >= n_params
+    assert c["all_reduce"] >= n_params and c["wait_tensor"] >= 3 * n_params
+
+
+# ------------------------------------------------------------------------------------------------
+# graph_passes.py. Oracles: the untransformed graph (bit for bit), the graph's structure
 
 @pytest.mark.parametrize("flags", [["--remat"], ["--offload"], ["--split", "3"], ["--remat", "--offload", "--split", "2"]])
 def test_graph_passes_keep_losses_and_do_their_job(flags, corpus, tmp_path):
@@ -1203,6 +1213,9 @@ def test_graph_passes_keep_losses_and_do_their_job(flags, corpus, tmp_path):
         assert len(passed.step_fn.compiled.stages) == int(flags[flags.index("--split") + 1])
 
 
+# ------------------------------------------------------------------------------------------------
+# layer_scan.py. Oracles: the unrolled loop (gradients), one process (under a mesh), HLO size
+
 @pytest.mark.parametrize("flavor", ["llama3_debug", "qwen3_debug", "qwen3_moe_debug"])
 def test_layer_scan_equals_the_unrolled_loop(flavor):
     import copy
@@ -1225,38 +1238,39 @@ def test_layer_scan_equals_the_unrolled_loop(flavor):
         torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
 
 
-XLA_SCAN_SCRIPT = r'''
-import copy, dataclasses, json, os, sys, torch
-sys.path.insert(0, os.getcwd())
-import torch_xla
-import layer_scan
-from model import Transformer, FLAVORS
-out = {}
-for flavor, layers in (("llama3_debug", 2), ("llama3_debug", 5), ("qwen3_moe_debug", 2)):
-    torch.manual_seed(0)
-    unrolled = Transformer(dataclasses.replace(FLAVORS[flavor], n_layers=layers, moe_impl="gmm" if "moe" in flavor else "reference"))
-    scanned = layer_scan.stack_layers(copy.deepcopy(unrolled)).to(torch_xla.device())
-    x, y = torch.randint(0, 256, (2, 24)), torch.randint(0, 256, (2, 24))
-    want = torch.autograd.grad(sum(unrolled(x, y)), list(unrolled.parameters()))
-    got = torch.autograd.grad(sum(scanned(x.to("xla"), y.to("xla"))), list(scanned.parameters()))
-    hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(got))
-    torch_xla.sync()  # one program for all gradients (reading them one by one would compile one each)
-    by_name = dict(zip([n for n, _ in unrolled.named_parameters()], want))
-    err = 0.0
-    for name, g in zip([n for n, _ in scanned.named_parameters()], got):
-        leaf = name[len("layers."):].replace("__", ".")
-        w = torch.stack([by_name[f"layers.{i}.{leaf}"] for i in range(layers)]) if name.startswith("layers.") else by_name[name]
-        err = max(err, (g.cpu() - w).abs().max().item())
-    out[f"{flavor}/{layers}"] = {"err": err, "hlo_lines": len(hlo.splitlines()), "whiles": hlo.count(" while(")}
-print(json.dumps(out))
-'''
+def child_xla_scan_gradients():
+    """(child process) Scan gradients on XLA vs the unrolled model on CPU; HLO size and While loops."""
+    import copy
+    import torch_xla
+    import layer_scan
+    xla = torch_xla.device()
+    out = {}
+    for flavor, layers in (("llama3_debug", 2), ("llama3_debug", 5), ("qwen3_moe_debug", 2)):
+        torch.manual_seed(0)
+        unrolled = Transformer(dataclasses.replace(FLAVORS[flavor], n_layers=layers,
+                                                   moe_impl="gmm" if "moe" in flavor else "reference"))
+        scanned = layer_scan.stack_layers(copy.deepcopy(unrolled)).to(xla)
+        x, y = torch.randint(0, 256, (2, 24)), torch.randint(0, 256, (2, 24))
+        want = torch.autograd.grad(sum(unrolled(x, y)), list(unrolled.parameters()))
+        got = torch.autograd.grad(sum(scanned(x.to(xla), y.to(xla))), list(scanned.parameters()))
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(got))
+        torch_xla.sync()  # one program for all gradients (reading them one by one would compile one each)
+        by_name = dict(zip([n for n, _ in unrolled.named_parameters()], want))
+        err = 0.0
+        for name, g in zip([n for n, _ in scanned.named_parameters()], got):
+            leaf = name[len("layers."):].replace("__", ".")
+            w = (torch.stack([by_name[f"layers.{i}.{leaf}"] for i in range(layers)]) if name.startswith("layers.")
+                 else by_name[name])
+            err = max(err, (g.cpu() - w).abs().max().item())
+        out[f"{flavor}/{layers}"] = {"err": err, "hlo_lines": len(hlo.splitlines()), "whiles": hlo.count(" while(")}
+    print(json.dumps(out))
 
 
 def test_layer_scan_on_xla_is_one_while_loop_with_the_unrolled_gradients():
     """On XLA the scan op lowers to XLA While loops (forward and backward): the program is the same
     size at 2 and 5 layers, and the gradients equal the unrolled model's on CPU (MoE: Pallas gmm
     inside the loop body, through call_jax)."""
-    proc = subprocess.run([sys.executable, "-c", XLA_SCAN_SCRIPT], cwd=HERE, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "test_all.py", "child_xla_scan_gradients"], cwd=HERE, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -1286,8 +1300,22 @@ def test_layer_scan_keeps_the_step_graph_constant_in_depth(corpus, tmp_path):
     assert max(abs(a - b) for a, b in zip(want, got)) < 1e-4
 
 
+@pytest.mark.parametrize("impl,mode", [("simple", "graph"), ("fsdp2", "eager")])
+def test_layer_scan_under_a_mesh_matches_single_process(impl, mode, corpus, tmp_path):
+    """Stacked (L, ...) weights are sharded on the layer axis; the scan op gets them gathered. (The
+    oracle is one process with --scan: scan vs unrolled is tested above, and its grad norm sums in
+    another order, ~2e-5 over 6 steps.)"""
+    common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0", "--scan"]
+    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
+    assert run_train([*common, "--out-dir", single])[0] == 0
+    rc, out, err = torchrun(2, [*common, "--out-dir", multi, "--mesh", "ici=2", "--dp-impl", impl, "--mode", mode])
+    assert rc == 0, err[-3000:]
+    want, got = losses(single), losses(multi)
+    assert sorted(got) == list(range(1, 7)) and max(abs(want[s] - got[s]) for s in want) < 1e-5
+
+
 # ------------------------------------------------------------------------------------------------
-# dry run
+# dryrun.py. Oracle: a real run's allocation
 
 def test_dry_run_bytes_equal_a_real_runs_allocation(corpus, tmp_path, capsys):
     import train
@@ -1314,3 +1342,7 @@ def test_dry_run_of_the_largest_flavors_is_fast_and_says_whether_it_fits(flavor,
     assert report["memory_bytes"]["params (fp32 shard)"] == 4 * shard
     assert ("fits" in out) if report["fits"] else ("DOES NOT FIT: short by" in out)
     assert report["flops_per_device"] == flops_per_token(FLAVORS[flavor], 4096) * 4096  # 1 sequence/device
+
+
+if __name__ == "__main__":  # child processes: python test_all.py <child function> [args...]
+    globals()[sys.argv[1]](*sys.argv[2:])

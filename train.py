@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+import typing
 
 import torch
 
@@ -28,7 +29,7 @@ import graph_trainer
 import optim
 import rundir
 from mesh import launched_by_torchrun
-from model import FLAVORS, Transformer, check_args, flops_per_token, param_counts, tpu_config
+from model import FLAVORS, Transformer, check_args, dynamic_shapes_reason, flops_per_token, param_counts, tpu_config
 
 EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED = 2, 3, 4, 5
 # What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
@@ -101,12 +102,11 @@ def model_args_from(cfg):
         key, sep, value = item.partition("=")
         if not sep or key not in fields:
             raise ConfigError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
-        current = getattr(args, key)
-        kind = type(current) if current is not None else int
+        kind = typing.get_type_hints(type(args))[key]
         try:
-            parsed = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
+            parsed = parse_as(kind, value)
         except ValueError:
-            raise ConfigError(f"--set {item!r}: {value!r} is not a {kind.__name__}") from None
+            raise ConfigError(f"--set {item!r}: {value!r} is not a {getattr(kind, '__name__', kind)}") from None
         args = dataclasses.replace(args, **{key: parsed})
     if args.vocab_size < data.BYTE_VOCAB:
         raise ConfigError(f"vocab_size {args.vocab_size} is smaller than the data's {data.BYTE_VOCAB} byte values")
@@ -119,6 +119,22 @@ def model_args_from(cfg):
     if cfg.seq_len > args.max_seq_len:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
     return args
+
+
+def parse_as(kind, text):
+    """`text` as the declared type of a ModelArgs field: int, float, str, bool (true/false/1/0),
+    tuple (comma-separated numbers, e.g. rope_scaling=8,1,4,8192); Optional[...] also takes 'none'."""
+    if typing.get_origin(kind) is typing.Union:
+        if text.lower() == "none":
+            return None
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(text)
+        return text.lower() in ("true", "1")
+    if kind is tuple:
+        return tuple(float(x) if any(c in x for c in ".eE") else int(x) for x in text.split(","))
+    return kind(text)
 
 
 def validate(cfg):
@@ -187,13 +203,10 @@ class Trainer:
 
         dev.seed_all(cfg.seed)
         model = Transformer(self.model_args)
-        if cfg.mode == "graph" and self.model_args.n_experts and self.model_args.moe_impl == "reference":
-            raise ConfigError("graph mode needs static shapes; the reference MoE dispatch reads group sizes "
-                              "on the host: add --kernels pallas")
+        dynamic = dynamic_shapes_reason(self.model_args)
+        if dynamic and (cfg.mode == "graph" or cfg.scan):
+            raise ConfigError(f"{'--scan' if cfg.scan else 'graph mode'} traces ahead of time; {dynamic}")
         if cfg.scan:
-            if self.model_args.n_experts and self.model_args.moe_impl == "reference":
-                raise ConfigError("--scan traces one block's backward ahead of time: it needs static shapes "
-                                  "(MoE: add --kernels pallas)")
             import layer_scan
             model = layer_scan.stack_layers(model)
         self.model = dist_ctx.shard(model) if dist_ctx else model.to(self.device)
@@ -238,31 +251,26 @@ class Trainer:
         return contextlib.nullcontext()
 
     def make_step_fn(self):
-        if self.cfg.mode == "graph":
-            return graph_trainer.GraphStep(self)
+        cfg = self.cfg
+        if cfg.mode == "graph":
+            return graph_trainer.GraphStep(self.model, self.opt, self.device, clip=cfg.clip, autocast=self.autocast,
+                                           dist_ctx=self.dist, backend=cfg.backend, remat=cfg.remat,
+                                           offload=cfg.offload, split=cfg.split)
         if self.cfg.mode == "compile":
             backend = "openxla" if dev.is_xla(self.device) else "inductor"
             for layer in self.model.layers:
                 layer.compile(backend=backend)
         return self.eager_step
 
-    def loss_and_grads(self, inputs, targets):
+    def eager_step(self, inputs, targets, lr):
         with self.autocast():
             ce, aux = self.model(inputs, targets)
-        if self.dist and self.dist.dp_impl == "fsdp2":  # FSDP2 reduce-scatters from backward hooks
-            (ce + aux).backward()
-            grads = [p.grad for p in self.params]
-            for p in self.params:
-                p.grad = None
-        else:
-            grads = torch.autograd.grad(ce + aux, self.params)
-        return ce.detach(), grads
-
-    def eager_step(self, inputs, targets, lr):
-        ce, grads = self.loss_and_grads(inputs, targets)
-        reduce_sq = None
         if self.dist:  # gradients arrive as averaged shards; the loss is averaged for logging
-            grads, reduce_sq, ce = self.dist.local(grads), self.dist.sum_over_shards, self.dist.mean_over_dp(ce)
+            grads = self.dist.grads(ce + aux, self.params)
+            reduce_sq, ce = self.dist.sum_over_shards, self.dist.mean_over_dp(ce)
+        else:
+            grads, reduce_sq = torch.autograd.grad(ce + aux, self.params), None
+        ce = ce.detach()
         grads, norm = optim.clip_by_global_norm(grads, self.cfg.clip, reduce_sq)
         step = dev.scalar(self.opt.step_count + 1, self.device) if dev.is_xla(self.device) else None
         self.opt.step(grads, lr, self.dist.local(self.params) if self.dist else None, step)
@@ -285,12 +293,7 @@ class Trainer:
     # ---------------------------------------------------------------------------------------------
     def state(self):
         def named(tensors):  # optimizer shards as DTensors like their parameters, so DCP shards them
-            if self.dist:
-                from torch.distributed.tensor import DTensor
-                tensors = [DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
-                                              shape=p.shape, stride=p.stride())
-                           for t, p in zip(tensors, self.params)]
-            return dict(zip(self.param_names, tensors))
+            return dict(zip(self.param_names, self.dist.like(tensors, self.params) if self.dist else tensors))
         return {"model": self.model.state_dict(),
                 "optim": {"exp_avg": named(self.opt.state["exp_avg"]),
                           "exp_avg_sq": named(self.opt.state["exp_avg_sq"])},
