@@ -199,6 +199,21 @@ def find_resumable(ckpt_dir):
     return newest, note
 
 
+def choose(ckpt_dir, resume, resume_from, meta, allow_change=()):
+    """(checkpoint to resume from or None, a note or None), refusing what would lose data or silently
+    change the run: checkpoints without --resume, a broken newest one, another model, mesh, layout
+    or training config, a checkpoint already at or past --steps."""
+    if not (resume or resume_from):
+        if holds_checkpoints(ckpt_dir):
+            raise CheckpointError(f"{os.path.dirname(ckpt_dir)} already holds checkpoints; pass --resume or "
+                                  f"another --out-dir")
+        return None, None
+    path, note = (resolve(ckpt_dir, resume_from), None) if resume_from else find_resumable(ckpt_dir)
+    if path is not None:
+        check_compatible(path, meta, allow_change)
+    return path, note
+
+
 def resolve(ckpt_dir, name):
     """An explicitly named checkpoint (--resume-from): it must verify."""
     path = name if os.path.isdir(name) else os.path.join(ckpt_dir, name)

@@ -176,6 +176,14 @@ def free_memory_bytes(device):
     return None
 
 
+def check_fits(need_bytes, device, what):
+    """Refuse (DeviceUnavailable: one line, exit 2), before allocating it, what cannot fit."""
+    free = free_memory_bytes(device)
+    if free is not None and need_bytes > free:
+        raise DeviceUnavailable(f"{what} need ~{need_bytes / 2**30:.1f} GiB per process; {free / 2**30:.1f} GiB "
+                                f"is free here: use a smaller model or more ranks")
+
+
 def _device_name(device):
     kind = torch.device(device).type
     if kind == "cuda":

@@ -82,6 +82,19 @@ def dry_run(args, flavor, mesh, batch_size, seq_len, chip, remat):
             "mfu": flops / (step_s * spec["peak"])}
 
 
+def main(args, cfg):
+    """train.py --dry-run: print the report and its JSON (ValueError: bad mesh / batch / chip)."""
+    import json
+    import mesh
+    if cfg.chip not in TPU_SPECS:
+        raise ValueError(f"--chip {cfg.chip!r}: choose one of {', '.join(TPU_SPECS)}")
+    report = dry_run(args, cfg.flavor, mesh.parse_mesh(cfg.mesh or "ici=1"), cfg.batch_size, cfg.seq_len,
+                     cfg.chip, cfg.remat)
+    print(format_report(report))
+    print(json.dumps(report), flush=True)
+    return 0
+
+
 def format_report(r):
     lines = [f"dry run: {r['flavor']} ({r['params'] / 1e9:.2f}B params) on {r['devices']} x {r['chip']} "
              f"({r['mesh']}), {r['local_batch']} x {r['seq_len']} tokens per device"]

@@ -62,6 +62,15 @@ class DistContext:
         self.global_rank, self.dp_rank, self.dp_size = dist.get_rank(), dist.get_rank(), world
         self.dp_impl, self.param_dtype = dp_impl, param_dtype
 
+    @classmethod
+    def from_cli(cls, spec, device, dp_impl, param_dtype):
+        """train.py's --mesh / --device / --dp-impl, checked (MeshError: one line, exit 2)."""
+        if not launched_by_torchrun():
+            raise MeshError("--mesh needs a torchrun launch, e.g. torchrun --nproc-per-node 2 train.py --mesh ici=2")
+        if device not in ("auto", "cpu", "cuda"):
+            raise MeshError(f"--mesh with --device {device} is not supported (use cpu or cuda)")
+        return cls(spec or f"ici={os.environ['WORLD_SIZE']}", dp_impl, param_dtype)
+
     def shard(self, model):
         """Parameters become DTensor shards on this mesh: SimpleFSDP (ours) or FSDP2 (the oracle)."""
         model = model.to(self.device)

@@ -13,6 +13,7 @@ moe_impl), looked up in the registries below. kernels_pallas.py registers its Pa
 """
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from typing import Optional
 
@@ -77,6 +78,36 @@ FLAVORS = {
 }
 
 
+def parse_as(kind, text):
+    """`text` as the declared type of a ModelArgs field: int, float, str, bool (true/false/1/0),
+    tuple (comma-separated numbers, e.g. rope_scaling=8,1,4,8192); Optional[...] also takes 'none'."""
+    if typing.get_origin(kind) is typing.Union:
+        if text.lower() == "none":
+            return None
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(text)
+        return text.lower() in ("true", "1")
+    if kind is tuple:
+        return tuple(float(x) if any(c in x for c in ".eE") else int(x) for x in text.split(","))
+    return kind(text)
+
+
+def with_overrides(args, items):
+    """ModelArgs with `FIELD=VALUE` strings applied (train.py --set), each parsed by its declared type."""
+    kinds = typing.get_type_hints(ModelArgs)
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in kinds:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(kinds)}")
+        try:
+            args = dataclasses.replace(args, **{key: parse_as(kinds[key], value)})
+        except ValueError:
+            raise ValueError(f"--set {item!r}: {value!r} is not a {getattr(kinds[key], '__name__', kinds[key])}") from None
+    return args
+
+
 def check_args(args):
     """Raise ValueError with a one-line reason if the config cannot describe a model."""
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
@@ -131,11 +162,14 @@ def attention_mask(seq_len, window=None, segment_ids=None, device=None):
     return mask
 
 
-def sdpa_attention(q_BxHxSxD, k_BxKxSxD, v_BxKxSxD, window=None, segment_ids=None):
-    """Reference attention (materializes the S x S scores): GQA by repeating kv heads."""
-    groups = q_BxHxSxD.shape[1] // k_BxKxSxD.shape[1]
-    k = k_BxKxSxD.repeat_interleave(groups, dim=1)
-    v = v_BxKxSxD.repeat_interleave(groups, dim=1)
+def sdpa_attention(q_BxHxSxD, k_BxKxTxD, v_BxKxTxD, window=None, segment_ids=None, mask_SxT=None):
+    """Reference attention (materializes the S x T scores): GQA by repeating kv heads. Causal over
+    S = T, or under an explicit `mask_SxT` (decoding: S new queries over a T-long KV cache)."""
+    groups = q_BxHxSxD.shape[1] // k_BxKxTxD.shape[1]
+    k = k_BxKxTxD.repeat_interleave(groups, dim=1)
+    v = v_BxKxTxD.repeat_interleave(groups, dim=1)
+    if mask_SxT is not None:
+        return F.scaled_dot_product_attention(q_BxHxSxD, k, v, attn_mask=mask_SxT)
     if window is None and segment_ids is None:
         return F.scaled_dot_product_attention(q_BxHxSxD, k, v, is_causal=True)
     mask = attention_mask(q_BxHxSxD.shape[2], window, segment_ids, q_BxHxSxD.device)
@@ -222,7 +256,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, args.norm_eps)
             self.k_norm = RMSNorm(hd, args.norm_eps)
 
-    def forward(self, x_BxSxD, cos, sin):
+    def forward(self, x_BxSxD, cos, sin, kv_cache=None):
         a = self.args
         B, S, _ = x_BxSxD.shape
         q = self.q_proj(x_BxSxD).view(B, S, a.n_heads, a.hd)
@@ -232,7 +266,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, S, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, S, hd)
-        out = _impl(ATTENTION_IMPLS, a.attn_impl, "attention")(q, k, v.transpose(1, 2))
+        if kv_cache is not None:  # decoding (generate.py): this chunk joins the cache; attend over all of it
+            k, v, mask_SxT = kv_cache.update(k, v.transpose(1, 2))
+            out = sdpa_attention(q, k, v, mask_SxT=mask_SxT)
+        else:
+            out = _impl(ATTENTION_IMPLS, a.attn_impl, "attention")(q, k, v.transpose(1, 2))
         return self.o_proj(out.transpose(1, 2).reshape(B, S, a.n_heads * a.hd))
 
 
@@ -293,8 +331,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MoE(args) if args.n_experts else MLP(args.dim, args.ffn_dim)
 
-    def forward(self, x_BxSxD, cos, sin):
-        h = x_BxSxD + self.self_attn(self.input_layernorm(x_BxSxD), cos, sin)
+    def forward(self, x_BxSxD, cos, sin, kv_cache=None):
+        h = x_BxSxD + self.self_attn(self.input_layernorm(x_BxSxD), cos, sin, kv_cache)
         out, aux = self.mlp(self.post_attention_layernorm(h))
         return h + out, aux
 
@@ -327,32 +365,34 @@ class Transformer(nn.Module):
     def output_weight(self):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def rope(self, seq_len):
-        pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
+    def rope(self, seq_len, start=0):
+        """cos, sin (S, hd) for positions start..start+S-1 (`start` may be a tensor: the KV cache's)."""
+        pos = (torch.arange(seq_len, device=self.inv_freq.device) + start).float()
         freqs = torch.outer(pos, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # (S, hd): rotate-half layout
         return emb.cos(), emb.sin()
 
-    def hidden(self, tokens_BxS):
+    def hidden(self, tokens_BxS, kv_cache=None):
         """Final-norm hidden states (B, S, D) and the summed MoE auxiliary loss."""
         h = self.embed_tokens(tokens_BxS)
-        cos, sin = self.rope(tokens_BxS.shape[1])
-        h, aux = self.run_layers(h, cos, sin)
+        cos, sin = self.rope(tokens_BxS.shape[1], 0 if kv_cache is None else kv_cache.pos)
+        h, aux = self.run_layers(h, cos, sin, kv_cache)
         return self.norm(h), aux
 
-    def run_layers(self, h, cos, sin):
+    def run_layers(self, h, cos, sin, kv_cache=None):
         """The layer loop. layer_scan.py may swap self.layers for one module that scans them."""
         if not isinstance(self.layers, nn.ModuleList):
             return self.layers(h, cos, sin)
         aux = h.new_zeros((), dtype=torch.float32)
-        for layer in self.layers:
-            h, layer_aux = layer(h, cos, sin)
+        for i, layer in enumerate(self.layers):
+            h, layer_aux = layer(h, cos, sin, None if kv_cache is None else kv_cache.layer(i))
             aux = aux + layer_aux
         return h, aux
 
-    def forward(self, tokens_BxS, targets_BxS=None):
-        """Logits (B, S, V) without targets; with targets (cross-entropy, coef * aux loss)."""
-        h, aux = self.hidden(tokens_BxS)
+    def forward(self, tokens_BxS, targets_BxS=None, kv_cache=None):
+        """Logits (B, S, V) without targets; with targets (cross-entropy, coef * aux loss). With a
+        kv_cache (generate.py) the tokens continue the cached ones, from position kv_cache.pos."""
+        h, aux = self.hidden(tokens_BxS, kv_cache)
         if targets_BxS is None:
             return h @ self.output_weight().t()
         loss_fn = _impl(LOSS_IMPLS, self.args.loss_impl, "loss")

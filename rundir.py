@@ -77,6 +77,33 @@ class RunDir:
         with open(os.path.join(self.path, "metrics.jsonl"), "a") as f:
             f.write(line + "\n")
 
+    def plot(self):
+        """loss.png beside metrics.jsonl: train and validation loss against step, learning rate on a
+        second axis (matplotlib, no display needed)."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        with open(os.path.join(self.path, "metrics.jsonl")) as f:
+            recs = [json.loads(line) for line in f]
+        series = {k: [(r["step"], r[k]) for r in recs if r.get(k) is not None and "step" in r]
+                  for k in ("loss", "val_loss", "lr")}
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, style in (("loss", "-"), ("val_loss", "o-")):
+            if series[key]:
+                ax.plot(*zip(*series[key]), style, label=key.replace("_", " "))
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats per token)")
+        ax.legend(loc="upper right")
+        if series["lr"]:
+            lr_ax = ax.twinx()
+            lr_ax.plot(*zip(*series["lr"]), color="grey", alpha=0.4)
+            lr_ax.set_ylabel("learning rate", color="grey")
+        fig.tight_layout()
+        tmp = os.path.join(self.path, "loss.png.tmp")
+        fig.savefig(tmp, format="png", dpi=100)
+        plt.close(fig)
+        os.replace(tmp, os.path.join(self.path, "loss.png"))
+
     def close(self):
         if self._lock is not None:
             os.close(self._lock)  # releases the flock

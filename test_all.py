@@ -515,10 +515,11 @@ BAD_INPUTS = [
     (["--set", "norm_eps=-1"], "norm_eps must be a positive number"),  # (was a NaN loss, exit 3)
     (["--set", "rope_theta=0"], "rope_theta must be a positive number"),
     (["--seed", "-1"], "--seed must be >= 0"),
-    (["--flavor", "llama3_405b"], "GiB is free"),  # refused before the 1.6 TB of weights are allocated
+    (["--flavor", "llama3_405b"], "GiB is free here"),  # refused before the 1.6 TB of weights are allocated
     (["--allow-change", "lr,colour"], "unknown ['colour']"),
     (["--resume-from", "step_000001"], "no such checkpoint"),
     (["--watchdog", "-1"], "--watchdog must be >= 0"),
+    (["--init-from", "/nonexistent"], "config.json: missing or unreadable"),
 ]
 
 @pytest.mark.parametrize("args,message", BAD_INPUTS)
@@ -1342,6 +1343,177 @@ def test_dry_run_of_the_largest_flavors_is_fast_and_says_whether_it_fits(flavor,
     assert report["memory_bytes"]["params (fp32 shard)"] == 4 * shard
     assert ("fits" in out) if report["fits"] else ("DOES NOT FIT: short by" in out)
     assert report["flops_per_device"] == flops_per_token(FLAVORS[flavor], 4096) * 4096  # 1 sequence/device
+
+
+
+# ------------------------------------------------------------------------------------------------
+# hf.py + generate.py. Oracles: transformers' logits and greedy generate() on tiny random
+# checkpoints (fixtures/make_hf_fixtures.py), full recomputation (KV cache), sort-based filters
+
+HF_FIXTURES = os.path.join(HERE, "fixtures", "hf")
+
+
+def _expected(name):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(HF_FIXTURES, name, "expected.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe"])
+def test_hf_checkpoint_logits_and_greedy_text_equal_transformers(name, tmp_path):
+    """Every module's arithmetic (norms, llama3 rope scaling, q/k norm, tied embeddings, MoE routing)
+    against transformers' own forward and generate(); export -> import is bit for bit."""
+    import generate
+    import hf
+    want = _expected(name)
+    model = hf.load(os.path.join(HF_FIXTURES, name))
+    with torch.no_grad():
+        got = model(want["input_ids"])
+    scale = want["logits"].abs().max().item()
+    torch.testing.assert_close(got, want["logits"], rtol=1e-4, atol=1e-4 * scale)
+    assert generate.generate(model, want["prompt"][0].tolist(), 16) == want["greedy"][0].tolist()
+    out = hf.save(model, str(tmp_path / "export"), max_shard_bytes=200_000)  # small: a sharded index
+    assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+    again = hf.load(out)
+    for (n, p), (m, q) in zip(model.named_parameters(), again.named_parameters()):
+        assert n == m and torch.equal(p, q), n
+    from safetensors.torch import load_file
+    original = load_file(os.path.join(HF_FIXTURES, name, "model.safetensors"))
+    exported = {k: v for f in os.listdir(out) if f.endswith(".safetensors") for k, v in load_file(os.path.join(out, f)).items()}
+    assert exported.keys() == original.keys() - {"lm_head.weight"} if model.args.tie_embeddings else exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in exported)
+
+
+@pytest.mark.parametrize("flavor", ["llama3_debug", "qwen3_debug", "qwen3_moe_debug"])
+def test_kv_cache_decoding_equals_full_recomputation(flavor):
+    import generate
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(FLAVORS[flavor], n_layers=2))
+    tokens = torch.randint(0, 256, (1, 20))
+    cache = generate.KVCache(model.args, 1, 20, "cpu")
+    with torch.no_grad():
+        full = model(tokens)[0]
+        steps = [model(tokens[:, :8], kv_cache=cache)[0]]  # prefill 8, then one token at a time
+        cache.pos += 8
+        for t in range(8, 20):
+            steps.append(model(tokens[:, t:t + 1], kv_cache=cache)[0])
+            cache.pos += 1
+    torch.testing.assert_close(torch.cat(steps), full, rtol=1e-5, atol=1e-5)
+    ids = generate.generate(model, tokens[0, :5].tolist(), 10)  # greedy with the cache == argmax of full recompute
+    seq = tokens[0, :5].tolist()
+    for _ in range(10):
+        with torch.no_grad():
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert ids == seq[5:]
+
+
+def test_top_k_and_top_p_filters_match_a_sort_based_reference():
+    import generate
+    torch.manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(50) * 3
+        k, p = int(torch.randint(1, 50, ())), float(torch.rand(()))
+        kept = set(torch.argsort(logits, descending=True)[:k].tolist())
+        assert set(torch.isfinite(generate.top_k_filter(logits, k)).nonzero().flatten().tolist()) == kept
+        order = torch.argsort(logits, descending=True).tolist()
+        probs, total, nucleus = torch.softmax(logits, -1), 0.0, set()
+        for i in order:  # the smallest prefix of the sorted tokens whose mass reaches p
+            nucleus.add(i)
+            total += float(probs[i])
+            if total >= p:
+                break
+        assert set(torch.isfinite(generate.top_p_filter(logits, p)).nonzero().flatten().tolist()) == nucleus
+
+
+def test_sampling_same_seed_same_text_and_the_cli(tmp_path, capsys):
+    import generate
+    import hf
+    model = hf.load(os.path.join(HF_FIXTURES, "qwen3"))
+    draw = lambda seed: generate.generate(model, [5, 6, 7], 24, temperature=1.0, top_k=40, top_p=0.9, seed=seed)
+    assert draw(1) == draw(1) and draw(1) != draw(2)
+    assert generate.main(["--hf", os.path.join(HF_FIXTURES, "qwen3"), "def main(", "--max-new-tokens", "8",
+                          "--seed", "3"]) == 0
+    assert capsys.readouterr().out.startswith("def main(")
+
+
+def test_bad_hf_and_generation_inputs_are_one_line(tmp_path, capsys):
+    import shutil
+    import generate
+    import hf
+    broken = {}
+    for label, edit in [("model_type", {"model_type": "gpt2"}), ("norm_topk_prob", {"norm_topk_prob": False}),
+                        ("attention_bias", {"attention_bias": True}), ("shape", {"moe_intermediate_size": 30})]:
+        d = tmp_path / label
+        shutil.copytree(os.path.join(HF_FIXTURES, "qwen3_moe"), d)
+        (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), **edit}))
+        broken[label] = str(d)
+    for label, message in [("model_type", "model_type 'gpt2' is not supported"),
+                           ("norm_topk_prob", "norm_topk_prob=false is not implemented"),
+                           ("attention_bias", "attention_bias=True is not implemented"),
+                           ("shape", "gate_proj.weight has shape [32, 64], config.json implies [30, 64]")]:
+        with pytest.raises(hf.HFError, match=re.escape(message)):
+            hf.load(broken[label])
+    with pytest.raises(hf.HFError, match="config.json: missing or unreadable"):
+        hf.load(str(tmp_path))
+    mixed = tmp_path / "mixed"  # a 300-token tokenizer on a 256-token model
+    shutil.copytree(os.path.join(HF_FIXTURES, "llama"), mixed)
+    shutil.copy(os.path.join(HF_FIXTURES, "qwen3", "tokenizer.json"), mixed / "tokenizer.json")
+    for argv, message in [(["--hf", str(mixed), "x"], "the tokenizer has 300 tokens, the model only 256"),
+                          (["--hf", os.path.join(HF_FIXTURES, "qwen3"), ""], "the prompt is empty"),
+                          (["--run", str(tmp_path), "x"], "holds no checkpoint to sample from")]:
+        assert generate.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
+
+
+def test_fine_tuning_starts_from_the_hf_weights_on_one_process_and_under_a_mesh(corpus, tmp_path):
+    """--init-from: the step-0 validation loss is the HF model's own loss on that batch (one process),
+    and 2 ranks, each reading only its shards' rows, train exactly like one process. The run also
+    draws its loss plot and ends with a sample."""
+    import hf
+    llama = os.path.join(HF_FIXTURES, "llama")
+    common = ["--init-from", llama, "--data", corpus, "--steps", "4", "--batch-size", "4", "--seq-len", "32",
+              "--eval-batches", "1", "--log-interval", "1", "--ckpt-interval", "0"]
+    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
+    rc, out, err = run_train([*common, "--out-dir", single])
+    assert rc == 0, err
+    _, val = data.load_corpus(corpus)
+    (x, y), = data.eval_batches(val, 4, 32, 0, 1)
+    with torch.no_grad():
+        want = hf.load(llama)(x, y)[0].item()
+    assert abs(_records(single, "val_loss")[0] - want) < 1e-5
+    assert "sample (64 bytes" in out
+    assert open(os.path.join(single, "loss.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    rc, _, err = torchrun(2, [*common, "--out-dir", multi, "--mesh", "ici=2"])
+    assert rc == 0, err[-3000:]
+    for key in ("loss", "val_loss", "grad_norm"):
+        a, b = _records(single, key), _records(multi, key)
+        assert sorted(a) == sorted(b) and max(abs(a[s] - b[s]) for s in a) < 1e-5, key
+
+
+def child_xla_generate():
+    """(child process) Greedy generation on XLA:CPU: ids, and compile counts after each token."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+    import generate
+    xla = torch_xla.device()
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(FLAVORS["qwen3_debug"], n_layers=2)).to(xla)
+    counts = []
+    ids = generate.generate(model, [1, 2, 3, 4, 5], 12, on_token=lambda t: counts.append(met.metric_data("CompileTime")[0]))
+    print(json.dumps({"ids": ids, "compiles": counts}))
+
+
+def test_decoding_on_xla_compiles_the_step_once_and_equals_cpu():
+    proc = subprocess.run([sys.executable, "test_all.py", "child_xla_generate"], cwd=HERE, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    # token 1 comes from the prefill program, token 2 from the first decode step: no compile after it
+    assert res["compiles"][1] == res["compiles"][-1], res["compiles"]
+    import generate
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(FLAVORS["qwen3_debug"], n_layers=2))
+    assert generate.generate(model, [1, 2, 3, 4, 5], 12) == res["ids"]
 
 
 if __name__ == "__main__":  # child processes: python test_all.py <child function> [args...]

@@ -13,12 +13,10 @@ the run with exit code 3 before anything non-finite is saved; a stalled peer end
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import sys
 import time
-import typing
 
 import torch
 
@@ -26,10 +24,12 @@ import checkpoint
 import data
 import device as dev
 import graph_trainer
+import hf
+import mesh
 import optim
 import rundir
-from mesh import launched_by_torchrun
-from model import FLAVORS, Transformer, check_args, dynamic_shapes_reason, flops_per_token, param_counts, tpu_config
+from model import (FLAVORS, Transformer, check_args, dynamic_shapes_reason, flops_per_token, param_counts,
+                   tpu_config, with_overrides)
 
 EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED = 2, 3, 4, 5
 # What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
@@ -50,6 +50,8 @@ def build_parser():
     p = _Parser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--flavor", default="llama3_debug", help=f"model flavor: {', '.join(FLAVORS)}")
+    a("--init-from", default=None, metavar="HF_DIR",
+      help="start from a Hugging Face checkpoint (config.json + safetensors) instead of --flavor: fine-tuning")
     a("--set", action="append", default=[], metavar="FIELD=VALUE",
       help="override a ModelArgs field, e.g. --set n_layers=2 (repeatable)")
     a("--steps", type=int, default=400, help="optimizer steps")
@@ -90,24 +92,21 @@ def build_parser():
     a("--dry-run", action="store_true", help="trace at full scale on meta tensors; print memory/FLOPs/step-time estimates")
     a("--chip", default="tpu_v5p", help="TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")
     a("--halt-at", type=int, default=0, help="stop after this step as if preempted (tests resume)")
+    a("--sample-tokens", type=int, default=64, help="at the end, print this many sampled bytes (0: off)")
     return p
 
 
 def model_args_from(cfg):
-    if cfg.flavor not in FLAVORS:
+    if cfg.init_from:
+        args = hf.args_from_config(hf.read_config(cfg.init_from))
+    elif cfg.flavor not in FLAVORS:
         raise ConfigError(f"unknown flavor {cfg.flavor!r}; choose one of {', '.join(FLAVORS)}")
-    args = FLAVORS[cfg.flavor]
-    fields = {f.name for f in dataclasses.fields(args)}
-    for item in cfg.set:
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields:
-            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
-        kind = typing.get_type_hints(type(args))[key]
-        try:
-            parsed = parse_as(kind, value)
-        except ValueError:
-            raise ConfigError(f"--set {item!r}: {value!r} is not a {getattr(kind, '__name__', kind)}") from None
-        args = dataclasses.replace(args, **{key: parsed})
+    else:
+        args = FLAVORS[cfg.flavor]
+    try:
+        args = with_overrides(args, cfg.set)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if args.vocab_size < data.BYTE_VOCAB:
         raise ConfigError(f"vocab_size {args.vocab_size} is smaller than the data's {data.BYTE_VOCAB} byte values")
     if cfg.kernels == "pallas":
@@ -119,22 +118,6 @@ def model_args_from(cfg):
     if cfg.seq_len > args.max_seq_len:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
     return args
-
-
-def parse_as(kind, text):
-    """`text` as the declared type of a ModelArgs field: int, float, str, bool (true/false/1/0),
-    tuple (comma-separated numbers, e.g. rope_scaling=8,1,4,8192); Optional[...] also takes 'none'."""
-    if typing.get_origin(kind) is typing.Union:
-        if text.lower() == "none":
-            return None
-        kind = next(k for k in typing.get_args(kind) if k is not type(None))
-    if kind is bool:
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(text)
-        return text.lower() in ("true", "1")
-    if kind is tuple:
-        return tuple(float(x) if any(c in x for c in ".eE") else int(x) for x in text.split(","))
-    return kind(text)
 
 
 def validate(cfg):
@@ -181,35 +164,16 @@ class Trainer:
         self.device = dev.pick_device(cfg.device) if dist_ctx is None else dist_ctx.device
         self.out_dir = cfg.out_dir or os.path.join("runs", f"{cfg.flavor}-{time.strftime('%Y%m%d-%H%M%S')}")
         rundir.check_writable(self.out_dir)
-        train_bytes, val_bytes = data.load_corpus(cfg.data)
-        self.batches = data.Batches(train_bytes, cfg.batch_size, cfg.seq_len, cfg.seed, self.world)
-        self.val = data.eval_batches(val_bytes, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches,
-                                     self.rank, self.world)
         self.notes = []  # one-line remarks printed at start (the user should know, nothing is wrong)
-        if cfg.eval_batches and not self.val:
-            self.notes.append(f"note: validation skipped: the validation split has {len(val_bytes)} bytes, "
-                              f"fewer than --seq-len + 2 = {cfg.seq_len + 2}")
+        fingerprint = self.load_data()
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
-        self.meta = {"flavor": cfg.flavor, "model_args": dataclasses.asdict(self.model_args),
-                     "mesh": dist_ctx.mesh_spec if dist_ctx else None,
-                     "train": {**{k: getattr(cfg, k) for k in RESUME_CHECKED},
-                               "data": data.fingerprint(train_bytes, val_bytes)}}
-        for key in ("attn_impl", "loss_impl", "moe_impl"):  # implementations may change across resumes
-            self.meta["model_args"].pop(key)
-        if cfg.scan:
-            self.meta["layers"] = "stacked"
-        resume_from = self.find_checkpoint()
-        check_memory(self.model_args, self.world, self.device)
-
-        dev.seed_all(cfg.seed)
-        model = Transformer(self.model_args)
-        dynamic = dynamic_shapes_reason(self.model_args)
-        if dynamic and (cfg.mode == "graph" or cfg.scan):
-            raise ConfigError(f"{'--scan' if cfg.scan else 'graph mode'} traces ahead of time; {dynamic}")
-        if cfg.scan:
-            import layer_scan
-            model = layer_scan.stack_layers(model)
-        self.model = dist_ctx.shard(model) if dist_ctx else model.to(self.device)
+        self.meta = self.run_meta(fingerprint)
+        resume_from, note = checkpoint.choose(self.ckpt_dir, self.cfg.resume, self.cfg.resume_from, self.meta,
+                                              set(self.cfg.allow_change.split(",")))
+        self.notes += [f"note: {note}"] if note else []
+        need = 16 * param_counts(self.model_args)[0] / self.world  # fp32 weights, grads, 2 AdamW moments
+        dev.check_fits(need, self.device, "the model's weights, gradients and AdamW state (16 bytes a parameter)")
+        self.model = self.build_model(resume_from)
         self.params = [p for p in self.model.parameters()]
         self.param_names = [n for n, _ in self.model.named_parameters()]
         # The optimizer works on local shards (plain tensors sharing the parameters' storage).
@@ -224,25 +188,50 @@ class Trainer:
         dev.sync(self.device)  # XLA: parameters and AdamW state become device data before step 1, so
         self.step_fn = self.make_step_fn()  # step 1 builds the same program as every later step
 
-    def find_checkpoint(self):
-        """The checkpoint to resume from (None: start at step 0), refusing what would lose data or
-        silently change the run: checkpoints without --resume, broken ones, another model, mesh or
-        training config, a checkpoint already at or past --steps."""
+    def load_data(self):
+        """Training batches and this rank's validation batches; returns the corpus fingerprint."""
         cfg = self.cfg
-        if not (cfg.resume or cfg.resume_from):
-            if checkpoint.holds_checkpoints(self.ckpt_dir):
-                raise ConfigError(f"{self.out_dir} already holds checkpoints; pass --resume or another --out-dir")
-            return None
-        if cfg.resume_from:
-            path = checkpoint.resolve(self.ckpt_dir, cfg.resume_from)
-        else:
-            path, note = checkpoint.find_resumable(self.ckpt_dir)
-            if note:
-                self.notes.append(f"note: {note}")
-            if path is None:
-                return None
-        checkpoint.check_compatible(path, self.meta, set(cfg.allow_change.split(",")))
-        return path
+        train_bytes, val_bytes = data.load_corpus(cfg.data)
+        self.batches = data.Batches(train_bytes, cfg.batch_size, cfg.seq_len, cfg.seed, self.world)
+        self.val = data.eval_batches(val_bytes, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches,
+                                     self.rank, self.world)
+        if cfg.eval_batches and not self.val:
+            self.notes.append(f"note: validation skipped: the validation split has {len(val_bytes)} bytes, "
+                              f"fewer than --seq-len + 2 = {cfg.seq_len + 2}")
+        return data.fingerprint(train_bytes, val_bytes)
+
+    def run_meta(self, fingerprint):
+        """What a checkpoint records of the run, and a resume must match (checkpoint.check_compatible)."""
+        cfg = self.cfg
+        meta = {"flavor": f"hf:{os.path.abspath(cfg.init_from)}" if cfg.init_from else cfg.flavor,
+                "model_args": dataclasses.asdict(self.model_args), "mesh": self.dist.mesh_spec if self.dist else None,
+                "train": {**{k: getattr(cfg, k) for k in RESUME_CHECKED}, "data": fingerprint}}
+        for key in ("attn_impl", "loss_impl", "moe_impl"):  # implementations may change across resumes
+            meta["model_args"].pop(key)
+        if cfg.scan:
+            meta["layers"] = "stacked"
+        return meta
+
+    def build_model(self, resume_from):
+        """The model, initialized (seeded, or --init-from), maybe stacked (--scan), placed or sharded."""
+        cfg, dist_ctx = self.cfg, self.dist
+        dynamic = dynamic_shapes_reason(self.model_args)
+        if dynamic and (cfg.mode == "graph" or cfg.scan):
+            raise ConfigError(f"{'--scan' if cfg.scan else 'graph mode'} traces ahead of time; {dynamic}")
+        dev.seed_all(cfg.seed)
+        model = Transformer(self.model_args)
+        # --init-from: one process (or --scan, whose stacking renames weights) reads every weight;
+        # under a mesh each rank reads only the rows of its shards, after sharding below.
+        hf_now = cfg.init_from and not resume_from and (dist_ctx is None or cfg.scan)
+        if hf_now:
+            hf.load_into(model, cfg.init_from)
+        if cfg.scan:
+            import layer_scan
+            model = layer_scan.stack_layers(model)
+        model = dist_ctx.shard(model) if dist_ctx else model.to(self.device)
+        if cfg.init_from and not resume_from and not hf_now:
+            hf.load_into(model, cfg.init_from)
+        return model
 
     # ---------------------------------------------------------------------------------------------
     def autocast(self):
@@ -393,6 +382,8 @@ class Trainer:
                 self.watchdog.beat(f"evaluation at step {self.step}")
                 val = self.evaluate()
                 self.log({"step": self.step, "val_loss": val}, f"step {self.step:5d} | val loss {val:.4f}")
+                if self.rank == 0 and (not self.dist or self.dist.global_rank == 0):
+                    self.run_dir.plot()
                 if not math.isfinite(val):
                     return self.stop_nonfinite("val_loss", val)
             if (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or last:
@@ -400,7 +391,18 @@ class Trainer:
                 self.save()
             if self.step == cfg.halt_at:
                 break
+        if self.step == cfg.steps and cfg.sample_tokens:
+            self.sample(cfg.sample_tokens)
         return 0
+
+    def sample(self, n):
+        """A few bytes from the trained model (not under a mesh: sharded weights; nor --scan: the
+        stacked blocks take no KV cache; nor for a vocabulary that is not bytes)."""
+        if self.dist or self.cfg.scan or self.model_args.vocab_size != data.BYTE_VOCAB:
+            return
+        import generate
+        text, count = generate.byte_sample(self.model, n, self.cfg.seed)
+        self.log({"event": "sample", "text": text}, f"sample ({count} bytes, temperature 0.8):\n{text}")
 
 
 def main(argv=None):
@@ -408,15 +410,21 @@ def main(argv=None):
     dist_ctx = None
     try:
         if cfg.dry_run:
-            return dry_run(cfg)
-        if cfg.mesh or launched_by_torchrun():
-            dist_ctx = make_dist(cfg)
+            import dryrun
+            validate(cfg)
+            try:
+                return dryrun.main(model_args_from(cfg), cfg)
+            except ValueError as e:  # a mesh, batch or chip the plan cannot use
+                raise ConfigError(str(e)) from None
+        if cfg.mesh or mesh.launched_by_torchrun():
+            dist_ctx = mesh.DistContext.from_cli(cfg.mesh, cfg.device, cfg.dp_impl,
+                                                 torch.bfloat16 if cfg.dtype == "bf16" else None)
         rc = Trainer(cfg, dist_ctx).run()
         if dist_ctx is not None:
             dist_ctx.close()  # only on the happy path: after a peer failure it could wait on the dead
         return rc
     except (ConfigError, data.DataError, checkpoint.CheckpointError, dev.DeviceUnavailable,
-            graph_trainer.GraphCaptureError, rundir.RunDirError) as e:
+            graph_trainer.GraphCaptureError, rundir.RunDirError, mesh.MeshError, hf.HFError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as e:  # disk full, file-size limit, read-only disk: the checkpoint on disk is intact
@@ -430,46 +438,6 @@ def main(argv=None):
         print(f"error: rank {dist_ctx.global_rank}: a collective failed, a peer process probably died "
               f"({str(e).splitlines()[0][:200]})", file=sys.stderr)
         return EXIT_PEER_FAILED
-
-
-def dry_run(cfg):
-    import dryrun
-    import mesh
-    validate(cfg)
-    if cfg.chip not in dryrun.TPU_SPECS:
-        raise ConfigError(f"--chip {cfg.chip!r}: choose one of {', '.join(dryrun.TPU_SPECS)}")
-    try:
-        report = dryrun.dry_run(model_args_from(cfg), cfg.flavor, mesh.parse_mesh(cfg.mesh or "ici=1"),
-                                cfg.batch_size, cfg.seq_len, cfg.chip, cfg.remat)
-    except (ValueError, mesh.MeshError) as e:
-        raise ConfigError(str(e)) from None
-    print(dryrun.format_report(report))
-    print(json.dumps({k: v for k, v in report.items()}), flush=True)
-    return 0
-
-
-def check_memory(args, shards, device):
-    """Refuse, before building it, a model whose fp32 weights, gradients and AdamW moments (16 bytes
-    a parameter, activations not counted) exceed the memory free on this host or device."""
-    need = 16 * param_counts(args)[0] / shards
-    free = dev.free_memory_bytes(device)
-    if free is not None and need > free:
-        raise ConfigError(f"the model needs ~{need / 2**30:.1f} GiB per process for weights, gradients and "
-                          f"AdamW state ({param_counts(args)[0] / 1e9:.2f}B parameters x 16 bytes, before "
-                          f"activations); {free / 2**30:.1f} GiB is free: use a smaller --flavor or more ranks")
-
-
-def make_dist(cfg):
-    import mesh
-    if not launched_by_torchrun():
-        raise ConfigError("--mesh needs a torchrun launch, e.g. torchrun --nproc-per-node 2 train.py --mesh ici=2")
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"--mesh with --device {cfg.device} is not supported (use cpu or cuda)")
-    try:
-        return mesh.DistContext(cfg.mesh or f"ici={os.environ['WORLD_SIZE']}", cfg.dp_impl,
-                                torch.bfloat16 if cfg.dtype == "bf16" else None)
-    except mesh.MeshError as e:
-        raise ConfigError(str(e)) from None
 
 
 if __name__ == "__main__":

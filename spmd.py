@@ -1,0 +1,105 @@
+"""spmd.py: every chip of a TPU VM from ONE process, through XLA's GSPMD partitioner.
+
+    train.py --device xla --mesh ici=4                 # FSDP over 4 devices (CPU_NUM_DEVICES=4 here)
+    train.py --device xla --mesh dcn=2,ici=2           # HSDP: 2 replicas x 2 shards
+
+simplefsdp.py shards with DTensor and one process per device (torchrun, collectives issued by
+PyTorch). On torch_xla the way to use many chips is SPMD (Xu et al., "GSPMD", arXiv 2105.04663;
+torch_xla's SPMD user guide; torchprime and MaxText train this way): the program is written for
+one big device, each tensor carries a partition spec over a named device mesh, and the XLA
+compiler partitions the one step program, inserting the all-gathers, reduce-scatters and
+all-reduces itself. So the trainer does not change: parameters are marked Shard(0) over `ici`
+(replicated over `dcn`), AdamW's state like its parameter, the batch over all data-parallel
+devices; eager mode, graph mode (the make_fx step graph on XLA tensors) and --scan (the While
+loop over stacked weights) run as they are, and XLA sees the whole step.
+
+What needs care, found on torch_xla 2.9: `zeros_like` drops the partition spec (AdamW's state is
+marked explicitly), and an in-place copy from an unannotated tensor makes a parameter replicated
+(checkpoint restore re-marks what it wrote). The mesh is `Mesh` here and `HybridMesh` on a TPU
+pod slice (ICI inside a slice, DCN across). Checkpoints are written as full tensors by this one
+process (DCP, like a single-process run); a multi-host pod would use torch_xla's SPMD planners.
+The Pallas kernels under SPMD would need manual sharding around the custom call: refused for now.
+"""
+import os
+
+import numpy as np
+import torch
+
+import device as dev
+import mesh as mesh_lib
+
+
+class SpmdContext:
+    """What train.py asks of a mesh (see mesh.DistContext), for one process driving all devices."""
+    dp_impl, dp_rank, dp_size, global_rank = "spmd", 0, 1, 0  # one process reads the global batch
+    sum_over_shards = None  # tensors are global: a norm over them is already the global norm
+
+    def __init__(self, spec):
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+        dcn, ici = mesh_lib.parse_mesh(spec)
+        os.environ.setdefault("PJRT_DEVICE", "CPU")
+        xr.use_spmd()  # before any XLA tensor exists: from here on there is one logical device
+        n = xr.global_runtime_device_count()
+        if dcn * ici != n:
+            hint = " (set CPU_NUM_DEVICES on XLA:CPU)" if not dev.pjrt_is_tpu() else ""
+            raise mesh_lib.MeshError(f"--mesh {spec!r} has {dcn * ici} devices but XLA sees {n}{hint}")
+        if dev.pjrt_is_tpu() and dcn > 1:  # ICI inside each slice, DCN across slices
+            self.mesh = xs.HybridMesh(ici_mesh_shape=(1, ici), dcn_mesh_shape=(dcn, 1), axis_names=("dcn", "ici"))
+        else:
+            self.mesh = xs.Mesh(np.arange(n), (dcn, ici), ("dcn", "ici"))
+        self.xs, self.device = xs, torch_xla.device()
+        self.mesh_spec, self.n_devices, self.ici = f"xla-spmd {spec}", n, ici
+
+    # -- placement ----------------------------------------------------------------------------
+    def spec(self, t):
+        """Partition spec: dim 0 over ici (FSDP), the rest whole; replicated over dcn."""
+        return ("ici",) + (None,) * (t.dim() - 1)
+
+    def mark(self, tensors):
+        for t in tensors:
+            self.xs.mark_sharding(t, self.mesh, self.spec(t))
+        return tensors
+
+    def shard(self, model):
+        model = model.to(self.device)
+        self.mark(list(model.parameters()))
+        return model
+
+    def shard_state(self, state):
+        """AdamW's moments like their parameters (zeros_like does not carry the spec)."""
+        for tensors in state.values():
+            self.mark(tensors)
+
+    def shard_batch(self, inputs, targets):
+        """The global batch split over every data-parallel device (dcn x ici), sequence whole."""
+        for t in (inputs, targets):
+            self.xs.mark_sharding(t, self.mesh, (("dcn", "ici"), None))
+        return inputs, targets
+
+    def local_bytes(self, tensors):
+        """Bytes one device holds of `tensors`, from the live shards' shapes."""
+        import torch_xla
+        shards = torch_xla._XLAC._get_local_shards(list(tensors))
+        return sum(s[0][0].numel() * s[0][0].element_size() for s in shards)
+
+    # -- the DistContext interface: global tensors need no wrapping or reduction --------------
+    @staticmethod
+    def local(tensors):
+        return list(tensors)
+
+    @staticmethod
+    def like(tensors, params):
+        return list(tensors)
+
+    @staticmethod
+    def grads(loss, params):
+        return list(torch.autograd.grad(loss, params))
+
+    @staticmethod
+    def mean_over_dp(x):
+        return x.detach()
+
+    def close(self):
+        pass
