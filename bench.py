@@ -78,7 +78,11 @@ def _child_train(config, steps, extra=""):
     cfg = train.build_parser().parse_args(["--steps", str(steps), "--eval-batches", "0", "--data", _bench_data(),
                                            "--ckpt-interval", "0", "--out-dir", "/tmp/minititan-bench",
                                            *flags, *extra.split()])
-    trainer = train.Trainer(cfg)
+    spmd_ctx = None
+    if cfg.mesh:  # --device xla --mesh: one process over CPU_NUM_DEVICES virtual XLA devices (spmd.py)
+        import spmd
+        spmd_ctx = spmd.SpmdContext(cfg.mesh)
+    trainer = train.Trainer(cfg, spmd_ctx)
     params = trainer.params
     torch_opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
 
@@ -95,7 +99,7 @@ def _child_train(config, steps, extra=""):
     for i in range(1, steps + 1):
         x, y = trainer.batches.get(i)
         t0 = time.perf_counter()
-        ce, _ = step(x.to(trainer.device), y.to(trainer.device), dev.scalar(optim.lr_at(i, 1e-3, 5, steps), trainer.device))
+        ce, _ = step(*trainer.place(x, y), dev.scalar(optim.lr_at(i, 1e-3, 5, steps), trainer.device))
         dev.sync(trainer.device)
         ce.item()
         times.append(time.perf_counter() - t0)
@@ -124,6 +128,8 @@ def _bench_data():
 
 def _spawn(*args):
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    if any("--mesh" in str(a) for a in args):  # an XLA SPMD mesh: 4 virtual devices in one process
+        env["CPU_NUM_DEVICES"] = "4"
     proc = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], cwd=HERE,
                           capture_output=True, text=True, timeout=1200, env=env)
     results = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -170,7 +176,8 @@ QUICK_CONFIGS = ["plain", "--mode eager", "--mode compile", "--mode graph --back
                  "--mode graph --device xla"]
 FULL_CONFIGS = ["--mode graph", "--mode eager --device xla", "--mode graph --backend inductor --remat",
                 "--mode graph --backend inductor --scan", "--mode eager --kernels pallas",
-                "--mode graph --backend inductor --split 4", "--mode graph --device xla --scan"]
+                "--mode graph --backend inductor --split 4", "--mode graph --device xla --scan",
+                "--mode graph --device xla --mesh ici=4"]
 
 
 def compile_vs_depth():

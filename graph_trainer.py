@@ -79,7 +79,7 @@ class GraphStep:
         self.backend = backend or ("xla" if dev.is_xla(device) else "fx")
         if self.backend == "xla" and not dev.is_xla(device):
             raise GraphCaptureError("--backend xla needs --device xla (or a TPU)")
-        if dist_ctx is not None and dist_ctx.dp_impl != "simple":
+        if dist_ctx is not None and dist_ctx.dp_impl == "fsdp2":
             raise GraphCaptureError("graph mode under a mesh needs --dp-impl simple (FSDP2's hooks do not trace)")
         self.model, self.opt, self.device = model, opt, device
         self.step_fn = build_step_fn(model, [n for n, _ in model.named_parameters()], clip, opt.betas, opt.eps,

@@ -60,6 +60,7 @@ class DistContext:
         self.mesh = init_device_mesh(self.device.type, (dcn, ici), mesh_dim_names=("dcn", "ici"))
         self.mesh_spec, self.dcn, self.ici = spec, dcn, ici
         self.global_rank, self.dp_rank, self.dp_size = dist.get_rank(), dist.get_rank(), world
+        self.n_devices = world
         self.dp_impl, self.param_dtype = dp_impl, param_dtype
 
     @classmethod
@@ -97,6 +98,15 @@ class DistContext:
         from torch.distributed.tensor import DTensor
         return [DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                    stride=p.stride()) for t, p in zip(shards, params)]
+
+    def shard_state(self, state):
+        """(Nothing to do: the optimizer's state is made from local shards, so it is sharded.)"""
+
+    def shard_batch(self, inputs, targets):
+        return inputs, targets  # each rank already read only its rows
+
+    def local_bytes(self, tensors):
+        return sum(t.numel() * t.element_size() for t in self.local(tensors))
 
     def grads(self, loss, params):
         """d loss / d params as this rank's averaged gradient shards. SimpleFSDP: ordinary autograd

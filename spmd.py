@@ -8,7 +8,7 @@ PyTorch). On torch_xla the way to use many chips is SPMD (Xu et al., "GSPMD", ar
 torch_xla's SPMD user guide; torchprime and MaxText train this way): the program is written for
 one big device, each tensor carries a partition spec over a named device mesh, and the XLA
 compiler partitions the one step program, inserting the all-gathers, reduce-scatters and
-all-reduces itself. So the trainer does not change: parameters are marked Shard(0) over `ici`
+all-reduces itself. So the trainer does not change: parameters are marked sharded over `ici`
 (replicated over `dcn`), AdamW's state like its parameter, the batch over all data-parallel
 devices; eager mode, graph mode (the make_fx step graph on XLA tensors) and --scan (the While
 loop over stacked weights) run as they are, and XLA sees the whole step.
@@ -54,8 +54,11 @@ class SpmdContext:
 
     # -- placement ----------------------------------------------------------------------------
     def spec(self, t):
-        """Partition spec: dim 0 over ici (FSDP), the rest whole; replicated over dcn."""
-        return ("ici",) + (None,) * (t.dim() - 1)
+        """Partition spec: one dim over ici (FSDP), the rest whole; replicated over dcn. Dim 0, unless
+        another divides evenly where it does not: a --scan weight (L, out, in) with L < ici is split
+        on `out`, as scanned JAX models shard their weights, not the layer axis."""
+        dim = next((d for d in range(t.dim()) if t.shape[d] % self.ici == 0), 0)
+        return tuple("ici" if d == dim else None for d in range(t.dim()))
 
     def mark(self, tensors):
         for t in tensors:
@@ -81,6 +84,7 @@ class SpmdContext:
     def local_bytes(self, tensors):
         """Bytes one device holds of `tensors`, from the live shards' shapes."""
         import torch_xla
+        dev.wait(self.device)  # the shards must exist: reading them during an async transfer fails
         shards = torch_xla._XLAC._get_local_shards(list(tensors))
         return sum(s[0][0].numel() * s[0][0].element_size() for s in shards)
 

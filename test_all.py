@@ -1099,6 +1099,102 @@ def test_simplefsdp_collectives_are_nodes_of_the_traced_graph(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
+# spmd.py (one process, 4 virtual XLA:CPU devices: CPU_NUM_DEVICES=4). Oracles: one eager CPU
+# process on the same global batch, the partitioned program's collectives and replica groups,
+# torch_xla's compile counter, the uninterrupted run (resume)
+
+SPMD_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+
+
+def child_spmd_steps(*argv):
+    """(child process) train.py's Trainer under XLA SPMD, step by step: losses, compile counts, the
+    partition specs of parameters and AdamW state after the updates, per-device bytes."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+    import device
+    import spmd
+    import train
+    cfg = train.build_parser().parse_args(argv)
+    ctx = spmd.SpmdContext(cfg.mesh)
+    tr = train.Trainer(cfg, ctx)
+    out, compiles = [], []
+    for i in range(1, cfg.steps + 1):
+        x, y = tr.batches.get(i)
+        ce, _ = tr.step_fn(*tr.place(x, y), device.scalar(optim.lr_at(i, cfg.lr, cfg.warmup, cfg.steps), tr.device))
+        torch_xla.sync()
+        out.append(ce.item())
+        compiles.append(met.metric_data("CompileTime")[0])
+    spec = torch_xla._XLAC._get_xla_sharding_spec
+    print(json.dumps({"losses": out, "compiles": compiles, "specs": [spec(p) for p in tr.params],
+                      "state_specs": [spec(t) for t in tr.opt.state["exp_avg"] + tr.opt.state["exp_avg_sq"]],
+                      "param_bytes": ctx.local_bytes(tr.params), "total_bytes": sum(p.numel() * 4 for p in tr.params)}))
+
+
+def _replica_groups(hlo, op):
+    """The replica groups of every `op` in HLO text, as sets of tuples (explicit or iota form)."""
+    import numpy as np
+    found = []
+    for m in re.finditer(rf"= [^\n]*? {op}\([^\n]*?replica_groups=(\{{[^ ]*?\}}\}}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", hlo):
+        g = m.group(1)
+        if g.startswith("{"):
+            found.append(frozenset(tuple(map(int, x.split(","))) for x in re.findall(r"\{([\d,]+)\}", g)))
+        else:  # [groups,size]<=[dims]T(perm): iota over dims, transposed, reshaped
+            shape, dims, perm = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", g).groups()
+            ids = np.arange(int(np.prod([int(d) for d in dims.split(",")]))).reshape([int(d) for d in dims.split(",")])
+            if perm:
+                ids = ids.transpose([int(p) for p in perm.split(",")])
+            found.append(frozenset(tuple(r) for r in ids.reshape([int(s) for s in shape.split(",")]).tolist()))
+    return found
+
+
+@pytest.mark.parametrize("mesh,mode,extra", [("ici=4", "eager", []), ("dcn=2,ici=2", "graph", []),
+                                             ("ici=4", "graph", ["--scan"]),
+                                             ("dcn=2,ici=2", "eager", ["--flavor", "qwen3_debug", "--scan"])])
+def test_spmd_mesh_on_xla_equals_one_cpu_process(mesh, mode, extra, corpus, tmp_path):
+    args = [*TINY, "--data", corpus, "--steps", "8", "--ckpt-interval", "0", "--eval-batches", "0", *extra]
+    dump = tmp_path / "hlo"
+    proc = subprocess.run([sys.executable, "test_all.py", "child_spmd_steps", *args, "--out-dir", str(tmp_path / "x"),
+                           "--device", "xla", "--mesh", mesh, "--mode", mode], cwd=HERE, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **SPMD_ENV, "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    want = _train_losses(_trainer(corpus, tmp_path, *extra), steps=8)
+    assert max(abs(a - b) for a, b in zip(want, res["losses"])) < 1e-4, (want, res["losses"])
+    ici = int(mesh.split("ici=")[1])
+    # Sharded, and still sharded after 8 updates: parameters and both AdamW moments, 1/ici per device.
+    assert all(s.startswith("{devices=[") for s in res["specs"] + res["state_specs"]), res["specs"]
+    assert res["total_bytes"] / ici <= res["param_bytes"] < res["total_bytes"] / ici * 1.1
+    if mode == "graph":  # one step program, compiled at step 1 and never again
+        assert res["compiles"][0] == res["compiles"][-1], res["compiles"]
+    # The partitioned step program (the largest after-optimizations module) holds the collectives.
+    hlo = max((p for p in dump.iterdir() if p.name.endswith("after_optimizations.txt")), key=lambda p: p.stat().st_size).read_text()
+    gathers = _replica_groups(hlo, "all-gather")
+    assert gathers, "no all-gather in the step program"
+    if mesh == "dcn=2,ici=2":  # gathers inside each ici pair; gradients summed across the dcn replicas
+        assert frozenset({(0, 1), (2, 3)}) in gathers, gathers
+        assert frozenset({(0, 2), (1, 3)}) in _replica_groups(hlo, "all-reduce")
+    else:
+        assert frozenset({(0, 1, 2, 3)}) in gathers, gathers
+
+
+def test_spmd_resume_is_bit_for_bit_and_bad_meshes_are_refused(corpus, tmp_path):
+    common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "1",
+              "--device", "xla", "--mesh", "ici=4", "--sample-tokens", "0"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    assert run_train([*common, "--out-dir", full], env=SPMD_ENV)[0] == 0
+    assert run_train([*common, "--out-dir", part, "--halt-at", "3"], env=SPMD_ENV)[0] == 0
+    rc, out, err = run_train([*common, "--out-dir", part, "--resume"], env=SPMD_ENV)
+    assert rc == 0, err[-3000:]
+    assert losses(part) == losses(full) and _records(part, "val_loss") == _records(full, "val_loss")
+    start = next(json.loads(line) for line in open(os.path.join(full, "metrics.jsonl")) if '"start"' in line)
+    assert start["devices"] == 4
+    for extra, message in [(["--mesh", "ici=8"], "has 8 devices but XLA sees 4"),
+                           (["--kernels", "pallas"], "drop --kernels pallas")]:
+        rc, _, err = run_train([*common, "--out-dir", str(tmp_path / "bad"), *extra], env=SPMD_ENV)
+        assert rc == 2 and err.strip().startswith("error:") and message in err and len(err.strip().splitlines()) == 1, err
+
+
+# ------------------------------------------------------------------------------------------------
 # graph_trainer.py. Oracles: the eager loop, one process (under HSDP), torch_xla's compile counter
 
 @pytest.mark.parametrize("extra", [[], ["--flavor", "qwen3_moe_debug", "--kernels", "pallas", "--set", "moe_ffn_dim=32"]])

@@ -159,6 +159,7 @@ class Trainer:
         self.model_args = model_args_from(cfg)
         self.dist = dist_ctx
         self.rank, self.world = (dist_ctx.dp_rank, dist_ctx.dp_size) if dist_ctx else (0, 1)
+        self.n_devices = dist_ctx.n_devices if dist_ctx else 1  # (SPMD: one process, many devices)
         if cfg.batch_size % self.world:
             raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {self.world} data-parallel ranks")
         self.device = dev.pick_device(cfg.device) if dist_ctx is None else dist_ctx.device
@@ -171,7 +172,7 @@ class Trainer:
         resume_from, note = checkpoint.choose(self.ckpt_dir, self.cfg.resume, self.cfg.resume_from, self.meta,
                                               set(self.cfg.allow_change.split(",")))
         self.notes += [f"note: {note}"] if note else []
-        need = 16 * param_counts(self.model_args)[0] / self.world  # fp32 weights, grads, 2 AdamW moments
+        need = 16 * param_counts(self.model_args)[0] / self.n_devices  # fp32 weights, grads, 2 AdamW moments
         dev.check_fits(need, self.device, "the model's weights, gradients and AdamW state (16 bytes a parameter)")
         self.model = self.build_model(resume_from)
         self.params = [p for p in self.model.parameters()]
@@ -179,6 +180,8 @@ class Trainer:
         # The optimizer works on local shards (plain tensors sharing the parameters' storage).
         self.opt = optim.AdamW(dist_ctx.local(self.params) if dist_ctx else self.params, self.param_names,
                                weight_decay=cfg.weight_decay)
+        if dist_ctx:
+            dist_ctx.shard_state(self.opt.state)
         self.step = 0
         self.resume_from = resume_from
         if resume_from:
@@ -265,6 +268,11 @@ class Trainer:
         self.opt.step(grads, lr, self.dist.local(self.params) if self.dist else None, step)
         return ce, norm
 
+    def place(self, inputs, targets):
+        """A batch on the device (SPMD: split over the data-parallel devices)."""
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        return self.dist.shard_batch(inputs, targets) if self.dist else (inputs, targets)
+
     @torch.no_grad()
     def evaluate(self):
         if not self.val:
@@ -272,7 +280,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for inputs, targets in self.val:
             with self.autocast():
-                ce, _ = self.model(inputs.to(self.device), targets.to(self.device))
+                ce, _ = self.model(*self.place(inputs, targets))
             total = total + ce.float()
         if self.dist:
             total = self.dist.mean_over_dp(total)
@@ -300,6 +308,8 @@ class Trainer:
             for kind in ("exp_avg", "exp_avg_sq"):
                 for name, tensor in live["optim"][kind].items():
                     tensor.copy_(host["optim"][kind][name])
+        if self.dist:  # SPMD: a copy from the host leaves a tensor replicated; mark it again
+            self.dist.shard_state({"params": self.params, **self.opt.state})
         self.step = int(host["step"])
         self.opt.step_count = self.step
         torch.set_rng_state(host["rng"])
@@ -334,11 +344,10 @@ class Trainer:
             if self.rank == 0:
                 print(note, file=sys.stderr, flush=True)
         n_params = sum(p.numel() for p in self.model.parameters())
-        local = self.dist.local(self.params) if self.dist else self.params
+        per_device = self.dist.local_bytes if self.dist else lambda ts: sum(t.numel() * t.element_size() for t in ts)
         self.log({"event": "start", "params": n_params, "device": str(self.device), "resumed_at": self.step,
-                  "param_bytes_local": sum(t.numel() * t.element_size() for t in local),
-                  "optim_bytes_local": sum(t.numel() * t.element_size() for k in ("exp_avg", "exp_avg_sq")
-                                           for t in self.opt.state[k])},
+                  "devices": self.n_devices, "param_bytes_local": per_device(self.params),
+                  "optim_bytes_local": per_device(self.opt.state["exp_avg"] + self.opt.state["exp_avg_sq"])},
                  f"{cfg.flavor}: {n_params / 1e6:.2f}M params on {self.device}, mode {cfg.mode}, "
                  f"{cfg.batch_size}x{cfg.seq_len} tokens/step, start at step {self.step}, out {self.out_dir}")
         if self.step == 0 and self.val:
@@ -351,8 +360,7 @@ class Trainer:
             self.watchdog.beat(f"step {self.step}")
             inputs, targets = self.batches.get(self.step, self.rank)
             lr = optim.lr_at(self.step, cfg.lr, cfg.warmup, cfg.steps)
-            ce, norm = self.step_fn(inputs.to(self.device), targets.to(self.device),
-                                    dev.scalar(lr, self.device))
+            ce, norm = self.step_fn(*self.place(inputs, targets), dev.scalar(lr, self.device))
             dev.sync(self.device)
             loss, gnorm = ce.item(), norm.item()  # (both computed already: no new device program)
             if self.step == start_step + 1 and cfg.mode == "graph":
@@ -371,8 +379,8 @@ class Trainer:
                 eta = (cfg.steps - self.step) * (now - t_start) / (self.step - start_step)
                 mem = dev.memory_stats(self.device)
                 rec = {"step": self.step, "loss": loss, "grad_norm": gnorm, "lr": lr,
-                       "tokens_per_s": tok_s, "tflops": flops / 1e12, "mfu": flops / (self.peak * self.world),
-                       "peak_label": self.peak_label, "peak_flops": self.peak, "devices": self.world, "mem_bytes": mem["peak_bytes"], "mem_kind": mem["kind"]}
+                       "tokens_per_s": tok_s, "tflops": flops / 1e12, "mfu": flops / (self.peak * self.n_devices),
+                       "peak_label": self.peak_label, "peak_flops": self.peak, "devices": self.n_devices, "mem_bytes": mem["peak_bytes"], "mem_kind": mem["kind"]}
                 self.log(rec, f"step {self.step:5d} | loss {loss:.4f} | gnorm {rec['grad_norm']:.3f} | lr {lr:.2e}"
                          f" | {tok_s / 1e3:.1f}k tok/s | {flops / 1e12:.3f} TFLOP/s | MFU {100 * rec['mfu']:.1f}%"
                          f" of {self.peak_label} | mem {mem['peak_bytes'] / 2**30:.2f} GiB ({mem['kind']})"
@@ -416,7 +424,13 @@ def main(argv=None):
                 return dryrun.main(model_args_from(cfg), cfg)
             except ValueError as e:  # a mesh, batch or chip the plan cannot use
                 raise ConfigError(str(e)) from None
-        if cfg.mesh or mesh.launched_by_torchrun():
+        if cfg.mesh and not mesh.launched_by_torchrun() and (cfg.device == "xla" or dev.pjrt_is_tpu()):
+            import spmd  # one process drives every XLA device; the compiler partitions the step
+            if cfg.kernels == "pallas" or cfg.dp_impl != "simple":
+                raise ConfigError("XLA SPMD (--device xla --mesh) runs the reference kernels and its own "
+                                  "sharding: drop --kernels pallas / --dp-impl (README, Known limits)")
+            dist_ctx = spmd.SpmdContext(cfg.mesh)
+        elif cfg.mesh or mesh.launched_by_torchrun():
             dist_ctx = mesh.DistContext.from_cli(cfg.mesh, cfg.device, cfg.dp_impl,
                                                  torch.bfloat16 if cfg.dtype == "bf16" else None)
         rc = Trainer(cfg, dist_ctx).run()
@@ -432,7 +446,7 @@ def main(argv=None):
         print(f"error: a write failed: {what}", file=sys.stderr)
         return EXIT_WRITE_FAILED
     except (RuntimeError, torch.distributed.DistError) as e:
-        if dist_ctx is None:
+        if dist_ctx is None or dist_ctx.dp_impl == "spmd":  # (one process: no peer to blame)
             raise
         # A peer died or timed out: say so in one line instead of a wall of gloo traces.
         print(f"error: rank {dist_ctx.global_rank}: a collective failed, a peer process probably died "
