@@ -201,6 +201,10 @@ def dist_table(repeats, steps):
     """2 processes SimpleFSDP vs FSDP2 vs one process, through train.py (torchrun), same global batch."""
     import tempfile
     configs = [("1 process", 1, []), ("2 proc SimpleFSDP", 2, ["--mesh", "ici=2"]),
+               ("2 proc SimpleFSDP graph, passes off", 2, ["--mesh", "ici=2", "--mode", "graph", "--fsdp-passes", "none"]),
+               ("2 proc SimpleFSDP graph, passes on", 2, ["--mesh", "ici=2", "--mode", "graph"]),
+               ("2 proc SimpleFSDP graph + inductor, passes on", 2, ["--mesh", "ici=2", "--mode", "graph",
+                                                                     "--backend", "inductor"]),
                ("2 proc FSDP2", 2, ["--mesh", "ici=2", "--dp-impl", "fsdp2"])]
     results = {name: [] for name, _, _ in configs}
     for _ in range(repeats):
@@ -253,7 +257,7 @@ def to_markdown(speed, memory, dist_rows=(), depth=()):
     if dist_rows:
         base = dist_rows[0]["tokens_per_s"]
         lines += ["", "| data parallel (llama3_debug, global batch 32 x 128) | tokens/s (all ranks) | x 1 process | "
-                  "params MiB / rank | AdamW state MiB / rank | peak RSS MiB (rank 0) |", "| --- | --- | --- | --- | --- | --- |"]
+                  "params MiB / rank | AdamW state MiB / rank | peak RSS MiB (rank 0, training) |", "| --- | --- | --- | --- | --- | --- |"]
         for r in dist_rows:
             lines.append(f"| {r['config']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f} | {r['param_mib']:.2f} | "
                          f"{r['optim_mib']:.2f} | {r['rss_mib']:.0f} |")

@@ -142,8 +142,25 @@ def seed_all(seed):
 
 
 def host_peak_rss_bytes():
-    # ru_maxrss is KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The process's resident-memory high-water mark (VmHWM: resettable, see reset_peak_memory)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def reset_peak_memory(device):
+    """Start the peak-memory figure afresh (after model building, which may hold a full copy)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    elif kind == "cpu" or not is_tpu(device):
+        try:
+            with open("/proc/self/clear_refs", "w") as f:  # Linux: resets VmHWM to the current RSS
+                f.write("5")
+        except OSError:
+            pass
 
 
 def memory_stats(device):

@@ -85,6 +85,32 @@ def saved_bytes(gm):
     return sum(tensor_bytes(n) for n in saved_activations(gm))
 
 
+def peak_live_bytes(gm, args, until=None):
+    """Run `gm` on real `args` node by node (torch.fx.Interpreter frees each value after its last
+    use) and return the peak bytes of intermediate tensors alive at once (inputs not counted),
+    over the nodes before `until(node)` first holds. A measurement, not an estimate from metadata."""
+    inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)}
+
+    class Live(torch.fx.Interpreter):
+        peak, stopped = 0, False
+
+        def run_node(self, node):
+            out = super().run_node(node)
+            if until is not None and not self.stopped and until(node):
+                self.stopped = True
+            if not self.stopped:
+                live = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for v in list(self.env.values()) + [out] for t in pytree.tree_leaves(v)
+                        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs}
+                self.peak = max(self.peak, sum(live.values()))
+            return out
+
+    interp = Live(gm)
+    with torch.no_grad():
+        interp.run(*pytree.tree_leaves(args))
+    return interp.peak
+
+
 def host_bytes(gm):
     return sum(tensor_bytes(n) for n in gm.graph.nodes if n.target == torch.ops.minititan.offload.default)
 
@@ -121,14 +147,25 @@ def _keep(node):
     return node.op != "call_function" or any(test(node) for _, test in SAVE_POLICY)
 
 
+def remat_recomputes(node):
+    """The remat policy as a predicate: not saved under SAVE_POLICY."""
+    return not _keep(node)
+
+
 def remat(gm):
     """Recompute every saved value the policy does not keep, just before its first backward use."""
+    return recompute_in_backward(gm, remat_recomputes)
+
+
+def recompute_in_backward(gm, recompute):
+    """For every forward value the backward reads: if recompute(node), replay it (and the recomputable
+    values it needs) right before its first backward use, instead of keeping it alive across the step."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     end = _marker_index(gm)
     graph, copies = gm.graph, {}
 
     def copy_of(node, before):
-        if node.op != "call_function" or order.get(node, end) >= end or _keep(node):
+        if node.op != "call_function" or order.get(node, end) >= end or not recompute(node):
             return node
         if node not in copies:
             args = pytree.tree_map_only(torch.fx.Node, lambda a: copy_of(a, before), (node.args, node.kwargs))

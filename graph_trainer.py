@@ -17,6 +17,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import device as dev
+import fsdp_passes
 import graph_passes
 import optim
 
@@ -75,7 +76,7 @@ class GraphStep:
     and how to run: clipping, autocast, the mesh, the backend and the graph passes."""
 
     def __init__(self, model, opt, device, *, clip, autocast, dist_ctx=None, backend=None, remat=False,
-                 offload=False, split=0):
+                 offload=False, split=0, fsdp_passes=()):
         self.backend = backend or ("xla" if dev.is_xla(device) else "fx")
         if self.backend == "xla" and not dev.is_xla(device):
             raise GraphCaptureError("--backend xla needs --device xla (or a TPU)")
@@ -84,7 +85,8 @@ class GraphStep:
         self.model, self.opt, self.device = model, opt, device
         self.step_fn = build_step_fn(model, [n for n, _ in model.named_parameters()], clip, opt.betas, opt.eps,
                                      opt.weight_decay, opt.mask, autocast, dist_ctx)
-        self.remat, self.offload, self.split = remat, offload, split
+        self.remat, self.offload, self.split, self.fsdp_passes = remat, offload, split, tuple(fsdp_passes)
+        self.param_names = [n for n, _ in model.named_parameters()]
         self.gm = None        # the captured (and transformed) step graph
         self.compiled = None  # what runs it: gm, its stages (split), or inductor's compilation
         self.report = {}      # graph size, collectives, saved / offloaded bytes (the `graph:` log line)
@@ -92,8 +94,12 @@ class GraphStep:
     def transform(self, gm):
         """Apply the enabled passes, recording saved-activation bytes before and after."""
         self.report["saved_bytes_captured"] = graph_passes.saved_bytes(gm)
-        if self.remat:
+        if "reshard" in self.fsdp_passes:  # (with --remat: one sweep recomputes both)
+            gm = fsdp_passes.reshard_after_forward(gm, also=graph_passes.remat_recomputes if self.remat else None)
+        elif self.remat:
             gm = graph_passes.remat(gm)
+        if "bucket" in self.fsdp_passes:
+            gm = fsdp_passes.bucket_by_block(gm, self.param_names)
         if self.offload:
             gm = graph_passes.offload_saved(gm)
         self.report["saved_bytes"] = graph_passes.saved_bytes(gm)
@@ -101,12 +107,21 @@ class GraphStep:
         ops = op_counts(gm)
         self.report["nodes"] = len(gm.graph.nodes)
         self.report["collectives"] = {k.split(".")[1]: v for k, v in ops.items() if k.startswith("_c10d_functional.")}
+        if self.fsdp_passes or self.report["collectives"]:
+            self.report["collectives_by_side"] = fsdp_passes.collective_counts(gm)
+            self.report["saved_gathered_bytes"] = sum(graph_passes.tensor_bytes(n) for n in graph_passes.saved_activations(gm)
+                                                      if n in fsdp_passes.gather_chains(gm))
         return gm
+
+    def args(self, inputs, targets, lr):
+        """The step function's inputs: (params, buffers, AdamW moments, step, lr, batch)."""
+        opt = self.opt
+        return ([p.detach() for p in opt.params], list(self.model.buffers()), opt.state["exp_avg"],
+                opt.state["exp_avg_sq"], dev.scalar(opt.step_count + 1, self.device), lr, inputs, targets)
 
     def __call__(self, inputs, targets, lr):
         opt = self.opt
-        args = ([p.detach() for p in opt.params], list(self.model.buffers()), opt.state["exp_avg"],
-                opt.state["exp_avg_sq"], dev.scalar(opt.step_count + 1, self.device), lr, inputs, targets)
+        args = self.args(inputs, targets, lr)
         if self.gm is None:
             self.gm = self.transform(capture(self.step_fn, args))
             run = self.gm if not self.split else graph_passes.SplitStep(self.gm, self.split)

@@ -23,6 +23,7 @@ import torch
 import checkpoint
 import data
 import device as dev
+import fsdp_passes
 import graph_trainer
 import hf
 import mesh
@@ -70,6 +71,8 @@ def build_parser():
     a("--offload", action="store_true", help="graph mode: saved activations to host memory and back")
     a("--scan", action="store_true", help="run the blocks as one scan over stacked weights (XLA: a While loop; MoE needs --kernels pallas)")
     a("--split", type=int, default=0, help="graph mode: cut the step graph into N stages run in order")
+    a("--fsdp-passes", default="auto", help="graph mode under a SimpleFSDP mesh: comma list of reshard, bucket, "
+      "or none (auto: all of them under --mesh in graph mode)")
     a("--kernels", choices=["reference", "pallas"], default="reference",
       help="pallas: the TPU config rewrite (splash attention, fused loss, grouped matmul)")
     a("--mesh", default=None, help="data-parallel mesh under torchrun: ici=N (FSDP) or dcn=R,ici=S (HSDP)")
@@ -143,6 +146,10 @@ def validate(cfg):
                                   ("--backend", cfg.backend)) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:
         raise ConfigError(f"{', '.join(graph_only)} transform(s) the step graph: add --mode graph")
+    bad = set(cfg.fsdp_passes.split(",")) - {*fsdp_passes.PASSES, "auto", "none"}
+    if bad:
+        raise ConfigError(f"--fsdp-passes {cfg.fsdp_passes!r}: unknown {sorted(bad)}; choose from "
+                          f"{', '.join(fsdp_passes.PASSES)}, none")
     if cfg.split < 0:
         raise ConfigError(f"--split must be >= 0, got {cfg.split}")
     if cfg.scan and cfg.mode == "compile":
@@ -247,12 +254,19 @@ class Trainer:
         if cfg.mode == "graph":
             return graph_trainer.GraphStep(self.model, self.opt, self.device, clip=cfg.clip, autocast=self.autocast,
                                            dist_ctx=self.dist, backend=cfg.backend, remat=cfg.remat,
-                                           offload=cfg.offload, split=cfg.split)
+                                           offload=cfg.offload, split=cfg.split, fsdp_passes=self.fsdp_passes())
         if self.cfg.mode == "compile":
             backend = "openxla" if dev.is_xla(self.device) else "inductor"
             for layer in self.model.layers:
                 layer.compile(backend=backend)
         return self.eager_step
+
+    def fsdp_passes(self):
+        """The SimpleFSDP graph passes to apply (fsdp_passes.py): on by default under a gloo/nccl mesh."""
+        chosen = self.cfg.fsdp_passes
+        if chosen == "auto":
+            return fsdp_passes.PASSES if self.dist and self.dist.dp_impl == "simple" else ()
+        return () if chosen == "none" else tuple(chosen.split(","))
 
     def eager_step(self, inputs, targets, lr):
         with self.autocast():
@@ -354,6 +368,7 @@ class Trainer:
             self.watchdog.beat("evaluation at step 0")
             val = self.evaluate()
             self.log({"step": 0, "val_loss": val}, f"step     0 | val loss {val:.4f}")
+        dev.reset_peak_memory(self.device)  # the log's memory is the training's, not model building's
         t_last, step_last, t_start, start_step = time.perf_counter(), self.step, time.perf_counter(), self.step
         while self.step < cfg.steps:
             self.step += 1
@@ -363,6 +378,8 @@ class Trainer:
             ce, norm = self.step_fn(*self.place(inputs, targets), dev.scalar(lr, self.device))
             dev.sync(self.device)
             loss, gnorm = ce.item(), norm.item()  # (both computed already: no new device program)
+            if self.step == start_step + 2:  # from step 2 on, memory is the steady state's (capture,
+                dev.reset_peak_memory(self.device)  # compilation and first allocations are one-offs)
             if self.step == start_step + 1 and cfg.mode == "graph":
                 rep = self.step_fn.report
                 self.log({"event": "graph", **rep}, f"graph: {rep['nodes']} nodes, collectives {rep['collectives']}, "

@@ -1,0 +1,172 @@
+"""fsdp_passes.py: the compiler half of SimpleFSDP (Zhang et al., arXiv 2411.00284; torchtitan's
+SimpleFSDP with its graph passes): passes on the whole-step graph, where each of SimpleFSDP's
+all-gathers and reduce-scatters is a node (simplefsdp.py makes them plain DTensor ops).
+
+  reshard   reshard after forward: a gathered weight is not kept from its forward use to its
+            backward use; the backward gathers it again right before (FSDP's memory: the full
+            weights of one block at a time, not of the whole model). This is
+            graph_passes.recompute_in_backward with the all-gather chains as what to recompute.
+  bucket    one all-gather per transformer block (and one for the embedding, one for the final
+            norm + output head) on a flat buffer, split back into the parameters; the same for
+            the backward's reduce-scatters. The merging is torch's own (torch/_inductor/fx_passes/
+            bucketing.py, in our pinned torch 2.9); choosing the buckets, by block, is ours.
+
+Both keep the numerics exactly: the same values are gathered and reduced. Not done: reordering for
+prefetch, HSDP's dcn all-reduce buckets, and the per-layer gather inside --scan (README).
+"""
+import re
+
+import torch
+
+import graph_passes
+
+c10d = torch.ops._c10d_functional
+PASSES = ("reshard", "bucket")
+
+
+def _is(node, op):
+    return node.op == "call_function" and node.target == op.default
+
+
+def gather_chains(gm):
+    """Forward nodes that are an all-gather or only reshape / cast / wait on one: the full weights."""
+    end = graph_passes._marker_index(gm)
+    chain = set()
+    for i, node in enumerate(gm.graph.nodes):
+        if i >= end or node.op != "call_function":
+            continue
+        if _is(node, c10d.all_gather_into_tensor):
+            chain.add(node)
+        elif (node.target not in graph_passes._MATMULS and node.target not in graph_passes._ATTENTION
+              and graph_passes._namespace(node) != "minititan" and node.all_input_nodes
+              and any(n in chain for n in node.all_input_nodes)
+              and all(n in chain or n.op == "placeholder" for n in node.all_input_nodes)):
+            chain.add(node)
+    return chain
+
+
+def reshard_after_forward(gm, also=None):
+    """Gathered weights are re-gathered in the backward instead of saved (`also`: another
+    recompute policy applied in the same sweep, e.g. remat's)."""
+    chain = gather_chains(gm)
+    return graph_passes.recompute_in_backward(gm, lambda n: n in chain or (also is not None and also(n)))
+
+
+# ------------------------------------------------------------------------------------------------
+# bucketing
+
+def _block_of(param_name):
+    """The bucket a parameter belongs to: its transformer block, the embedding, or the head."""
+    m = re.match(r"layers\.(\d+)\.", param_name)
+    return f"block {m.group(1)}" if m else "embedding" if "embed" in param_name else "head"
+
+
+def _param_index(gm):
+    """placeholder node -> index of the parameter it is (the step's first flat inputs are params)."""
+    return {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+
+
+def _source_param(node, index, n_params):
+    """The parameter an all-gather gathers (through casts of its shard), or None."""
+    while node.op != "placeholder":
+        if len(node.all_input_nodes) != 1:
+            return None
+        node = node.all_input_nodes[0]
+    i = index.get(node)
+    return i if i is not None and i < n_params else None
+
+
+def _grad_param(wait, n_params):
+    """The parameter whose gradient a reduce-scatter's wait carries: its position in the list of
+    gradients that the first foreach op (the gradient norm) takes, after single-input steps."""
+    node = wait
+    for _ in range(8):
+        for user in node.users:
+            if user.op == "call_function" and "_foreach" in str(user.target):
+                grads = user.args[0]
+                return grads.index(node) if node in grads and len(grads) == n_params else None
+        if len(node.users) != 1:
+            return None
+        node = next(iter(node.users))
+    return None
+
+
+def _buckets(nodes_and_params, names):
+    """Group collectives by the block of their parameter, keeping graph order within each side."""
+    groups = {}
+    for node, i in nodes_and_params:
+        if i is not None:
+            groups.setdefault(_block_of(names[i]), []).append(node)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _hoist_inputs(gm, bucket):
+    """Move what each collective of `bucket` reads (casts and pads of its shard, computed from graph
+    inputs only) before the bucket's first collective, where the merged one will stand."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first = min(bucket, key=order.get)
+    todo = set()
+    for node in bucket:
+        stack = list(node.all_input_nodes)
+        while stack:
+            n = stack.pop()
+            if n.op == "call_function" and order[n] > order[first] and n not in todo:
+                todo.add(n)
+                stack.extend(n.all_input_nodes)
+    for n in sorted(todo, key=order.get):  # topological: inputs move first
+        first.prepend(n)
+
+
+def _after_last(gm, bucket):
+    """torch's merge puts the merged reduce-scatter right after the bucket's last one (the last
+    gradient is ready only there) and hands its results to every wait's readers: so move what reads
+    the earlier waits, in order, to just after the last reduce-scatter."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    last = max(bucket, key=order.get)
+    moving, stack = set(), [u for n in bucket if n is not last for w in n.users for u in w.users]
+    while stack:
+        n = stack.pop()
+        if order[n] < order[last] and n not in moving:
+            moving.add(n)
+            stack.extend(n.users)
+    anchor = last
+    for n in sorted(moving, key=order.get):
+        anchor.append(n)
+        anchor = n
+
+
+def bucket_by_block(gm, param_names):
+    """Merge each block's all-gathers (forward, and backward after reshard) and reduce-scatters."""
+    from torch._inductor.fx_passes.bucketing import merge_all_gather, merge_reduce_scatter
+    end = graph_passes._marker_index(gm)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    index, P = _param_index(gm), len(param_names)
+    gathers = [n for n in gm.graph.nodes if _is(n, c10d.all_gather_into_tensor)]
+    for side in (lambda n: order[n] < end, lambda n: order[n] > end):  # never merge across the boundary
+        buckets = _buckets([(g, _source_param(g, index, P)) for g in gathers if side(g)], param_names)
+        for bucket in buckets:
+            _hoist_inputs(gm, bucket)
+        if buckets:
+            merge_all_gather(gm, buckets)
+    scatters = [n for n in gm.graph.nodes if _is(n, c10d.reduce_scatter_tensor)]
+    waits = {s: next((u for u in s.users if _is(u, c10d.wait_tensor)), None) for s in scatters}
+    buckets = _buckets([(s, _grad_param(waits[s], P) if waits[s] else None) for s in scatters], param_names)
+    for bucket in buckets:
+        _after_last(gm, bucket)
+    if buckets:
+        merge_reduce_scatter(gm, buckets)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def collective_counts(gm):
+    """{'forward': {kind: n}, 'backward': {kind: n}} of the collectives, split at the marker."""
+    end = graph_passes._marker_index(gm)
+    out = {"forward": {}, "backward": {}}
+    for i, node in enumerate(gm.graph.nodes):
+        if node.op == "call_function" and graph_passes._namespace(node) == "_c10d_functional":
+            side = out["forward" if i < end else "backward"]
+            kind = node.target.__name__.split(".")[0]
+            side[kind] = side.get(kind, 0) + 1
+    return out
