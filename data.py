@@ -75,6 +75,37 @@ def load_corpus(path=None, val_fraction=0.05):
     return np.frombuffer(train, dtype=np.uint8), np.frombuffer(val, dtype=np.uint8)
 
 
+def tokenize(train, val, tokenizer_dir):
+    """(train, val) token ids (uint32, memory-mapped) of the byte arrays through a Hugging Face
+    tokenizer.json, and the tokenizer's vocabulary size. Tokenized once: cached as .npy files in
+    ~/.cache/minititan/tokens, keyed by the tokenizer's and the text's hashes (a changed file or
+    tokenizer is a new key; the default corpus's directory is not ours to write into)."""
+    from tokenizers import Tokenizer
+    path = os.path.join(tokenizer_dir, "tokenizer.json")
+    try:
+        with open(path, "rb") as f:
+            spec = f.read()
+        tok = Tokenizer.from_str(spec.decode("utf-8"))
+    except Exception as e:  # missing, unreadable, not a tokenizer
+        raise DataError(f"--tokenizer {path}: missing or unreadable ({type(e).__name__})") from None
+    key = fingerprint(np.frombuffer(spec, dtype=np.uint8), train, val)
+    cache = os.path.join(os.path.expanduser("~"), ".cache", "minititan", "tokens")
+    os.makedirs(cache, exist_ok=True)
+    out = []
+    for name, text in (("train", train), ("val", val)):
+        file = os.path.join(cache, f"{key}-{name}.npy")
+        if not os.path.exists(file):
+            lines = text.tobytes().decode("utf-8", errors="replace").splitlines(keepends=True)
+            chunks = ["".join(lines[i:i + 512]) for i in range(0, len(lines), 512)]  # whole lines
+            ids = [i for enc in tok.encode_batch(chunks, add_special_tokens=False) for i in enc.ids]
+            tmp = f"{file}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                np.save(f, np.asarray(ids, dtype=np.uint32))
+            os.replace(tmp, file)  # atomic: a concurrent or crashed run never reads half a file
+        out.append(np.load(file, mmap_mode="r"))
+    return out[0], out[1], tok.get_vocab_size()
+
+
 class Batches:
     """Random windows of seq_len + 1 bytes -> (inputs, targets), each (B / world, S) int64."""
 

@@ -24,6 +24,17 @@ c10d = torch.ops._c10d_functional
 PASSES = ("reshard", "bucket")
 
 
+def chosen(spec, dist_ctx):
+    """--fsdp-passes: 'auto' (all of them under a SimpleFSDP mesh), 'none', or a comma list."""
+    if spec == "auto":
+        return PASSES if dist_ctx is not None and dist_ctx.dp_impl == "simple" else ()
+    names = () if spec == "none" else tuple(spec.split(","))
+    if set(names) - set(PASSES):
+        raise ValueError(f"--fsdp-passes {spec!r}: unknown {sorted(set(names) - set(PASSES))}; choose from "
+                         f"{', '.join(PASSES)}, none, auto")
+    return names
+
+
 def _is(node, op):
     return node.op == "call_function" and node.target == op.default
 
@@ -155,9 +166,25 @@ def bucket_by_block(gm, param_names):
         _after_last(gm, bucket)
     if buckets:
         merge_reduce_scatter(gm, buckets)
+    _functional_gathers(gm)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _functional_gathers(gm):
+    """torch's merge writes into a fresh buffer (all_gather_into_tensor_out, an aliasing op that
+    torch.compile's functionalization refuses): use the functional all-gather, same values."""
+    for node in list(gm.graph.nodes):
+        if _is(node, c10d.all_gather_into_tensor_out):
+            buffer = node.kwargs["out"]
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(c10d.all_gather_into_tensor.default, node.args)
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            if not buffer.users:
+                gm.graph.erase_node(buffer)
 
 
 def collective_counts(gm):

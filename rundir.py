@@ -50,8 +50,9 @@ def strict(value):
 
 
 class RunDir:
-    def __init__(self, path, rank=0):
+    def __init__(self, path, rank=0, tensorboard=False):
         self.path, self.rank, self._lock = path, rank, None
+        self.tensorboard, self._tb = tensorboard, None
 
     def open(self):
         """Create the directory and take this rank's lock (RunDirError if another run holds it)."""
@@ -76,6 +77,14 @@ class RunDir:
         line = json.dumps(strict(record), allow_nan=False)
         with open(os.path.join(self.path, "metrics.jsonl"), "a") as f:
             f.write(line + "\n")
+        if self.tensorboard and "step" in record:  # --tensorboard: the same numbers as scalars
+            if self._tb is None:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(os.path.join(self.path, "tensorboard"))
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, record["step"])
+            self._tb.flush()
 
     def plot(self):
         """loss.png beside metrics.jsonl: train and validation loss against step, learning rate on a
@@ -105,6 +114,8 @@ class RunDir:
         os.replace(tmp, os.path.join(self.path, "loss.png"))
 
     def close(self):
+        if self._tb is not None:
+            self._tb.close()
         if self._lock is not None:
             os.close(self._lock)  # releases the flock
             self._lock = None

@@ -711,7 +711,7 @@ def test_small_data_says_validation_is_skipped(tmp_path, capsys):
     tiny = tmp_path / "tiny.txt"
     tiny.write_bytes(b"All work and no play makes a dull model. " * 3)
     assert _main([*TINY, "--data", str(tiny), "--steps", "1", "--out-dir", str(tmp_path / "r")]) == 0
-    assert "note: validation skipped: the validation split has 7 bytes" in capsys.readouterr().err
+    assert "note: validation skipped: the validation split has 7 tokens" in capsys.readouterr().err
 
 
 def test_disk_full_during_a_checkpoint_removes_the_partial_one_and_keeps_the_last(corpus, tmp_path):
@@ -1650,6 +1650,32 @@ def test_fine_tuning_starts_from_the_hf_weights_on_one_process_and_under_a_mesh(
     for key in ("loss", "val_loss", "grad_norm"):
         a, b = _records(single, key), _records(multi, key)
         assert sorted(a) == sorted(b) and max(abs(a[s] - b[s]) for s in a) < 1e-5, key
+
+
+def test_training_on_a_hf_tokenizer_caches_its_ids_and_writes_tensorboard(corpus, tmp_path, monkeypatch, capsys):
+    """--tokenizer: the corpus becomes the tokenizer's ids (decoding them gives the text back), made
+    once and cached by content; the model's vocab must hold them; --tensorboard writes the scalars."""
+    from tokenizers import Tokenizer
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the cache lives under ~/.cache/minititan
+    qwen = os.path.join(HF_FIXTURES, "qwen3")
+    common = [*TINY, "--data", corpus, "--tokenizer", qwen, "--set", "vocab_size=320", "--steps", "3"]
+    assert _main([*common, "--out-dir", str(tmp_path / "a"), "--tensorboard"]) == 0
+    cached = sorted((tmp_path / "home" / ".cache" / "minititan" / "tokens").iterdir())
+    assert len(cached) == 2
+    train_ids = data.np.load(cached[1]) if cached[1].name.endswith("train.npy") else data.np.load(cached[0])
+    text, _ = data.load_corpus(corpus)
+    assert Tokenizer.from_file(os.path.join(qwen, "tokenizer.json")).decode(train_ids.tolist()) == text.tobytes().decode()
+    assert len(train_ids) < 0.8 * len(text)  # real merges: fewer tokens than bytes
+    mtimes = [p.stat().st_mtime_ns for p in cached]
+    assert _main([*common, "--out-dir", str(tmp_path / "b")]) == 0  # second run: from the cache
+    assert [p.stat().st_mtime_ns for p in cached] == mtimes and _records(str(tmp_path / "a"), "loss") == _records(str(tmp_path / "b"), "loss")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "a" / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([v for _, v in sorted(_records(str(tmp_path / "a"), "loss").items())])
+    capsys.readouterr()
+    assert _main([*common[:-4], "--set", "vocab_size=256", "--steps", "3", "--out-dir", str(tmp_path / "c")]) == 2
+    assert "--tokenizer has 300 tokens, the model's vocab_size is 256" in capsys.readouterr().err
 
 
 def child_xla_generate():

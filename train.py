@@ -80,6 +80,7 @@ def build_parser():
       help="how parameters are sharded over the mesh: SimpleFSDP (ours) or torch's FSDP2")
     a("--seed", type=int, default=0, help="seed for init and batch order")
     a("--data", default=None, help="text file or directory (default: this Python's stdlib sources)")
+    a("--tokenizer", default=None, metavar="HF_DIR", help="train on the ids of a HF tokenizer.json (default: bytes)")
     a("--eval-interval", type=int, default=50, help="validate every N steps (0: only at the end)")
     a("--eval-batches", type=int, default=8, help="validation batches per evaluation")
     a("--log-interval", type=int, default=10, help="log every N steps")
@@ -96,6 +97,7 @@ def build_parser():
     a("--chip", default="tpu_v5p", help="TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")
     a("--halt-at", type=int, default=0, help="stop after this step as if preempted (tests resume)")
     a("--sample-tokens", type=int, default=64, help="at the end, print this many sampled bytes (0: off)")
+    a("--tensorboard", action="store_true", help="also write the metrics as TensorBoard scalars (out-dir/tensorboard)")
     return p
 
 
@@ -110,7 +112,7 @@ def model_args_from(cfg):
         args = with_overrides(args, cfg.set)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if args.vocab_size < data.BYTE_VOCAB:
+    if args.vocab_size < data.BYTE_VOCAB and not cfg.tokenizer:
         raise ConfigError(f"vocab_size {args.vocab_size} is smaller than the data's {data.BYTE_VOCAB} byte values")
     if cfg.kernels == "pallas":
         args = tpu_config(args)
@@ -146,10 +148,10 @@ def validate(cfg):
                                   ("--backend", cfg.backend)) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:
         raise ConfigError(f"{', '.join(graph_only)} transform(s) the step graph: add --mode graph")
-    bad = set(cfg.fsdp_passes.split(",")) - {*fsdp_passes.PASSES, "auto", "none"}
-    if bad:
-        raise ConfigError(f"--fsdp-passes {cfg.fsdp_passes!r}: unknown {sorted(bad)}; choose from "
-                          f"{', '.join(fsdp_passes.PASSES)}, none")
+    try:
+        fsdp_passes.chosen(cfg.fsdp_passes, None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.split < 0:
         raise ConfigError(f"--split must be >= 0, got {cfg.split}")
     if cfg.scan and cfg.mode == "compile":
@@ -201,14 +203,17 @@ class Trainer:
     def load_data(self):
         """Training batches and this rank's validation batches; returns the corpus fingerprint."""
         cfg = self.cfg
-        train_bytes, val_bytes = data.load_corpus(cfg.data)
-        self.batches = data.Batches(train_bytes, cfg.batch_size, cfg.seq_len, cfg.seed, self.world)
-        self.val = data.eval_batches(val_bytes, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches,
-                                     self.rank, self.world)
+        train, val = data.load_corpus(cfg.data)
+        if cfg.tokenizer:  # token ids instead of bytes (tokenized once, cached)
+            train, val, vocab = data.tokenize(train, val, cfg.tokenizer)
+            if vocab > self.model_args.vocab_size:
+                raise ConfigError(f"--tokenizer has {vocab} tokens, the model's vocab_size is {self.model_args.vocab_size}")
+        self.batches = data.Batches(train, cfg.batch_size, cfg.seq_len, cfg.seed, self.world)
+        self.val = data.eval_batches(val, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches, self.rank, self.world)
         if cfg.eval_batches and not self.val:
-            self.notes.append(f"note: validation skipped: the validation split has {len(val_bytes)} bytes, "
+            self.notes.append(f"note: validation skipped: the validation split has {len(val)} tokens, "
                               f"fewer than --seq-len + 2 = {cfg.seq_len + 2}")
-        return data.fingerprint(train_bytes, val_bytes)
+        return data.fingerprint(train, val)
 
     def run_meta(self, fingerprint):
         """What a checkpoint records of the run, and a resume must match (checkpoint.check_compatible)."""
@@ -254,19 +259,13 @@ class Trainer:
         if cfg.mode == "graph":
             return graph_trainer.GraphStep(self.model, self.opt, self.device, clip=cfg.clip, autocast=self.autocast,
                                            dist_ctx=self.dist, backend=cfg.backend, remat=cfg.remat,
-                                           offload=cfg.offload, split=cfg.split, fsdp_passes=self.fsdp_passes())
+                                           offload=cfg.offload, split=cfg.split,
+                                           fsdp_passes=fsdp_passes.chosen(cfg.fsdp_passes, self.dist))
         if self.cfg.mode == "compile":
             backend = "openxla" if dev.is_xla(self.device) else "inductor"
             for layer in self.model.layers:
                 layer.compile(backend=backend)
         return self.eager_step
-
-    def fsdp_passes(self):
-        """The SimpleFSDP graph passes to apply (fsdp_passes.py): on by default under a gloo/nccl mesh."""
-        chosen = self.cfg.fsdp_passes
-        if chosen == "auto":
-            return fsdp_passes.PASSES if self.dist and self.dist.dp_impl == "simple" else ()
-        return () if chosen == "none" else tuple(chosen.split(","))
 
     def eager_step(self, inputs, targets, lr):
         with self.autocast():
@@ -342,7 +341,7 @@ class Trainer:
         return EXIT_NONFINITE
 
     def run(self):
-        self.run_dir = rundir.RunDir(self.out_dir, self.dist.global_rank if self.dist else 0).open()
+        self.run_dir = rundir.RunDir(self.out_dir, self.dist.global_rank if self.dist else 0, self.cfg.tensorboard).open()
         self.watchdog = rundir.Watchdog(self.cfg.watchdog, self.dist.global_rank if self.dist else 0)
         try:
             return self.loop()
@@ -423,7 +422,7 @@ class Trainer:
     def sample(self, n):
         """A few bytes from the trained model (not under a mesh: sharded weights; nor --scan: the
         stacked blocks take no KV cache; nor for a vocabulary that is not bytes)."""
-        if self.dist or self.cfg.scan or self.model_args.vocab_size != data.BYTE_VOCAB:
+        if self.dist or self.cfg.scan or self.cfg.tokenizer or self.model_args.vocab_size != data.BYTE_VOCAB:
             return
         import generate
         text, count = generate.byte_sample(self.model, n, self.cfg.seed)
