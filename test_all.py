@@ -1002,22 +1002,28 @@ def test_mesh_that_does_not_match_world_size_fails_fast(corpus, tmp_path):
     assert not os.path.exists(tmp_path / "r")
 
 
-def test_a_killed_rank_ends_the_run_within_60s(corpus, tmp_path):
-    import signal
+def _signal_one_of_two_ranks(corpus, out_dir, sig, *extra):
+    """A long 2-rank run; once it is logging, send `sig` to one rank: (torchrun process, worker pids,
+    the time it was sent)."""
     import time
-    out_dir = tmp_path / "r"
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              os.path.join(HERE, "train.py"), *DIST_TINY, "--data", corpus, "--steps", "100000",
-                             "--eval-batches", "0", "--ckpt-interval", "0", "--mesh", "ici=2", "--out-dir", str(out_dir)],
-                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--eval-batches", "0", "--ckpt-interval", "0", "--mesh", "ici=2", "--out-dir", str(out_dir),
+                             *extra], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not (out_dir / "metrics.jsonl").exists():
         time.sleep(0.5)
     time.sleep(2)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 2, workers
-    os.kill(int(workers[-1]), signal.SIGKILL)
-    killed_at = time.time()
+    os.kill(int(workers[-1]), sig)
+    return proc, workers, time.time()
+
+
+def test_a_killed_rank_ends_the_run_within_60s(corpus, tmp_path):
+    import signal
+    import time
+    proc, _, killed_at = _signal_one_of_two_ranks(corpus, tmp_path / "r", signal.SIGKILL)
     _, err = proc.communicate(timeout=90)
     assert time.time() - killed_at < 60 and proc.returncode != 0
     assert "Signals.SIGKILL" in err or "a collective failed" in err
@@ -1029,19 +1035,7 @@ def test_a_stalled_peer_ends_every_rank_within_the_watchdog(corpus, tmp_path):
     then ends the stopped one."""
     import signal
     import time
-    out_dir = tmp_path / "r"
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             os.path.join(HERE, "train.py"), *DIST_TINY, "--data", corpus, "--steps", "100000",
-                             "--eval-batches", "0", "--ckpt-interval", "0", "--mesh", "ici=2", "--watchdog", "10",
-                             "--out-dir", str(out_dir)], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (out_dir / "metrics.jsonl").exists():
-        time.sleep(0.5)
-    time.sleep(2)
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert len(workers) == 2, workers
-    os.kill(int(workers[-1]), signal.SIGSTOP)
-    stopped_at = time.time()
+    proc, workers, stopped_at = _signal_one_of_two_ranks(corpus, tmp_path / "r", signal.SIGSTOP, "--watchdog", "10")
     try:
         _, err = proc.communicate(timeout=120)
     finally:
