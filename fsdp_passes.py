@@ -10,9 +10,13 @@ all-gathers and reduce-scatters is a node (simplefsdp.py makes them plain DTenso
             norm + output head) on a flat buffer, split back into the parameters; the same for
             the backward's reduce-scatters. The merging is torch's own (torch/_inductor/fx_passes/
             bucketing.py, in our pinned torch 2.9); choosing the buckets, by block, is ours.
+  prefetch  each all-gather is issued one bucket early, before the wait of the previous one: the
+            next block's weights travel while this block computes (functional collectives are
+            asynchronous until their wait_tensor; gloo runs them on its own threads). Every rank
+            runs the same graph, so every rank issues the collectives in the same new order.
 
-Both keep the numerics exactly: the same values are gathered and reduced. Not done: reordering for
-prefetch, HSDP's dcn all-reduce buckets, and the per-layer gather inside --scan (README).
+All keep the numerics exactly: the same values are gathered and reduced. Not done: HSDP's dcn
+all-reduce buckets, and the per-layer gather inside --scan (README).
 """
 import re
 
@@ -21,7 +25,7 @@ import torch
 import graph_passes
 
 c10d = torch.ops._c10d_functional
-PASSES = ("reshard", "bucket")
+PASSES = ("reshard", "bucket", "prefetch")
 
 
 def chosen(spec, dist_ctx):
@@ -185,6 +189,68 @@ def _functional_gathers(gm):
             gm.graph.erase_node(node)
             if not buffer.users:
                 gm.graph.erase_node(buffer)
+
+
+def _is_wait(node):  # (torch's merge emits the legacy c10d_functional namespace's wait)
+    return _is(node, c10d.wait_tensor) or _is(node, torch.ops.c10d_functional.wait_tensor)
+
+
+def _wait_of(node):
+    return next((u for u in node.users if _is_wait(u)), None)
+
+
+def _writers_through_views(node, order, lo, hi):
+    """In-place ops placed in (lo, hi) that write into `node` or a view of it (split, getitem, ...)."""
+    found, stack, seen = [], list(node.users), set()
+    while stack:
+        u = stack.pop()
+        if u in seen or not (lo < order[u] < hi):
+            continue
+        seen.add(u)
+        if getattr(getattr(u.target, "_schema", None), "is_mutable", False):
+            found.append(u)
+        elif u.op == "call_function":
+            stack.extend(u.users)
+    return found
+
+
+def prefetch(gm):
+    """Move every all-gather (with the casts and concatenation that feed it, which read only graph
+    inputs) to just before the previous all-gather's wait, in the forward and in the backward."""
+    end = graph_passes._marker_index(gm)
+    for backward in (False, True):
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        gathers = [n for n in gm.graph.nodes if _is(n, c10d.all_gather_into_tensor) and (order[n] > end) == backward]
+        for prev, nxt in zip(gathers, gathers[1:]):
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            anchor = _wait_of(prev)
+            if anchor is None or order[nxt] < order[anchor]:
+                continue
+            feed, stack = {nxt}, list(nxt.all_input_nodes)
+            while stack:  # what nxt needs that comes after the anchor: must be computed from inputs only
+                n = stack.pop()
+                if n.op == "call_function" and order[anchor] < order[n] < order[nxt] and n not in feed:
+                    feed.add(n)
+                    stack.extend(n.all_input_nodes)
+                    # torch's merge fills the flat buffer in place (_foreach_copy_ into views of
+                    # it): a writer is a dependency no edge shows, so it moves too, with its inputs
+                    stack.extend(_writers_through_views(n, order, order[anchor], order[nxt]))
+            if any(graph_passes._namespace(n) in ("_c10d_functional", "c10d_functional") and n is not nxt for n in feed):
+                continue  # (it would depend on another collective: leave it where it is)
+            for n in sorted(feed, key=order.get):
+                anchor.prepend(n)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def prefetched(gm):
+    """How many forward all-gathers are issued before the previous one's wait (the overlap prefetch
+    makes: block k+1's weights in flight while block k computes)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    end = graph_passes._marker_index(gm)
+    gathers = [n for n in gm.graph.nodes if _is(n, c10d.all_gather_into_tensor) and order[n] < end]
+    return sum(1 for prev, nxt in zip(gathers, gathers[1:]) if _wait_of(prev) and order[nxt] < order[_wait_of(prev)])
 
 
 def collective_counts(gm):

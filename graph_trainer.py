@@ -100,6 +100,8 @@ class GraphStep:
             gm = graph_passes.remat(gm)
         if "bucket" in self.fsdp_passes:
             gm = fsdp_passes.bucket_by_block(gm, self.param_names)
+        if "prefetch" in self.fsdp_passes:
+            gm = fsdp_passes.prefetch(gm)
         if self.offload:
             gm = graph_passes.offload_saved(gm)
         self.report["saved_bytes"] = graph_passes.saved_bytes(gm)
@@ -109,6 +111,7 @@ class GraphStep:
         self.report["collectives"] = {k.split(".")[1]: v for k, v in ops.items() if k.startswith("_c10d_functional.")}
         if self.fsdp_passes or self.report["collectives"]:
             self.report["collectives_by_side"] = fsdp_passes.collective_counts(gm)
+            self.report["prefetched_gathers"] = fsdp_passes.prefetched(gm)
             self.report["saved_gathered_bytes"] = sum(graph_passes.tensor_bytes(n) for n in graph_passes.saved_activations(gm)
                                                       if n in fsdp_passes.gather_chains(gm))
         return gm

@@ -1281,25 +1281,29 @@ def test_graph_mode_with_simplefsdp_hsdp_is_one_graph_with_its_collectives(corpu
     assert 1 <= bwd["reduce_scatter_tensor"] <= blocks + 2
     assert bwd["all_reduce"] >= n_params  # HSDP's gradient all-reduce over dcn: not bucketed (README)
     assert graph["saved_gathered_bytes"] == 0
+    # prefetch: every forward all-gather after the first is issued before the previous one's wait,
+    # so before the previous block's first matmul (which reads that wait's result)
+    assert graph["prefetched_gathers"] == _gathers(fwd) - 1 >= blocks
 
 
 def test_simplefsdp_graph_passes_are_exact_and_free_the_gathered_model(corpus, tmp_path):
-    """Passes on vs off, 2 processes: bit-identical losses, gradient norms and validation; off, the
+    """All passes on vs off, 2 processes: bit-identical losses, gradient norms and validation; off, the
     whole gathered model is saved for the backward (the fx backend frees values after their last
     use); on, none is, and the measured per-rank peak memory of a parameter-heavy model drops."""
     common = [*DIST_TINY, "--data", corpus, "--steps", "5", "--ckpt-interval", "0", "--eval-batches", "1",
               "--mode", "graph", "--mesh", "ici=2"]
-    runs = {p: str(tmp_path / p) for p in ("none", "reshard,bucket")}
+    runs = {p: str(tmp_path / p) for p in ("none", "reshard,bucket,prefetch")}
     for passes, out in runs.items():
         rc, _, err = torchrun(2, [*common, "--fsdp-passes", passes, "--out-dir", out])
         assert rc == 0, err[-3000:]
     for key in ("loss", "grad_norm", "val_loss"):
-        assert _records(runs["none"], key) == _records(runs["reshard,bucket"], key), key
+        assert _records(runs["none"], key) == _records(runs["reshard,bucket,prefetch"], key), key
     graph = lambda d: next(json.loads(line) for line in open(os.path.join(d, "metrics.jsonl")) if '"graph"' in line)
     full_bytes = 4 * sum(p.numel() for p in Transformer(dataclasses.replace(
         ModelArgs(), n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=131)).parameters())
     assert graph(runs["none"])["saved_gathered_bytes"] >= full_bytes  # (uneven shards gather padded rows)
-    assert graph(runs["reshard,bucket"])["saved_gathered_bytes"] == 0
+    assert graph(runs["reshard,bucket,prefetch"])["saved_gathered_bytes"] == 0
+    assert graph(runs["none"])["prefetched_gathers"] == 0
     # Memory, measured on the real tensors of a step (a parameter-heavy model, 4 blocks of 16.8M
     # parameters: 268 MB fp32 gathered, 67 MB a block): the peak of live intermediate bytes over the
     # forward and backward, run node by node, passes off vs on.
