@@ -1543,6 +1543,24 @@ def test_hf_checkpoint_logits_and_greedy_text_equal_transformers(name, tmp_path)
     assert all(torch.equal(exported[k], original[k]) for k in exported)
 
 
+def test_hf_bf16_checkpoints_load_converted_and_generation_stops_at_eos(tmp_path):
+    import generate
+    import hf
+    from safetensors.torch import load_file, save_file
+    src = os.path.join(HF_FIXTURES, "qwen3_moe")
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    (bf16 / "config.json").write_text(open(os.path.join(src, "config.json")).read())
+    save_file({k: v.bfloat16() for k, v in load_file(os.path.join(src, "model.safetensors")).items()},
+              str(bf16 / "model.safetensors"))
+    full, half = hf.load(src), hf.load(str(bf16))
+    for (name, p), (_, q) in zip(full.named_parameters(), half.named_parameters()):
+        assert q.dtype == torch.float32 and torch.equal(q, p.bfloat16().float()), name
+    prompt = _expected("qwen3_moe")["prompt"][0].tolist()
+    first = generate.generate(full, prompt, 5)
+    assert generate.generate(full, prompt, 5, eos_id=first[1]) == first[:2]  # stops after the EOS token
+
+
 @pytest.mark.parametrize("flavor", ["llama3_debug", "qwen3_debug", "qwen3_moe_debug"])
 def test_kv_cache_decoding_equals_full_recomputation(flavor):
     import generate
