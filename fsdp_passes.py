@@ -9,15 +9,17 @@ all-gathers and reduce-scatters is a node (simplefsdp.py makes them plain DTenso
   bucket    one all-gather per transformer block (and one for the embedding, one for the final
             norm + output head) on a flat buffer, split back into the parameters; the same for
             the backward's reduce-scatters. The merging is torch's own (torch/_inductor/fx_passes/
-            bucketing.py, in our pinned torch 2.9); choosing the buckets, by block, is ours.
+            bucketing.py, in our pinned torch 2.9); choosing the buckets, by block, is ours, and so
+            is the merge of HSDP's gradient all-reduces over dcn (torch has none for all-reduce).
   prefetch  each all-gather is issued one bucket early, before the wait of the previous one: the
             next block's weights travel while this block computes (functional collectives are
             asynchronous until their wait_tensor; gloo runs them on its own threads). Every rank
             runs the same graph, so every rank issues the collectives in the same new order.
 
-All keep the numerics exactly: the same values are gathered and reduced. Not done: HSDP's dcn
-all-reduce buckets, and the per-layer gather inside --scan (README).
+All keep the numerics exactly: the same values are gathered and reduced. Not done: the per-layer
+gather inside --scan (README).
 """
+import operator
 import re
 
 import torch
@@ -25,6 +27,7 @@ import torch
 import graph_passes
 
 c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
 PASSES = ("reshard", "bucket", "prefetch")
 
 
@@ -163,6 +166,10 @@ def bucket_by_block(gm, param_names):
             _hoist_inputs(gm, bucket)
         if buckets:
             merge_all_gather(gm, buckets)
+    # HSDP: DTensor reduces each full gradient over dcn (all-reduce), then scatters it over ici.
+    reduces = [n for n in gm.graph.nodes if _is(n, c10d.all_reduce)]
+    for bucket in _buckets([(r, _grad_param(_wait_of(r), P) if _wait_of(r) else None) for r in reduces], param_names):
+        _merge_all_reduce(gm, bucket)
     scatters = [n for n in gm.graph.nodes if _is(n, c10d.reduce_scatter_tensor)]
     waits = {s: next((u for u in s.users if _is(u, c10d.wait_tensor)), None) for s in scatters}
     buckets = _buckets([(s, _grad_param(waits[s], P) if waits[s] else None) for s in scatters], param_names)
@@ -174,6 +181,28 @@ def bucket_by_block(gm, param_names):
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _merge_all_reduce(gm, bucket):
+    """One all-reduce of the bucket's flattened gradients (same op, same group), split back."""
+    if len({(n.args[1], n.args[2]) for n in bucket}) != 1:
+        return
+    _after_last(gm, bucket)  # readers of the earlier results wait for the merged one
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    last, g = max(bucket, key=order.get), gm.graph
+    waits, ins = [_wait_of(n) for n in bucket], [n.args[0] for n in bucket]
+    shapes = [list(n.meta["val"].shape) for n in bucket]
+    with g.inserting_before(last.next):
+        flat = g.call_function(aten.cat.default, ([g.call_function(aten.reshape.default, (x, [-1])) for x in ins],))
+        done = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default, (flat, *bucket[0].args[1:])),))
+        parts = g.call_function(aten.split_with_sizes.default, (done, [int(torch.Size(s).numel()) for s in shapes]))
+        for i, (wait, shape) in enumerate(zip(waits, shapes)):
+            piece = g.call_function(aten.view.default, (g.call_function(operator.getitem, (parts, i)), shape))
+            piece.meta = dict(wait.meta)  # (later passes read shapes and dtypes from node.meta["val"])
+            wait.replace_all_uses_with(piece)
+    for wait, node in zip(waits, bucket):
+        g.erase_node(wait)
+        g.erase_node(node)
 
 
 def _functional_gathers(gm):
