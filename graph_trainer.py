@@ -112,8 +112,9 @@ class GraphStep:
         if self.fsdp_passes or self.report["collectives"]:
             self.report["collectives_by_side"] = fsdp_passes.collective_counts(gm)
             self.report["prefetched_gathers"] = fsdp_passes.prefetched(gm)
+            gathered = fsdp_passes.gather_chains(gm)  # (once: it walks the whole graph)
             self.report["saved_gathered_bytes"] = sum(graph_passes.tensor_bytes(n) for n in graph_passes.saved_activations(gm)
-                                                      if n in fsdp_passes.gather_chains(gm))
+                                                      if n in gathered)
         return gm
 
     def args(self, inputs, targets, lr):

@@ -159,8 +159,9 @@ def validate(cfg):
 
 
 class Trainer:
-    """Holds model, optimizer state and data; `run()` is the loop. Rank/world come from mesh.py
-    when launched with torchrun (simplefsdp); a single process is rank 0 of 1."""
+    """Holds model, optimizer state and data; `run()` is the loop. Rank/world come from the mesh
+    context: mesh.py under torchrun (SimpleFSDP / FSDP2), spmd.py for one process over all XLA
+    devices (rank 0 of 1, reading the global batch); a single process is rank 0 of 1."""
 
     def __init__(self, cfg, dist_ctx=None):
         validate(cfg)
