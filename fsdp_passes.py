@@ -16,8 +16,8 @@ all-gathers and reduce-scatters is a node (simplefsdp.py makes them plain DTenso
             asynchronous until their wait_tensor; gloo runs them on its own threads). Every rank
             runs the same graph, so every rank issues the collectives in the same new order.
 
-All keep the numerics exactly: the same values are gathered and reduced. Not done: the per-layer
-gather inside --scan (README).
+All keep the numerics exactly: the same values are gathered and reduced. A --scan stack's
+collectives are not graph nodes: they run per layer inside the scan op (simplefsdp.LayerGather).
 """
 import operator
 import re

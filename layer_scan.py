@@ -29,8 +29,11 @@ and XLA (torch's scan was not evaluated here). On XLA the two ops' kernels build
 instead of Python loops (torch_xla's scan core, torch_xla/experimental/scan.py, without its
 AOTAutograd layer: our backward op is the vjp), so the compiled program, not only the FX graph,
 stays one block long: the same path in eager XLA (autograd calls the backward op) and graph mode.
-Limits: static shapes only (MoE needs the Pallas gmm). Under --mesh the (L, ...) weights are
-sharded on the layer axis and gathered whole before the scan (not one layer at a time).
+Limits: static shapes only (MoE needs the Pallas gmm). Under a SimpleFSDP --mesh the (L, ...)
+weights are sharded after the layer axis and each iteration gathers its own layer (the kernels call
+simplefsdp.LayerGather: forward gathers, backward re-gathers and reduce-scatters, one layer ahead);
+under GSPMD (spmd.py) the same sharding puts XLA's all-gather inside the While body. FSDP2 treats
+the stack as one unit and gathers it whole.
 """
 import copy
 import dataclasses
@@ -48,6 +51,7 @@ class ScannedBlock:
     template: nn.Module  # one block on the meta device: its code and shapes (weights come stacked)
     names: list          # its parameter names, in the order of the stacked list
     vjps: dict = dataclasses.field(default_factory=dict)  # (shape, dtype, device) -> traced fwd + vjp
+    fsdp: object = None  # under SimpleFSDP: the stack holds shards; a simplefsdp.LayerGather gathers a layer
 
 
 _BLOCKS = {}  # block id -> ScannedBlock
@@ -57,6 +61,21 @@ def _block_call(block_id, params, h, cos, sin):
     block = _BLOCKS[block_id]
     h, aux = torch.func.functional_call(block.template, dict(zip(block.names, params)), (h, cos, sin))
     return h, aux.float()
+
+
+def _layers(block_id, stacked, order):
+    """(i, layer i's full weights) in `order`. Under SimpleFSDP each layer is gathered as it comes, the
+    next one's all-gather issued before this one is used (prefetch): two gathered layers live at once."""
+    fsdp, order = _BLOCKS[block_id].fsdp, list(order)
+    if fsdp is None:
+        yield from ((i, [w[i] for w in stacked]) for i in order)
+        return
+    pending = fsdp.gather_start([w[order[0]] for w in stacked])
+    for k, i in enumerate(order):
+        weights = fsdp.gather_wait(pending)
+        if k + 1 < len(order):
+            pending = fsdp.gather_start([w[order[k + 1]] for w in stacked])
+        yield i, weights
 
 
 def _xla_while(body, init, xs, reverse=False):
@@ -71,7 +90,7 @@ def _xla_while(body, init, xs, reverse=False):
 @torch.library.custom_op("minititan::scan_layers", mutates_args=())
 def scan_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stacked: list[torch.Tensor],
                 block_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if dev.is_xla(h.device):
+    if dev.is_xla(h.device):  # (XLA meshes are GSPMD's, spmd.py: no SimpleFSDP stack here)
         def body(carry, weights):
             h, aux = carry
             out, layer_aux = _block_call(block_id, list(weights), h, cos, sin)
@@ -79,9 +98,9 @@ def scan_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stacked: 
         (h, aux), carries = _xla_while(body, (h, h.new_zeros((), dtype=torch.float32)), tuple(stacked))
         return h, aux, carries
     carries, aux = [], h.new_zeros((), dtype=torch.float32)
-    for i in range(stacked[0].shape[0]):
+    for i, weights in _layers(block_id, stacked, range(stacked[0].shape[0])):
         carries.append(h)
-        h, layer_aux = _block_call(block_id, [w[i] for w in stacked], h, cos, sin)
+        h, layer_aux = _block_call(block_id, weights, h, cos, sin)
         aux = aux + layer_aux
     return h.clone(), aux, torch.stack(carries)
 
@@ -112,7 +131,12 @@ def trace_block_vjp(block_id, h, cos, sin, stacked):
 
     with disable_proxy_modes_tracing(), unset_fake_temporarily():  # also when called during a capture
         empty = lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        example = (empty(h), empty(cos), empty(sin), [empty(w[0]) for w in stacked], empty(h),
+        fsdp, shapes = _BLOCKS[block_id].fsdp, [w.shape[1:] for w in stacked]
+        if fsdp is not None:  # the vjp sees gathered weights, in the compute dtype
+            shapes = fsdp.full_shapes(shapes)
+        dtype = lambda w: fsdp.param_dtype if fsdp is not None and fsdp.param_dtype else w.dtype
+        layer = [torch.empty(shape, dtype=dtype(w), device=w.device) for shape, w in zip(shapes, stacked)]
+        example = (empty(h), empty(cos), empty(sin), layer, empty(h),
                    torch.empty((), dtype=torch.float32, device=h.device))
         vjps[_vjp_key(h)] = make_fx(block_vjp, tracing_mode="fake")(*example)
 
@@ -128,11 +152,24 @@ def scan_layers_bwd(carries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             return grad_h, tuple(grad_params)
         grad_h, grads = _xla_while(body, grad_h, (carries, tuple(stacked)), reverse=True)
         return [grad_h, *grads]
-    per_layer = []  # stacked at the end, not written in place: inside this op on XLA such writes were lost
-    for i in reversed(range(stacked[0].shape[0])):  # recompute layer i from its saved input, pull back
-        grad_h, *grad_params = block_vjp(carries[i], cos, sin, [w[i] for w in stacked], grad_h, grad_aux)
-        per_layer.insert(0, grad_params)
-    return [grad_h, *[torch.stack(g) for g in zip(*per_layer)]]
+    # (On XLA writes into a buffer inside this op were lost: the While path above returns stacked ys.)
+    fsdp, reducing, grads = _BLOCKS[block_id].fsdp, None, [torch.empty_like(w) for w in stacked]
+    for i, weights in _layers(block_id, stacked, reversed(range(stacked[0].shape[0]))):
+        # recompute layer i from its saved input, pull back
+        grad_h, *grad_params = block_vjp(carries[i], cos, sin, weights, grad_h, grad_aux)
+        if fsdp is None:
+            for g, layer_g in zip(grads, grad_params):
+                g[i] = layer_g
+            continue
+        if reducing is not None:  # SimpleFSDP: layer i+1's reduce-scatter ran during layer i's vjp
+            for g, layer_g in zip(grads, fsdp.reduce_wait(reducing, stacked[0].dtype)):
+                g[i + 1] = layer_g
+        reducing = fsdp.reduce_start(grad_params)
+        del grad_params
+    if reducing is not None:
+        for g, layer_g in zip(grads, fsdp.reduce_wait(reducing, stacked[0].dtype)):
+            g[0] = layer_g
+    return [grad_h, *grads]
 
 
 @scan_layers_bwd.register_fake
@@ -171,8 +208,14 @@ class StackedLayers(nn.Module):
         _BLOCKS[self.block_id] = ScannedBlock(template, self.names)
         self.n_layers = len(layers)
 
+    def gather_per_layer(self, fsdp):
+        """Called by simplefsdp.data_parallel, which sharded this stack: the scan gathers per layer."""
+        _BLOCKS[self.block_id].fsdp = fsdp
+
     def forward(self, h, cos, sin):
         stacked = [getattr(self, n.replace(".", "__")) for n in self.names]
+        if _BLOCKS[self.block_id].fsdp is not None:  # the ops get local shards; their gradients come
+            stacked = [p.to_local(grad_placements=p.placements) for p in stacked]  # back reduced
         trace_block_vjp(self.block_id, h, cos, sin, stacked)
         out, aux, _ = scan_layers(h, cos, sin, stacked, self.block_id)
         return out, aux

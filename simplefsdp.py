@@ -12,12 +12,20 @@ torch.compile see `all_gather_into_tensor`, `reduce_scatter_tensor` and `wait_te
 the traced graph and can schedule and overlap them. state_dict() reads the stored parameters, so
 it stays sharded (torch.distributed.checkpoint saves each rank's shard). Mixed precision: the
 all-gather and compute run in param_dtype, gradients are reduced in fp32.
+
+A --scan stack (layer_scan.py) is the exception: its (L, ...) weights are sharded on a dim after
+the layer axis, so that each layer's slice is itself a shard, and the scan gathers ONE layer per
+iteration (`LayerGather`: one bucketed all-gather per layer, issued a layer ahead; in the backward
+one re-gather and one reduce-scatter per layer). Memory holds two gathered layers, not the stack.
 """
+import dataclasses
 from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+c10d = torch.ops._c10d_functional
 
 _ACTIVE = [True]
 
@@ -56,6 +64,9 @@ def data_parallel(model, mesh, param_dtype=None):
         names = [n for n, p in module._parameters.items() if p is not None]
         if not names:
             continue
+        if hasattr(module, "gather_per_layer"):  # a --scan stack: the scan gathers (LayerGather)
+            _shard_per_layer(module, mesh, placements[:-1], param_dtype)
+            continue
         for name in names:
             p = module._parameters[name]
             module._parameters[name] = nn.Parameter(distribute_tensor(p.data, mesh, placements),
@@ -70,3 +81,72 @@ def data_parallel(model, mesh, param_dtype=None):
 
 def is_sharded(param):
     return isinstance(param, DTensor)
+
+
+# ------------------------------------------------------------------------------------------------
+# a --scan stack: one layer gathered at a time, inside the scan
+
+def layer_shard_dim(shape, n):
+    """The dim of one layer's weight (the stacked weight's dims after the layer axis) that is split
+    over n ranks: the first that divides evenly (all-gather concatenates whole rows; no padding)."""
+    dim = next((d for d in range(len(shape)) if shape[d] % n == 0), None)
+    if dim is None:
+        raise ValueError(f"--scan under --mesh: a layer weight of shape {tuple(shape)} has no dim divisible by {n}")
+    return dim
+
+
+def _shard_per_layer(stack, mesh, replicate, param_dtype):
+    ici = mesh["ici"] if mesh.ndim == 2 else mesh
+    n, dims = ici.size(), []
+    for name, p in list(stack._parameters.items()):
+        dims.append(layer_shard_dim(p.shape[1:], n))
+        stack._parameters[name] = nn.Parameter(distribute_tensor(p.data, mesh, [*replicate, Shard(1 + dims[-1])]),
+                                               requires_grad=p.requires_grad)
+    dcn = mesh["dcn"].get_group().group_name if mesh.ndim == 2 else ""
+    stack.gather_per_layer(LayerGather(ici.get_group().group_name, n, dcn, dims, param_dtype))
+
+
+@dataclasses.dataclass
+class LayerGather:
+    """SimpleFSDP's collectives for one layer of a stack, called inside the scan ops' kernels. A
+    layer's local shards travel as ONE flat buffer (a bucket): the all-gather's output holds rank r's
+    buffer in row r, so weight j is a column slice of it, re-joined on its shard dim."""
+    ici: str          # process-group names (functional collectives take names)
+    n: int            # ranks in ici
+    dcn: str          # "" unless HSDP: gradients are then also averaged over the dcn replicas
+    dims: list        # per weight: the dim of one layer's weight split over ici
+    param_dtype: torch.dtype = None
+
+    def full_shapes(self, shard_shapes):
+        return [torch.Size((*s[:d], self.n * s[d], *s[d + 1:])) for s, d in zip(shard_shapes, self.dims)]
+
+    def gather_start(self, shards):
+        """Layer i's local shards -> an in-flight all-gather (finish with gather_wait)."""
+        flat = torch.cat([s.to(self.param_dtype or s.dtype).reshape(-1) for s in shards])
+        return c10d.all_gather_into_tensor(flat, self.n, self.ici), [s.shape for s in shards]
+
+    def gather_wait(self, pending):
+        out, shapes = pending
+        rows_NxF, full, offset = c10d.wait_tensor(out).view(self.n, -1), [], 0
+        for shape, d, full_shape in zip(shapes, self.dims, self.full_shapes(shapes)):
+            piece = rows_NxF[:, offset:offset + shape.numel()].reshape(self.n, *shape)
+            full.append(piece.movedim(0, d).reshape(full_shape))  # (n, *shard): side by side on dim d
+            offset += shape.numel()
+        return full
+
+    def reduce_start(self, grads):
+        """Layer i's full gradients -> an in-flight reduce-scatter of their average, in fp32."""
+        rows, shapes = [], []
+        for g, d in zip(grads, self.dims):  # the inverse of gather_wait's join: rank r's block to row r
+            shape = (*g.shape[:d], self.n, g.shape[d] // self.n, *g.shape[d + 1:])
+            rows.append(g.float().reshape(shape).movedim(d, 0).reshape(self.n, -1))
+            shapes.append(torch.Size((*g.shape[:d], g.shape[d] // self.n, *g.shape[d + 1:])))
+        flat = torch.cat(rows, dim=1).reshape(-1)
+        return c10d.reduce_scatter_tensor(flat, "avg", self.n, self.ici), shapes
+
+    def reduce_wait(self, pending, dtype):
+        out, shapes = pending
+        flat = c10d.wait_tensor(out)
+        if self.dcn:
+            flat = c10d.wait_tensor(c10d.all_reduce(flat, "avg", self.dcn))
+        return [g.view(s).to(dtype) for g, s in zip(flat.split([s.numel() for s in shapes]), shapes)]

@@ -53,22 +53,30 @@ class SpmdContext:
         self.mesh_spec, self.n_devices, self.ici = f"xla-spmd {spec}", n, ici
 
     # -- placement ----------------------------------------------------------------------------
-    def spec(self, t):
+    def spec(self, t, stacked=False):
         """Partition spec: one dim over ici (FSDP), the rest whole; replicated over dcn. Dim 0, unless
-        another divides evenly where it does not: a --scan weight (L, out, in) with L < ici is split
-        on `out`, as scanned JAX models shard their weights, not the layer axis."""
-        dim = next((d for d in range(t.dim()) if t.shape[d] % self.ici == 0), 0)
+        another divides evenly where it does not. A --scan weight (L, out, in) is never split on the
+        layer axis (as scanned JAX models shard their weights): each layer's slice is then itself
+        sharded, and XLA gathers one layer inside the While body, not the whole stack before it."""
+        dims = range(1 if stacked else 0, t.dim())
+        dim = next((d for d in dims if t.shape[d] % self.ici == 0), dims[0])
         return tuple("ici" if d == dim else None for d in range(t.dim()))
 
-    def mark(self, tensors):
-        for t in tensors:
-            self.xs.mark_sharding(t, self.mesh, self.spec(t))
-        return tensors
-
     def shard(self, model):
+        import layer_scan
         model = model.to(self.device)
-        self.mark(list(model.parameters()))
+        stack = model.layers if isinstance(model.layers, layer_scan.StackedLayers) else None
+        params = list(model.parameters())
+        self.specs = [self.spec(p, stacked=stack is not None and any(p is q for q in stack.parameters()))
+                      for p in params]
+        self.mark(params)
         return model
+
+    def mark(self, tensors):
+        """Mark tensors that correspond, in order, to the model's parameters (or AdamW's moments)."""
+        for t, spec in zip(tensors, self.specs):
+            self.xs.mark_sharding(t, self.mesh, spec)
+        return tensors
 
     def shard_state(self, state):
         """AdamW's moments like their parameters (zeros_like does not carry the spec)."""
