@@ -266,6 +266,8 @@ def prefetch(gm):
                     stack.extend(_writers_through_views(n, order, order[anchor], order[nxt]))
             if any(graph_passes._namespace(n) in ("_c10d_functional", "c10d_functional") and n is not nxt for n in feed):
                 continue  # (it would depend on another collective: leave it where it is)
+            if any(anchor in n.all_input_nodes for n in feed):
+                continue  # (an activation's gather under tensor parallelism: it needs this very wait)
             for n in sorted(feed, key=order.get):
                 anchor.prepend(n)
     gm.graph.lint()

@@ -24,16 +24,28 @@ class MeshError(ValueError):
     pass
 
 
-def parse_mesh(spec):
-    """'ici=4' -> (1, 4); 'dcn=2,ici=2' -> (2, 2)."""
-    sizes = {"dcn": 1, "ici": None}
+def mesh_dims(spec):
+    """'dcn=2,ici=2,tp=2' -> {"dcn": 2, "ici": 2, "tp": 2, "ep": 1}. World size: dcn x ici x tp;
+    ep borrows data-parallel ranks (it must divide dcn x ici) and adds none."""
+    sizes = {"dcn": 1, "ici": None, "tp": 1, "ep": 1}
     for part in spec.split(","):
         key, sep, value = part.strip().partition("=")
         if key not in sizes or not sep or not value.isdigit() or int(value) <= 0:
-            raise MeshError(f"--mesh {spec!r}: expected ici=N or dcn=R,ici=S with positive integers")
+            raise MeshError(f"--mesh {spec!r}: expected dims dcn=R,ici=S,tp=T,ep=E (ici required) with positive integers")
         sizes[key] = int(value)
     if sizes["ici"] is None:
         raise MeshError(f"--mesh {spec!r}: ici=N is required")
+    if (sizes["dcn"] * sizes["ici"]) % sizes["ep"]:
+        raise MeshError(f"--mesh {spec!r}: ep={sizes['ep']} must divide the data-parallel ranks dcn x ici "
+                        f"= {sizes['dcn'] * sizes['ici']}")
+    return sizes
+
+
+def parse_mesh(spec):
+    """'ici=4' -> (1, 4); 'dcn=2,ici=2' -> (2, 2): the data-parallel dims only (XLA SPMD)."""
+    sizes = mesh_dims(spec)
+    if sizes["tp"] > 1 or sizes["ep"] > 1:
+        raise MeshError(f"--mesh {spec!r}: tp and ep are built for torchrun meshes, not XLA SPMD")
     return sizes["dcn"], sizes["ici"]
 
 
@@ -45,11 +57,12 @@ class DistContext:
     """The mesh and what the trainer asks of it: shard the model, finish gradients, reduce metrics."""
 
     def __init__(self, spec, dp_impl="simple", param_dtype=None, timeout_s=60):
-        dcn, ici = parse_mesh(spec)
+        sizes = mesh_dims(spec)
+        dcn, ici, tp, ep = sizes["dcn"], sizes["ici"], sizes["tp"], sizes["ep"]
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if dcn * ici != world:
-            raise MeshError(f"--mesh {spec!r} has {dcn * ici} devices but the world size is {world} "
-                            f"(torchrun --nproc-per-node {dcn * ici})")
+        if dcn * ici * tp != world:
+            raise MeshError(f"--mesh {spec!r} has {dcn * ici * tp} devices but the world size is {world} "
+                            f"(torchrun --nproc-per-node {dcn * ici * tp})")
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -57,9 +70,12 @@ class DistContext:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if cuda else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout_s))
-        self.mesh = init_device_mesh(self.device.type, (dcn, ici), mesh_dim_names=("dcn", "ici"))
-        self.mesh_spec, self.dcn, self.ici = spec, dcn, ici
-        self.global_rank, self.dp_rank, self.dp_size = dist.get_rank(), dist.get_rank(), world
+        # tp innermost: the ranks of one tp group are neighbours (one host's fastest links)
+        self.mesh = init_device_mesh(self.device.type, (dcn, ici, tp), mesh_dim_names=("dcn", "ici", "tp"))
+        self.mesh_spec, self.dcn, self.ici, self.tp, self.ep = spec, dcn, ici, tp, ep
+        # a tp group reads one batch slice: data-parallel rank = position on (dcn, ici)
+        self.global_rank, self.dp_rank, self.dp_size = dist.get_rank(), dist.get_rank() // tp, world // tp
+        self.sq_weights = None
         self.n_devices = world
         self.dp_impl, self.param_dtype = dp_impl, param_dtype
 
@@ -73,9 +89,22 @@ class DistContext:
         return cls(spec or f"ici={os.environ['WORLD_SIZE']}", dp_impl, param_dtype)
 
     def shard(self, model):
-        """Parameters become DTensor shards on this mesh: SimpleFSDP (ours) or FSDP2 (the oracle)."""
+        """Parameters become DTensor shards on this mesh: SimpleFSDP (ours) or FSDP2 (the oracle),
+        after tensor parallelism (tensor_parallel.py) when tp > 1."""
         model = model.to(self.device)
-        mesh = self.mesh if self.dcn > 1 else self.mesh["ici"]  # 1-D when there is nothing to replicate
+        mesh = self.mesh["dcn", "ici"] if self.dcn > 1 else self.mesh["ici"]  # 1-D: nothing to replicate
+        tp_mesh = None
+        if self.tp > 1:
+            import tensor_parallel
+            refusal = tensor_parallel.check(model.args, self.tp)
+            if refusal:
+                raise MeshError(f"--mesh {self.mesh_spec!r}: {refusal}")
+            tensor_parallel.parallelize(model, self.mesh["tp"])
+            # a weight the same on every tp rank counts once in the global gradient norm
+            from torch.distributed.tensor import DTensor, Shard
+            self.sq_weights = [1.0 if isinstance(p, DTensor) and any(isinstance(q, Shard) for q in p.placements)
+                               else 1.0 / self.tp for p in model.parameters()]
+            tp_mesh = self.mesh["tp"]
         if self.dp_impl == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
             mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
@@ -84,7 +113,9 @@ class DistContext:
             # (FSDP2 re-points uneven local shards at each reshard: take fresh `local()` views per step.)
             return fully_shard(model, mesh=mesh, mp_policy=mp)
         import simplefsdp
-        return simplefsdp.data_parallel(model, mesh, param_dtype=self.param_dtype)
+        if tp_mesh is not None:
+            mesh = self.mesh["dcn", "ici", "tp"] if self.dcn > 1 else self.mesh["ici", "tp"]
+        return simplefsdp.data_parallel(model, mesh, param_dtype=self.param_dtype, tp_mesh=tp_mesh)
 
     @staticmethod
     def local(tensors):
@@ -120,12 +151,17 @@ class DistContext:
         return self.local(grads)
 
     # Functional collectives (return new tensors): the same code runs eagerly and traces into graphs.
-    def sum_over_shards(self, x):
-        """All-reduce a sum of per-shard partial sums over ici (dcn replicas hold the same shards)."""
-        return funcol.all_reduce(x, "sum", self.mesh.get_group("ici"))
+    def sum_over_shards(self, sq_N):
+        """Per-tensor squared norms of local shards -> the global sum: all-reduced over ici (dcn
+        replicas hold the same shards) and tp (a weight replicated over tp weighted 1/tp)."""
+        if self.sq_weights is not None:  # (made here, not kept: a graph capture sees it made)
+            sq_N = sq_N * torch.tensor(self.sq_weights, dtype=sq_N.dtype, device=sq_N.device)
+        total = funcol.all_reduce(sq_N.sum(), "sum", self.mesh.get_group("ici"))
+        return total if self.tp == 1 else funcol.all_reduce(total, "sum", self.mesh.get_group("tp"))
 
     def mean_over_dp(self, x):
-        return funcol.all_reduce(x.detach(), "sum", dist.group.WORLD) / self.dp_size
+        """The mean over data-parallel ranks (a tp group's ranks hold the same value: all ranks count)."""
+        return funcol.all_reduce(x.detach(), "sum", dist.group.WORLD) / (self.dp_size * self.tp)
 
     def close(self):
         if dist.is_initialized():

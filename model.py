@@ -259,9 +259,10 @@ class Attention(nn.Module):
     def forward(self, x_BxSxD, cos, sin, kv_cache=None):
         a = self.args
         B, S, _ = x_BxSxD.shape
-        q = self.q_proj(x_BxSxD).view(B, S, a.n_heads, a.hd)
-        k = self.k_proj(x_BxSxD).view(B, S, a.n_kv_heads, a.hd)
-        v = self.v_proj(x_BxSxD).view(B, S, a.n_kv_heads, a.hd)
+        # (-1 heads: under tensor parallelism the projections hold this rank's heads only)
+        q = self.q_proj(x_BxSxD).view(B, S, -1, a.hd)  # (B, S, H, hd)
+        k = self.k_proj(x_BxSxD).view(B, S, -1, a.hd)  # (B, S, Hkv, hd)
+        v = self.v_proj(x_BxSxD).view(B, S, -1, a.hd)
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, S, hd)
@@ -271,7 +272,7 @@ class Attention(nn.Module):
             out = sdpa_attention(q, k, v, mask_SxT=mask_SxT)
         else:
             out = _impl(ATTENTION_IMPLS, a.attn_impl, "attention")(q, k, v.transpose(1, 2))
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, a.n_heads * a.hd))
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
 class MLP(nn.Module):

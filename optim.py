@@ -48,12 +48,12 @@ def adamw(params, grads, state, step, lr, betas=(0.9, 0.95), eps=1e-8, weight_de
 
 
 def global_norm(tensors, reduce_sq=None):
-    """L2 norm over all tensors together, in fp32. With sharded tensors, `reduce_sq` sums the local
-    sum of squares across shards (one all-reduce of one scalar)."""
+    """L2 norm over all tensors together, in fp32. With sharded tensors, `reduce_sq` turns the local
+    squared norms, one per tensor, into the global sum of squares (one all-reduce of one scalar)."""
     norms = torch._foreach_norm([t.float() for t in tensors])
     if reduce_sq is None:
         return torch.linalg.vector_norm(torch.stack(norms))
-    return reduce_sq(torch.stack(norms).square().sum()).sqrt()
+    return reduce_sq(torch.stack(norms).square()).sqrt()
 
 
 def clip_by_global_norm(grads, max_norm, reduce_sq=None):

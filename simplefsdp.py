@@ -40,25 +40,44 @@ def parametrization_off():
         _ACTIVE[0] = True
 
 
-def replicate_compute(param, param_dtype=None):
+def replicate_compute(param, param_dtype=None, tp_mesh=None, planned=False):
     """Shard -> full tensor for compute. Forward: all-gather (ici). Backward: reduce-scatter of the
-    averaged gradient (ici) and all-reduce (dcn)."""
-    n = len(param.placements)
-    full = param.redistribute(placements=[Replicate()] * n,
+    averaged gradient (ici) and all-reduce (dcn). Under tensor parallelism the last mesh dim is tp:
+    only the data-parallel dims are gathered, and a TP-planned weight is handed on as a DTensor on
+    the tp mesh (its TP placement kept), the form tensor_parallel.py's module hooks expect. A weight
+    outside the TP plan is the same on every tp rank, and so is its gradient: a plain tensor."""
+    n_dp = len(param.placements) - (tp_mesh is not None)
+    tp = list(param.placements[n_dp:])
+    full = param.redistribute(placements=[Replicate()] * n_dp + tp,
                               forward_dtype=param_dtype, backward_dtype=torch.float32)
-    return full.to_local(grad_placements=[Partial("avg")] * n)
+    local = full.to_local(grad_placements=[Partial("avg")] * n_dp + tp)
+    if not planned:
+        return local
+    return DTensor.from_local(local, tp_mesh, tp, run_check=False, shape=full.shape, stride=full.stride())
 
 
-def _property(name, param_dtype):
+def _property(name, param_dtype, tp_mesh, planned):
     def get(self):
         p = self._parameters[name]
-        return replicate_compute(p, param_dtype) if _ACTIVE[0] else p
+        return replicate_compute(p, param_dtype, tp_mesh, planned) if _ACTIVE[0] else p
     return property(get)
 
 
-def data_parallel(model, mesh, param_dtype=None):
-    """Shard every parameter of `model` over `mesh` (dims ("dcn", "ici")) in place; returns model."""
-    placements = [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]
+def _placements(p, dp_ndim, tp_mesh):
+    """(full tensor, placements): Shard over the last dp dim (Replicate over dcn), on a dim other than
+    the TP shard dim, so the 2-D layout is two plain splits of different dims."""
+    if tp_mesh is None:
+        return p.data, [Replicate()] * (dp_ndim - 1) + [Shard(0)]
+    tp = p.placements[0] if isinstance(p, DTensor) else Replicate()
+    fsdp_dim = 1 if tp == Shard(0) else 0
+    full = p.data.full_tensor() if isinstance(p, DTensor) else p.data
+    return full, [Replicate()] * (dp_ndim - 1) + [Shard(fsdp_dim), tp]
+
+
+def data_parallel(model, mesh, param_dtype=None, tp_mesh=None):
+    """Shard every parameter of `model` over `mesh` (dims ("dcn", "ici"), then "tp" when tp_mesh is
+    given and tensor_parallel.py has made the planned weights DTensors on it) in place."""
+    placements = [Replicate(), Shard(0)] if mesh.ndim - (tp_mesh is not None) == 2 else [Shard(0)]
     classes = {}
     for module in model.modules():
         names = [n for n, p in module._parameters.items() if p is not None]
@@ -67,13 +86,14 @@ def data_parallel(model, mesh, param_dtype=None):
         if hasattr(module, "gather_per_layer"):  # a --scan stack: the scan gathers (LayerGather)
             _shard_per_layer(module, mesh, placements[:-1], param_dtype)
             continue
+        planned = tuple(isinstance(module._parameters[n], DTensor) for n in names)  # by tensor_parallel.py
         for name in names:
             p = module._parameters[name]
-            module._parameters[name] = nn.Parameter(distribute_tensor(p.data, mesh, placements),
-                                                    requires_grad=p.requires_grad)
-        key = (module.__class__, tuple(names))
+            full, where = _placements(p, len(placements), tp_mesh)
+            module._parameters[name] = nn.Parameter(distribute_tensor(full, mesh, where), requires_grad=p.requires_grad)
+        key = (module.__class__, tuple(names), planned)
         if key not in classes:  # one subclass per (class, parameter names), shared by its instances
-            props = {n: _property(n, param_dtype) for n in names}
+            props = {n: _property(n, param_dtype, tp_mesh, tp) for n, tp in zip(names, planned)}
             classes[key] = type(f"SimpleFSDP{module.__class__.__name__}", (module.__class__,), props)
         module.__class__ = classes[key]
     return model
