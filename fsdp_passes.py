@@ -110,11 +110,14 @@ def _grad_param(wait, n_params):
 
 
 def _buckets(nodes_and_params, names):
-    """Group collectives by the block of their parameter, keeping graph order within each side."""
+    """Group collectives by the block of their parameter, keeping graph order within each side (and
+    by process group and dtype: an expert-parallel block's expert weights gather over another group)."""
     groups = {}
     for node, i in nodes_and_params:
         if i is not None:
-            groups.setdefault(_block_of(names[i]), []).append(node)
+            how = tuple(a for a in node.args[1:] if isinstance(a, (str, int)))
+            dtype = node.meta["val"].dtype if "val" in node.meta else None
+            groups.setdefault((_block_of(names[i]), how, dtype), []).append(node)
     return [g for g in groups.values() if len(g) > 1]
 
 

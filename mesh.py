@@ -94,17 +94,23 @@ class DistContext:
         model = model.to(self.device)
         mesh = self.mesh["dcn", "ici"] if self.dcn > 1 else self.mesh["ici"]  # 1-D: nothing to replicate
         tp_mesh = None
+        if (self.tp > 1 or self.ep > 1) and not isinstance(model.layers, torch.nn.ModuleList):
+            raise MeshError(f"--mesh {self.mesh_spec!r}: --scan with tp or ep is not built")
+        if (self.tp > 1 or self.ep > 1) and self.dp_impl != "simple":
+            raise MeshError(f"--mesh {self.mesh_spec!r}: tp and ep are built on --dp-impl simple")
         if self.tp > 1:
             import tensor_parallel
             refusal = tensor_parallel.check(model.args, self.tp)
             if refusal:
                 raise MeshError(f"--mesh {self.mesh_spec!r}: {refusal}")
-            tensor_parallel.parallelize(model, self.mesh["tp"])
-            # a weight the same on every tp rank counts once in the global gradient norm
-            from torch.distributed.tensor import DTensor, Shard
-            self.sq_weights = [1.0 if isinstance(p, DTensor) and any(isinstance(q, Shard) for q in p.placements)
-                               else 1.0 / self.tp for p in model.parameters()]
             tp_mesh = self.mesh["tp"]
+            tensor_parallel.parallelize(model, tp_mesh)
+        if self.ep > 1:
+            import expert_parallel
+            refusal = expert_parallel.check(model.args, self.ep)
+            if refusal:
+                raise MeshError(f"--mesh {self.mesh_spec!r}: {refusal}")
+            expert_parallel.parallelize(model, expert_parallel.expert_mesh(self.device.type, dist.get_world_size(), self.ep))
         if self.dp_impl == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
             mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
@@ -115,7 +121,9 @@ class DistContext:
         import simplefsdp
         if tp_mesh is not None:
             mesh = self.mesh["dcn", "ici", "tp"] if self.dcn > 1 else self.mesh["ici", "tp"]
-        return simplefsdp.data_parallel(model, mesh, param_dtype=self.param_dtype, tp_mesh=tp_mesh)
+        model = simplefsdp.data_parallel(model, mesh, param_dtype=self.param_dtype, tp_mesh=tp_mesh)
+        self.sq_weights = [1.0 / _copies(p) for p in model.parameters()]
+        return model
 
     @staticmethod
     def local(tensors):
@@ -152,12 +160,13 @@ class DistContext:
 
     # Functional collectives (return new tensors): the same code runs eagerly and traces into graphs.
     def sum_over_shards(self, sq_N):
-        """Per-tensor squared norms of local shards -> the global sum: all-reduced over ici (dcn
-        replicas hold the same shards) and tp (a weight replicated over tp weighted 1/tp)."""
-        if self.sq_weights is not None:  # (made here, not kept: a graph capture sees it made)
-            sq_N = sq_N * torch.tensor(self.sq_weights, dtype=sq_N.dtype, device=sq_N.device)
-        total = funcol.all_reduce(sq_N.sum(), "sum", self.mesh.get_group("ici"))
-        return total if self.tp == 1 else funcol.all_reduce(total, "sum", self.mesh.get_group("tp"))
+        """Per-tensor squared norms of local shards -> the global sum, over all ranks, each tensor's
+        weighted 1/(ranks holding the same copy): dcn replicas, tp ranks of an unsplit weight."""
+        if self.sq_weights is None:  # FSDP2: every weight sharded over ici, replicated over dcn
+            return funcol.all_reduce(sq_N.sum(), "sum", self.mesh.get_group("ici"))
+        # (the weights made here, not kept as a tensor: a graph capture sees them made)
+        sq_N = sq_N * torch.tensor(self.sq_weights, dtype=sq_N.dtype, device=sq_N.device)
+        return funcol.all_reduce(sq_N.sum(), "sum", dist.group.WORLD)
 
     def mean_over_dp(self, x):
         """The mean over data-parallel ranks (a tp group's ranks hold the same value: all ranks count)."""
@@ -166,3 +175,12 @@ class DistContext:
     def close(self):
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _copies(p):
+    """How many ranks hold the same local piece of DTensor p: the sizes of its Replicate dims."""
+    from torch.distributed.tensor import Replicate
+    n = 1
+    for size, placement in zip(p.device_mesh.shape, p.placements):
+        n *= size if isinstance(placement, Replicate) else 1
+    return n

@@ -313,15 +313,19 @@ class MoE(nn.Module):
         token_M = order_M // K
         # (bincount's output size depends on the data; scatter_add's does not, so it traces)
         group_sizes_E = expert_M.new_zeros(E).scatter_add(0, expert_M, torch.ones_like(expert_M))
-        gmm = _impl(GMM_IMPLS, a.moe_impl, "grouped matmul")
-        x_MxD = x_TxD[token_M]
-        h_MxF = F.silu(gmm(x_MxD, self.w_gate_ExDxF, group_sizes_E)) * gmm(x_MxD, self.w_up_ExDxF, group_sizes_E)
-        y_MxD = gmm(h_MxF, self.w_down_ExFxD, group_sizes_E)
+        y_MxD = self.experts(x_TxD[token_M], group_sizes_E)
         y_MxD = y_MxD * top_w_TxK.reshape(-1)[order_M, None].to(y_MxD.dtype)
         out_TxD = torch.zeros_like(x_TxD).index_add(0, token_M, y_MxD.to(x_TxD.dtype))
         # load balance: E * sum_e (fraction of routed rows to e) * (mean router prob of e)
         aux = E * (group_sizes_E.float() / expert_M.numel() * probs_TxE.mean(0)).sum()
         return out_TxD.view_as(x_BxSxD), aux
+
+    def experts(self, x_MxD, group_sizes_E):
+        """Each row through its expert's SwiGLU; rows sorted by expert, group_sizes_E rows each (one
+        grouped matmul per weight). expert_parallel.py overrides this to send rows to their experts."""
+        gmm = _impl(GMM_IMPLS, self.args.moe_impl, "grouped matmul")
+        h_MxF = F.silu(gmm(x_MxD, self.w_gate_ExDxF, group_sizes_E)) * gmm(x_MxD, self.w_up_ExDxF, group_sizes_E)
+        return gmm(h_MxF, self.w_down_ExFxD, group_sizes_E)
 
 
 class Block(nn.Module):

@@ -86,6 +86,9 @@ def data_parallel(model, mesh, param_dtype=None, tp_mesh=None):
         if hasattr(module, "gather_per_layer"):  # a --scan stack: the scan gathers (LayerGather)
             _shard_per_layer(module, mesh, placements[:-1], param_dtype)
             continue
+        if hasattr(module, "expert_mesh"):  # expert_parallel.py's MoE: experts split over ep
+            _shard_experts(module, param_dtype)
+            continue
         planned = tuple(isinstance(module._parameters[n], DTensor) for n in names)  # by tensor_parallel.py
         for name in names:
             p = module._parameters[name]
@@ -170,3 +173,41 @@ class LayerGather:
         if self.dcn:
             flat = c10d.wait_tensor(c10d.all_reduce(flat, "avg", self.dcn))
         return [g.view(s).to(dtype) for g, s in zip(flat.split([s.numel() for s in shapes]), shapes)]
+
+
+# ------------------------------------------------------------------------------------------------
+# expert-parallel MoE weights: (E, ...) split on E over ep, FSDP over the other data-parallel ranks
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _expert_property(name, param_dtype, ep):
+    def get(self):
+        p = self._parameters[name]
+        if not _ACTIVE[0]:
+            return p
+        local = p.redistribute(placements=[Replicate(), Shard(0)], forward_dtype=param_dtype,
+                               backward_dtype=torch.float32).to_local(grad_placements=[Partial("avg"), Shard(0)])
+        # this rank's experts saw the tokens of its ep group: ep ranks' losses, each counted once by
+        # the data-parallel mean over all ranks (efsdp averages the groups): 1/ep
+        return _ScaleGrad.apply(local, 1.0 / ep)
+    return property(get)
+
+
+def _shard_experts(moe, param_dtype):
+    mesh = moe.expert_mesh  # ("efsdp", "ep")
+    names = [n for n, p in moe._parameters.items() if p is not None]
+    for name in names:
+        p = moe._parameters[name]
+        moe._parameters[name] = nn.Parameter(distribute_tensor(p.data, mesh, [Shard(1), Shard(0)]),
+                                             requires_grad=p.requires_grad)
+    props = {n: _expert_property(n, param_dtype, mesh.size(1)) for n in names}
+    moe.__class__ = type(f"SimpleFSDP{moe.__class__.__name__}", (moe.__class__,), props)

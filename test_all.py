@@ -975,6 +975,52 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus,
         assert total / shards <= local <= total / shards + slack, (key, total, local)
 
 
+TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # the plan's matmuls
+
+
+MOE_EXACT = ["--set", "moe_ffn_dim=32", "--set", "aux_loss_coef=0"]  # (aux loss per rank: see above)
+
+
+@pytest.mark.parametrize("nproc,mesh,flavor,extra", [
+    (2, "ici=1,tp=2", "llama3_debug", []), (2, "ici=1,tp=2", "qwen3_debug", ["--mode", "graph"]),
+    (4, "ici=2,tp=2", "llama3_debug", []),
+    (2, "ici=2,ep=2", "qwen3_moe_debug", MOE_EXACT), (4, "dcn=2,ici=2,ep=2", "qwen3_moe_debug", MOE_EXACT),
+    (2, "ici=2,ep=2", "qwen3_moe_debug", [*MOE_EXACT, "--mode", "graph", "--kernels", "pallas"])])
+def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, extra, corpus, tmp_path):
+    """Tensor + sequence parallelism (tensor_parallel.py) and expert parallelism (expert_parallel.py),
+    under SimpleFSDP's 2-D placements, vs one process on the same global batch: losses, gradient
+    norms, validation and final weights to 1e-5; per-rank parameter and AdamW bytes: 1/(ici x tp) of
+    the split matmuls, 1/(ep x its FSDP size) of the experts, 1/ici of the rest; in graph mode the
+    TP collectives / EP all-to-alls are nodes of the one step graph (EP traced: static buffers)."""
+    common = [*TINY, "--flavor", flavor, "--data", corpus, "--steps", "10", "--ckpt-interval", "0", "--eval-batches", "1"]
+    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
+    assert run_train([*common, *[a for a in extra if a in MOE_EXACT], "--out-dir", single])[0] == 0
+    rc, out, err = torchrun(nproc, [*common, *extra, "--out-dir", multi, "--mesh", mesh])
+    assert rc == 0, err[-3000:]
+    want, got = losses(single), losses(multi)
+    assert sorted(got) == list(range(1, 11)) and max(abs(want[s] - got[s]) for s in want) < 1e-5
+    for key in ("grad_norm", "val_loss"):
+        want, got = _records(single, key), _records(multi, key)
+        assert sorted(got) == sorted(want) and max(abs(want[s] - got[s]) / abs(want[s]) for s in want) < 1e-5, key
+    p_single = _full_params(os.path.join(single, "checkpoints"), [*common, *extra])
+    p_multi = _full_params(os.path.join(multi, "checkpoints"), [*common, *extra])
+    for name in p_single:
+        torch.testing.assert_close(p_multi[name], p_single[name], rtol=0, atol=1e-5)
+    dims = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
+    ici, tp = dims["ici"], dims.get("tp", 1)
+    share = lambda n: nproc if "_Ex" in n else ici * (tp if any(k in n for k in TP_SPLIT) else 1)
+    want_bytes = sum(p.numel() * 4 / share(n) for n, p in p_single.items())
+    start = next(json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl")) if '"start"' in line)
+    assert start["param_bytes_local"] == want_bytes and start["optim_bytes_local"] == 2 * want_bytes
+    if "graph" in extra:
+        graph = next(json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl")) if '"graph"' in line)
+        fwd, bwd = graph["collectives_by_side"]["forward"], graph["collectives_by_side"]["backward"]
+        if "tp" in dims:  # per block: SP's all-gathers before attention and MLP, reduce-scatters after
+            assert fwd["all_gather_into_tensor"] >= 2 * 2 + 1 and fwd["reduce_scatter_tensor"] >= 2 * 2, fwd
+        else:  # per MoE layer: counts, rows out, rows back (forward); rows out and back (backward)
+            assert fwd["all_to_all_single"] == 3 * 2 and bwd["all_to_all_single"] == 2 * 2, (fwd, bwd)
+
+
 def test_sharded_resume_equals_uninterrupted_and_other_mesh_is_refused(corpus, tmp_path):
     common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0",
               "--mesh", "ici=2"]
@@ -1000,6 +1046,15 @@ def test_mesh_that_does_not_match_world_size_fails_fast(corpus, tmp_path):
                               "--out-dir", str(tmp_path / "r")], timeout=120)
     assert rc != 0 and "error: --mesh 'ici=4' has 4 devices but the world size is 2" in err
     assert not os.path.exists(tmp_path / "r")
+    for mesh, extra, message in [("ici=1,tp=2", ["--set", "n_kv_heads=1"], "n_kv_heads=1 is not divisible by tp=2"),
+                                 ("ici=1,tp=2", ["--set", "ffn_dim=131"], "ffn_dim=131 is not divisible by tp=2"),
+                                 ("ici=2,ep=4", [], "ep=4 must divide the data-parallel ranks dcn x ici = 2"),
+                                 ("ici=2,ep=2", [], "n_experts")]:
+        rc, _, err = torchrun(2, [*TINY, "--data", corpus, "--steps", "2", "--mesh", mesh, *extra,
+                                  "--out-dir", str(tmp_path / "r")], timeout=120)
+        lines = [l for l in err.splitlines() if l.startswith("error:")]
+        assert rc != 0 and len(lines) == 2 and all(message in l for l in lines), err[-2000:]
+        assert not os.path.exists(tmp_path / "r")
 
 
 def _signal_one_of_two_ranks(corpus, out_dir, sig, *extra):
