@@ -7,8 +7,16 @@ with the TPU kernels (the config rewrite), so the graph's saved activations are 
 layers; the per-layer difference extrapolates to the full depth (every block is the same). Nothing is
 allocated. Parameters, gradients and AdamW state follow from the parameter count and the mesh
 (fp32, sharded over ici, replicated over dcn); FSDP collectives from the same. The step time is a
-roofline: max(compute at peak, ICI traffic, DCN traffic), i.e. perfect overlap, so it is a lower bound
-and the MFU an upper bound.
+roofline: max(compute at peak, FSDP's ICI traffic, DCN traffic), i.e. FSDP overlapped with compute,
+plus the TP/EP collectives, which sit on the critical path; a lower bound, the MFU an upper bound.
+
+Layouts (mesh dims dcn, ici, tp, ep as in train.py): tensor parallelism splits the attention and
+dense-MLP matmuls, the compute and (sequence parallel) the saved activations tp ways and adds its
+activation all-gathers / reduce-scatters on ICI; expert parallelism splits the experts over ep and
+adds two all-to-alls of the routed rows per MoE layer, forward and backward. `--plan --chips N`
+enumerates them all and ranks them. Ignored: collective latency and imperfect overlap, the
+all-to-all's load imbalance, attention FLOPs outside the 12*L*H*hd*S term, the gathered inputs
+that TP saves whole, fragmentation and XLA's own buffers, and DCN topology (one number per chip).
 """
 import dataclasses
 import math
@@ -54,45 +62,141 @@ def traced_saved_bytes(args, local_batch, seq_len, remat):
     return graph_passes.saved_bytes(gm)
 
 
-def dry_run(args, flavor, mesh, batch_size, seq_len, chip, remat):
-    dcn, ici = mesh
-    devices = dcn * ici
-    if batch_size % devices:
-        raise ValueError(f"--batch-size {batch_size} is not divisible by the {devices} devices of the mesh")
-    spec = TPU_SPECS[chip]
-    local_batch = batch_size // devices
+def param_groups(args):
+    """Parameter counts by how a layout splits them: (tp: the attention and dense-MLP matmuls,
+    experts: the MoE experts, rest: embeddings, head, norms, routers), whole model and one layer."""
+    D, hd, L = args.dim, args.hd, args.n_layers
+    attn = D * hd * (2 * args.n_heads + 2 * args.n_kv_heads)
+    layer_tp = attn + (0 if args.n_experts else 3 * D * args.ffn_dim)
+    layer_experts = 3 * args.n_experts * D * args.moe_ffn_dim if args.n_experts else 0
+    total = param_counts(args)[0]
+    layer_total = param_counts(dataclasses.replace(args, n_layers=2))[0] - param_counts(dataclasses.replace(args, n_layers=1))[0]
+    whole = {"tp": L * layer_tp, "experts": L * layer_experts}
+    whole["rest"] = total - whole["tp"] - whole["experts"]
+    layer = {"tp": layer_tp, "experts": layer_experts, "rest": layer_total - layer_tp - layer_experts}
+    return whole, layer
+
+
+def saved_bytes_per_sequence(args, seq_len, remat):
+    """Saved activations of one sequence (bf16), traced at 1 and 2 layers, extrapolated to the depth."""
+    one, two = (traced_saved_bytes(dataclasses.replace(args, n_layers=n), 1, seq_len, remat) for n in (1, 2))
+    return one + (args.n_layers - 1) * (two - one)
+
+
+def check_layout(args, dims, batch_size):
+    """One line per refusal (ValueError), as train.py refuses the same layout."""
+    import expert_parallel
+    import tensor_parallel
+    dp = dims["dcn"] * dims["ici"]
+    if batch_size % dp:
+        raise ValueError(f"--batch-size {batch_size} is not divisible by the {dp} data-parallel ranks of the mesh")
+    for size, check in ((dims["tp"], tensor_parallel.check), (dims["ep"], expert_parallel.check)):
+        refusal = check(args, size) if size > 1 else None
+        if refusal:
+            raise ValueError(refusal)
+
+
+def dry_run(args, flavor, dims, batch_size, seq_len, chip, remat, per_sequence=None):
+    """Memory per chip, traffic per link, roofline step time for one layout. dims: mesh.mesh_dims."""
+    dcn, ici, tp, ep = dims["dcn"], dims["ici"], dims["tp"], dims["ep"]
+    dp, devices = dcn * ici, dcn * ici * tp
     args = tpu_config(args)
-    total, _, _ = param_counts(args)
-    shard = math.ceil(total / ici)
-    one, two = (traced_saved_bytes(dataclasses.replace(args, n_layers=n), local_batch, seq_len, remat) for n in (1, 2))
-    activations = one + (args.n_layers - 1) * (two - one)
-    layer_params = (param_counts(dataclasses.replace(args, n_layers=2))[0] - param_counts(dataclasses.replace(args, n_layers=1))[0])
+    check_layout(args, dims, batch_size)
+    spec, local_batch = TPU_SPECS[chip], batch_size // dp
+    whole, layer = param_groups(args)
+    total = sum(whole.values())
+    # 1. parameters per chip: matmuls split over ici x tp, experts over all dp ranks (ep x their FSDP
+    #    group), the rest over ici (replicated over dcn and tp)
+    shard = math.ceil(whole["tp"] / (ici * tp)) + math.ceil(whole["experts"] / dp) + math.ceil(whole["rest"] / ici)
+    gathered = layer["tp"] / tp + layer["experts"] / ep + layer["rest"]  # one layer, after FSDP's gather
+    # 2. saved activations: linear in the batch; sequence parallelism splits them over tp
+    per_sequence = per_sequence if per_sequence is not None else saved_bytes_per_sequence(args, seq_len, remat)
     mem = {"params (fp32 shard)": 4 * shard, "grads (fp32 shard)": 4 * shard, "AdamW state (fp32 shard)": 8 * shard,
-           "gathered layer (bf16, x2 prefetch)": 2 * 2 * layer_params, "saved activations (bf16)": activations}
-    flops = flops_per_token(args, seq_len) * local_batch * seq_len          # model FLOPs per device per step
-    ici_bytes = (2 * 2 + 4) * total * (ici - 1) / ici                       # all-gather fwd+bwd (bf16), reduce-scatter (fp32)
-    dcn_bytes = 2 * 4 * shard * (dcn - 1) / dcn                             # ring all-reduce of fp32 grad shards
+           "gathered layer (bf16, x2 prefetch)": 2 * 2 * gathered,
+           "saved activations (bf16)": per_sequence * local_batch / tp}
+    flops = flops_per_token(args, seq_len) * local_batch * seq_len / tp     # model FLOPs per device per step
+    # 3. traffic per chip per step. FSDP: all-gather fwd + bwd (bf16), reduce-scatter (fp32)
+    fsdp = 8 * (whole["tp"] / tp + whole["rest"]) * (ici - 1) / ici + 8 * whole["experts"] / ep * (dp // ep - 1) / (dp // ep)
+    tokens = local_batch * seq_len
+    act = 2 * tokens * args.dim  # one (B, S, D) activation, bf16
+    # TP + SP: per layer 2 all-gathers + 2 reduce-scatters forward, the same backward
+    tp_bytes = args.n_layers * 8 * act * (tp - 1) / tp
+    # EP: per MoE layer, the routed rows (top_k per token) out and back, forward and backward
+    ep_bytes = (args.n_layers * 4 * act * args.top_k * (ep - 1) / ep) if args.n_experts else 0
+    ici_bytes = fsdp + tp_bytes + ep_bytes
+    dcn_bytes = 2 * 4 * (shard - math.ceil(whole["experts"] / dp)) * (dcn - 1) / dcn  # grads all-reduce
     compute_s = flops * (4 / 3 if remat else 1) / spec["peak"]             # remat replays ~one forward
-    step_s = max(compute_s, ici_bytes / spec["ici_bw"], dcn_bytes / DCN_BW)
+    # FSDP's and DCN's collectives overlap compute (prefetch); TP's and EP's sit between a layer's
+    # matmuls, on the critical path: exposed
+    times = {"compute": compute_s, "ici": fsdp / spec["ici_bw"], "dcn": dcn_bytes / DCN_BW}
+    exposed_s = (tp_bytes + ep_bytes) / spec["ici_bw"]
+    step_s = max(times.values()) + exposed_s
     need = sum(mem.values())
-    return {"flavor": flavor, "chip": chip, "mesh": f"dcn={dcn},ici={ici}", "devices": devices, "params": total,
+    mesh = ",".join(f"{k}={v}" for k, v in dims.items() if v > 1 or k == "ici")
+    return {"flavor": flavor, "chip": chip, "mesh": mesh, "devices": devices, "params": total, "remat": remat,
             "local_batch": local_batch, "seq_len": seq_len, "memory_bytes": mem, "total_bytes": need,
             "hbm_bytes": spec["hbm"], "fits": need <= spec["hbm"], "flops_per_device": flops,
-            "ici_bytes": ici_bytes, "dcn_bytes": dcn_bytes, "compute_s": compute_s, "step_s": step_s,
+            "ici_bytes": ici_bytes, "ici_split": {"fsdp": fsdp, "tp": tp_bytes, "ep": ep_bytes}, "dcn_bytes": dcn_bytes,
+            "compute_s": compute_s, "exposed_s": exposed_s, "step_s": step_s, "bound": max(times, key=times.get),
             "mfu": flops / (step_s * spec["peak"])}
 
 
+def _powers_of_two(limit):
+    return [2**k for k in range(int(math.log2(limit)) + 1)] if limit >= 1 else [1]
+
+
+def plan(args, flavor, chips, batch_size, seq_len, chip):
+    """Every layout of `chips` (dcn x ici x tp, ep borrowing dp ranks; remat on/off) that the model
+    and batch allow, ranked: fitting ones first, then by roofline step time."""
+    per_sequence = {r: saved_bytes_per_sequence(tpu_config(args), seq_len, r) for r in (False, True)}
+    rows = []
+    for dcn in (d for d in (1, 2, 4, 8) if chips % d == 0):
+        for tp in (t for t in _powers_of_two(chips // dcn) if t <= 16):
+            ici = chips // (dcn * tp)
+            for ep in (_powers_of_two(min(dcn * ici, args.n_experts)) if args.n_experts else [1]):
+                dims = {"dcn": dcn, "ici": ici, "tp": tp, "ep": ep}
+                for remat in (False, True):
+                    try:
+                        rows.append(dry_run(args, flavor, dims, batch_size, seq_len, chip, remat, per_sequence[remat]))
+                    except ValueError:
+                        continue
+    rows.sort(key=lambda r: (not r["fits"], r["step_s"], r["total_bytes"]))
+    return rows
+
+
 def main(args, cfg):
-    """train.py --dry-run: print the report and its JSON (ValueError: bad mesh / batch / chip)."""
+    """train.py --dry-run [--plan --chips N]: print the report (or the ranked layouts) and its JSON."""
     import json
     import mesh
     if cfg.chip not in TPU_SPECS:
         raise ValueError(f"--chip {cfg.chip!r}: choose one of {', '.join(TPU_SPECS)}")
-    report = dry_run(args, cfg.flavor, mesh.parse_mesh(cfg.mesh or "ici=1"), cfg.batch_size, cfg.seq_len,
+    if cfg.plan:
+        if not cfg.chips or cfg.chips < 1:
+            raise ValueError("--plan needs --chips N (N >= 1)")
+        rows = plan(args, cfg.flavor, cfg.chips, cfg.batch_size, cfg.seq_len, cfg.chip)
+        if not rows:
+            raise ValueError(f"no layout of {cfg.chips} chips fits the model's heads/experts and --batch-size {cfg.batch_size}")
+        print(format_plan(rows, cfg))
+        print(json.dumps([{k: r[k] for k in ("mesh", "remat", "local_batch", "total_bytes", "fits", "step_s", "mfu", "bound")}
+                          for r in rows]), flush=True)
+        return 0
+    report = dry_run(args, cfg.flavor, mesh.mesh_dims(cfg.mesh or "ici=1"), cfg.batch_size, cfg.seq_len,
                      cfg.chip, cfg.remat)
     print(format_report(report))
     print(json.dumps(report), flush=True)
     return 0
+
+
+def format_plan(rows, cfg, top=15):
+    lines = [f"plan: {cfg.flavor} on {cfg.chips} x {cfg.chip}, global batch {cfg.batch_size} x {cfg.seq_len}; "
+             f"{len(rows)} layouts, best {min(top, len(rows))} (roofline: FSDP overlapped, TP/EP exposed)",
+             f"  {'mesh':<28} {'remat':<5} {'batch/dp':>8} {'HBM GiB':>8} {'fits':<4} {'step ms':>9} "
+             f"{'TP/EP ms':>9} {'MFU':>6}  bound"]
+    for r in rows[:top]:
+        lines.append(f"  {r['mesh']:<28} {'on' if r['remat'] else 'off':<5} {r['local_batch']:>8} "
+                     f"{r['total_bytes'] / GiB:>8.1f} {'yes' if r['fits'] else 'NO':<4} {r['step_s'] * 1e3:>9.1f} "
+                     f"{r['exposed_s'] * 1e3:>9.1f} {100 * r['mfu']:>5.1f}%  {r['bound']}")
+    return "\n".join(lines)
 
 
 def format_report(r):
@@ -102,8 +206,9 @@ def format_report(r):
         lines.append(f"  {name:<36} {b / GiB:10.2f} GiB")
     verdict = "fits" if r["fits"] else f"DOES NOT FIT: short by {(r['total_bytes'] - r['hbm_bytes']) / GiB:.2f} GiB"
     lines.append(f"  {'total per device':<36} {r['total_bytes'] / GiB:10.2f} GiB of {r['hbm_bytes'] / GiB:.0f} GiB HBM: {verdict}")
+    split = ", ".join(f"{k} {v / GiB:.2f}" for k, v in r["ici_split"].items() if v)
     lines.append(f"  FLOPs per device per step {r['flops_per_device']:.3e}; collectives per device per step: "
-                 f"ICI {r['ici_bytes'] / GiB:.2f} GiB, DCN {r['dcn_bytes'] / GiB:.2f} GiB")
-    lines.append(f"  roofline step time {r['step_s'] * 1e3:.1f} ms (compute {r['compute_s'] * 1e3:.1f} ms), "
-                 f"MFU <= {100 * r['mfu']:.1f}% (perfect overlap assumed)")
+                 f"ICI {r['ici_bytes'] / GiB:.2f} GiB ({split or 'none'}), DCN {r['dcn_bytes'] / GiB:.2f} GiB")
+    lines.append(f"  roofline step time {r['step_s'] * 1e3:.1f} ms (compute {r['compute_s'] * 1e3:.1f} ms, TP/EP exposed "
+                 f"{r['exposed_s'] * 1e3:.1f} ms), MFU <= {100 * r['mfu']:.1f}% (FSDP overlap assumed; bound by {r['bound']})")
     return "\n".join(lines)

@@ -1012,6 +1012,15 @@ def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, ex
     want_bytes = sum(p.numel() * 4 / share(n) for n, p in p_single.items())
     start = next(json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl")) if '"start"' in line)
     assert start["param_bytes_local"] == want_bytes and start["optim_bytes_local"] == 2 * want_bytes
+    # the planner's per-device figures for this layout are the run's measured allocation
+    import dryrun
+    import mesh as mesh_lib
+    import train
+    cfg = train.build_parser().parse_args([*common, *extra])
+    report = dryrun.dry_run(train.model_args_from(cfg), flavor, mesh_lib.mesh_dims(mesh), cfg.batch_size, cfg.seq_len,
+                            "tpu_v5p", remat=False)
+    assert report["memory_bytes"]["params (fp32 shard)"] == start["param_bytes_local"]
+    assert report["memory_bytes"]["AdamW state (fp32 shard)"] == start["optim_bytes_local"]
     if "graph" in extra:
         graph = next(json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl")) if '"graph"' in line)
         fwd, bwd = graph["collectives_by_side"]["forward"], graph["collectives_by_side"]["backward"]
@@ -1610,6 +1619,34 @@ def test_dry_run_bytes_equal_a_real_runs_allocation(corpus, tmp_path, capsys):
     assert report["memory_bytes"]["saved activations (bf16)"] > 0 and report["fits"]
 
 
+def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones():
+    """--plan for the largest MoE flavor: under 2 minutes; every row a layout of exactly N chips that
+    the model allows (ep divides the experts and the data-parallel ranks, no tp on MoE blocks);
+    fitting layouts first, each group ordered by step time; the row for a layout equals that
+    layout's own dry run; an impossible request is one line, exit 2."""
+    import time
+    t0 = time.time()
+    flags = ["--dry-run", "--flavor", "qwen3_235b_a22b", "--batch-size", "256", "--seq-len", "4096"]
+    rc, out, err = run_train([*flags, "--plan", "--chips", "256"], timeout=120)
+    assert rc == 0 and time.time() - t0 < 120, err[-2000:]
+    rows = json.loads(out.strip().splitlines()[-1])
+    dims = [{k: int(v) for k, v in (p.split("=") for p in r["mesh"].split(","))} for r in rows]
+    assert all(d.get("dcn", 1) * d["ici"] * d.get("tp", 1) == 256 and d.get("tp", 1) == 1 for d in dims)
+    assert all(128 % d.get("ep", 1) == 0 and (d.get("dcn", 1) * d["ici"]) % d.get("ep", 1) == 0 for d in dims)
+    assert any(d.get("ep", 1) > 1 for d in dims) and len({r["mesh"] for r in rows}) == len(rows) // 2
+    fits = [r["fits"] for r in rows]
+    assert fits == sorted(fits, reverse=True) and any(fits)
+    for group in (True, False):
+        steps = [r["step_s"] for r in rows if r["fits"] == group]
+        assert steps == sorted(steps)
+    best = rows[0]
+    rc, out, _ = run_train([*flags, "--mesh", best["mesh"], *(["--remat"] if best["remat"] else [])], timeout=120)
+    single = json.loads(out.strip().splitlines()[-1])
+    assert math.isclose(single["step_s"], best["step_s"]) and math.isclose(single["total_bytes"], best["total_bytes"])
+    rc, out, err = run_train([*flags, "--plan", "--chips", "3"], timeout=120)
+    assert rc == 2 and err.strip().startswith("error:") and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("flavor,mesh", [("llama3_405b", "dcn=2,ici=128"), ("qwen3_235b_a22b", "dcn=2,ici=128")])
 def test_dry_run_of_the_largest_flavors_is_fast_and_says_whether_it_fits(flavor, mesh):
     import time
@@ -1619,7 +1656,9 @@ def test_dry_run_of_the_largest_flavors_is_fast_and_says_whether_it_fits(flavor,
     assert rc == 0, err[-2000:]
     assert time.time() - t0 < 120
     report = json.loads(out.strip().splitlines()[-1])
-    shard = math.ceil(report["params"] / 128)
+    import dryrun
+    whole, _ = dryrun.param_groups(FLAVORS[flavor])  # experts over all 256 data-parallel ranks, the rest over ici
+    shard = math.ceil(whole["tp"] / 128) + math.ceil(whole["experts"] / 256) + math.ceil(whole["rest"] / 128)
     assert report["memory_bytes"]["params (fp32 shard)"] == 4 * shard
     assert ("fits" in out) if report["fits"] else ("DOES NOT FIT: short by" in out)
     assert report["flops_per_device"] == flops_per_token(FLAVORS[flavor], 4096) * 4096  # 1 sequence/device

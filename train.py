@@ -95,6 +95,8 @@ def build_parser():
       "progress, e.g. a stalled peer (0: off; raise it for long first-step compiles)")
     a("--dry-run", action="store_true", help="trace at full scale on meta tensors; print memory/FLOPs/step-time estimates")
     a("--chip", default="tpu_v5p", help="TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")
+    a("--plan", action="store_true", help="with --dry-run: rank every mesh layout of --chips N (dcn x ici x tp, ep; remat)")
+    a("--chips", type=int, default=0, help="chips for --plan")
     a("--halt-at", type=int, default=0, help="stop after this step as if preempted (tests resume)")
     a("--sample-tokens", type=int, default=64, help="at the end, print this many sampled bytes (0: off)")
     a("--tensorboard", action="store_true", help="also write the metrics as TensorBoard scalars (out-dir/tensorboard)")
