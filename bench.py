@@ -198,14 +198,20 @@ def compile_vs_depth():
 
 
 def dist_table(repeats, steps):
-    """2 processes SimpleFSDP vs FSDP2 vs one process, through train.py (torchrun), same global batch."""
+    """2 processes SimpleFSDP vs FSDP2 vs one process, through train.py (torchrun), same global batch;
+    tensor parallel rows; expert parallel vs one process on the MoE debug flavor."""
     import tempfile
+    moe = ["--flavor", "qwen3_moe_debug"]
     configs = [("1 process", 1, []), ("2 proc SimpleFSDP", 2, ["--mesh", "ici=2"]),
                ("2 proc SimpleFSDP graph, passes off", 2, ["--mesh", "ici=2", "--mode", "graph", "--fsdp-passes", "none"]),
                ("2 proc SimpleFSDP graph, passes on", 2, ["--mesh", "ici=2", "--mode", "graph"]),
                ("2 proc SimpleFSDP graph + inductor, passes on", 2, ["--mesh", "ici=2", "--mode", "graph",
                                                                      "--backend", "inductor"]),
-               ("2 proc FSDP2", 2, ["--mesh", "ici=2", "--dp-impl", "fsdp2"])]
+               ("2 proc FSDP2", 2, ["--mesh", "ici=2", "--dp-impl", "fsdp2"]),
+               ("2 proc tp=2 (+ SP)", 2, ["--mesh", "ici=1,tp=2"]),
+               ("4 proc ici=2,tp=2", 4, ["--mesh", "ici=2,tp=2"]),
+               ("MoE: 1 process", 1, moe), ("MoE: 2 proc SimpleFSDP", 2, [*moe, "--mesh", "ici=2"]),
+               ("MoE: 2 proc ici=2,ep=2", 2, [*moe, "--mesh", "ici=2,ep=2"])]
     results = {name: [] for name, _, _ in configs}
     for _ in range(repeats):
         for name, nproc, extra in configs:
@@ -255,10 +261,12 @@ def to_markdown(speed, memory, dist_rows=(), depth=()):
         for r in depth:
             lines.append("| " + " | ".join([str(r["layers"])] + [f"{r[k]:.1f}" if r.get(k) else "failed" for k in keys]) + " |")
     if dist_rows:
-        base = dist_rows[0]["tokens_per_s"]
-        lines += ["", "| data parallel (llama3_debug, global batch 32 x 128) | tokens/s (all ranks) | x 1 process | "
-                  "params MiB / rank | AdamW state MiB / rank | peak RSS MiB (rank 0, training) |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["", "| parallel (llama3_debug; MoE: qwen3_moe_debug; global batch 32 x 128) | tokens/s (all ranks) | "
+                  "x 1 process | params MiB / rank | AdamW state MiB / rank | peak RSS MiB (rank 0, training) |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for r in dist_rows:
+            base = next(b for b in dist_rows if b["config"].endswith("1 process") and
+                        b["config"].startswith("MoE") == r["config"].startswith("MoE"))["tokens_per_s"]
             lines.append(f"| {r['config']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f} | {r['param_mib']:.2f} | "
                          f"{r['optim_mib']:.2f} | {r['rss_mib']:.0f} |")
     return "\n".join(lines)

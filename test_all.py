@@ -1030,6 +1030,22 @@ def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, ex
             assert fwd["all_to_all_single"] == 3 * 2 and bwd["all_to_all_single"] == 2 * 2, (fwd, bwd)
 
 
+@pytest.mark.parametrize("mesh,flavor,other", [("ici=1,tp=2", "llama3_debug", "ici=2"),
+                                               ("ici=2,ep=2", "qwen3_moe_debug", "ici=2")])
+def test_tp_and_ep_checkpoints_resume_bit_for_bit_and_another_layout_is_refused(mesh, flavor, other, corpus, tmp_path):
+    common = [*TINY, "--flavor", flavor, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0",
+              *(MOE_EXACT if "moe" in flavor else [])]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    assert torchrun(2, [*common, "--mesh", mesh, "--out-dir", full])[0] == 0
+    assert torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--halt-at", "3"])[0] == 0
+    rc, out, err = torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--resume"])
+    assert rc == 0, err[-3000:]
+    assert losses(part) == losses(full)
+    rc, _, err = torchrun(2, [*common, "--mesh", other, "--out-dir", part, "--resume", "--steps", "8", "--allow-change", "steps"])
+    lines = [l for l in err.splitlines() if l.startswith("error:")]
+    assert rc != 0 and lines and all(f"was saved on mesh '{mesh}', this run uses '{other}'" in l for l in lines), err[-2000:]
+
+
 def test_sharded_resume_equals_uninterrupted_and_other_mesh_is_refused(corpus, tmp_path):
     common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0",
               "--mesh", "ici=2"]

@@ -75,7 +75,7 @@ def build_parser():
       "or none (auto: all of them under --mesh in graph mode)")
     a("--kernels", choices=["reference", "pallas"], default="reference",
       help="pallas: the TPU config rewrite (splash attention, fused loss, grouped matmul)")
-    a("--mesh", default=None, help="data-parallel mesh under torchrun: ici=N (FSDP) or dcn=R,ici=S (HSDP)")
+    a("--mesh", default=None, help="device mesh: ici=N (FSDP), dcn=R,ici=S (HSDP); under torchrun also tp=T (tensor parallel), ep=E (experts)")
     a("--dp-impl", choices=["simple", "fsdp2"], default="simple",
       help="how parameters are sharded over the mesh: SimpleFSDP (ours) or torch's FSDP2")
     a("--seed", type=int, default=0, help="seed for init and batch order")
