@@ -65,7 +65,9 @@ def _block_call(block_id, params, h, cos, sin):
 
 def _layers(block_id, stacked, order):
     """(i, layer i's full weights) in `order`. Under SimpleFSDP each layer is gathered as it comes, the
-    next one's all-gather issued before this one is used (prefetch): two gathered layers live at once."""
+    next one's all-gather issued before this one is used (prefetch). The weights come in a list that
+    is emptied when the caller asks for the next layer, so a used layer is freed before the next is
+    unpacked: at most the layer in use and the next one's in-flight buffer are alive."""
     fsdp, order = _BLOCKS[block_id].fsdp, list(order)
     if fsdp is None:
         yield from ((i, [w[i] for w in stacked]) for i in order)
@@ -73,9 +75,9 @@ def _layers(block_id, stacked, order):
     pending = fsdp.gather_start([w[order[0]] for w in stacked])
     for k, i in enumerate(order):
         weights = fsdp.gather_wait(pending)
-        if k + 1 < len(order):
-            pending = fsdp.gather_start([w[order[k + 1]] for w in stacked])
+        pending = fsdp.gather_start([w[order[k + 1]] for w in stacked]) if k + 1 < len(order) else None
         yield i, weights
+        weights.clear()  # (the caller holds no other reference: kernels pass the list on and return)
 
 
 def _xla_while(body, init, xs, reverse=False):
