@@ -1,15 +1,21 @@
-"""mesh.py: process groups and the 1-D / 2-D device mesh for data parallelism; torchrun launches.
+"""mesh.py: process groups and the device mesh (dcn, ici, tp) for data, tensor and expert
+parallelism; torchrun launches.
 
     torchrun --nproc-per-node 2 train.py --mesh ici=2             # FSDP: shard over 2
     torchrun --nproc-per-node 4 train.py --mesh dcn=2,ici=2       # HSDP: 2 replicas x 2 shards
+    torchrun --nproc-per-node 4 train.py --mesh ici=2,tp=2        # FSDP x tensor parallel (tensor_parallel.py)
+    torchrun --nproc-per-node 2 train.py --mesh ici=2,ep=2 --flavor qwen3_moe_debug   # experts over 2 (expert_parallel.py)
 
 Names follow TPU pods: `ici` is the fast inter-chip interconnect inside a slice (shard there: the
 all-gathers and reduce-scatters of FSDP run on it), `dcn` the data-center network between slices
-(replicate there: only one gradient all-reduce per step crosses it). The backend is gloo on CPU, nccl
-on CUDA; on TPU, TorchTPU provides its own backend for torch.distributed (not run here). Every
-collective has a timeout, so a dead peer ends the run instead of hanging it.
+(replicate there: only one gradient all-reduce per step crosses it). `tp` is the innermost dim (its
+ranks are neighbours: TP's collectives sit on the critical path); `ep`, as in torchtitan, borrows
+data-parallel ranks and adds none. The backend is gloo on CPU, nccl on CUDA; on TPU, TorchTPU
+provides its own backend for torch.distributed (not run here). Every collective has a timeout, so a
+dead peer ends the run instead of hanging it.
 
-Data: every data-parallel rank (dcn x ici of them) reads its own slice of each global batch.
+Data: every data-parallel rank (dcn x ici of them) reads its own slice of each global batch; the tp
+ranks of one group read the same slice.
 """
 import datetime
 import os

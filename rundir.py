@@ -138,9 +138,9 @@ class Watchdog:
         while not self._stop.wait(min(1.0, self.timeout_s / 4)):
             stalled = time.monotonic() - self.last
             if stalled > self.timeout_s:
-                print(f"error: rank {self.rank}: no progress for {stalled:.0f} s in {self.where} "
-                      f"(--watchdog {self.timeout_s:g}); a peer is probably stalled; stopping",
-                      file=sys.stderr, flush=True)
+                sys.stderr.write(f"error: rank {self.rank}: no progress for {stalled:.0f} s in {self.where} "
+                                 f"(--watchdog {self.timeout_s:g}); a peer is probably stalled; stopping\n")
+                sys.stderr.flush()
                 os._exit(self.exit_code)  # the main thread is stuck in C++: no unwinding possible
 
     def stop(self):

@@ -37,13 +37,20 @@ EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED = 2, 3, 4, 5
 RESUME_CHECKED = ("seed", "batch_size", "seq_len", "lr", "warmup", "clip", "weight_decay", "dtype", "steps")
 
 
+def error_line(message):
+    """One `error:` line in ONE write: print() writes text and newline separately, and the ranks of a
+    run share stderr, so their lines would interleave."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
 class ConfigError(ValueError):
     pass
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's usage block + error -> one line, same exit code
-        print(f"error: {message}", file=sys.stderr)
+        error_line(message)
         sys.exit(EXIT_BAD_INPUT)
 
 
@@ -458,18 +465,18 @@ def main(argv=None):
         return rc
     except (ConfigError, data.DataError, checkpoint.CheckpointError, dev.DeviceUnavailable,
             graph_trainer.GraphCaptureError, rundir.RunDirError, mesh.MeshError, hf.HFError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        error_line(e)
         return EXIT_BAD_INPUT
     except OSError as e:  # disk full, file-size limit, read-only disk: the checkpoint on disk is intact
         what = str(e) if isinstance(e, checkpoint.CheckpointWriteError) else f"{e.strerror}: {e.filename}"
-        print(f"error: a write failed: {what}", file=sys.stderr)
+        error_line(f"a write failed: {what}")
         return EXIT_WRITE_FAILED
     except (RuntimeError, torch.distributed.DistError) as e:
         if dist_ctx is None or dist_ctx.dp_impl == "spmd":  # (one process: no peer to blame)
             raise
         # A peer died or timed out: say so in one line instead of a wall of gloo traces.
-        print(f"error: rank {dist_ctx.global_rank}: a collective failed, a peer process probably died "
-              f"({str(e).splitlines()[0][:200]})", file=sys.stderr)
+        error_line(f"rank {dist_ctx.global_rank}: a collective failed, a peer process probably died "
+                   f"({str(e).splitlines()[0][:200]})")
         return EXIT_PEER_FAILED
 
 
