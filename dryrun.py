@@ -63,15 +63,17 @@ def traced_saved_bytes(args, local_batch, seq_len, remat):
 
 
 def param_groups(args):
-    """Parameter counts by how a layout splits them: (tp: the attention and dense-MLP matmuls,
-    experts: the MoE experts, rest: embeddings, head, norms, routers), whole model and one layer."""
+    """Parameter counts by how a layout splits them: (tp: the attention and dense-MLP matmuls, the
+    embedding and head (vocabulary-split), experts: the MoE experts, rest: norms, routers; MoE
+    models have no tp, so their embedding is `rest`), whole model and one layer."""
     D, hd, L = args.dim, args.hd, args.n_layers
+    emb = param_counts(args)[1] * (1 if args.tie_embeddings else 2)
     attn = D * hd * (2 * args.n_heads + 2 * args.n_kv_heads)
     layer_tp = attn + (0 if args.n_experts else 3 * D * args.ffn_dim)
     layer_experts = 3 * args.n_experts * D * args.moe_ffn_dim if args.n_experts else 0
     total = param_counts(args)[0]
     layer_total = param_counts(dataclasses.replace(args, n_layers=2))[0] - param_counts(dataclasses.replace(args, n_layers=1))[0]
-    whole = {"tp": L * layer_tp, "experts": L * layer_experts}
+    whole = {"tp": L * layer_tp + (0 if args.n_experts else emb), "experts": L * layer_experts}
     whole["rest"] = total - whole["tp"] - whole["experts"]
     layer = {"tp": layer_tp, "experts": layer_experts, "rest": layer_total - layer_tp - layer_experts}
     return whole, layer
@@ -90,8 +92,9 @@ def check_layout(args, dims, batch_size):
     dp = dims["dcn"] * dims["ici"]
     if batch_size % dp:
         raise ValueError(f"--batch-size {batch_size} is not divisible by the {dp} data-parallel ranks of the mesh")
+    plain_loss = dataclasses.replace(args, loss_impl="plain")  # (under tp the loss is the vocab-parallel one)
     for size, check in ((dims["tp"], tensor_parallel.check), (dims["ep"], expert_parallel.check)):
-        refusal = check(args, size) if size > 1 else None
+        refusal = check(plain_loss, size) if size > 1 else None
         if refusal:
             raise ValueError(refusal)
 

@@ -54,10 +54,16 @@ def build_step_fn(model, names, clip, betas, eps, weight_decay, mask, autocast, 
 def capture(step_fn, example_args):
     """Trace `step_fn` on fake tensors into one GraphModule (no real memory or compute)."""
     try:
-        return make_fx(step_fn, tracing_mode="fake")(*example_args)
+        gm = make_fx(step_fn, tracing_mode="fake")(*example_args)
     except Exception as e:  # data-dependent shapes cannot be traced (train.py refuses the known case first)
         raise GraphCaptureError(f"cannot capture the step as one graph ({type(e).__name__}: "
                                 f"{str(e).splitlines()[0][:160]})") from None
+    # Dead code out: DTensor's sharding propagation for the vocabulary-split embedding runs the op
+    # once on uninitialized example tensors, and the trace records that probe (its result unused;
+    # run, it reads garbage indices). Ops with side effects (in place, collectives' waits) stay.
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
 
 
 def op_counts(gm):

@@ -14,23 +14,33 @@ convert a module's inputs and outputs between local tensors and DTensors; the we
 DTensors on the tp mesh (Shard(0) column-wise, Shard(1) row-wise, Replicate for the norms), so their
 gradient reductions come from DTensor's autograd. Qwen 3's per-head q/k norms run on the local
 heads: their weight is replicated and their gradient summed over tp (SequenceParallel on the head
-dim does exactly that). The embedding and the output head stay whole on every tp rank (their
-outputs are identical there, so are their gradients): the embedding's output is split on the
-sequence, the final norm's output gathered, and the loss computed on the full sequence. (torchtitan
-shards both, with a loss-parallel cross-entropy; that saves memory on large vocabularies.)
+dim does exactly that). The embedding and the output head are split on the vocabulary, as
+torchtitan does: the embedding row-wise (each rank looks up its rows, a reduce-scatter sums and
+splits the sequence), the head's logits stay split (B*S, V/tp) and the cross-entropy is computed
+on the pieces (`vocab_parallel_cross_entropy`: an all-reduce of the max, of the sum of exponentials
+and of the target's logit; Megatron's "parallel cross-entropy"), so no rank holds full logits.
 
 SimpleFSDP composes on top (simplefsdp.py): a parameter's 2-D placement is (FSDP shard over the
 data-parallel dims, its TP placement over tp), the FSDP shard on a different dim than the TP one.
 """
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                               RowwiseParallel, SequenceParallel, parallelize_module)
+import dataclasses
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+import model as model_lib
 
 
 def check(args, tp):
     """Refusals, one line each: the layout must split heads and the FFN evenly."""
     if args.n_experts:
         return "tp with MoE blocks is not built (experts use ep=E)"
+    if args.loss_impl != "plain":
+        return f"tp splits the output head over the vocabulary; the {args.loss_impl!r} loss needs it whole (drop --kernels pallas)"
+    if args.vocab_size % tp:
+        return f"vocab_size={args.vocab_size} is not divisible by tp={tp}"
     for name in ("n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(args, name) % tp:
             return f"{name}={getattr(args, name)} is not divisible by tp={tp}"
@@ -60,16 +70,44 @@ def block_plan(qk_norm):
 
 
 def _gather_sequence(module, inputs, out):
-    return out.redistribute(placements=[Replicate()]).to_local()  # (B, S/tp, D) shards -> (B, S, D)
+    return out.redistribute(placements=[Replicate()])  # (B, S/tp, D) -> (B, S, D), still a DTensor
+
+
+def vocab_parallel_cross_entropy(h_NxD, w_VxD, targets_N, ignore_index=-100):
+    """Cross-entropy over logits split on the vocabulary: h replicated, w Shard(0) over tp (DTensors).
+    Each rank has logits for its V/tp classes; three all-reduces make the softmax's statistics."""
+    local_NxV = (h_NxD @ w_VxD.t()).to_local().float()  # (N, V/tp); DTensor's matmul backward sums h's grad
+    mesh, (v0, v1) = w_VxD.device_mesh, _rows(w_VxD)
+    total = lambda x, op: DTensor.from_local(x, mesh, [Partial(op)], run_check=False).full_tensor()
+    m_N = total(local_NxV.max(1).values.detach(), "max")  # (a constant shift: no gradient needed)
+    lse_N = total(torch.exp(local_NxV - m_N[:, None]).sum(1), "sum").log() + m_N
+    mine_N = (targets_N >= v0) & (targets_N < v1)
+    picked_N = local_NxV.gather(1, (targets_N - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0] * mine_N
+    target_logit_N = total(picked_N, "sum")
+    keep_N = targets_N != ignore_index
+    return ((lse_N - target_logit_N) * keep_N).sum() / keep_N.sum()
+
+
+def _rows(w):
+    """The global row range [v0, v1) of this rank's Shard(0) piece of w (even split: checked)."""
+    rows = w.shape[0] // w.device_mesh.size()
+    rank = w.device_mesh.get_local_rank()
+    return rank * rows, (rank + 1) * rows
+
+
+model_lib.LOSS_IMPLS["vocab_parallel"] = vocab_parallel_cross_entropy
 
 
 def parallelize(model, tp_mesh):
     """Apply the plan in place; weights become DTensors on tp_mesh. Returns the model."""
     parallelize_module(model, tp_mesh, {
-        "embed_tokens": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
+        **({} if model.lm_head is None else {"lm_head": ColwiseParallel()}),  # (only its weight is read)
     })
     model.norm.register_forward_hook(_gather_sequence)  # the loss sees the whole sequence
+    # the config rewrite that swaps the loss for the split head (as model.tpu_config swaps kernels)
+    model.args = dataclasses.replace(model.args, loss_impl="vocab_parallel")
     for block in model.layers:
         parallelize_module(block, tp_mesh, block_plan(model.args.qk_norm))
     return model

@@ -975,7 +975,7 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus,
         assert total / shards <= local <= total / shards + slack, (key, total, local)
 
 
-TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # the plan's matmuls
+TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head")
 
 
 MOE_EXACT = ["--set", "moe_ffn_dim=32", "--set", "aux_loss_coef=0"]  # (aux loss per rank: see above)
