@@ -197,7 +197,7 @@ def compile_vs_depth():
     return rows
 
 
-def dist_table(repeats, steps):
+def dist_table(repeats, steps, only=None):
     """2 processes SimpleFSDP vs FSDP2 vs one process, through train.py (torchrun), same global batch;
     tensor parallel rows; expert parallel vs one process on the MoE debug flavor."""
     import tempfile
@@ -212,6 +212,7 @@ def dist_table(repeats, steps):
                ("4 proc ici=2,tp=2", 4, ["--mesh", "ici=2,tp=2"]),
                ("MoE: 1 process", 1, moe), ("MoE: 2 proc SimpleFSDP", 2, [*moe, "--mesh", "ici=2"]),
                ("MoE: 2 proc ici=2,ep=2", 2, [*moe, "--mesh", "ici=2,ep=2"])]
+    configs = [c for c in configs if only is None or c[0] in only]  # (only: re-measure some rows)
     results = {name: [] for name, _, _ in configs}
     for _ in range(repeats):
         for name, nproc, extra in configs:
