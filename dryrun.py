@@ -5,8 +5,9 @@
 The whole step (graph_trainer.build_step_fn) is traced by make_fx on meta tensors, at full width and
 with the TPU kernels (the config rewrite), so the graph's saved activations are exact for one and two
 layers; the per-layer difference extrapolates to the full depth (every block is the same). Nothing is
-allocated. Parameters, gradients and AdamW state follow from the parameter count and the mesh
-(fp32, sharded over ici, replicated over dcn); FSDP collectives from the same. The step time is a
+allocated. Parameters, gradients and AdamW state follow from the parameter counts and the layout
+(fp32; the TP-split weights over ici x tp, the experts over all data-parallel ranks, the rest over
+ici; replicated over dcn), as train.py places them; FSDP collectives from the same. The step time is a
 roofline: max(compute at peak, FSDP's ICI traffic, DCN traffic), i.e. FSDP overlapped with compute,
 plus the TP/EP collectives, which sit on the critical path; a lower bound, the MFU an upper bound.
 

@@ -89,10 +89,10 @@ class GraphStep:
         if dist_ctx is not None and dist_ctx.dp_impl == "fsdp2":
             raise GraphCaptureError("graph mode under a mesh needs --dp-impl simple (FSDP2's hooks do not trace)")
         self.model, self.opt, self.device = model, opt, device
-        self.step_fn = build_step_fn(model, [n for n, _ in model.named_parameters()], clip, opt.betas, opt.eps,
+        self.param_names = [n for n, _ in model.named_parameters()]
+        self.step_fn = build_step_fn(model, self.param_names, clip, opt.betas, opt.eps,
                                      opt.weight_decay, opt.mask, autocast, dist_ctx)
         self.remat, self.offload, self.split, self.fsdp_passes = remat, offload, split, tuple(fsdp_passes)
-        self.param_names = [n for n, _ in model.named_parameters()]
         self.gm = None        # the captured (and transformed) step graph
         self.compiled = None  # what runs it: gm, its stages (split), or inductor's compilation
         self.report = {}      # graph size, collectives, saved / offloaded bytes (the `graph:` log line)

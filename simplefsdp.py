@@ -13,6 +13,11 @@ the traced graph and can schedule and overlap them. state_dict() reads the store
 it stays sharded (torch.distributed.checkpoint saves each rank's shard). Mixed precision: the
 all-gather and compute run in param_dtype, gradients are reduced in fp32.
 
+Composed with the other layouts (mesh.py): under tensor parallelism a weight is 2-D, (Shard over the
+data-parallel dims, its TP placement over tp) on different dims, and only the data-parallel dims
+are gathered; an expert-parallel MoE's (E, ...) weights are (Shard(1) over the remaining
+data-parallel ranks, Shard(0) over ep), each rank gathering only its own experts.
+
 A --scan stack (layer_scan.py) is the exception: its (L, ...) weights are sharded on a dim after
 the layer axis, so that each layer's slice is itself a shard, and the scan gathers ONE layer per
 iteration (`LayerGather`: one bucketed all-gather per layer, issued a layer ahead; in the backward
