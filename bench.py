@@ -75,14 +75,10 @@ def _child_train(config, steps, extra=""):
     import optim
     import train
     flags = [] if config == "plain" else config.split()
-    cfg = train.build_parser().parse_args(["--steps", str(steps), "--eval-batches", "0", "--data", _bench_data(),
+    cfg = train.parse_config(["--steps", str(steps), "--eval-batches", "0", "--data", _bench_data(),
                                            "--ckpt-interval", "0", "--out-dir", "/tmp/minititan-bench",
                                            *flags, *extra.split()])
-    spmd_ctx = None
-    if cfg.mesh:  # --device xla --mesh: one process over CPU_NUM_DEVICES virtual XLA devices (spmd.py)
-        import spmd
-        spmd_ctx = spmd.SpmdContext(cfg.mesh)
-    trainer = train.Trainer(cfg, spmd_ctx)
+    trainer = train.Trainer(cfg)  # (--device xla --mesh: one process over CPU_NUM_DEVICES XLA devices)
     params = trainer.params
     torch_opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
 
@@ -97,15 +93,14 @@ def _child_train(config, steps, extra=""):
     step = plain_step if config == "plain" else trainer.step_fn
     times = []
     for i in range(1, steps + 1):
-        x, y = trainer.batches.get(i)
         t0 = time.perf_counter()
-        ce, _ = step(*trainer.place(x, y), dev.scalar(optim.lr_at(i, 1e-3, 5, steps), trainer.device))
+        ce, _ = step(*trainer.parallel.place_batch(trainer.task.batch(i)), dev.scalar(optim.lr_at(i, 1e-3, 5, steps), trainer.device))
         dev.sync(trainer.device)
         ce.item()
         times.append(time.perf_counter() - t0)
     med = statistics.median(times[max(2, steps // 3):])
     tokens = cfg.batch_size * cfg.seq_len
-    flops = trainer.flops_per_token * tokens / med
+    flops = trainer.flops_per_step / med
     peak = dev.measure_cpu_matmul_peak()
     result = {"mode": config, "tokens_per_s": tokens / med, "tflops": flops / 1e12, "mfu": flops / peak,
               "first_step_s": times[0], "peak_rss_mib": dev.host_peak_rss_bytes() / 2**20}

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from mesh import peer_failure
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used (broken, another model, another config): one line, exit 2."""
@@ -91,16 +93,23 @@ def save(ckpt_dir, step, state, meta):
         _barrier()
         if _rank() == 0:
             _write_meta(tmp, dict(meta, step=step))            # 2.
-    except (Exception, dcp.api.CheckpointException) as e:  # disk full, size limit, I/O error
-        if isinstance(e, dist.DistError):  # a peer died mid-save: that is train.py's one-line error
-            raise
+    except BaseException as e:  # disk full, size limit, I/O error, a dead peer, SIGINT / SIGTERM
         shutil.rmtree(tmp, ignore_errors=True)  # leave nothing half-written behind
+        if isinstance(e, dist.DistError) or peer_failure(e) or _interrupted(e) or \
+                not isinstance(e, (Exception, dcp.api.CheckpointException)):  # (DCP's is a BaseException)
+            raise  # interrupted, or a peer died mid-save: train.py's own one-line errors
         raise _write_error(ckpt_dir, name, e) from None
     if _rank() == 0:
         _commit(tmp, final)                                    # 3.
         _point_latest(ckpt_dir, name)                          # 4.
     _barrier()
     return final
+
+
+def _interrupted(e):
+    """SIGINT / SIGTERM (train.Interrupted); DCP wraps what its writer raised, so look inside too."""
+    return isinstance(e, KeyboardInterrupt) or type(e).__name__ == "Interrupted" or "KeyboardInterrupt" in str(e) \
+        or "Interrupted(" in str(e)
 
 
 def _write_shards(tmp, state):
@@ -226,10 +235,24 @@ def resolve(ckpt_dir, name):
 
 
 def set_aside_newer(ckpt_dir, step):
-    """Rename checkpoints newer than `step` to `step_N.superseded` (kept, not resumed from)."""
-    for s, path in step_dirs(ckpt_dir):
-        if s > step:
-            os.replace(path, path + ".superseded")
+    """Rename checkpoints newer than `step` to `step_N.superseded` (kept, not resumed from; a second
+    time `.superseded.2`, ...), after `latest` names `step`: a crash half-way leaves a consistent
+    directory, and doing it again is harmless (one process does it: train.py's writer)."""
+    newer = [path for s, path in step_dirs(ckpt_dir) if s > step]
+    if newer:
+        _point_latest(ckpt_dir, f"step_{step:06d}")
+    for path in newer:
+        target, n = path + ".superseded", 1
+        while os.path.exists(target):
+            n += 1
+            target = f"{path}.superseded.{n}"
+        os.rename(path, target)
+
+
+def newest_name(ckpt_dir):
+    """The newest complete checkpoint's directory name, or None (for one-line error messages)."""
+    found = step_dirs(ckpt_dir)
+    return os.path.basename(found[0][1]) if found else None
 
 
 def check_compatible(path, meta, allow_change=()):

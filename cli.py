@@ -1,16 +1,21 @@
-"""cli.py: train.py's command line: the flags, the model config they select, and the checks that turn
-bad input into one `error:` line and exit code 2 before anything is touched (train.py runs it).
+"""cli.py: the training configuration as one typed dataclass, its command line, and the one place
+where it is validated: bad input becomes one `error:` line and exit code 2 before anything is touched.
+
+Each field of `TrainConfig` is a flag (`batch_size` -> `--batch-size`), with its type, default and
+help declared once, here; `build_parser()` is made from the fields, so `--help` is complete.
 """
 import argparse
+import dataclasses
 import math
 import sys
+import types
+from typing import Optional
 
-import data
 import fsdp_passes
-import hf
-from model import FLAVORS, check_args, tpu_config, with_overrides
+import mesh
 
 EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED = 2, 3, 4, 5
+EXIT_OWN_FAILURE = 1  # this process failed by itself (out of memory, a bug): named in one line
 # What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
 RESUME_CHECKED = ("seed", "batch_size", "seq_len", "lr", "warmup", "clip", "weight_decay", "dtype", "steps")
 
@@ -26,107 +31,120 @@ class ConfigError(ValueError):
     pass
 
 
+def flag(default, help, **argparse_kw):
+    return dataclasses.field(default=default, metadata={"help": help, **argparse_kw})
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    # what to train
+    task: str = flag("lm", "workload: lm (language-model pretraining)", choices=["lm"])
+    flavor: str = flag("llama3_debug", "model flavor (model.FLAVORS)")
+    init_from: Optional[str] = flag(None, "start from a Hugging Face checkpoint (config.json + safetensors) "
+                                    "instead of --flavor: fine-tuning", metavar="HF_DIR")
+    set: list = flag((), "override a ModelArgs field, e.g. --set n_layers=2 (repeatable)", metavar="FIELD=VALUE")
+    data: Optional[str] = flag(None, "text file or directory (default: this Python's stdlib sources)")
+    tokenizer: Optional[str] = flag(None, "train on the ids of a HF tokenizer.json (default: bytes)", metavar="HF_DIR")
+    # the optimization
+    steps: int = flag(400, "optimizer steps")
+    batch_size: int = flag(32, "global batch size, sequences")
+    seq_len: int = flag(128, "tokens (bytes) per sequence")
+    lr: float = flag(3e-3, "peak learning rate")
+    warmup: int = flag(30, "linear warmup steps, then cosine decay to lr/10")
+    clip: float = flag(1.0, "global gradient-norm clip (0: off)")
+    weight_decay: float = flag(0.1, "AdamW decoupled weight decay (matrices only)")
+    dtype: str = flag("fp32", "compute dtype (bf16: autocast)", choices=["fp32", "bf16"])
+    seed: int = flag(0, "seed for init and batch order")
+    # how it runs
+    device: str = flag("auto", "auto | tpu | xla | cuda | cpu")
+    mode: str = flag("eager", "optimization ladder", choices=["eager", "compile", "graph"])
+    backend: Optional[str] = flag(None, "graph mode backend (default: xla on XLA devices, else fx)",
+                                  choices=["fx", "inductor", "xla"])
+    remat: bool = flag(False, "graph mode: recompute all but matmul outputs in the backward")
+    offload: bool = flag(False, "graph mode: saved activations to host memory and back")
+    scan: bool = flag(False, "run the blocks as one scan over stacked weights (XLA: a While loop; MoE needs --kernels pallas)")
+    split: int = flag(0, "graph mode: cut the step graph into N stages run in order")
+    fsdp_passes: str = flag("auto", "graph mode under a SimpleFSDP mesh: comma list of reshard, bucket, prefetch, "
+                            "or none (auto: all of them under --mesh in graph mode)")
+    kernels: str = flag("reference", "pallas: the TPU config rewrite (splash attention, fused loss, grouped matmul)",
+                        choices=["reference", "pallas"])
+    mesh: Optional[str] = flag(None, "device mesh: ici=N (FSDP), dcn=R,ici=S (HSDP); under torchrun also tp=T "
+                               "(tensor parallel), ep=E (experts)")
+    dp_impl: str = flag("simple", "how parameters are sharded over the mesh: SimpleFSDP (ours) or torch's FSDP2",
+                        choices=["simple", "fsdp2"])
+    # the run directory
+    eval_interval: int = flag(50, "validate every N steps (0: only at the end)")
+    eval_batches: int = flag(8, "validation batches per evaluation")
+    log_interval: int = flag(10, "log every N steps")
+    out_dir: Optional[str] = flag(None, "run directory (default runs/<flavor>-<time>)")
+    ckpt_interval: int = flag(250, "checkpoint every N steps (0: only at the end)")
+    resume: bool = flag(False, "continue from the newest verified checkpoint in --out-dir")
+    resume_from: Optional[str] = flag(None, "continue from this checkpoint (e.g. step_000010; newer ones are set "
+                                      "aside as *.superseded)", metavar="STEP_DIR")
+    allow_change: str = flag("", f"on resume, accept these changed settings (comma list of "
+                             f"{', '.join(RESUME_CHECKED)}, data)", metavar="NAMES")
+    watchdog: float = flag(300.0, "end the run (exit 4) after this many seconds without progress, e.g. a stalled "
+                           "peer (0: off; raise it for long first-step compiles)")
+    halt_at: int = flag(0, "stop after this step as if preempted (tests resume)")
+    sample_tokens: int = flag(64, "at the end, print this many sampled bytes (0: off)")
+    tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars (out-dir/tensorboard)")
+    # planning without running
+    dry_run: bool = flag(False, "trace at full scale on meta tensors; print memory/FLOPs/step-time estimates")
+    chip: str = flag("tpu_v5p", "TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")
+    plan: bool = flag(False, "with --dry-run: rank every mesh layout of --chips N (dcn x ici x tp, ep; remat)")
+    chips: int = flag(0, "chips for --plan")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's usage block + error -> one line, same exit code
         error_line(message)
         sys.exit(EXIT_BAD_INPUT)
 
 
+def _kind(annotation):
+    """The flag's value type from the field's annotation (Optional[X] -> X)."""
+    if isinstance(annotation, types.UnionType) or getattr(annotation, "__origin__", None) is not None:
+        return next(a for a in annotation.__args__ if a is not type(None))
+    return annotation
+
+
 def build_parser():
-    p = _Parser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a = p.add_argument
-    a("--flavor", default="llama3_debug", help=f"model flavor: {', '.join(FLAVORS)}")
-    a("--init-from", default=None, metavar="HF_DIR",
-      help="start from a Hugging Face checkpoint (config.json + safetensors) instead of --flavor: fine-tuning")
-    a("--set", action="append", default=[], metavar="FIELD=VALUE",
-      help="override a ModelArgs field, e.g. --set n_layers=2 (repeatable)")
-    a("--steps", type=int, default=400, help="optimizer steps")
-    a("--batch-size", type=int, default=32, help="global batch size, sequences")
-    a("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
-    a("--lr", type=float, default=3e-3, help="peak learning rate")
-    a("--warmup", type=int, default=30, help="linear warmup steps, then cosine decay to lr/10")
-    a("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
-    a("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (matrices only)")
-    a("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (bf16: autocast)")
-    a("--device", default="auto", help="auto | tpu | xla | cuda | cpu")
-    a("--mode", choices=["eager", "compile", "graph"], default="eager", help="optimization ladder")
-    a("--backend", choices=["fx", "inductor", "xla"], default=None,
-      help="graph mode backend (default: xla on XLA devices, else fx)")
-    a("--remat", action="store_true", help="graph mode: recompute all but matmul outputs in the backward")
-    a("--offload", action="store_true", help="graph mode: saved activations to host memory and back")
-    a("--scan", action="store_true", help="run the blocks as one scan over stacked weights (XLA: a While loop; MoE needs --kernels pallas)")
-    a("--split", type=int, default=0, help="graph mode: cut the step graph into N stages run in order")
-    a("--fsdp-passes", default="auto", help="graph mode under a SimpleFSDP mesh: comma list of reshard, bucket, "
-      "or none (auto: all of them under --mesh in graph mode)")
-    a("--kernels", choices=["reference", "pallas"], default="reference",
-      help="pallas: the TPU config rewrite (splash attention, fused loss, grouped matmul)")
-    a("--mesh", default=None, help="device mesh: ici=N (FSDP), dcn=R,ici=S (HSDP); under torchrun also tp=T (tensor parallel), ep=E (experts)")
-    a("--dp-impl", choices=["simple", "fsdp2"], default="simple",
-      help="how parameters are sharded over the mesh: SimpleFSDP (ours) or torch's FSDP2")
-    a("--seed", type=int, default=0, help="seed for init and batch order")
-    a("--data", default=None, help="text file or directory (default: this Python's stdlib sources)")
-    a("--tokenizer", default=None, metavar="HF_DIR", help="train on the ids of a HF tokenizer.json (default: bytes)")
-    a("--eval-interval", type=int, default=50, help="validate every N steps (0: only at the end)")
-    a("--eval-batches", type=int, default=8, help="validation batches per evaluation")
-    a("--log-interval", type=int, default=10, help="log every N steps")
-    a("--out-dir", default=None, help="run directory (default runs/<flavor>-<time>)")
-    a("--ckpt-interval", type=int, default=250, help="checkpoint every N steps (0: only at the end)")
-    a("--resume", action="store_true", help="continue from the newest verified checkpoint in --out-dir")
-    a("--resume-from", default=None, metavar="STEP_DIR",
-      help="continue from this checkpoint (e.g. step_000010; newer ones are set aside as *.superseded)")
-    a("--allow-change", default="", metavar="NAMES",
-      help=f"on resume, accept these changed settings (comma list of {', '.join(RESUME_CHECKED)}, data)")
-    a("--watchdog", type=float, default=300, help="end the run (exit 4) after this many seconds without "
-      "progress, e.g. a stalled peer (0: off; raise it for long first-step compiles)")
-    a("--dry-run", action="store_true", help="trace at full scale on meta tensors; print memory/FLOPs/step-time estimates")
-    a("--chip", default="tpu_v5p", help="TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")
-    a("--plan", action="store_true", help="with --dry-run: rank every mesh layout of --chips N (dcn x ici x tp, ep; remat)")
-    a("--chips", type=int, default=0, help="chips for --plan")
-    a("--halt-at", type=int, default=0, help="stop after this step as if preempted (tests resume)")
-    a("--sample-tokens", type=int, default=64, help="at the end, print this many sampled bytes (0: off)")
-    a("--tensorboard", action="store_true", help="also write the metrics as TensorBoard scalars (out-dir/tensorboard)")
+    p = _Parser(description="train.py: " + __doc__.split("\n")[0].split(": ", 1)[1],
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(TrainConfig):
+        name, kw = "--" + f.name.replace("_", "-"), dict(f.metadata)
+        kind = _kind(f.type)
+        if kind is bool:
+            p.add_argument(name, action="store_true", **kw)
+        elif kind is list:
+            p.add_argument(name, action="append", default=[], **kw)
+        else:
+            p.add_argument(name, type=kind, default=f.default, **kw)
     return p
 
 
-def model_args_from(cfg):
-    if cfg.init_from:
-        args = hf.args_from_config(hf.read_config(cfg.init_from))
-    elif cfg.flavor not in FLAVORS:
-        raise ConfigError(f"unknown flavor {cfg.flavor!r}; choose one of {', '.join(FLAVORS)}")
-    else:
-        args = FLAVORS[cfg.flavor]
-    try:
-        args = with_overrides(args, cfg.set)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if args.vocab_size < data.BYTE_VOCAB and not cfg.tokenizer:
-        raise ConfigError(f"vocab_size {args.vocab_size} is smaller than the data's {data.BYTE_VOCAB} byte values")
-    if cfg.kernels == "pallas":
-        args = tpu_config(args)
-    try:
-        check_args(args)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if cfg.seq_len > args.max_seq_len:
-        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
-    return args
+def parse_config(argv=None):
+    """The command line -> a validated TrainConfig (ConfigError: one line, exit 2)."""
+    cfg = TrainConfig(**vars(build_parser().parse_args(argv)))
+    validate(cfg)
+    return cfg
 
 
 def validate(cfg):
-    for name in ("steps", "batch_size", "seq_len"):
+    """Every check on the flags and their combinations, before anything is read or written."""
+    for name in ("steps", "batch_size", "seq_len", "log_interval"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    for name in ("warmup", "eval_interval", "eval_batches", "ckpt_interval", "halt_at"):
+    for name in ("warmup", "eval_interval", "eval_batches", "ckpt_interval", "halt_at", "seed", "split",
+                 "sample_tokens"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
-    if cfg.log_interval <= 0:
-        raise ConfigError(f"--log-interval must be positive, got {cfg.log_interval}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive finite number, got {cfg.lr}")
-    if cfg.seed < 0:
-        raise ConfigError(f"--seed must be >= 0, got {cfg.seed}")
-    if not (cfg.watchdog >= 0 and math.isfinite(cfg.watchdog)):
-        raise ConfigError(f"--watchdog must be >= 0 seconds, got {cfg.watchdog}")
+    for name in ("clip", "weight_decay", "watchdog"):
+        if not (getattr(cfg, name) >= 0 and math.isfinite(getattr(cfg, name))):
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0{' seconds' if name == 'watchdog' else ''}, "
+                              f"got {getattr(cfg, name)}")
     unknown = set(filter(None, cfg.allow_change.split(","))) - set(RESUME_CHECKED) - {"data"}
     if unknown:
         raise ConfigError(f"--allow-change {cfg.allow_change!r}: unknown {sorted(unknown)}; choose from "
@@ -135,11 +153,36 @@ def validate(cfg):
                                   ("--backend", cfg.backend)) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:
         raise ConfigError(f"{', '.join(graph_only)} transform(s) the step graph: add --mode graph")
+    if cfg.backend == "xla" and cfg.device in ("cpu", "cuda"):
+        raise ConfigError(f"--backend xla needs --device xla (or a TPU), not --device {cfg.device}")
     try:
-        fsdp_passes.chosen(cfg.fsdp_passes, None)
+        fsdp_passes.chosen(cfg.fsdp_passes)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg.split < 0:
-        raise ConfigError(f"--split must be >= 0, got {cfg.split}")
     if cfg.scan and cfg.mode == "compile":
         raise ConfigError("--scan has no per-block modules for --mode compile to compile: use eager or graph")
+    _validate_mesh(cfg)
+
+
+def _validate_mesh(cfg):
+    """The layout's flags: the mesh spec itself, and what each runtime (XLA SPMD, torchrun) supports."""
+    if not cfg.mesh:
+        return
+    sizes = mesh.mesh_dims(cfg.mesh)  # (MeshError: a one-line refusal too)
+    spmd = not mesh.launched_by_torchrun() and cfg.device == "xla"
+    if spmd:
+        if sizes["tp"] > 1 or sizes["ep"] > 1:
+            raise ConfigError(f"--mesh {cfg.mesh!r}: tp and ep are built for torchrun meshes, not XLA SPMD")
+        if cfg.kernels == "pallas" or cfg.dp_impl != "simple":
+            raise ConfigError("XLA SPMD (--device xla --mesh) runs the reference kernels and its own sharding: "
+                              "drop --kernels pallas / --dp-impl (README, Known limits)")
+        return
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--mesh with --device {cfg.device} is not supported (use cpu or cuda)")
+    if sizes["tp"] > 1 or sizes["ep"] > 1:
+        if cfg.scan:
+            raise ConfigError(f"--mesh {cfg.mesh!r}: --scan with tp or ep is not built")
+        if cfg.dp_impl != "simple":
+            raise ConfigError(f"--mesh {cfg.mesh!r}: tp and ep are built on --dp-impl simple")
+    if cfg.mode == "graph" and cfg.dp_impl == "fsdp2":
+        raise ConfigError("graph mode under a mesh needs --dp-impl simple (FSDP2's hooks do not trace)")

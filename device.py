@@ -65,8 +65,13 @@ def is_tpu(device):
     return torch.device(device).type == "tpu" or (is_xla(device) and pjrt_is_tpu())
 
 
-def _xla_device():
+def default_to_xla_cpu():
+    """The one place PJRT_DEVICE gets its default: XLA:CPU unless the user named another runtime."""
     os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+
+def _xla_device():
+    default_to_xla_cpu()
     try:
         import torch_xla
     except ImportError as e:

@@ -28,7 +28,7 @@ import device as dev
 import graph_passes
 import graph_trainer
 import optim
-from model import Transformer, flops_per_token, param_counts, tpu_config
+from model import Transformer, flops_per_token, next_token_loss, param_counts, tpu_config
 
 GiB = 2**30
 # Per chip, published (cloud.google.com/tpu/docs/<generation>): HBM bytes, HBM bandwidth, ICI
@@ -53,7 +53,7 @@ def traced_saved_bytes(args, local_batch, seq_len, remat):
     names = [n for n, _ in model.named_parameters()]
     params = [p.detach() for p in model.parameters()]
     state = [torch.zeros_like(p) for p in params]
-    step_fn = graph_trainer.build_step_fn(model, names, 1.0, (0.9, 0.95), 1e-8, 0.1,
+    step_fn = graph_trainer.build_step_fn(model, names, next_token_loss, 1.0, (0.9, 0.95), 1e-8, 0.1,
                                           optim.decay_mask(names, params), lambda: torch.autocast("cpu", enabled=False))
     tokens = torch.zeros(local_batch, seq_len, dtype=torch.long, device="meta")
     one = torch.ones((), device="meta")

@@ -47,34 +47,37 @@ def expert_mesh(device_type, world, ep):
     return DeviceMesh(device_type, torch.arange(world).view(world // ep, ep), mesh_dim_names=("efsdp", "ep"))
 
 
-class ExpertParallelMoE(MoE):
-    """MoE whose `experts` sends rows to the ranks owning their experts (weights: the local E/ep)."""
-    ep_group = None
-    ep = 1
+class AllToAll:
+    """An MoE dispatch (model.MoE.route_through) that sends rows to the ranks owning their experts;
+    the module's `experts` then holds (and runs) only this rank's E/ep experts."""
 
-    def experts(self, x_MxD, group_sizes_E):
+    def __init__(self, ep_mesh):
+        self.mesh, self.group, self.ep = ep_mesh, ep_mesh.get_group("ep"), ep_mesh.size(1)
+
+    def __call__(self, experts, x_MxD, group_sizes_E):
         ep, E = self.ep, group_sizes_E.shape[0]
         to_peer_RxL = group_sizes_E.view(ep, E // ep)                       # rows I send, per peer expert
-        from_peer_RxL = funcol.all_to_all_single(to_peer_RxL.reshape(-1), None, None, self.ep_group).view(ep, E // ep)
+        from_peer_RxL = funcol.all_to_all_single(to_peer_RxL.reshape(-1), None, None, self.group).view(ep, E // ep)
         if detect_fake_mode(x_MxD) is None:
-            return self._ragged(x_MxD, to_peer_RxL, from_peer_RxL)
-        return self._padded(x_MxD, to_peer_RxL, from_peer_RxL)
+            return self._ragged(experts, x_MxD, to_peer_RxL, from_peer_RxL)
+        return self._padded(experts, x_MxD, to_peer_RxL, from_peer_RxL)
 
-    def _local(self, x_NxD, expert_N, sizes_L):
+    @staticmethod
+    def _local(experts, x_NxD, expert_N, sizes_L):
         """Rows (any order) of local experts expert_N through them; same order out."""
         order = torch.argsort(expert_N, stable=True)
-        y = super().experts(x_NxD[order], sizes_L)
+        y = experts(x_NxD[order], sizes_L)
         return torch.empty_like(y).index_copy(0, order, y)  # (the inverse permutation)
 
-    def _ragged(self, x_MxD, to_peer_RxL, from_peer_RxL):
+    def _ragged(self, experts, x_MxD, to_peer_RxL, from_peer_RxL):
         send, recv = to_peer_RxL.sum(1).tolist(), from_peer_RxL.sum(1).tolist()  # (host sync: eager)
-        x_NxD = funcol.all_to_all_single_autograd(x_MxD, recv, send, self.ep_group)
+        x_NxD = funcol.all_to_all_single_autograd(x_MxD, recv, send, self.group)
         L = from_peer_RxL.shape[1]
         expert_N = torch.arange(L, device=x_MxD.device).repeat(self.ep).repeat_interleave(from_peer_RxL.reshape(-1))
-        y_NxD = self._local(x_NxD, expert_N, from_peer_RxL.sum(0))
-        return funcol.all_to_all_single_autograd(y_NxD, send, recv, self.ep_group)
+        y_NxD = self._local(experts, x_NxD, expert_N, from_peer_RxL.sum(0))
+        return funcol.all_to_all_single_autograd(y_NxD, send, recv, self.group)
 
-    def _padded(self, x_MxD, to_peer_RxL, from_peer_RxL):
+    def _padded(self, experts, x_MxD, to_peer_RxL, from_peer_RxL):
         M, (ep, L) = x_MxD.shape[0], to_peer_RxL.shape
         # my sorted row m goes to peer r = its expert // L, slot m - (rows before r's first)
         send_R = to_peer_RxL.sum(1)
@@ -82,7 +85,7 @@ class ExpertParallelMoE(MoE):
         peer_M = torch.repeat_interleave(torch.arange(ep, device=x_MxD.device), send_R, output_size=M)
         slot_M = peer_M * M + torch.arange(M, device=x_MxD.device) - first_R[peer_M]
         buf = x_MxD.new_zeros(ep * M, x_MxD.shape[1]).index_copy(0, slot_M, x_MxD)
-        x_NxD = funcol.all_to_all_single_autograd(buf, None, None, self.ep_group)  # (ep * M, D), equal splits
+        x_NxD = funcol.all_to_all_single_autograd(buf, None, None, self.group)  # (ep * M, D), equal splits
         # arrival from peer r, slot j: valid if j < its count; its local expert from the counts
         j_RxM = torch.arange(M, device=x_MxD.device).expand(ep, M)
         ends_RxL = torch.cumsum(from_peer_RxL, 1)
@@ -90,15 +93,15 @@ class ExpertParallelMoE(MoE):
         expert_N = expert_RxM.clamp(max=L - 1).reshape(-1)  # padding joins the last expert's group
         sizes_L = from_peer_RxL.sum(0)
         sizes_L = torch.cat([sizes_L[:-1], sizes_L[-1:] + (ep * M - from_peer_RxL.sum())])
-        y_NxD = self._local(x_NxD, expert_N, sizes_L)
-        y = funcol.all_to_all_single_autograd(y_NxD, None, None, self.ep_group)
+        y_NxD = self._local(experts, x_NxD, expert_N, sizes_L)
+        y = funcol.all_to_all_single_autograd(y_NxD, None, None, self.group)
         return y[slot_M]
 
 
 def parallelize(model, ep_mesh):
-    """Swap every MoE block's class in place; simplefsdp.data_parallel then places its weights."""
+    """Route every MoE block's rows through an all-to-all over ep (model.MoE's declared seam);
+    simplefsdp.data_parallel then places the expert weights over `ep_mesh`."""
     for module in model.modules():
         if isinstance(module, MoE):
-            module.__class__ = ExpertParallelMoE
-            module.ep_group, module.ep, module.expert_mesh = ep_mesh.get_group("ep"), ep_mesh.size(1), ep_mesh
+            module.route_through(AllToAll(ep_mesh))
     return model

@@ -31,10 +31,11 @@ aten = torch.ops.aten
 PASSES = ("reshard", "bucket", "prefetch")
 
 
-def chosen(spec, dist_ctx):
-    """--fsdp-passes: 'auto' (all of them under a SimpleFSDP mesh), 'none', or a comma list."""
+def chosen(spec, default=PASSES):
+    """--fsdp-passes: 'auto' (`default`: the layout's choice, all of them under a SimpleFSDP mesh),
+    'none', or a comma list."""
     if spec == "auto":
-        return PASSES if dist_ctx is not None and dist_ctx.dp_impl == "simple" else ()
+        return tuple(default)
     names = () if spec == "none" else tuple(spec.split(","))
     if set(names) - set(PASSES):
         raise ValueError(f"--fsdp-passes {spec!r}: unknown {sorted(set(names) - set(PASSES))}; choose from "

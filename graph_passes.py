@@ -66,13 +66,27 @@ def _marker_index(gm):
     raise ValueError("graph has no forward_end marker: was it traced by graph_trainer.capture?")
 
 
+def views_an_input(node):
+    """True if `node`'s value shares storage with a step input (a parameter shard, a batch): a view
+    or alias of a placeholder, through any chain of views. Keeping it alive costs no new memory."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        returns = node.target._schema.returns
+        alias = returns[0].alias_info if returns else None
+        if alias is None or alias.is_write or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return False
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
 def saved_activations(gm):
-    """Forward values (not inputs) read after the forward ends: what the step keeps alive."""
+    """Forward values read after the forward ends: what the step keeps alive beyond its inputs
+    (not inputs, nor views of them: the parameters' storage is there anyway)."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     end = _marker_index(gm)
     return [n for n in gm.graph.nodes if n.op == "call_function" and order[n] < end
             and n.target != torch.ops.minititan.offload.default  # those live in host memory
-            and isinstance(n.meta.get("val"), torch.Tensor) and any(order[u] > end for u in n.users)]
+            and isinstance(n.meta.get("val"), torch.Tensor) and any(order[u] > end for u in n.users)
+            and not views_an_input(n)]
 
 
 def tensor_bytes(node):

@@ -8,46 +8,62 @@ GraphModule with make_fx, on fake tensors (no memory, no compute). The compiler 
 so it can fuse across the forward/backward/update boundaries and there is no host-side gap
 between backward and update. Pallas kernels appear as single opaque nodes (jax_op.py).
 
-Backends: "fx" (the GraphModule run node by node by Python: the FX interpreter), "inductor"
+Backends: "fx" (the GraphModule's generated Python code, run op by op), "inductor"
 (torch.compile of the graph), "xla" (the graph's aten ops run on XLA tensors: torch_xla traces
 them lazily into one HLO program per step, compiled once and cached by graph hash).
 The traced graph must run under torch.no_grad(): autograd is already inside it.
 """
 import torch
+import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import device as dev
 import fsdp_passes
 import graph_passes
 import optim
+from parallel import Parallel
 
 
 class GraphCaptureError(ValueError):
     pass
 
 
-def build_step_fn(model, names, clip, betas, eps, weight_decay, mask, autocast, dist_ctx=None):
-    """The pure step function that make_fx traces. With a mesh, `params` are the local shards: they
-    are wrapped back into DTensors for the model (whose parameter reads all-gather and whose backward
+class _LossOf(nn.Module):
+    """The task's loss as a module holding the model, so functional_call can swap in the traced
+    parameters (named "model.<name>") for one call."""
+
+    def __init__(self, loss_fn, model):
+        super().__init__()
+        self.loss_fn, self.model = loss_fn, model
+
+    def forward(self, *batch):
+        return self.loss_fn(self.model, batch)
+
+
+def build_step_fn(model, names, loss_fn, clip, betas, eps, weight_decay, mask, autocast, parallel=None):
+    """The pure step function that make_fx traces. `loss_fn(model, batch) -> (loss to report, loss to
+    differentiate)` is the task's. Under a mesh `params` are the local shards: `parallel.like` wraps
+    them back into DTensors for the model (whose parameter reads all-gather and whose backward
     reduce-scatters), and the gradient norm and logged loss are reduced across ranks, all inside."""
+    parallel = parallel or Parallel(None)
     buffer_names = [n for n, _ in model.named_buffers()]
     placed_like = list(model.parameters())  # (DTensors under a mesh: their mesh and placements)
-    wrap = (lambda shards: dist_ctx.like(shards, placed_like)) if dist_ctx is not None else (lambda t: t)
+    loss_module = _LossOf(loss_fn, model)
 
-    def step_fn(params, buffers, exp_avg, exp_avg_sq, step, lr, inputs, targets):
+    def step_fn(params, buffers, exp_avg, exp_avg_sq, step, lr, *batch):
         with torch.enable_grad():
             leaves = [p.detach().requires_grad_() for p in params]
-            state = {**dict(zip(names, wrap(leaves))), **dict(zip(buffer_names, buffers))}
+            state = {**{f"model.{n}": t for n, t in zip(names, parallel.like(leaves, placed_like))},
+                     **{f"model.{n}": b for n, b in zip(buffer_names, buffers)}}
             with autocast():
-                ce, aux = torch.func.functional_call(model, state, (inputs, targets))
-            loss = graph_passes.forward_end(ce + aux)  # marks the forward/backward boundary
+                reported, loss = torch.func.functional_call(loss_module, state, batch)
+            loss = graph_passes.forward_end(loss)  # marks the forward/backward boundary
             grads = torch.autograd.grad(loss, leaves)
-        grads, norm = optim.clip_by_global_norm(list(grads), clip, dist_ctx.sum_over_shards if dist_ctx else None)
-        if dist_ctx is not None:
-            ce = dist_ctx.mean_over_dp(ce)
+        grads, norm = optim.clip_by_global_norm(list(grads), clip, parallel.global_sq_norm)
+        reported = parallel.mean_over_dp(reported)
         new_params, state = optim.adamw(params, grads, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
                                         step, lr, betas, eps, weight_decay, mask)
-        return new_params, state["exp_avg"], state["exp_avg_sq"], ce.detach(), norm
+        return new_params, state["exp_avg"], state["exp_avg_sq"], reported.detach(), norm
     return step_fn
 
 
@@ -76,22 +92,22 @@ def op_counts(gm):
 
 
 class GraphStep:
-    """Drop-in for Trainer.eager_step: (inputs, targets, lr) -> (loss, grad norm). Captures the step on
-    first use, then runs the compiled graph. Its ingredients: the model (the code to trace), the
-    optimizer (the parameters it updates, its hyper-parameters and state, which it keeps owning),
-    and how to run: clipping, autocast, the mesh, the backend and the graph passes."""
+    """Drop-in for Trainer.eager_step: (*batch, lr) -> (loss, grad norm). Captures the step on first
+    use, then runs the compiled graph. Its ingredients: the model and the task's loss (the code to
+    trace), the optimizer (the parameters it updates, its hyper-parameters and state, which it keeps
+    owning), and how to run: clipping, autocast, the parallel layout, the backend and the passes."""
 
-    def __init__(self, model, opt, device, *, clip, autocast, dist_ctx=None, backend=None, remat=False,
+    def __init__(self, model, loss_fn, opt, device, *, clip, autocast, parallel=None, backend=None, remat=False,
                  offload=False, split=0, fsdp_passes=()):
         self.backend = backend or ("xla" if dev.is_xla(device) else "fx")
         if self.backend == "xla" and not dev.is_xla(device):
             raise GraphCaptureError("--backend xla needs --device xla (or a TPU)")
-        if dist_ctx is not None and dist_ctx.dp_impl == "fsdp2":
-            raise GraphCaptureError("graph mode under a mesh needs --dp-impl simple (FSDP2's hooks do not trace)")
+        if parallel is not None and parallel.traceable is not None:
+            raise GraphCaptureError(parallel.traceable)
         self.model, self.opt, self.device = model, opt, device
         self.param_names = [n for n, _ in model.named_parameters()]
-        self.step_fn = build_step_fn(model, self.param_names, clip, opt.betas, opt.eps,
-                                     opt.weight_decay, opt.mask, autocast, dist_ctx)
+        self.step_fn = build_step_fn(model, self.param_names, loss_fn, clip, opt.betas, opt.eps,
+                                     opt.weight_decay, opt.mask, autocast, parallel)
         self.remat, self.offload, self.split, self.fsdp_passes = remat, offload, split, tuple(fsdp_passes)
         self.gm = None        # the captured (and transformed) step graph
         self.compiled = None  # what runs it: gm, its stages (split), or inductor's compilation
@@ -123,20 +139,20 @@ class GraphStep:
                                                       if n in gathered)
         return gm
 
-    def args(self, inputs, targets, lr):
-        """The step function's inputs: (params, buffers, AdamW moments, step, lr, batch)."""
+    def args(self, batch, lr):
+        """The step function's inputs: (params, buffers, AdamW moments, step, lr, *batch)."""
         opt = self.opt
         return ([p.detach() for p in opt.params], list(self.model.buffers()), opt.state["exp_avg"],
-                opt.state["exp_avg_sq"], dev.scalar(opt.step_count + 1, self.device), lr, inputs, targets)
+                opt.state["exp_avg_sq"], dev.scalar(opt.step_count + 1, self.device), lr, *batch)
 
-    def __call__(self, inputs, targets, lr):
-        opt = self.opt
-        args = self.args(inputs, targets, lr)
+    def __call__(self, *batch_and_lr):
+        *batch, lr = batch_and_lr
+        args = self.args(batch, lr)
         if self.gm is None:
             self.gm = self.transform(capture(self.step_fn, args))
             run = self.gm if not self.split else graph_passes.SplitStep(self.gm, self.split)
             self.compiled = torch.compile(run, backend="inductor") if self.backend == "inductor" else run
         with torch.no_grad():
-            new_params, exp_avg, exp_avg_sq, ce, norm = self.compiled(*args)
-        opt.commit(new_params, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
-        return ce, norm
+            new_params, exp_avg, exp_avg_sq, reported, norm = self.compiled(*args)
+        self.opt.commit(new_params, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+        return reported, norm

@@ -12,7 +12,7 @@
    (tile, group) pair they touch; `tgmm` is the transposed product for the weight gradient.
 
 Each is a JAX function with a jax.custom_vjp (Pallas forward and backward kernels), registered as a
-PyTorch op by jax_op.py and in model.py's registries as "splash", "fused" and "gmm". Mosaic compiles
+PyTorch op by jax_op.py and named in model.py's tables as "splash", "fused" and "gmm". Mosaic compiles
 them on TPU; everywhere else they run in Pallas interpret mode (one switch: INTERPRET).
 """
 import functools
@@ -24,7 +24,6 @@ import torch
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-import model
 from jax_op import jax_op
 
 INTERPRET = jax.default_backend() != "tpu"
@@ -490,6 +489,3 @@ def gmm(x_MxK, w_GxKxN, group_sizes_G, block_m=128):
     return gmm_jax(x_MxK, w_GxKxN, group_sizes_G, block_m=min(block_m, round_up(x_MxK.shape[0], NUM_SUBLANES)))
 
 
-model.ATTENTION_IMPLS["splash"] = splash_attention
-model.LOSS_IMPLS["fused"] = fused_linear_cross_entropy
-model.GMM_IMPLS["gmm"] = gmm

@@ -24,6 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+
+import expert_parallel
+import fsdp_passes
+import simplefsdp
+import tensor_parallel
+from parallel import Parallel
 
 
 class MeshError(ValueError):
@@ -55,12 +62,27 @@ def parse_mesh(spec):
     return sizes["dcn"], sizes["ici"]
 
 
+# What a collective raises when the process at the other end died or stalled (gloo / NCCL / the
+# store), as opposed to this process's own failure (out of memory, a shape error): told apart so
+# that a rank's own error is not reported as a peer's.
+PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+                      "Timed out", "timed out", "NCCL", "Gloo", "gloo", "ProcessGroup", "recvBytes", "sendBytes")
+
+
+def peer_failure(e):
+    """True if exception `e` (or what DCP wrapped into it) says a peer process died or stalled."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return any(sign in text for sign in PEER_FAILURE_SIGNS)
+
+
 def launched_by_torchrun():
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
-class DistContext:
-    """The mesh and what the trainer asks of it: shard the model, finish gradients, reduce metrics."""
+class TorchrunMesh(Parallel):
+    """One process per device under torchrun; parameters become DTensor shards on the mesh."""
 
     def __init__(self, spec, dp_impl="simple", param_dtype=None, timeout_s=60):
         sizes = mesh_dims(spec)
@@ -72,7 +94,7 @@ class DistContext:
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        super().__init__(torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
         if not dist.is_initialized():
             dist.init_process_group("nccl" if cuda else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout_s))
@@ -81,77 +103,70 @@ class DistContext:
         self.mesh_spec, self.dcn, self.ici, self.tp, self.ep = spec, dcn, ici, tp, ep
         # a tp group reads one batch slice: data-parallel rank = position on (dcn, ici)
         self.global_rank, self.dp_rank, self.dp_size = dist.get_rank(), dist.get_rank() // tp, world // tp
-        self.sq_weights = None
         self.n_devices = world
         self.dp_impl, self.param_dtype = dp_impl, param_dtype
+        self.sq_weights = None  # per parameter: 1 / (ranks holding the same copy), set by parallelize
+        self.graph_passes = fsdp_passes.PASSES if dp_impl == "simple" else ()  # (graph mode's default)
+        if dp_impl == "fsdp2":
+            self.traceable = "graph mode under a mesh needs --dp-impl simple (FSDP2's hooks do not trace)"
 
     @classmethod
     def from_cli(cls, spec, device, dp_impl, param_dtype):
-        """train.py's --mesh / --device / --dp-impl, checked (MeshError: one line, exit 2)."""
+        """train.py's --mesh / --device / --dp-impl (flag combinations were checked by cli.validate)."""
         if not launched_by_torchrun():
             raise MeshError("--mesh needs a torchrun launch, e.g. torchrun --nproc-per-node 2 train.py --mesh ici=2")
-        if device not in ("auto", "cpu", "cuda"):
-            raise MeshError(f"--mesh with --device {device} is not supported (use cpu or cuda)")
         return cls(spec or f"ici={os.environ['WORLD_SIZE']}", dp_impl, param_dtype)
 
-    def shard(self, model):
-        """Parameters become DTensor shards on this mesh: SimpleFSDP (ours) or FSDP2 (the oracle),
-        after tensor parallelism (tensor_parallel.py) when tp > 1."""
+    def model_args(self, args):
+        """Refuse what the layout cannot split; under tp, the loss over the vocabulary split."""
+        for lib, size in ((tensor_parallel, self.tp), (expert_parallel, self.ep)):
+            refusal = lib.check(args, size) if size > 1 else None
+            if refusal:
+                raise MeshError(f"--mesh {self.mesh_spec!r}: {refusal}")
+        return tensor_parallel.config(args) if self.tp > 1 else args
+
+    def parallelize(self, model):
+        """Tensor parallel, then expert parallel, then data parallel (SimpleFSDP, or FSDP2: the oracle)."""
         model = model.to(self.device)
-        mesh = self.mesh["dcn", "ici"] if self.dcn > 1 else self.mesh["ici"]  # 1-D: nothing to replicate
-        tp_mesh = None
-        if (self.tp > 1 or self.ep > 1) and not isinstance(model.layers, torch.nn.ModuleList):
-            raise MeshError(f"--mesh {self.mesh_spec!r}: --scan with tp or ep is not built")
-        if (self.tp > 1 or self.ep > 1) and self.dp_impl != "simple":
-            raise MeshError(f"--mesh {self.mesh_spec!r}: tp and ep are built on --dp-impl simple")
-        if self.tp > 1:
-            import tensor_parallel
-            refusal = tensor_parallel.check(model.args, self.tp)
-            if refusal:
-                raise MeshError(f"--mesh {self.mesh_spec!r}: {refusal}")
-            tp_mesh = self.mesh["tp"]
-            tensor_parallel.parallelize(model, tp_mesh)
-        if self.ep > 1:
-            import expert_parallel
-            refusal = expert_parallel.check(model.args, self.ep)
-            if refusal:
-                raise MeshError(f"--mesh {self.mesh_spec!r}: {refusal}")
-            expert_parallel.parallelize(model, expert_parallel.expert_mesh(self.device.type, dist.get_world_size(), self.ep))
-        if self.dp_impl == "fsdp2":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-            mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
-            for block in (model.layers if isinstance(model.layers, torch.nn.ModuleList) else [model.layers]):
-                fully_shard(block, mesh=mesh, mp_policy=mp)  # (with --scan: all blocks are one unit)
-            # (FSDP2 re-points uneven local shards at each reshard: take fresh `local()` views per step.)
-            return fully_shard(model, mesh=mesh, mp_policy=mp)
-        import simplefsdp
+        tp_mesh = self.mesh["tp"] if self.tp > 1 else None
         if tp_mesh is not None:
-            mesh = self.mesh["dcn", "ici", "tp"] if self.dcn > 1 else self.mesh["ici", "tp"]
-        model = simplefsdp.data_parallel(model, mesh, param_dtype=self.param_dtype, tp_mesh=tp_mesh)
+            tensor_parallel.parallelize(model, tp_mesh)
+        ep_mesh = None
+        if self.ep > 1:
+            ep_mesh = expert_parallel.expert_mesh(self.device.type, dist.get_world_size(), self.ep)
+            expert_parallel.parallelize(model, ep_mesh)
+        dp_mesh = self.mesh["dcn", "ici"] if self.dcn > 1 else self.mesh["ici"]  # 1-D: nothing to replicate
+        if self.dp_impl == "fsdp2":
+            return self._fsdp2(model, dp_mesh)
+        if tp_mesh is not None:
+            dp_mesh = self.mesh["dcn", "ici", "tp"] if self.dcn > 1 else self.mesh["ici", "tp"]
+        model = simplefsdp.data_parallel(model, dp_mesh, param_dtype=self.param_dtype, tp_mesh=tp_mesh,
+                                         expert_mesh=ep_mesh)
         self.sq_weights = [1.0 / _copies(p) for p in model.parameters()]
         return model
+
+    def _fsdp2(self, model, dp_mesh):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+        for block in (model.layers if isinstance(model.layers, torch.nn.ModuleList) else [model.layers]):
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp)  # (with --scan: all blocks are one unit)
+        # (FSDP2 re-points uneven local shards at each reshard: take fresh `local()` views per step.)
+        return fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
     @staticmethod
     def local(tensors):
         """Local shards (plain tensors sharing storage) of DTensors: the optimizer is elementwise,
         so it runs on shards alone; only the gradient norm needs a collective. Inverse: `like`."""
-        return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+        return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
     @staticmethod
     def like(shards, params):
         """Local shards back into DTensors placed like `params` (for DCP and for the traced step)."""
-        from torch.distributed.tensor import DTensor
         return [DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                    stride=p.stride()) for t, p in zip(shards, params)]
 
-    def shard_state(self, state):
-        """(Nothing to do: the optimizer's state is made from local shards, so it is sharded.)"""
-
-    def shard_batch(self, inputs, targets):
-        return inputs, targets  # each rank already read only its rows
-
-    def local_bytes(self, tensors):
-        return sum(t.numel() * t.element_size() for t in self.local(tensors))
+    def place_batch(self, batch):
+        return tuple(t.to(self.device) for t in batch)  # each rank already read only its rows
 
     def grads(self, loss, params):
         """d loss / d params as this rank's averaged gradient shards. SimpleFSDP: ordinary autograd
@@ -165,7 +180,7 @@ class DistContext:
         return self.local(grads)
 
     # Functional collectives (return new tensors): the same code runs eagerly and traces into graphs.
-    def sum_over_shards(self, sq_N):
+    def global_sq_norm(self, sq_N):
         """Per-tensor squared norms of local shards -> the global sum, over all ranks, each tensor's
         weighted 1/(ranks holding the same copy): dcn replicas, tp ranks of an unsplit weight."""
         if self.sq_weights is None:  # FSDP2: every weight sharded over ici, replicated over dcn
@@ -185,7 +200,6 @@ class DistContext:
 
 def _copies(p):
     """How many ranks hold the same local piece of DTensor p: the sizes of its Replicate dims."""
-    from torch.distributed.tensor import Replicate
     n = 1
     for size, placement in zip(p.device_mesh.shape, p.placements):
         n *= size if isinstance(placement, Replicate) else 1

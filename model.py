@@ -8,10 +8,11 @@ top-k router over stacked experts. Parameter names follow the Hugging Face check
 lm_head), so released weights load without permutation (MoE experts are stored stacked, w_ExDxF).
 
 Which implementation runs the three hot spots is chosen by name in ModelArgs (attn_impl, loss_impl,
-moe_impl), looked up in the registries below. kernels_pallas.py registers its Pallas versions there;
+moe_impl), looked up in the tables below (the Pallas kernels of kernels_pallas.py are named there);
 `tpu_config(args)` rewrites a config to use them. The model and trainer never change.
 """
 import dataclasses
+import importlib
 import math
 import typing
 from dataclasses import dataclass
@@ -147,7 +148,7 @@ def tpu_config(args):
 
 
 # --------------------------------------------------------------------------------------------------
-# Reference implementations and their registries. kernels_pallas.py adds the Pallas entries.
+# Reference implementations and the tables naming every implementation
 
 def attention_mask(seq_len, window=None, segment_ids=None, device=None):
     """Boolean (S, S) or (B, S, S) mask, True = may attend: causal, optional sliding window (a query
@@ -192,17 +193,24 @@ def gmm_reference(x_MxK, w_GxKxN, group_sizes_G):
     return torch.cat(out, dim=0) if out else x_MxK.new_zeros(0, w_GxKxN.shape[-1])
 
 
-ATTENTION_IMPLS = {"sdpa": sdpa_attention}
-LOSS_IMPLS = {"plain": plain_cross_entropy}
-GMM_IMPLS = {"reference": gmm_reference}
+# Every implementation by name. The ones living in other files are named "module:function" and
+# imported when first used (those files do not import this one: no cycle, and no file writes into
+# another's table). kernels_pallas.py holds the Pallas kernels; tensor_parallel.py the loss over a
+# vocabulary split across tp ranks (tensor_parallel.config picks it).
+ATTENTION_IMPLS = {"sdpa": sdpa_attention, "splash": "kernels_pallas:splash_attention"}
+LOSS_IMPLS = {"plain": plain_cross_entropy, "fused": "kernels_pallas:fused_linear_cross_entropy",
+              "vocab_parallel": "tensor_parallel:vocab_parallel_cross_entropy"}
+GMM_IMPLS = {"reference": gmm_reference, "gmm": "kernels_pallas:gmm"}
 
 
 def _impl(registry, name, kind):
     if name not in registry:
-        import kernels_pallas  # noqa: F401  (registers splash / fused / gmm on import)
-    if name not in registry:
         raise ValueError(f"unknown {kind} implementation {name!r}; have {sorted(registry)}")
-    return registry[name]
+    fn = registry[name]
+    if isinstance(fn, str):
+        module, attr = fn.split(":")
+        fn = getattr(importlib.import_module(module), attr)
+    return fn
 
 
 # --------------------------------------------------------------------------------------------------
@@ -287,6 +295,11 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), x.new_zeros((), dtype=torch.float32)
 
 
+def run_here(experts, x_MxD, group_sizes_E):
+    """MoE dispatch without expert parallelism: every expert is local."""
+    return experts(x_MxD, group_sizes_E)
+
+
 class MoE(nn.Module):
     """Qwen 3-MoE block: softmax router, top-k, renormalized top-k weights, Switch-style load-balancing
     loss (arXiv 2101.03961). Dispatch: sort the T*k (token, expert) pairs by expert, run each expert's
@@ -300,6 +313,14 @@ class MoE(nn.Module):
         self.w_gate_ExDxF = nn.Parameter(torch.empty(E, D, F_))
         self.w_up_ExDxF = nn.Parameter(torch.empty(E, D, F_))
         self.w_down_ExFxD = nn.Parameter(torch.empty(E, F_, D))
+        self.dispatch = run_here
+
+    def route_through(self, dispatch):
+        """The declared seam for expert parallelism: `dispatch(experts, x_MxD, group_sizes_E)` gets the
+        rows sorted by expert and this module's `experts` (the local grouped matmuls), and returns the
+        rows' outputs in the same order; where the rows are computed is its business
+        (expert_parallel.AllToAll sends them to the ranks that own their experts)."""
+        self.dispatch = dispatch
 
     def forward(self, x_BxSxD):
         a = self.args
@@ -313,7 +334,7 @@ class MoE(nn.Module):
         token_M = order_M // K
         # (bincount's output size depends on the data; scatter_add's does not, so it traces)
         group_sizes_E = expert_M.new_zeros(E).scatter_add(0, expert_M, torch.ones_like(expert_M))
-        y_MxD = self.experts(x_TxD[token_M], group_sizes_E)
+        y_MxD = self.dispatch(self.experts, x_TxD[token_M], group_sizes_E)
         y_MxD = y_MxD * top_w_TxK.reshape(-1)[order_M, None].to(y_MxD.dtype)
         out_TxD = torch.zeros_like(x_TxD).index_add(0, token_M, y_MxD.to(x_TxD.dtype))
         # load balance: E * sum_e (fraction of routed rows to e) * (mean router prob of e)
@@ -322,7 +343,7 @@ class MoE(nn.Module):
 
     def experts(self, x_MxD, group_sizes_E):
         """Each row through its expert's SwiGLU; rows sorted by expert, group_sizes_E rows each (one
-        grouped matmul per weight). expert_parallel.py overrides this to send rows to their experts."""
+        grouped matmul per weight). Under expert parallelism: this rank's experts, on the rows sent to it."""
         gmm = _impl(GMM_IMPLS, self.args.moe_impl, "grouped matmul")
         h_MxF = F.silu(gmm(x_MxD, self.w_gate_ExDxF, group_sizes_E)) * gmm(x_MxD, self.w_up_ExDxF, group_sizes_E)
         return gmm(h_MxF, self.w_down_ExFxD, group_sizes_E)
@@ -403,6 +424,13 @@ class Transformer(nn.Module):
         loss_fn = _impl(LOSS_IMPLS, self.args.loss_impl, "loss")
         ce = loss_fn(h.reshape(-1, h.shape[-1]), self.output_weight(), targets_BxS.reshape(-1))
         return ce, self.args.aux_loss_coef * aux
+
+
+def next_token_loss(model, batch):
+    """The language-model task's loss of a Transformer on batch (inputs, targets), each (B, S):
+    (cross-entropy to report, cross-entropy + MoE load-balancing loss to differentiate)."""
+    ce, aux = model(*batch)  # aux is 0 for dense models
+    return ce, ce + aux
 
 
 def param_counts(args):

@@ -49,6 +49,19 @@ def strict(value):
     return value
 
 
+def read_metrics(path):
+    """The records of path/metrics.jsonl; a last line cut by a crash mid-write is skipped (the
+    records before it are whole: each line is written in one write)."""
+    recs = []
+    with open(os.path.join(path, "metrics.jsonl")) as f:
+        for line in f:
+            try:
+                recs.append(json.loads(line))
+            except ValueError:
+                continue
+    return recs
+
+
 class RunDir:
     def __init__(self, path, rank=0, tensorboard=False):
         self.path, self.rank, self._lock = path, rank, None
@@ -92,8 +105,7 @@ class RunDir:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        with open(os.path.join(self.path, "metrics.jsonl")) as f:
-            recs = [json.loads(line) for line in f]
+        recs = read_metrics(self.path)
         series = {k: [(r["step"], r[k]) for r in recs if r.get(k) is not None and "step" in r]
                   for k in ("loss", "val_loss", "lr")}
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -124,8 +136,8 @@ class RunDir:
 class Watchdog:
     """`beat(where)` after every unit of progress; no beat for timeout_s -> one line, exit code."""
 
-    def __init__(self, timeout_s, rank, exit_code=4):
-        self.timeout_s, self.rank, self.exit_code = timeout_s, rank, exit_code
+    def __init__(self, timeout_s, rank, exit_code=4, peers=True):
+        self.timeout_s, self.rank, self.exit_code, self.peers = timeout_s, rank, exit_code, peers
         self.where, self.last = "start-up", time.monotonic()
         self._stop = threading.Event()
         if timeout_s > 0:
@@ -138,8 +150,10 @@ class Watchdog:
         while not self._stop.wait(min(1.0, self.timeout_s / 4)):
             stalled = time.monotonic() - self.last
             if stalled > self.timeout_s:
-                sys.stderr.write(f"error: rank {self.rank}: no progress for {stalled:.0f} s in {self.where} "
-                                 f"(--watchdog {self.timeout_s:g}); a peer is probably stalled; stopping\n")
+                who, why = ((f"rank {self.rank}: ", "a peer is probably stalled") if self.peers else
+                            ("", "the process is stuck or too slow (raise --watchdog for long compiles)"))
+                sys.stderr.write(f"error: {who}no progress for {stalled:.0f} s in {self.where} "
+                                 f"(--watchdog {self.timeout_s:g}); {why}; stopping\n")
                 sys.stderr.flush()
                 os._exit(self.exit_code)  # the main thread is stuck in C++: no unwinding possible
 

@@ -30,6 +30,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from layer_scan import StackedLayers
+from model import MoE
+
 c10d = torch.ops._c10d_functional
 
 _ACTIVE = [True]
@@ -79,36 +82,41 @@ def _placements(p, dp_ndim, tp_mesh):
     return full, [Replicate()] * (dp_ndim - 1) + [Shard(fsdp_dim), tp]
 
 
-def data_parallel(model, mesh, param_dtype=None, tp_mesh=None):
+def data_parallel(model, mesh, param_dtype=None, tp_mesh=None, expert_mesh=None):
     """Shard every parameter of `model` over `mesh` (dims ("dcn", "ici"), then "tp" when tp_mesh is
-    given and tensor_parallel.py has made the planned weights DTensors on it) in place."""
+    given and tensor_parallel.py has made the planned weights DTensors on it) in place. Two kinds of
+    module are placed their own way, recognised by their declared types: a --scan stack
+    (layer_scan.StackedLayers: the scan gathers one layer at a time) and, when `expert_mesh` is given
+    (expert_parallel.py routed the MoE blocks over it), the experts of a model.MoE block."""
     placements = [Replicate(), Shard(0)] if mesh.ndim - (tp_mesh is not None) == 2 else [Shard(0)]
     classes = {}
     for module in model.modules():
         names = [n for n, p in module._parameters.items() if p is not None]
         if not names:
             continue
-        if hasattr(module, "gather_per_layer"):  # a --scan stack: the scan gathers (LayerGather)
+        if isinstance(module, StackedLayers):
             _shard_per_layer(module, mesh, placements[:-1], param_dtype)
             continue
-        if hasattr(module, "expert_mesh"):  # expert_parallel.py's MoE: experts split over ep
-            _shard_experts(module, param_dtype)
+        if expert_mesh is not None and isinstance(module, MoE):
+            _shard_experts(module, expert_mesh, param_dtype)  # (its router `gate` is a child: below)
             continue
         planned = tuple(isinstance(module._parameters[n], DTensor) for n in names)  # by tensor_parallel.py
         for name in names:
             p = module._parameters[name]
             full, where = _placements(p, len(placements), tp_mesh)
             module._parameters[name] = nn.Parameter(distribute_tensor(full, mesh, where), requires_grad=p.requires_grad)
-        key = (module.__class__, tuple(names), planned)
-        if key not in classes:  # one subclass per (class, parameter names), shared by its instances
-            props = {n: _property(n, param_dtype, tp_mesh, tp) for n, tp in zip(names, planned)}
-            classes[key] = type(f"SimpleFSDP{module.__class__.__name__}", (module.__class__,), props)
-        module.__class__ = classes[key]
+        _add_properties(module, classes, {n: _property(n, param_dtype, tp_mesh, tp) for n, tp in zip(names, planned)},
+                        (tuple(names), planned))
     return model
 
 
-def is_sharded(param):
-    return isinstance(param, DTensor)
+def _add_properties(module, classes, props, key):
+    """SimpleFSDP's parametrization: the module's class becomes a subclass whose parameter names
+    are properties (one subclass per (class, parameter names), shared by its instances)."""
+    key = (module.__class__, key)
+    if key not in classes:
+        classes[key] = type(f"SimpleFSDP{module.__class__.__name__}", (module.__class__,), props)
+    module.__class__ = classes[key]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -207,12 +215,11 @@ def _expert_property(name, param_dtype, ep):
     return property(get)
 
 
-def _shard_experts(moe, param_dtype):
-    mesh = moe.expert_mesh  # ("efsdp", "ep")
+def _shard_experts(moe, mesh, param_dtype):
+    """mesh: ("efsdp", "ep"); expert weights Shard(1) over efsdp, Shard(0) (the expert dim) over ep."""
     names = [n for n, p in moe._parameters.items() if p is not None]
     for name in names:
         p = moe._parameters[name]
         moe._parameters[name] = nn.Parameter(distribute_tensor(p.data, mesh, [Shard(1), Shard(0)]),
                                              requires_grad=p.requires_grad)
-    props = {n: _expert_property(n, param_dtype, mesh.size(1)) for n in names}
-    moe.__class__ = type(f"SimpleFSDP{moe.__class__.__name__}", (moe.__class__,), props)
+    _add_properties(moe, {}, {n: _expert_property(n, param_dtype, mesh.size(1)) for n in names}, tuple(names))

@@ -20,26 +20,24 @@ pod slice (ICI inside a slice, DCN across). Checkpoints are written as full tens
 process (DCP, like a single-process run); a multi-host pod would use torch_xla's SPMD planners.
 The Pallas kernels under SPMD would need manual sharding around the custom call: refused for now.
 """
-import os
-
 import numpy as np
-import torch
 
 import device as dev
 import mesh as mesh_lib
+from layer_scan import StackedLayers
+from parallel import Parallel
 
 
-class SpmdContext:
-    """What train.py asks of a mesh (see mesh.DistContext), for one process driving all devices."""
-    dp_impl, dp_rank, dp_size, global_rank = "spmd", 0, 1, 0  # one process reads the global batch
-    sum_over_shards = None  # tensors are global: a norm over them is already the global norm
+class XlaSpmd(Parallel):
+    """One process driving every XLA device (parallel.Parallel's interface): global tensors carry
+    partition specs, so gradients, norms and losses are already global and need no reduction."""
 
     def __init__(self, spec):
         import torch_xla
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
         dcn, ici = mesh_lib.parse_mesh(spec)
-        os.environ.setdefault("PJRT_DEVICE", "CPU")
+        dev.default_to_xla_cpu()
         xr.use_spmd()  # before any XLA tensor exists: from here on there is one logical device
         n = xr.global_runtime_device_count()
         if dcn * ici != n:
@@ -49,10 +47,10 @@ class SpmdContext:
             self.mesh = xs.HybridMesh(ici_mesh_shape=(1, ici), dcn_mesh_shape=(dcn, 1), axis_names=("dcn", "ici"))
         else:
             self.mesh = xs.Mesh(np.arange(n), (dcn, ici), ("dcn", "ici"))
-        self.xs, self.device = xs, torch_xla.device()
+        super().__init__(torch_xla.device())
+        self.xs = xs
         self.mesh_spec, self.n_devices, self.ici = f"xla-spmd {spec}", n, ici
 
-    # -- placement ----------------------------------------------------------------------------
     def spec(self, t, stacked=False):
         """Partition spec: one dim over ici (FSDP), the rest whole; replicated over dcn. Dim 0, unless
         another divides evenly where it does not. A --scan weight (L, out, in) is never split on the
@@ -62,10 +60,9 @@ class SpmdContext:
         dim = next((d for d in dims if t.shape[d] % self.ici == 0), dims[0])
         return tuple("ici" if d == dim else None for d in range(t.dim()))
 
-    def shard(self, model):
-        import layer_scan
+    def parallelize(self, model):
         model = model.to(self.device)
-        stack = model.layers if isinstance(model.layers, layer_scan.StackedLayers) else None
+        stack = model.layers if isinstance(model.layers, StackedLayers) else None
         params = list(model.parameters())
         self.specs = [self.spec(p, stacked=stack is not None and any(p is q for q in stack.parameters()))
                       for p in params]
@@ -78,16 +75,18 @@ class SpmdContext:
             self.xs.mark_sharding(t, self.mesh, spec)
         return tensors
 
-    def shard_state(self, state):
-        """AdamW's moments like their parameters (zeros_like does not carry the spec)."""
+    def place_state(self, state):
+        """AdamW's moments like their parameters (zeros_like does not carry the spec); after a
+        checkpoint restore, the parameters too (a copy from the host leaves a tensor replicated)."""
         for tensors in state.values():
             self.mark(tensors)
 
-    def shard_batch(self, inputs, targets):
-        """The global batch split over every data-parallel device (dcn x ici), sequence whole."""
-        for t in (inputs, targets):
-            self.xs.mark_sharding(t, self.mesh, (("dcn", "ici"), None))
-        return inputs, targets
+    def place_batch(self, batch):
+        """The global batch split over every data-parallel device (dcn x ici), the rest whole."""
+        batch = tuple(t.to(self.device) for t in batch)
+        for t in batch:
+            self.xs.mark_sharding(t, self.mesh, (("dcn", "ici"),) + (None,) * (t.dim() - 1))
+        return batch
 
     def local_bytes(self, tensors):
         """Bytes one device holds of `tensors`, from the live shards' shapes."""
@@ -95,23 +94,3 @@ class SpmdContext:
         dev.wait(self.device)  # the shards must exist: reading them during an async transfer fails
         shards = torch_xla._XLAC._get_local_shards(list(tensors))
         return sum(s[0][0].numel() * s[0][0].element_size() for s in shards)
-
-    # -- the DistContext interface: global tensors need no wrapping or reduction --------------
-    @staticmethod
-    def local(tensors):
-        return list(tensors)
-
-    @staticmethod
-    def like(tensors, params):
-        return list(tensors)
-
-    @staticmethod
-    def grads(loss, params):
-        return list(torch.autograd.grad(loss, params))
-
-    @staticmethod
-    def mean_over_dp(x):
-        return x.detach()
-
-    def close(self):
-        pass

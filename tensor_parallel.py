@@ -30,7 +30,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-import model as model_lib
+
+
+def config(args):
+    """The config rewrite for tp > 1 (as model.tpu_config is for the Pallas kernels): the loss over
+    the head's vocabulary split, `vocab_parallel_cross_entropy` below (model.LOSS_IMPLS names it)."""
+    return dataclasses.replace(args, loss_impl="vocab_parallel")
 
 
 def check(args, tp):
@@ -95,8 +100,6 @@ def _rows(w):
     return rank * rows, (rank + 1) * rows
 
 
-model_lib.LOSS_IMPLS["vocab_parallel"] = vocab_parallel_cross_entropy
-
 
 def parallelize(model, tp_mesh):
     """Apply the plan in place; weights become DTensors on tp_mesh. Returns the model."""
@@ -106,8 +109,7 @@ def parallelize(model, tp_mesh):
         **({} if model.lm_head is None else {"lm_head": ColwiseParallel()}),  # (only its weight is read)
     })
     model.norm.register_forward_hook(_gather_sequence)  # the loss sees the whole sequence
-    # the config rewrite that swaps the loss for the split head (as model.tpu_config swaps kernels)
-    model.args = dataclasses.replace(model.args, loss_impl="vocab_parallel")
+    assert model.args.loss_impl == "vocab_parallel", "build the model from tensor_parallel.config(args)"
     for block in model.layers:
         parallelize_module(block, tp_mesh, block_plan(model.args.qk_norm))
     return model

@@ -75,7 +75,7 @@ def _main(argv):
 
 def _trainer(corpus, tmp_path, *extra):
     import train
-    cfg = train.build_parser().parse_args([*TINY, "--data", corpus, "--steps", "20", "--ckpt-interval", "0",
+    cfg = train.parse_config([*TINY, "--data", corpus, "--steps", "20", "--ckpt-interval", "0",
                                            "--eval-batches", "0", "--out-dir", str(tmp_path / "r"), *extra])
     return train.Trainer(cfg)
 
@@ -84,7 +84,7 @@ def _train_losses(trainer, steps=20):
     import optim as o
     out = []
     for i in range(1, steps + 1):
-        x, y = trainer.batches.get(i)
+        x, y = trainer.task.batch(i)
         ce, _ = trainer.step_fn(x, y, torch.tensor(o.lr_at(i, trainer.cfg.lr, trainer.cfg.warmup, steps)))
         out.append(ce.item())
     return out
@@ -103,8 +103,8 @@ def _full_params(ckpt_dir, args, name=None):
     """Load a (possibly sharded) checkpoint into full, plain tensors in this process."""
     import checkpoint
     import train
-    cfg = train.build_parser().parse_args(args)
-    state = {"model": Transformer(train.model_args_from(cfg)).state_dict()}
+    cfg = train.parse_config(args)
+    state = {"model": Transformer(train.model_args(cfg)).state_dict()}
     path = os.path.join(ckpt_dir, name) if name else checkpoint.find_resumable(ckpt_dir)[0]
     return checkpoint.load(path, state)["model"]
 
@@ -545,7 +545,7 @@ def test_bad_input_in_a_real_process_has_no_traceback(tmp_path):
 
 def test_set_parses_each_field_by_its_declared_type():
     import train
-    parse = lambda *sets: train.model_args_from(train.build_parser().parse_args([x for s in sets for x in ("--set", s)]))
+    parse = lambda *sets: train.model_args(train.parse_config([x for s in sets for x in ("--set", s)]))
     args = parse("rope_scaling=8,1,4,8192", "head_dim=none", "qk_norm=true", "norm_eps=1e-6", "n_layers=3")
     assert args.rope_scaling == (8, 1, 4, 8192) and args.head_dim is None and args.qk_norm is True
     assert args.norm_eps == 1e-6 and args.n_layers == 3
@@ -1016,8 +1016,8 @@ def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, ex
     import dryrun
     import mesh as mesh_lib
     import train
-    cfg = train.build_parser().parse_args([*common, *extra])
-    report = dryrun.dry_run(train.model_args_from(cfg), flavor, mesh_lib.mesh_dims(mesh), cfg.batch_size, cfg.seq_len,
+    cfg = train.parse_config([*common, *extra])
+    report = dryrun.dry_run(train.model_args(cfg), flavor, mesh_lib.mesh_dims(mesh), cfg.batch_size, cfg.seq_len,
                             "tpu_v5p", remat=False)
     assert report["memory_bytes"]["params (fp32 shard)"] == start["param_bytes_local"]
     assert report["memory_bytes"]["AdamW state (fp32 shard)"] == start["optim_bytes_local"]
@@ -1132,7 +1132,7 @@ def child_simplefsdp_fx():
     from torch.fx.experimental.proxy_tensor import make_fx
     import mesh
     import simplefsdp
-    ctx = mesh.DistContext("ici=2")
+    ctx = mesh.TorchrunMesh("ici=2")
     torch.manual_seed(0)
     model = simplefsdp.data_parallel(torch.nn.Sequential(torch.nn.Linear(8, 7, bias=False),
                                                          torch.nn.Linear(7, 3, bias=False)), ctx.mesh["ici"])
@@ -1188,13 +1188,12 @@ def child_spmd_steps(*argv):
     import device
     import spmd
     import train
-    cfg = train.build_parser().parse_args(argv)
-    ctx = spmd.SpmdContext(cfg.mesh)
+    cfg = train.parse_config(argv)
+    ctx = spmd.XlaSpmd(cfg.mesh)
     tr = train.Trainer(cfg, ctx)
     out, compiles = [], []
     for i in range(1, cfg.steps + 1):
-        x, y = tr.batches.get(i)
-        ce, _ = tr.step_fn(*tr.place(x, y), device.scalar(optim.lr_at(i, cfg.lr, cfg.warmup, cfg.steps), tr.device))
+        ce, _ = tr.step_fn(*ctx.place_batch(tr.task.batch(i)), device.scalar(optim.lr_at(i, cfg.lr, cfg.warmup, cfg.steps), tr.device))
         torch_xla.sync()
         out.append(ce.item())
         compiles.append(met.metric_data("CompileTime")[0])
@@ -1319,11 +1318,11 @@ def child_xla_graph_steps(*argv):
     import torch_xla.debug.metrics as met
     import device
     import train
-    cfg = train.build_parser().parse_args(argv)
+    cfg = train.parse_config(argv)
     tr = train.Trainer(cfg)
     out, compiles = [], []
     for i in range(1, 9):
-        x, y = tr.batches.get(i)
+        x, y = tr.task.batch(i)
         ce, _ = tr.step_fn(x.to(tr.device), y.to(tr.device), device.scalar(optim.lr_at(i, cfg.lr, cfg.warmup, 8), tr.device))
         torch_xla.sync()
         out.append(ce.item())
@@ -1424,16 +1423,16 @@ def child_fsdp_live_bytes(*argv):
     import graph_passes
     import mesh
     import train
-    cfg = train.build_parser().parse_args(argv)
-    tr = train.Trainer(cfg, mesh.DistContext.from_cli(cfg.mesh, cfg.device, cfg.dp_impl, None))
-    x, y = tr.batches.get(1, tr.rank)
-    args = tr.step_fn.args(x, y, torch.tensor(1e-4))
+    cfg = train.parse_config(argv)
+    tr = train.Trainer(cfg)
+    x, y = tr.task.batch(1)
+    args = tr.step_fn.args((x, y), torch.tensor(1e-4))
     tr.step_fn(x, y, torch.tensor(1e-4))  # captures and transforms the graph
     gm = tr.step_fn.gm
     end = graph_passes._marker_index(gm)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     peak = graph_passes.peak_live_bytes(gm, args, until=lambda n: order[n] > end and "_foreach" in str(n.target))
-    if tr.dist.global_rank == 0:
+    if tr.parallel.writes_files:
         print(json.dumps({"peak": peak}))
 
 
@@ -1607,19 +1606,19 @@ def child_step_transient_bytes(*argv):
     import device as dev
     import mesh
     import train
-    cfg = train.build_parser().parse_args(argv)
-    tr = train.Trainer(cfg, mesh.DistContext.from_cli(cfg.mesh, cfg.device, cfg.dp_impl, None))
+    cfg = train.parse_config(argv)
+    tr = train.Trainer(cfg)
     for step in (1, 2):  # the first warms up (traces the block's vjp, fills the allocator's caches)
-        x, y = tr.batches.get(step, tr.rank)
+        x, y = tr.task.batch(step)
         gc.collect()
         dev.reset_peak_memory("cpu")
         before = _rss_bytes()
         ce, aux = tr.model(x, y)
         forward = dev.host_peak_rss_bytes() - before
-        grads = tr.dist.grads(ce + aux, tr.params)
+        grads = tr.parallel.grads(ce + aux, tr.params)
         transient = dev.host_peak_rss_bytes() - before - sum(g.numel() * g.element_size() for g in grads)
         del ce, aux, grads
-    if tr.dist.global_rank == 0:
+    if tr.parallel.writes_files:
         print(json.dumps({"transient": transient, "forward": forward}))
 
 

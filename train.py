@@ -1,19 +1,20 @@
-"""train.py: one CLI that trains Llama 3 / Qwen 3 / Qwen 3-MoE flavors on byte-level text.
+"""train.py: the one trainer, for every workload (task.py) on every parallel layout (parallel.py).
 
     python train.py                                  # llama3_debug on the Python stdlib, eager, CPU
     python train.py --device xla                     # the same through torch_xla (XLA:CPU here)
     python train.py --flavor qwen3_moe_debug --kernels pallas
 
 `--mode` is the optimization ladder: eager (plain loop) -> compile (each block torch.compile'd) ->
-graph (the whole step, optimizer included, as one traced graph: graph_trainer.py). Every bad input
-ends in one `error: ...` line and exit code 2; a NaN/Inf loss, gradient norm or validation loss stops
-the run with exit code 3 before anything non-finite is saved; a stalled peer ends it with exit code 4
-(rundir.Watchdog); a failed write (disk full) with exit code 5. The last good checkpoint always stays.
+graph (the whole step, optimizer included, as one traced graph: graph_trainer.py). Exit codes: 2 bad
+input (one `error:` line, nothing written); 3 a NaN/Inf loss, gradient norm or validation loss (before
+anything non-finite is saved); 4 a peer process died or stalled (rundir.Watchdog); 5 a failed write
+(disk full); 1 this process failed by itself (out of memory, named in one line); 130 / 143 interrupted
+(SIGINT / SIGTERM). The last good checkpoint always stays.
 """
 import contextlib
-import dataclasses
 import math
 import os
+import signal
 import sys
 import time
 
@@ -28,101 +29,106 @@ import hf
 import mesh
 import optim
 import rundir
-from model import Transformer, dynamic_shapes_reason, flops_per_token, param_counts
+import task as tasks
+from cli import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED,  # noqa: F401
+                 RESUME_CHECKED, ConfigError, error_line, parse_config)
+from model import param_counts
+from parallel import Parallel
 
-from cli import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, RESUME_CHECKED,  # noqa: F401
-                 ConfigError, build_parser, error_line, model_args_from, validate)
+TASKS = {"lm": tasks.LanguageModel}
+
+
+def model_args(cfg):
+    """The model config the task builds for `cfg` (before any layout's rewrite)."""
+    return TASKS[cfg.task](cfg).args
+
+
+def choose_parallel(cfg):
+    """The layout the command line asks for: XLA SPMD for --mesh on XLA without torchrun (one process
+    drives every device), a torchrun mesh under torchrun, else one device."""
+    if cfg.mesh and not mesh.launched_by_torchrun() and (cfg.device == "xla" or dev.pjrt_is_tpu()):
+        import spmd
+        return spmd.XlaSpmd(cfg.mesh)
+    if cfg.mesh or mesh.launched_by_torchrun():
+        return mesh.TorchrunMesh.from_cli(cfg.mesh, cfg.device, cfg.dp_impl,
+                                          torch.bfloat16 if cfg.dtype == "bf16" else None)
+    return Parallel(dev.pick_device(cfg.device))
 
 
 class Trainer:
-    """Holds model, optimizer state and data; `run()` is the loop. Rank/world come from the mesh
-    context: mesh.py under torchrun (SimpleFSDP / FSDP2), spmd.py for one process over all XLA
-    devices (rank 0 of 1, reading the global batch); a single process is rank 0 of 1."""
+    """What every workload shares: model building through the layout, AdamW, schedule, clipping,
+    checkpoints, the run directory, watchdog, logging, MFU. `run()` is the loop."""
 
-    def __init__(self, cfg, dist_ctx=None):
-        validate(cfg)
-        self.cfg = cfg
-        self.model_args = model_args_from(cfg)
-        self.dist = dist_ctx
-        self.rank, self.world = (dist_ctx.dp_rank, dist_ctx.dp_size) if dist_ctx else (0, 1)
-        self.n_devices = dist_ctx.n_devices if dist_ctx else 1  # (SPMD: one process, many devices)
-        if cfg.batch_size % self.world:
-            raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {self.world} data-parallel ranks")
-        self.device = dev.pick_device(cfg.device) if dist_ctx is None else dist_ctx.device
+    def __init__(self, cfg, parallel=None):
+        self.cfg, self.parallel = cfg, parallel or choose_parallel(cfg)
+        self.device = self.parallel.device
+        dp = self.parallel.dp_size
+        if cfg.batch_size % dp:
+            raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {dp} data-parallel ranks")
         self.out_dir = cfg.out_dir or os.path.join("runs", f"{cfg.flavor}-{time.strftime('%Y%m%d-%H%M%S')}")
         rundir.check_writable(self.out_dir)
-        self.notes = []  # one-line remarks printed at start (the user should know, nothing is wrong)
-        fingerprint = self.load_data()
+        self.task = TASKS[cfg.task](cfg)
+        self.task.setup_data(self.parallel.dp_rank, dp)
+        self.model_args = self.parallel.model_args(self.task.args)
+        self.notes = list(self.task.notes)
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
-        self.meta = self.run_meta(fingerprint)
-        resume_from, note = checkpoint.choose(self.ckpt_dir, self.cfg.resume, self.cfg.resume_from, self.meta,
-                                              set(self.cfg.allow_change.split(",")))
+        self.meta = self.run_meta()
+        self.resume_from, note = checkpoint.choose(self.ckpt_dir, cfg.resume, cfg.resume_from, self.meta,
+                                                   set(cfg.allow_change.split(",")))
         self.notes += [f"note: {note}"] if note else []
-        need = 16 * param_counts(self.model_args)[0] / self.n_devices  # fp32 weights, grads, 2 AdamW moments
-        dev.check_fits(need, self.device, "the model's weights, gradients and AdamW state (16 bytes a parameter)")
-        self.model = self.build_model(resume_from)
-        self.params = [p for p in self.model.parameters()]
+        self.check_memory()
+        self.model = self.build_model()
+        self.params = list(self.model.parameters())
         self.param_names = [n for n, _ in self.model.named_parameters()]
         # The optimizer works on local shards (plain tensors sharing the parameters' storage).
-        self.opt = optim.AdamW(dist_ctx.local(self.params) if dist_ctx else self.params, self.param_names,
-                               weight_decay=cfg.weight_decay)
-        if dist_ctx:
-            dist_ctx.shard_state(self.opt.state)
+        self.opt = optim.AdamW(self.parallel.local(self.params), self.param_names, weight_decay=cfg.weight_decay)
+        self.parallel.place_state(self.opt.state)
         self.step = 0
-        self.resume_from = resume_from
-        if resume_from:
-            self.restore(resume_from)
-        self.flops_per_token = flops_per_token(self.model_args, cfg.seq_len)
+        if self.resume_from:
+            self.restore(self.resume_from)
+        self.flops_per_step = self.task.flops_per_step(self.model_args)
         self.peak, self.peak_label = dev.peak_flops(self.device)
         dev.sync(self.device)  # XLA: parameters and AdamW state become device data before step 1, so
         self.step_fn = self.make_step_fn()  # step 1 builds the same program as every later step
 
-    def load_data(self):
-        """Training batches and this rank's validation batches; returns the corpus fingerprint."""
-        cfg = self.cfg
-        train, val = data.load_corpus(cfg.data)
-        if cfg.tokenizer:  # token ids instead of bytes (tokenized once, cached)
-            train, val, vocab = data.tokenize(train, val, cfg.tokenizer)
-            if vocab > self.model_args.vocab_size:
-                raise ConfigError(f"--tokenizer has {vocab} tokens, the model's vocab_size is {self.model_args.vocab_size}")
-        self.batches = data.Batches(train, cfg.batch_size, cfg.seq_len, cfg.seed, self.world)
-        self.val = data.eval_batches(val, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches, self.rank, self.world)
-        if cfg.eval_batches and not self.val:
-            self.notes.append(f"note: validation skipped: the validation split has {len(val)} tokens, "
-                              f"fewer than --seq-len + 2 = {cfg.seq_len + 2}")
-        return data.fingerprint(train, val)
-
-    def run_meta(self, fingerprint):
+    def run_meta(self):
         """What a checkpoint records of the run, and a resume must match (checkpoint.check_compatible)."""
         cfg = self.cfg
-        meta = {"flavor": f"hf:{os.path.abspath(cfg.init_from)}" if cfg.init_from else cfg.flavor,
-                "model_args": dataclasses.asdict(self.model_args), "mesh": self.dist.mesh_spec if self.dist else None,
-                "train": {**{k: getattr(cfg, k) for k in RESUME_CHECKED}, "data": fingerprint}}
-        for key in ("attn_impl", "loss_impl", "moe_impl"):  # implementations may change across resumes
-            meta["model_args"].pop(key)
+        meta = {"flavor": tasks.flavor_label(cfg), "task": cfg.task, "model_args": tasks.model_dict(self.model_args),
+                "mesh": self.parallel.mesh_spec,
+                "train": {**{k: getattr(cfg, k) for k in RESUME_CHECKED}, **self.task.meta()}}
+        meta["tokenizer"] = meta["train"].pop("tokenizer", None)  # (recorded for generate.py, not compared)
         if cfg.scan:
             meta["layers"] = "stacked"
         return meta
 
-    def build_model(self, resume_from):
-        """The model, initialized (seeded, or --init-from), maybe stacked (--scan), placed or sharded."""
-        cfg, dist_ctx = self.cfg, self.dist
-        dynamic = dynamic_shapes_reason(self.model_args)
+    def check_memory(self):
+        """Weights, gradients, AdamW state and the batch's activations must fit: refused before
+        anything is allocated or written (what the dry run estimates at full scale)."""
+        local_batch = self.cfg.batch_size // self.parallel.dp_size
+        weights = 16 * param_counts(self.model_args)[0] / self.parallel.n_devices  # fp32 w, grad, 2 moments
+        acts = self.task.activation_bytes(self.model_args, local_batch, dev.free_memory_bytes(self.device))
+        dev.check_fits(weights + acts, self.device, "the model's weights, gradients and AdamW state (16 bytes a "
+                       f"parameter) and the activations of {local_batch} sequences")
+
+    def build_model(self):
+        """The model, initialized (seeded, or --init-from), maybe stacked (--scan), then parallelized."""
+        cfg = self.cfg
+        dynamic = self.task.dynamic_shapes_reason(self.model_args)
         if dynamic and (cfg.mode == "graph" or cfg.scan):
             raise ConfigError(f"{'--scan' if cfg.scan else 'graph mode'} traces ahead of time; {dynamic}")
         dev.seed_all(cfg.seed)
-        model = Transformer(self.model_args)
-        # --init-from: one process (or --scan, whose stacking renames weights) reads every weight;
-        # under a mesh each rank reads only the rows of its shards, after sharding below.
-        hf_now = cfg.init_from and not resume_from and (dist_ctx is None or cfg.scan)
-        if hf_now:
-            hf.load_into(model, cfg.init_from)
+        model = self.task.build_model(self.model_args)
+        pretrained = not self.resume_from
         if cfg.scan:
+            if pretrained:  # (stacking renames the weights: load them first)
+                self.task.load_pretrained(model)
             import layer_scan
             model = layer_scan.stack_layers(model)
-        model = dist_ctx.shard(model) if dist_ctx else model.to(self.device)
-        if cfg.init_from and not resume_from and not hf_now:
-            hf.load_into(model, cfg.init_from)
+        model = self.parallel.parallelize(model)
+        if pretrained and not cfg.scan:  # under a mesh each rank reads only its own pieces
+            self.task.load_pretrained(model)
+            self.parallel.place_state({"params": list(model.parameters())})
         return model
 
     # ---------------------------------------------------------------------------------------------
@@ -134,53 +140,42 @@ class Trainer:
     def make_step_fn(self):
         cfg = self.cfg
         if cfg.mode == "graph":
-            return graph_trainer.GraphStep(self.model, self.opt, self.device, clip=cfg.clip, autocast=self.autocast,
-                                           dist_ctx=self.dist, backend=cfg.backend, remat=cfg.remat,
-                                           offload=cfg.offload, split=cfg.split,
-                                           fsdp_passes=fsdp_passes.chosen(cfg.fsdp_passes, self.dist))
-        if self.cfg.mode == "compile":
+            return graph_trainer.GraphStep(self.model, self.task.loss, self.opt, self.device, clip=cfg.clip,
+                                           autocast=self.autocast, parallel=self.parallel, backend=cfg.backend,
+                                           remat=cfg.remat, offload=cfg.offload, split=cfg.split,
+                                           fsdp_passes=fsdp_passes.chosen(cfg.fsdp_passes, self.parallel.graph_passes))
+        if cfg.mode == "compile":
             backend = "openxla" if dev.is_xla(self.device) else "inductor"
             for layer in self.model.layers:
                 layer.compile(backend=backend)
         return self.eager_step
 
-    def eager_step(self, inputs, targets, lr):
+    def eager_step(self, *batch_and_lr):
+        *batch, lr = batch_and_lr
         with self.autocast():
-            ce, aux = self.model(inputs, targets)
-        if self.dist:  # gradients arrive as averaged shards; the loss is averaged for logging
-            grads = self.dist.grads(ce + aux, self.params)
-            reduce_sq, ce = self.dist.sum_over_shards, self.dist.mean_over_dp(ce)
-        else:
-            grads, reduce_sq = torch.autograd.grad(ce + aux, self.params), None
-        ce = ce.detach()
-        grads, norm = optim.clip_by_global_norm(grads, self.cfg.clip, reduce_sq)
+            reported, loss = self.task.loss(self.model, batch)
+        grads = self.parallel.grads(loss, self.params)  # (under a mesh: averaged local shards)
+        grads, norm = optim.clip_by_global_norm(grads, self.cfg.clip, self.parallel.global_sq_norm)
         step = dev.scalar(self.opt.step_count + 1, self.device) if dev.is_xla(self.device) else None
-        self.opt.step(grads, lr, self.dist.local(self.params) if self.dist else None, step)
-        return ce, norm
-
-    def place(self, inputs, targets):
-        """A batch on the device (SPMD: split over the data-parallel devices)."""
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
-        return self.dist.shard_batch(inputs, targets) if self.dist else (inputs, targets)
+        self.opt.step(grads, lr, self.parallel.local(self.params), step)
+        return self.parallel.mean_over_dp(reported), norm
 
     @torch.no_grad()
     def evaluate(self):
-        if not self.val:
-            return float("nan")
         total = torch.zeros((), device=self.device)
-        for inputs, targets in self.val:
+        for i, batch in enumerate(self.task.val_batches):
+            self.watchdog.beat(f"evaluation batch {i + 1} at step {self.step}")
             with self.autocast():
-                ce, _ = self.model(*self.place(inputs, targets))
-            total = total + ce.float()
-        if self.dist:
-            total = self.dist.mean_over_dp(total)
+                reported, _ = self.task.loss(self.model, self.parallel.place_batch(batch))
+            total = total + reported.float()
+        total = self.parallel.mean_over_dp(total)
         dev.sync(self.device)
-        return total.item() / len(self.val)
+        return total.item() / len(self.task.val_batches)
 
     # ---------------------------------------------------------------------------------------------
     def state(self):
         def named(tensors):  # optimizer shards as DTensors like their parameters, so DCP shards them
-            return dict(zip(self.param_names, self.dist.like(tensors, self.params) if self.dist else tensors))
+            return dict(zip(self.param_names, self.parallel.like(tensors, self.params)))
         return {"model": self.model.state_dict(),
                 "optim": {"exp_avg": named(self.opt.state["exp_avg"]),
                           "exp_avg_sq": named(self.opt.state["exp_avg_sq"])},
@@ -198,15 +193,14 @@ class Trainer:
             for kind in ("exp_avg", "exp_avg_sq"):
                 for name, tensor in live["optim"][kind].items():
                     tensor.copy_(host["optim"][kind][name])
-        if self.dist:  # SPMD: a copy from the host leaves a tensor replicated; mark it again
-            self.dist.shard_state({"params": self.params, **self.opt.state})
+        self.parallel.place_state({"params": self.params, **self.opt.state})  # (SPMD: copies from the host)
         self.step = int(host["step"])
         self.opt.step_count = self.step
         torch.set_rng_state(host["rng"])
 
     # ---------------------------------------------------------------------------------------------
     def log(self, record, line, to_stderr=False):
-        if self.rank != 0 or (self.dist and self.dist.global_rank != 0):
+        if not self.parallel.writes_files:
             return
         print(line, file=sys.stderr if to_stderr else sys.stdout, flush=True)
         self.run_dir.append_metrics(record)
@@ -218,8 +212,9 @@ class Trainer:
         return EXIT_NONFINITE
 
     def run(self):
-        self.run_dir = rundir.RunDir(self.out_dir, self.dist.global_rank if self.dist else 0, self.cfg.tensorboard).open()
-        self.watchdog = rundir.Watchdog(self.cfg.watchdog, self.dist.global_rank if self.dist else 0)
+        self.run_dir = rundir.RunDir(self.out_dir, self.parallel.global_rank, self.cfg.tensorboard).open()
+        self.watchdog = rundir.Watchdog(self.cfg.watchdog, self.parallel.global_rank,
+                                        peers=self.parallel.n_devices > 1 and self.parallel.mesh_spec is not None)
         try:
             return self.loop()
         finally:
@@ -227,124 +222,167 @@ class Trainer:
             self.run_dir.close()
 
     def loop(self):
+        """Start, then per step: train, log, evaluate, save, halt."""
         cfg = self.cfg
-        if cfg.resume_from and self.rank == 0:
-            checkpoint.set_aside_newer(self.ckpt_dir, self.step)
-        for note in self.notes:
-            if self.rank == 0:
-                print(note, file=sys.stderr, flush=True)
-        n_params = sum(p.numel() for p in self.model.parameters())
-        per_device = self.dist.local_bytes if self.dist else lambda ts: sum(t.numel() * t.element_size() for t in ts)
-        self.log({"event": "start", "params": n_params, "device": str(self.device), "resumed_at": self.step,
-                  "devices": self.n_devices, "param_bytes_local": per_device(self.params),
-                  "optim_bytes_local": per_device(self.opt.state["exp_avg"] + self.opt.state["exp_avg_sq"])},
-                 f"{cfg.flavor}: {n_params / 1e6:.2f}M params on {self.device}, mode {cfg.mode}, "
-                 f"{cfg.batch_size}x{cfg.seq_len} tokens/step, start at step {self.step}, out {self.out_dir}")
-        if self.step == 0 and self.val:
-            self.watchdog.beat("evaluation at step 0")
-            val = self.evaluate()
-            self.log({"step": 0, "val_loss": val}, f"step     0 | val loss {val:.4f}")
-        dev.reset_peak_memory(self.device)  # the log's memory is the training's, not model building's
-        t_last, step_last, t_start, start_step = time.perf_counter(), self.step, time.perf_counter(), self.step
+        self.start()
+        if self.step == 0 and self.task.val_batches:
+            self.evaluate_and_log()
+        self.clock = (time.perf_counter(), self.step, time.perf_counter(), self.step)
         while self.step < cfg.steps:
             self.step += 1
-            self.watchdog.beat(f"step {self.step}")
-            inputs, targets = self.batches.get(self.step, self.rank)
-            lr = optim.lr_at(self.step, cfg.lr, cfg.warmup, cfg.steps)
-            ce, norm = self.step_fn(*self.place(inputs, targets), dev.scalar(lr, self.device))
-            dev.sync(self.device)
-            loss, gnorm = ce.item(), norm.item()  # (both computed already: no new device program)
-            if self.step == start_step + 2:  # from step 2 on, memory is the steady state's (capture,
-                dev.reset_peak_memory(self.device)  # compilation and first allocations are one-offs)
-            if self.step == start_step + 1 and cfg.mode == "graph":
-                rep = self.step_fn.report
-                self.log({"event": "graph", **rep}, f"graph: {rep['nodes']} nodes, collectives {rep['collectives']}, "
-                         f"saved activations {rep['saved_bytes'] / 2**20:.1f} MiB (captured "
-                         f"{rep['saved_bytes_captured'] / 2**20:.1f} MiB), offloaded {rep['offloaded_bytes'] / 2**20:.1f} MiB")
+            loss, gnorm = self.train_step()
             for what, value in (("loss", loss), ("grad_norm", gnorm)):
                 if not math.isfinite(value):  # the update was applied: these weights must not be saved
                     return self.stop_nonfinite(what, value)
-            last = self.step == cfg.steps or self.step == cfg.halt_at
+            last = self.step in (cfg.steps, cfg.halt_at)
             if self.step % cfg.log_interval == 0 or last:
-                now = time.perf_counter()
-                tok_s = (self.step - step_last) * cfg.batch_size * cfg.seq_len / (now - t_last)
-                flops = tok_s * self.flops_per_token  # all ranks' FLOP/s; MFU is per device:
-                eta = (cfg.steps - self.step) * (now - t_start) / (self.step - start_step)
-                mem = dev.memory_stats(self.device)
-                rec = {"step": self.step, "loss": loss, "grad_norm": gnorm, "lr": lr,
-                       "tokens_per_s": tok_s, "tflops": flops / 1e12, "mfu": flops / (self.peak * self.n_devices),
-                       "peak_label": self.peak_label, "peak_flops": self.peak, "devices": self.n_devices, "mem_bytes": mem["peak_bytes"], "mem_kind": mem["kind"]}
-                self.log(rec, f"step {self.step:5d} | loss {loss:.4f} | gnorm {rec['grad_norm']:.3f} | lr {lr:.2e}"
-                         f" | {tok_s / 1e3:.1f}k tok/s | {flops / 1e12:.3f} TFLOP/s | MFU {100 * rec['mfu']:.1f}%"
-                         f" of {self.peak_label} | mem {mem['peak_bytes'] / 2**30:.2f} GiB ({mem['kind']})"
-                         f" | eta {eta:.0f}s")
-                t_last, step_last = time.perf_counter(), self.step
-            if self.val and ((cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == cfg.steps):
-                self.watchdog.beat(f"evaluation at step {self.step}")
-                val = self.evaluate()
-                self.log({"step": self.step, "val_loss": val}, f"step {self.step:5d} | val loss {val:.4f}")
-                if self.rank == 0 and (not self.dist or self.dist.global_rank == 0):
-                    self.run_dir.plot()
+                self.log_step(loss, gnorm)
+            if self.task.val_batches and (cfg.eval_interval and self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
+                val = self.evaluate_and_log()
                 if not math.isfinite(val):
                     return self.stop_nonfinite("val_loss", val)
             if (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or last:
                 self.watchdog.beat(f"checkpoint at step {self.step}")
                 self.save()
             if self.step == cfg.halt_at:
-                break
-        if self.step == cfg.steps and cfg.sample_tokens:
-            self.sample(cfg.sample_tokens)
+                return 0
+        if self.parallel.mesh_spec is None and self.parallel.writes_files:  # (sharded weights: no preview)
+            self.task.preview(self.model, self.log)
         return 0
 
-    def sample(self, n):
-        """A few bytes from the trained model (not under a mesh: sharded weights; nor --scan: the
-        stacked blocks take no KV cache; nor for a vocabulary that is not bytes)."""
-        if self.dist or self.cfg.scan or self.cfg.tokenizer or self.model_args.vocab_size != data.BYTE_VOCAB:
-            return
-        import generate
-        text, count = generate.byte_sample(self.model, n, self.cfg.seed)
-        self.log({"event": "sample", "text": text}, f"sample ({count} bytes, temperature 0.8):\n{text}")
+    def start(self):
+        """Set aside what --resume-from supersedes, print the notes, log the start line."""
+        cfg, p = self.cfg, self.parallel
+        if cfg.resume_from and p.writes_files:
+            checkpoint.set_aside_newer(self.ckpt_dir, self.step)
+        for note in self.notes if p.writes_files else ():
+            print(note, file=sys.stderr, flush=True)
+        n_params = sum(t.numel() for t in self.model.parameters())
+        self.log({"event": "start", "params": n_params, "device": str(self.device), "resumed_at": self.step,
+                  "devices": p.n_devices, "param_bytes_local": p.local_bytes(self.params),
+                  "optim_bytes_local": p.local_bytes(self.opt.state["exp_avg"] + self.opt.state["exp_avg_sq"])},
+                 f"{self.meta['flavor']}: {n_params / 1e6:.2f}M params on {self.device}, mode {cfg.mode}, "
+                 f"{self.task.units_per_step} {self.task.unit}/step, start at step {self.step}, out {self.out_dir}")
+        dev.reset_peak_memory(self.device)  # the log's memory is the training's, not model building's
+
+    def train_step(self):
+        """One optimizer step on global batch `self.step`: (loss, pre-clip gradient norm) as floats."""
+        cfg = self.cfg
+        self.watchdog.beat(f"step {self.step}")
+        batch = self.parallel.place_batch(self.task.batch(self.step))
+        lr = optim.lr_at(self.step, cfg.lr, cfg.warmup, cfg.steps)
+        reported, norm = self.step_fn(*batch, dev.scalar(lr, self.device))
+        dev.sync(self.device)
+        loss, gnorm = reported.item(), norm.item()  # (both computed already: no new device program)
+        first = self.clock[3]
+        if self.step == first + 2:  # from the second step on, memory is the steady state's (capture,
+            dev.reset_peak_memory(self.device)  # compilation and first allocations are one-offs)
+        if self.step == first + 1 and cfg.mode == "graph":
+            rep = self.step_fn.report
+            self.log({"event": "graph", **rep}, f"graph: {rep['nodes']} nodes, collectives {rep['collectives']}, "
+                     f"saved activations {rep['saved_bytes'] / 2**20:.1f} MiB (captured "
+                     f"{rep['saved_bytes_captured'] / 2**20:.1f} MiB), offloaded {rep['offloaded_bytes'] / 2**20:.1f} MiB")
+        self.lr = lr
+        return loss, gnorm
+
+    def log_step(self, loss, gnorm):
+        t_last, step_last, t_start, first = self.clock
+        now, p, unit = time.perf_counter(), self.parallel, self.task.unit
+        per_s = (self.step - step_last) * self.task.units_per_step / (now - t_last)
+        flops = (self.step - step_last) * self.flops_per_step / (now - t_last)  # all devices; MFU is per device:
+        eta = (self.cfg.steps - self.step) * (now - t_start) / (self.step - first)
+        mem = dev.memory_stats(self.device)
+        rec = {"step": self.step, "loss": loss, "grad_norm": gnorm, "lr": self.lr, f"{unit}_per_s": per_s,
+               "tflops": flops / 1e12, "mfu": flops / (self.peak * p.n_devices), "peak_label": self.peak_label,
+               "peak_flops": self.peak, "devices": p.n_devices, "mem_bytes": mem["peak_bytes"], "mem_kind": mem["kind"]}
+        if unit == "tok":
+            rec["tokens_per_s"] = rec.pop("tok_per_s")
+        self.log(rec, f"step {self.step:5d} | loss {loss:.4f} | gnorm {gnorm:.3f} | lr {self.lr:.2e}"
+                 f" | {per_s / 1e3:.1f}k {unit}/s | {flops / 1e12:.3f} TFLOP/s | MFU {100 * rec['mfu']:.1f}%"
+                 f" of {self.peak_label} | mem {mem['peak_bytes'] / 2**30:.2f} GiB ({mem['kind']})"
+                 f" | eta {eta:.0f}s")
+        self.clock = (time.perf_counter(), self.step, t_start, first)
+
+    def evaluate_and_log(self):
+        val = self.evaluate()
+        self.log({"step": self.step, "val_loss": val}, f"step {self.step:5d} | val loss {val:.4f}")
+        if self.parallel.writes_files:
+            self.run_dir.plot()
+        return val
+
+
+# ------------------------------------------------------------------------------------------------
+# main: every failure ends in one line and an exit code that says what happened
+
+class Interrupted(BaseException):
+    """SIGTERM (or SIGINT, as KeyboardInterrupt): end like a shell does, 128 + the signal number."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+def _describe_os_error(e):
+    """A failed write in words, naming the file (OSError's fields are None for some writers)."""
+    if isinstance(e, checkpoint.CheckpointWriteError) or not (e.strerror or e.filename):
+        return str(e) or type(e).__name__
+    return f"{e.strerror or type(e).__name__}: {e.filename or 'a file'}"
 
 
 def main(argv=None):
-    cfg = build_parser().parse_args(argv)
-    dist_ctx = None
+    trainer, parallel = None, None
+    signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
+        cfg = parse_config(argv)
         if cfg.dry_run:
             import dryrun
-            validate(cfg)
             try:
-                return dryrun.main(model_args_from(cfg), cfg)
+                return dryrun.main(model_args(cfg), cfg)
             except ValueError as e:  # a mesh, batch or chip the plan cannot use
                 raise ConfigError(str(e)) from None
-        if cfg.mesh and not mesh.launched_by_torchrun() and (cfg.device == "xla" or dev.pjrt_is_tpu()):
-            import spmd  # one process drives every XLA device; the compiler partitions the step
-            if cfg.kernels == "pallas" or cfg.dp_impl != "simple":
-                raise ConfigError("XLA SPMD (--device xla --mesh) runs the reference kernels and its own "
-                                  "sharding: drop --kernels pallas / --dp-impl (README, Known limits)")
-            dist_ctx = spmd.SpmdContext(cfg.mesh)
-        elif cfg.mesh or mesh.launched_by_torchrun():
-            dist_ctx = mesh.DistContext.from_cli(cfg.mesh, cfg.device, cfg.dp_impl,
-                                                 torch.bfloat16 if cfg.dtype == "bf16" else None)
-        rc = Trainer(cfg, dist_ctx).run()
-        if dist_ctx is not None:
-            dist_ctx.close()  # only on the happy path: after a peer failure it could wait on the dead
+        parallel = choose_parallel(cfg)
+        trainer = Trainer(cfg, parallel)
+        rc = trainer.run()
+        parallel.close()  # only on the happy path: after a peer failure it could wait on the dead
         return rc
     except (ConfigError, data.DataError, checkpoint.CheckpointError, dev.DeviceUnavailable,
             graph_trainer.GraphCaptureError, rundir.RunDirError, mesh.MeshError, hf.HFError) as e:
         error_line(e)
         return EXIT_BAD_INPUT
+    except (KeyboardInterrupt, Interrupted) as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        kept = checkpoint.newest_name(trainer.ckpt_dir) if trainer else None
+        error_line(f"interrupted by {signal.Signals(signum).name} at step {trainer.step if trainer else 0}; "
+                   f"{f'checkpoint {kept} is kept' if kept else 'no checkpoint was written'} (a partial one is removed)")
+        return 128 + signum
     except OSError as e:  # disk full, file-size limit, read-only disk: the checkpoint on disk is intact
-        what = str(e) if isinstance(e, checkpoint.CheckpointWriteError) else f"{e.strerror}: {e.filename}"
-        error_line(f"a write failed: {what}")
+        error_line(f"a write failed: {_describe_os_error(e)}")
         return EXIT_WRITE_FAILED
     except (RuntimeError, torch.distributed.DistError) as e:
-        if dist_ctx is None or dist_ctx.dp_impl == "spmd":  # (one process: no peer to blame)
-            raise
-        # A peer died or timed out: say so in one line instead of a wall of gloo traces.
-        error_line(f"rank {dist_ctx.global_rank}: a collective failed, a peer process probably died "
-                   f"({str(e).splitlines()[0][:200]})")
+        return _runtime_failure(e, trainer, parallel)
+
+
+def _runtime_failure(e, trainer, parallel):
+    """A peer's death (exit 4) or this process's own failure (exit 1), told apart and said in one line."""
+    rank = f"rank {parallel.global_rank}: " if parallel is not None and parallel.mesh_spec else ""
+    where = f" at step {trainer.step}" if trainer else ""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    if mesh.peer_failure(e):
+        error_line(f"{rank}a collective failed{where}: a peer process died or stalled ({first})")
         return EXIT_PEER_FAILED
+    if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
+        kept = checkpoint.newest_name(trainer.ckpt_dir) if trainer else None
+        error_line(f"{rank}out of memory{where} ({first}); "
+                   f"{f'checkpoint {kept} is intact' if kept else 'nothing was saved'}: lower --batch-size or add ranks")
+        return EXIT_OWN_FAILURE
+    if parallel is None or not parallel.mesh_spec:
+        raise e  # one process and not a known failure: a bug, keep its traceback
+    error_line(f"{rank}failed{where}: {type(e).__name__}: {first}")
+    return EXIT_OWN_FAILURE
 
 
 if __name__ == "__main__":
