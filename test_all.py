@@ -1900,6 +1900,75 @@ def test_bad_hf_and_generation_inputs_are_one_line(tmp_path, capsys):
         assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
 
 
+def test_generate_on_a_tokenizer_run_picks_its_tokenizer_and_checkpoint_and_refuses_in_one_line(
+        corpus, tmp_path, monkeypatch, capsys):
+    """A run trained with --tokenizer records it, and generate.py --run writes that tokenizer's text
+    (oracle: the tokenizers library's encode / decode around a greedy argmax over the full sequence,
+    on weights DCP loads straight from the checkpoint). A broken newest checkpoint names the good
+    one to pass instead, which generate and hf.py export both accept; a model_args key from another
+    version, a NaN or infinite temperature and a vanished tokenizer are one line; an error after
+    the prompt was echoed starts on its own line; a character split between tokens prints whole."""
+    import shutil
+    import generate
+    import hf
+    import train
+    from tokenizers import Tokenizer
+    monkeypatch.setenv("MINITITAN_CACHE", str(tmp_path / "cache"))
+    tok_dir, run = tmp_path / "tok", tmp_path / "run"
+    tok_dir.mkdir()
+    shutil.copy(os.path.join(HF_FIXTURES, "qwen3", "tokenizer.json"), tok_dir)
+    args = [*TINY, "--set", "vocab_size=320"]
+    assert _main([*args, "--data", corpus, "--tokenizer", str(tok_dir), "--steps", "2", "--ckpt-interval", "1",
+                  "--eval-batches", "0", "--out-dir", str(run)]) == 0
+    tok, prompt = Tokenizer.from_file(str(tok_dir / "tokenizer.json")), "def main("
+    split = [tok.token_to_id("Ã"), tok.token_to_id("©")]  # "é" as its two byte tokens: printed whole
+    show = generate.HFTokenizer(str(tok_dir)).stream()
+    assert "".join(map(show, split)) + show(None) == tok.decode(split) == "é"
+
+    def greedy_text(step_name):  # 6 tokens by argmax over the whole sequence, no KV cache
+        model = Transformer(train.model_args_from(train.build_parser().parse_args(args)))
+        model.load_state_dict(_full_params(str(run / "checkpoints"), args, step_name))
+        seq = tok.encode(prompt, add_special_tokens=False).ids
+        with torch.no_grad():
+            for _ in range(6):
+                seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+        return prompt + tok.decode(seq[-6:]) + "\n"
+
+    def one_line(argv, message, tool=generate.main):
+        assert tool(argv) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
+        return captured.out
+
+    sample = ["--max-new-tokens", "6", "--temperature", "0"]
+    capsys.readouterr()
+    assert generate.main(["--run", str(run), prompt, *sample]) == 0
+    assert capsys.readouterr().out == greedy_text("step_000002")
+    future = tmp_path / "future"  # the same run, its meta.json as a later version might write it
+    shutil.copytree(run, future)
+    meta_file = future / "checkpoints" / "step_000002" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["model_args"]["sliding_window"] = 128
+    meta_file.write_text(json.dumps(meta))
+    one_line(["--run", str(future), "x"], "model_args sliding_window unknown to this version")
+    one_line(["export", str(future), str(tmp_path / "exported")], "model_args sliding_window unknown", hf.main)
+    for bad in ("nan", "inf"):
+        one_line(["--run", str(run), "x", "--temperature", bad], "a finite --temperature >= 0")
+    out = one_line(["--run", str(run), "hi", "--max-new-tokens", "100000"], "exceeds the model's max_seq_len")
+    assert out == "hi\n"  # (the echoed prompt, then the error on a line of its own)
+    newest, good = run / "checkpoints" / "step_000002", run / "checkpoints" / "step_000001"
+    shard = next(p for p in newest.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-8])
+    hint = f"the newest good one is {good}: pass it in place of {run}"
+    for argv, tool in ((["--run", str(run), "x"], generate.main), (["export", str(run), str(tmp_path / "e")], hf.main)):
+        one_line(argv, hint, tool)
+    assert generate.main(["--run", str(good), prompt, *sample]) == 0
+    assert capsys.readouterr().out == greedy_text("step_000001")
+    shutil.rmtree(tok_dir)
+    one_line(["--run", str(good), "x"], f"this run trained on the tokenizer in {tok_dir}, which is gone")
+
+
 def test_fine_tuning_starts_from_the_hf_weights_on_one_process_and_under_a_mesh(corpus, tmp_path):
     """--init-from: the step-0 validation loss is the HF model's own loss on that batch (one process),
     and 2 ranks, each reading only its shards' rows, train exactly like one process. The run also

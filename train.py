@@ -102,6 +102,7 @@ class Trainer:
             meta["model_args"].pop(key)
         if cfg.scan:
             meta["layers"] = "stacked"
+        meta["tokenizer"] = os.path.abspath(cfg.tokenizer) if cfg.tokenizer else None  # (generate.py reads it)
         return meta
 
     def build_model(self, resume_from):
