@@ -154,7 +154,7 @@ def load_checkpoint(path, meta, device="cpu"):
         model = Transformer(ModelArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}))
     except (TypeError, ValueError) as e:  # a value of the wrong type or out of range
         raise checkpoint.CheckpointError(f"{os.path.join(path, 'meta.json')}: model_args describe no model "
-                                         f"({str(e).splitlines()[0]})") from None
+                                         f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
     target = model
     if meta.get("layers") == "stacked":  # saved with --scan: load the stacked layout, then unstack
         import copy
