@@ -8,9 +8,17 @@ Global batch `i` is a pure function of (seed, i): random windows drawn by a gene
 exactly those numbers; data-parallel rank `r` of `w` reads rows [r*B/w, (r+1)*B/w) of it. So the
 data position is just the step counter, resuming is exact, ranks read different data without
 coordinating, and N ranks together see exactly what one process would (the oracle of the FSDP tests).
+
+Only regular files are read (a FIFO in a data directory would block a plain read forever); entries
+that cannot be read (a dangling symlink, no permission) are skipped with one `note:` line. Token ids
+(--tokenizer) are cached beside a sha256 of their file, verified on every load and rebuilt on a
+mismatch (bit rot, a truncated or overwritten file), with a note: a cache must never change what
+trains. `notes`: a list that collects those lines for the caller, or None to print them on stderr.
 """
 import hashlib
 import os
+import stat
+import sys
 import sysconfig
 
 import numpy as np
@@ -44,24 +52,61 @@ def _text_files(root):
             yield os.path.join(dirpath, name)
 
 
-def _read_text(path):
-    with open(path, "rb") as f:
-        data = f.read()
-    return None if b"\0" in data else data  # NUL bytes: a binary file (.so, .pyc), skip
+def _say(line, notes):
+    if notes is None:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        notes.append(line)
 
 
-def load_corpus(path=None, val_fraction=0.05):
+def _read_regular(path):
+    """The bytes of `path` if it is (or links to) a regular file, else None (a FIFO, socket, device).
+    Opened non-blocking and checked after opening: open() of a FIFO waits for a writer, and a check
+    before opening could race with a rename."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (no effect on a regular file's reads)
+    with open(fd, "rb") as f:
+        return f.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
+
+
+def _read_texts(root, notes):
+    """Every text file under `root`, sorted by path; what is not a readable regular file is skipped
+    and named in one note (binary files, holding NUL bytes, are skipped silently)."""
+    texts, skipped = [], []
+    for path in _text_files(root):
+        try:
+            data = _read_regular(path)
+            why = None if data is not None else "not a regular file"
+        except OSError as e:  # a dangling or looping symlink, no permission, an I/O error
+            data, why = None, e.strerror or type(e).__name__
+        if why:
+            skipped.append(f"{os.path.relpath(path, root)} ({why})")
+        elif data and b"\0" not in data:  # (empty files hold no text either)
+            texts.append(data)
+    if skipped:
+        more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+        _say(f"note: --data {root}: skipped {len(skipped)} entries that are not readable regular files: "
+             f"{', '.join(skipped[:3])}{more}", notes)
+    return texts
+
+
+def load_corpus(path=None, val_fraction=0.05, notes=None):
     """(train, val) uint8 arrays. A directory: every `1/val_fraction`-th text file (sorted) is held
     out for validation. A single file: its last val_fraction of bytes."""
     path = path or stdlib_dir()
     if not os.path.exists(path):
         raise DataError(f"--data {path}: no such file or directory")
-    if os.path.isfile(path):
-        data = _read_text(path) or b""
+    if not os.path.isdir(path):
+        try:
+            data = _read_regular(path)
+        except OSError as e:
+            raise DataError(f"--data {path}: cannot be read ({e.strerror or type(e).__name__})") from None
+        if data is None:
+            raise DataError(f"--data {path}: not a regular file or a directory")
+        data = b"" if b"\0" in data else data
         cut = int(len(data) * (1 - val_fraction))
         train, val = data[:cut], data[cut:]
     else:
-        texts = [t for t in map(_read_text, _text_files(path)) if t]
+        texts = _read_texts(path, notes)
         every = max(2, round(1 / val_fraction))
         if len(texts) >= every:
             train = b"".join(t for i, t in enumerate(texts) if i % every != every - 1)
@@ -75,11 +120,67 @@ def load_corpus(path=None, val_fraction=0.05):
     return np.frombuffer(train, dtype=np.uint8), np.frombuffer(val, dtype=np.uint8)
 
 
-def tokenize(train, val, tokenizer_dir):
+def cache_dir():
+    """Where minititan caches what it derives: $MINITITAN_CACHE, else ~/.cache/minititan."""
+    return os.environ.get("MINITITAN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "minititan")
+
+
+def _sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_atomic(path, write):
+    """write(f) into a temporary name, then rename it to `path` (atomic: a concurrent or crashed run
+    never reads half a file). The temporary file never outlives a failure (an interrupt included);
+    a failed write is an OSError naming `path` (np.save's short write carries no errno or name)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except OSError as e:
+        why = e.strerror or f"a short write, {e}: the disk is full or a file-size limit was hit"
+        raise OSError(e.errno, f"writing the token cache failed ({why})", path) from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _read_cached(path):
+    """(ids, None) if `path` holds the ids its `.sha256` file vouches for; (None, why) if not; (None,
+    None) if there is no such cache entry yet."""
+    if not os.path.exists(path):
+        return None, None
+    try:
+        with open(path + ".sha256", encoding="ascii") as f:
+            want = f.read().strip()
+    except (OSError, ValueError):  # (written by a version without checksums, or lost)
+        return None, "has no readable checksum file"
+    try:
+        if _sha256(path) != want:
+            return None, "does not match its checksum (corrupt or truncated)"
+        ids = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        return None, f"is unreadable ({getattr(e, 'strerror', None) or type(e).__name__})"
+    if ids.dtype != np.uint32 or ids.ndim != 1:
+        return None, f"holds {ids.dtype} {ids.shape}, not a list of token ids"
+    return ids, None
+
+
+def _encode(tok, text):
+    lines = text.tobytes().decode("utf-8", errors="replace").splitlines(keepends=True)
+    chunks = ["".join(lines[i:i + 512]) for i in range(0, len(lines), 512)]  # whole lines
+    return np.asarray([i for enc in tok.encode_batch(chunks, add_special_tokens=False) for i in enc.ids],
+                      dtype=np.uint32)
+
+
+def tokenize(train, val, tokenizer_dir, cache=None, notes=None):
     """(train, val) token ids (uint32, memory-mapped) of the byte arrays through a Hugging Face
-    tokenizer.json, and the tokenizer's vocabulary size. Tokenized once: cached as .npy files in
-    ~/.cache/minititan/tokens, keyed by the tokenizer's and the text's hashes (a changed file or
-    tokenizer is a new key; the default corpus's directory is not ours to write into)."""
+    tokenizer.json, and the tokenizer's vocabulary size. Tokenized once: cached as .npy files (each
+    with a .sha256 beside it) in `cache`/tokens (default cache_dir()), keyed by the tokenizer's and
+    the text's hashes (a changed file or tokenizer is a new key; the default corpus's directory is
+    not ours to write into). A cached file that does not verify is tokenized again, with a note."""
     from tokenizers import Tokenizer
     path = os.path.join(tokenizer_dir, "tokenizer.json")
     try:
@@ -89,20 +190,21 @@ def tokenize(train, val, tokenizer_dir):
     except Exception as e:  # missing, unreadable, not a tokenizer
         raise DataError(f"--tokenizer {path}: missing or unreadable ({type(e).__name__})") from None
     key = fingerprint(np.frombuffer(spec, dtype=np.uint8), train, val)
-    cache = os.path.join(os.path.expanduser("~"), ".cache", "minititan", "tokens")
-    os.makedirs(cache, exist_ok=True)
+    folder = os.path.join(cache or cache_dir(), "tokens")
+    os.makedirs(folder, exist_ok=True)
     out = []
     for name, text in (("train", train), ("val", val)):
-        file = os.path.join(cache, f"{key}-{name}.npy")
-        if not os.path.exists(file):
-            lines = text.tobytes().decode("utf-8", errors="replace").splitlines(keepends=True)
-            chunks = ["".join(lines[i:i + 512]) for i in range(0, len(lines), 512)]  # whole lines
-            ids = [i for enc in tok.encode_batch(chunks, add_special_tokens=False) for i in enc.ids]
-            tmp = f"{file}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                np.save(f, np.asarray(ids, dtype=np.uint32))
-            os.replace(tmp, file)  # atomic: a concurrent or crashed run never reads half a file
-        out.append(np.load(file, mmap_mode="r"))
+        file = os.path.join(folder, f"{key}-{name}.npy")
+        ids, problem = _read_cached(file)
+        if ids is None:
+            if problem:
+                _say(f"note: the token cache {file} {problem}; tokenizing again", notes)
+            fresh = _encode(tok, text)
+            # the checksum is written second: a crash between the two renames is a mismatch, not trust
+            _write_atomic(file, lambda f: np.save(f, fresh))
+            _write_atomic(file + ".sha256", lambda f: f.write(_sha256(file).encode()))
+            ids = np.load(file, mmap_mode="r")
+        out.append(ids)
     return out[0], out[1], tok.get_vocab_size()
 
 

@@ -1,6 +1,7 @@
 """generate.py: sampling from a trained model or a Hugging Face checkpoint, with a static KV cache.
 
     python generate.py --run runs/llama3_debug-XXXX "def main("     # our newest verified checkpoint
+    python generate.py --run runs/llama3_debug-XXXX/checkpoints/step_000100 "def main("   # a chosen one
     python generate.py --hf path/to/Qwen3-0.6B "Hello" --temperature 0.8 --top-p 0.95
 
 Decoding, gpt-fast style: the prompt is run once (prefill), then one token per step. Each layer's
@@ -8,11 +9,14 @@ keys and values go into a cache allocated once at its final size, (B, Hkv, T_max
 the current position with index_copy_ and read whole under a mask `key position <= query position`;
 the position is a tensor. So every decode step has the same shapes and the same program: on XLA it
 compiles once (prefill once more) for a whole generation, instead of once per length.
+A run's text is bytes, or the ids of the tokenizer its checkpoint records (train.py --tokenizer).
 Sampling: greedy (temperature 0), or temperature, then top-k, then top-p (nucleus; Holtzman et al.,
 arXiv 1904.09751), from a seeded generator: same seed, same text.
 """
 import argparse
 import codecs
+import dataclasses
+import math
 import os
 import sys
 
@@ -115,14 +119,42 @@ def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_k=0, top_p=
 # ------------------------------------------------------------------------------------------------
 # Loading: our training runs (DCP checkpoints) and HF directories
 
-def load_run(run_dir, device="cpu"):
-    """The model of a training run's newest verified checkpoint (also one saved sharded or stacked)."""
-    path, _ = checkpoint.find_resumable(os.path.join(run_dir, "checkpoints"))
-    if path is None:
-        raise checkpoint.CheckpointError(f"{run_dir} holds no checkpoint to sample from")
-    meta = checkpoint.read_meta(path)
-    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["model_args"].items()}
-    model = Transformer(ModelArgs(**fields))
+def run_checkpoint(path):
+    """(checkpoint directory, its meta.json) to sample from: `path` is a train.py run directory (its
+    newest checkpoint) or one of its checkpoints `step_N` (an older one, e.g. when the newest is
+    broken). It must verify: a broken one is refused, naming the newest good one to pass instead."""
+    found = checkpoint.step_dirs(os.path.join(path, "checkpoints"))
+    if found:
+        chosen, older = found[0][1], [p for _, p in found[1:]]
+    elif os.path.isdir(path) and (checkpoint.STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+                                  or os.path.isfile(os.path.join(path, "meta.json"))):
+        chosen, older = path, []
+    else:
+        raise checkpoint.CheckpointError(f"{path} holds no checkpoint to sample from (give a run directory "
+                                         f"or one of its checkpoints/step_N)")
+    problem = checkpoint.verify(chosen)
+    if problem:
+        good = next((p for p in older if checkpoint.verify(p) is None), None)
+        hint = f"the newest good one is {good}: pass it in place of {path}" if good else "no good checkpoint remains"
+        raise checkpoint.CheckpointError(f"checkpoint {chosen} is broken: {problem}; {hint}")
+    return chosen, checkpoint.read_meta(chosen)
+
+
+def load_checkpoint(path, meta, device="cpu"):
+    """The model saved in checkpoint `path` (also one saved sharded, or stacked by --scan), built from
+    the ModelArgs its meta.json records; a config this version cannot build is refused in one line."""
+    saved = meta.get("model_args")
+    if not isinstance(saved, dict):
+        raise checkpoint.CheckpointError(f"{os.path.join(path, 'meta.json')} records no model_args")
+    unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(ModelArgs)})
+    if unknown:
+        raise checkpoint.CheckpointError(f"{os.path.join(path, 'meta.json')}: model_args {', '.join(unknown)} "
+                                         f"unknown to this version (a checkpoint written by another version)")
+    try:
+        model = Transformer(ModelArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}))
+    except (TypeError, ValueError) as e:  # a value of the wrong type or out of range
+        raise checkpoint.CheckpointError(f"{os.path.join(path, 'meta.json')}: model_args describe no model "
+                                         f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
     target = model
     if meta.get("layers") == "stacked":  # saved with --scan: load the stacked layout, then unstack
         import copy
@@ -137,6 +169,23 @@ def load_run(run_dir, device="cpu"):
     return model.to(device)
 
 
+def load_run(path, device="cpu"):
+    """The model of a run's newest verified checkpoint, or of the checkpoint directory `path`."""
+    return load_checkpoint(*run_checkpoint(path), device)
+
+
+def run_tokenizer(meta):
+    """What a run trained on: bytes, or the tokenizer directory its checkpoint records (--tokenizer)."""
+    where = meta.get("tokenizer")
+    if where is None:
+        return ByteTokenizer()
+    try:
+        return HFTokenizer(str(where))
+    except ValueError as e:
+        raise ValueError(f"this run trained on the tokenizer in {where}, which is gone ({e}): put it back "
+                         f"to sample from the run") from None
+
+
 class ByteTokenizer:
     """What our runs train on: UTF-8 bytes, decoded incrementally (a character may span tokens)."""
     vocab_size, eos_id = 256, None
@@ -145,15 +194,21 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def stream(self):
+        """step(token) -> the text it completes ('' inside a character); step(None) -> what is left."""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        return lambda token: decoder.decode(bytes([token]))
+
+        def step(token):
+            if token is None or token >= 256:  # an id past 255 (a wider --set vocab_size) is no byte: U+FFFD
+                return decoder.decode(b"", final=True) + ("" if token is None else "\ufffd")
+            return decoder.decode(bytes([token]))
+        return step
 
 
 def byte_sample(model, n, seed, temperature=0.8):
     """(text, bytes drawn): what a byte-level model writes after a newline (train.py's last words)."""
     show = ByteTokenizer().stream()
     ids = generate(model, list(b"\n"), min(n, model.args.max_seq_len - 1), temperature=temperature, seed=seed)
-    return "".join(show(t) for t in ids), len(ids)
+    return "".join(show(t) for t in ids) + show(None), len(ids)
 
 
 class HFTokenizer:
@@ -171,11 +226,17 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def stream(self):
+        """As ByteTokenizer.stream: decode everything so far, return what is new. A text ending in U+FFFD
+        may be a character cut between tokens: it is held back until the next token (or the end)
+        completes it, else the printed text would keep the U+FFFD and drop the character."""
         ids, shown = [], [""]
 
-        def step(token):  # decode everything so far, print what is new
-            ids.append(token)
+        def step(token):
+            if token is not None:
+                ids.append(token)
             text = self.tok.decode(ids)
+            if token is not None and text.endswith("\ufffd"):
+                return ""
             new, shown[0] = text[len(shown[0]):], text
             return new
         return step
@@ -184,7 +245,8 @@ class HFTokenizer:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--run", help="a train.py run directory (its newest verified checkpoint)")
+    src.add_argument("--run", help="a train.py run directory (its newest verified checkpoint) or one of its "
+                                   "checkpoints/step_N")
     src.add_argument("--hf", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json)")
     p.add_argument("prompt")
     p.add_argument("--max-new-tokens", type=int, default=200)
@@ -194,12 +256,15 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     cfg = p.parse_args(argv)
+    echoed = False
     try:
-        if cfg.max_new_tokens <= 0 or not (0 < cfg.top_p <= 1) or cfg.temperature < 0 or cfg.top_k < 0:
-            raise ValueError("need --max-new-tokens > 0, 0 < --top-p <= 1, --temperature >= 0, --top-k >= 0")
+        if (cfg.max_new_tokens <= 0 or not (0 < cfg.top_p <= 1) or not (0 <= cfg.temperature < math.inf)
+                or cfg.top_k < 0):  # (NaN fails both comparisons)
+            raise ValueError("need --max-new-tokens > 0, 0 < --top-p <= 1, a finite --temperature >= 0, --top-k >= 0")
         device = dev.pick_device(cfg.device)
         if cfg.run:
-            model, tok = load_run(cfg.run, device), ByteTokenizer()
+            path, meta = run_checkpoint(cfg.run)
+            tok, model = run_tokenizer(meta), load_checkpoint(path, meta, device)
         else:
             import hf
             config = hf.read_config(cfg.hf)
@@ -210,11 +275,14 @@ def main(argv=None):
         prompt = tok.encode(cfg.prompt)
         show = tok.stream()
         print(cfg.prompt, end="", flush=True)
+        echoed = True
         generate(model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tok.eos_id,
                  on_token=lambda t: print(show(t), end="", flush=True))
-        print()
+        print(show(None))
         return 0
     except (ValueError, OSError, dev.DeviceUnavailable) as e:
+        if echoed:  # the error on its own line, not glued to the text
+            print(flush=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -469,6 +469,80 @@ def test_default_corpus_is_the_stdlib_and_split_by_file(tmp_path):
     assert "site-packages" not in data.stdlib_dir() and os.path.isfile(os.path.join(data.stdlib_dir(), "os.py"))
 
 
+def test_a_data_dir_reads_only_regular_files_and_notes_what_it_skips(tmp_path, capsys):
+    """A FIFO (a plain open() waits for a writer: forever), a dangling and a looping symlink are
+    skipped with one note; the corpus is exactly the regular files' bytes in path order (written out
+    here); such an entry named as --data itself is bad input (DataError: exit 2), not a hang."""
+    import threading
+    texts = [f"file {i}\n".encode() * 40 for i in range(3)]
+    for i, text in enumerate(texts):
+        (tmp_path / f"f{i}.txt").write_bytes(text)
+    os.mkfifo(tmp_path / "a_fifo")
+    (tmp_path / "b_dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "c_loop").symlink_to(tmp_path / "c_loop")
+    (tmp_path / "d_link.txt").symlink_to(tmp_path / "f2.txt")  # a link to a regular file is read
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(split=data.load_corpus(str(tmp_path))), daemon=True)
+    reader.start()
+    reader.join(timeout=15)
+    if reader.is_alive():  # blocked on the FIFO: open its other end to release the thread, then fail
+        os.close(os.open(tmp_path / "a_fifo", os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("load_corpus blocked on a FIFO")
+    train, val = got["split"]  # (fewer files than the validation stride: split by bytes, 95% / 5%)
+    assert train.tobytes() + val.tobytes() == texts[2] + texts[0] + texts[1] + texts[2]
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("note:"), err
+    assert all(name in err for name in ("a_fifo", "b_dangling", "c_loop")) and "f0.txt" not in err, err
+    for entry, message in (("a_fifo", "not a regular file or a directory"), ("c_loop", "no such file")):
+        with pytest.raises(data.DataError, match=message):
+            data.load_corpus(str(tmp_path / entry))
+
+
+def test_the_token_cache_is_verified_rebuilt_and_never_left_half_written(corpus, tmp_path, monkeypatch, capsys):
+    """Zeros over a cached file's ids (its size and header kept), a truncated file, a lost checksum:
+    each is found, named in one note and tokenized again, so the ids training reads always decode
+    to the text (oracle: the tokenizers library's own decode) and equal the first tokenization. A
+    write cut short by a file-size limit is an OSError naming the file, leaving no temporary file."""
+    import resource
+    import numpy as np
+    from tokenizers import Tokenizer
+    monkeypatch.setenv("MINITITAN_CACHE", str(tmp_path / "cache"))  # not the real ~/.cache
+    qwen = os.path.join(HF_FIXTURES, "qwen3")
+    text, val = data.load_corpus(corpus)
+    first = np.array(data.tokenize(text, val, qwen)[0])
+    assert Tokenizer.from_file(os.path.join(qwen, "tokenizer.json")).decode(first.tolist()) == text.tobytes().decode()
+    folder = tmp_path / "cache" / "tokens"
+    npy, = folder.glob("*-train.npy")
+    size = npy.stat().st_size
+    for damage in ("zeros", "truncated", "no checksum"):
+        if damage == "zeros":
+            raw = npy.read_bytes()
+            head = 10 + int.from_bytes(raw[8:10], "little")  # .npy v1: magic, version, header length
+            npy.write_bytes(raw[:head] + bytes(size - head))
+        elif damage == "truncated":
+            npy.write_bytes(npy.read_bytes()[:size // 2])
+        else:
+            (folder / (npy.name + ".sha256")).unlink()
+        if damage == "zeros":  # through train.py: the batches read the rebuilt ids
+            ids = _trainer(corpus, tmp_path, "--tokenizer", qwen, "--set", "vocab_size=320").batches.data
+        else:
+            ids = data.tokenize(text, val, qwen)[0]
+        assert np.array_equal(ids, first), damage
+        err = capsys.readouterr().err
+        assert err.count("note:") == 1 and f"the token cache {npy} " in err, (damage, err)
+    for f in folder.iterdir():
+        f.unlink()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16384, hard))  # (Python ignores SIGXFSZ: the write fails)
+    try:
+        with pytest.raises(OSError) as failed:
+            data.tokenize(text, val, qwen)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert failed.value.filename == str(npy) and "writing the token cache failed" in str(failed.value)
+    assert list(folder.iterdir()) == []  # no .tmp left behind, and nothing unverified
+
+
 # ------------------------------------------------------------------------------------------------
 # checkpoint.py + rundir.py + train.py: the promises (README). Oracles: the uninterrupted run,
 # checksums of the files on disk before and after, real processes (SIGKILL, a file-size limit, SIGSTOP)
@@ -1825,6 +1899,75 @@ def test_bad_hf_and_generation_inputs_are_one_line(tmp_path, capsys):
         assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
 
 
+def test_generate_on_a_tokenizer_run_picks_its_tokenizer_and_checkpoint_and_refuses_in_one_line(
+        corpus, tmp_path, monkeypatch, capsys):
+    """A run trained with --tokenizer records it, and generate.py --run writes that tokenizer's text
+    (oracle: the tokenizers library's encode / decode around a greedy argmax over the full sequence,
+    on weights DCP loads straight from the checkpoint). A broken newest checkpoint names the good
+    one to pass instead, which generate and hf.py export both accept; a model_args key from another
+    version, a NaN or infinite temperature and a vanished tokenizer are one line; an error after
+    the prompt was echoed starts on its own line; a character split between tokens prints whole."""
+    import shutil
+    import generate
+    import hf
+    import train
+    from tokenizers import Tokenizer
+    monkeypatch.setenv("MINITITAN_CACHE", str(tmp_path / "cache"))
+    tok_dir, run = tmp_path / "tok", tmp_path / "run"
+    tok_dir.mkdir()
+    shutil.copy(os.path.join(HF_FIXTURES, "qwen3", "tokenizer.json"), tok_dir)
+    args = [*TINY, "--set", "vocab_size=320"]
+    assert _main([*args, "--data", corpus, "--tokenizer", str(tok_dir), "--steps", "2", "--ckpt-interval", "1",
+                  "--eval-batches", "0", "--out-dir", str(run)]) == 0
+    tok, prompt = Tokenizer.from_file(str(tok_dir / "tokenizer.json")), "def main("
+    split = [tok.token_to_id("Ã"), tok.token_to_id("©")]  # "é" as its two byte tokens: printed whole
+    show = generate.HFTokenizer(str(tok_dir)).stream()
+    assert "".join(map(show, split)) + show(None) == tok.decode(split) == "é"
+
+    def greedy_text(step_name):  # 6 tokens by argmax over the whole sequence, no KV cache
+        model = Transformer(train.model_args_from(train.build_parser().parse_args(args)))
+        model.load_state_dict(_full_params(str(run / "checkpoints"), args, step_name))
+        seq = tok.encode(prompt, add_special_tokens=False).ids
+        with torch.no_grad():
+            for _ in range(6):
+                seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+        return prompt + tok.decode(seq[-6:]) + "\n"
+
+    def one_line(argv, message, tool=generate.main):
+        assert tool(argv) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
+        return captured.out
+
+    sample = ["--max-new-tokens", "6", "--temperature", "0"]
+    capsys.readouterr()
+    assert generate.main(["--run", str(run), prompt, *sample]) == 0
+    assert capsys.readouterr().out == greedy_text("step_000002")
+    future = tmp_path / "future"  # the same run, its meta.json as a later version might write it
+    shutil.copytree(run, future)
+    meta_file = future / "checkpoints" / "step_000002" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["model_args"]["sliding_window"] = 128
+    meta_file.write_text(json.dumps(meta))
+    one_line(["--run", str(future), "x"], "model_args sliding_window unknown to this version")
+    one_line(["export", str(future), str(tmp_path / "exported")], "model_args sliding_window unknown", hf.main)
+    for bad in ("nan", "inf"):
+        one_line(["--run", str(run), "x", "--temperature", bad], "a finite --temperature >= 0")
+    out = one_line(["--run", str(run), "hi", "--max-new-tokens", "100000"], "exceeds the model's max_seq_len")
+    assert out == "hi\n"  # (the echoed prompt, then the error on a line of its own)
+    newest, good = run / "checkpoints" / "step_000002", run / "checkpoints" / "step_000001"
+    shard = next(p for p in newest.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-8])
+    hint = f"the newest good one is {good}: pass it in place of {run}"
+    for argv, tool in ((["--run", str(run), "x"], generate.main), (["export", str(run), str(tmp_path / "e")], hf.main)):
+        one_line(argv, hint, tool)
+    assert generate.main(["--run", str(good), prompt, *sample]) == 0
+    assert capsys.readouterr().out == greedy_text("step_000001")
+    shutil.rmtree(tok_dir)
+    one_line(["--run", str(good), "x"], f"this run trained on the tokenizer in {tok_dir}, which is gone")
+
+
 def test_fine_tuning_starts_from_the_hf_weights_on_one_process_and_under_a_mesh(corpus, tmp_path):
     """--init-from: the step-0 validation loss is the HF model's own loss on that batch (one process),
     and 2 ranks, each reading only its shards' rows, train exactly like one process. The run also
@@ -1854,13 +1997,13 @@ def test_training_on_a_hf_tokenizer_caches_its_ids_and_writes_tensorboard(corpus
     """--tokenizer: the corpus becomes the tokenizer's ids (decoding them gives the text back), made
     once and cached by content; the model's vocab must hold them; --tensorboard writes the scalars."""
     from tokenizers import Tokenizer
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the cache lives under ~/.cache/minititan
+    monkeypatch.setenv("MINITITAN_CACHE", str(tmp_path / "cache"))  # not the real ~/.cache/minititan
     qwen = os.path.join(HF_FIXTURES, "qwen3")
     common = [*TINY, "--data", corpus, "--tokenizer", qwen, "--set", "vocab_size=320", "--steps", "3"]
     assert _main([*common, "--out-dir", str(tmp_path / "a"), "--tensorboard"]) == 0
-    cached = sorted((tmp_path / "home" / ".cache" / "minititan" / "tokens").iterdir())
-    assert len(cached) == 2
-    train_ids = data.np.load(cached[1]) if cached[1].name.endswith("train.npy") else data.np.load(cached[0])
+    cached = sorted((tmp_path / "cache" / "tokens").iterdir())
+    assert len(cached) == 4  # train and val ids, each with its checksum
+    train_ids = data.np.load(next(p for p in cached if p.name.endswith("train.npy")))
     text, _ = data.load_corpus(corpus)
     assert Tokenizer.from_file(os.path.join(qwen, "tokenizer.json")).decode(train_ids.tolist()) == text.tobytes().decode()
     assert len(train_ids) < 0.8 * len(text)  # real merges: fewer tokens than bytes
