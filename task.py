@@ -86,9 +86,9 @@ class LanguageModel(Task):
 
     def setup_data(self, dp_rank, dp_size):
         cfg = self.cfg
-        train, val = data.load_corpus(cfg.data)
+        train, val = data.load_corpus(cfg.data, notes=self.notes)
         if cfg.tokenizer:  # token ids instead of bytes (tokenized once, cached)
-            train, val, vocab = data.tokenize(train, val, cfg.tokenizer)
+            train, val, vocab = data.tokenize(train, val, cfg.tokenizer, notes=self.notes)
             if vocab > self.args.vocab_size:
                 raise ConfigError(f"--tokenizer has {vocab} tokens, the model's vocab_size is {self.args.vocab_size}")
         self.batches = data.Batches(train, cfg.batch_size, cfg.seq_len, cfg.seed, dp_size)

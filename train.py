@@ -100,7 +100,6 @@ class Trainer:
         meta["tokenizer"] = meta["train"].pop("tokenizer", None)  # (recorded for generate.py, not compared)
         if cfg.scan:
             meta["layers"] = "stacked"
-        meta["tokenizer"] = os.path.abspath(cfg.tokenizer) if cfg.tokenizer else None  # (generate.py reads it)
         return meta
 
     def check_memory(self):
