@@ -66,16 +66,16 @@ def _marker_index(gm):
     raise ValueError("graph has no forward_end marker: was it traced by graph_trainer.capture?")
 
 
-def views_an_input(node):
-    """True if `node`'s value shares storage with a step input (a parameter shard, a batch): a view
-    or alias of a placeholder, through any chain of views. Keeping it alive costs no new memory."""
+def storage_root(node):
+    """The node whose value owns the storage `node`'s value lives in: follow views and aliases (ops
+    whose schema says the output aliases the first input, without writing it) to their base."""
     while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
         returns = node.target._schema.returns
         alias = returns[0].alias_info if returns else None
         if alias is None or alias.is_write or not node.args or not isinstance(node.args[0], torch.fx.Node):
-            return False
+            break
         node = node.args[0]
-    return node.op == "placeholder"
+    return node
 
 
 def saved_activations(gm):
@@ -86,7 +86,7 @@ def saved_activations(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function" and order[n] < end
             and n.target != torch.ops.minititan.offload.default  # those live in host memory
             and isinstance(n.meta.get("val"), torch.Tensor) and any(order[u] > end for u in n.users)
-            and not views_an_input(n)]
+            and storage_root(n).op != "placeholder"]
 
 
 def tensor_bytes(node):
@@ -95,8 +95,9 @@ def tensor_bytes(node):
 
 
 def saved_bytes(gm):
-    """Device bytes kept alive from forward to backward."""
-    return sum(tensor_bytes(n) for n in saved_activations(gm))
+    """Device bytes kept alive from forward to backward: each storage once (a value and its views
+    are one allocation)."""
+    return sum(tensor_bytes(root) for root in {storage_root(n) for n in saved_activations(gm)})
 
 
 def peak_live_bytes(gm, args, until=None):

@@ -135,8 +135,8 @@ class GraphStep:
             self.report["collectives_by_side"] = fsdp_passes.collective_counts(gm)
             self.report["prefetched_gathers"] = fsdp_passes.prefetched(gm)
             gathered = fsdp_passes.gather_chains(gm)  # (once: it walks the whole graph)
-            self.report["saved_gathered_bytes"] = sum(graph_passes.tensor_bytes(n) for n in graph_passes.saved_activations(gm)
-                                                      if n in gathered)
+            roots = {graph_passes.storage_root(n) for n in graph_passes.saved_activations(gm) if n in gathered}
+            self.report["saved_gathered_bytes"] = sum(graph_passes.tensor_bytes(r) for r in roots)
         return gm
 
     def args(self, batch, lr):

@@ -30,6 +30,7 @@ import expert_parallel
 import fsdp_passes
 import simplefsdp
 import tensor_parallel
+from layer_scan import StackedLayers
 from parallel import Parallel
 
 
@@ -148,7 +149,7 @@ class TorchrunMesh(Parallel):
     def _fsdp2(self, model, dp_mesh):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
-        for block in (model.layers if isinstance(model.layers, torch.nn.ModuleList) else [model.layers]):
+        for block in ([model.layers] if isinstance(model.layers, StackedLayers) else model.layers):
             fully_shard(block, mesh=dp_mesh, mp_policy=mp)  # (with --scan: all blocks are one unit)
         # (FSDP2 re-points uneven local shards at each reshard: take fresh `local()` views per step.)
         return fully_shard(model, mesh=dp_mesh, mp_policy=mp)

@@ -102,12 +102,3 @@ class AdamW:
         torch._foreach_copy_([p.data for p in (self.params if params is None else params)], list(new_params))
         self.state = {k: list(v) for k, v in new_state.items()}
         self.step_count += 1
-
-    def state_dict(self):
-        return {"step": self.step_count, "exp_avg": self.state["exp_avg"],
-                "exp_avg_sq": self.state["exp_avg_sq"]}
-
-    def load_state_dict(self, sd):
-        self.step_count = int(sd["step"])
-        for key in ("exp_avg", "exp_avg_sq"):
-            torch._foreach_copy_(self.state[key], list(sd[key]))

@@ -1542,6 +1542,36 @@ def test_graph_passes_keep_losses_and_do_their_job(flags, corpus, tmp_path):
         assert len(passed.step_fn.compiled.stages) == int(flags[flags.index("--split") + 1])
 
 
+def test_saved_activation_bytes_equal_what_autograd_keeps_beyond_the_inputs():
+    """The graph report's (and the planner's) saved bytes: storage the step keeps from forward to
+    backward that its inputs do not already hold. Oracle: autograd's own saved tensors (recorded by
+    saved_tensors_hooks), each storage once, minus the inputs' storage. Transposed weights and
+    detached copies are views: counting them (as before) doubled this figure."""
+    import graph_passes
+    import graph_trainer
+    torch.manual_seed(0)
+    w1, w2, x = torch.randn(256, 64), torch.randn(8, 256), torch.randn(4, 64)
+    forward = lambda w1, w2, x: (torch.relu(x @ w1.t()) @ w2.t()).square().sum()
+
+    def step(w1, w2, x):
+        with torch.enable_grad():
+            w1, w2 = w1.detach().requires_grad_(), w2.detach().requires_grad_()
+            return torch.autograd.grad(graph_passes.forward_end(forward(w1, w2, x)), (w1, w2))
+    gm = graph_trainer.capture(step, (w1, w2, x))
+    a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    inputs = {t.untyped_storage().data_ptr() for t in (a, b, x)}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in inputs:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward(a, b, x)
+    assert sum(kept.values()) == 4 * 256 * 4 + 4 * 8 * 4  # relu(x w1^T) and the product squared
+    assert graph_passes.saved_bytes(gm) == sum(kept.values())
+
+
 # ------------------------------------------------------------------------------------------------
 # layer_scan.py. Oracles: the unrolled loop (gradients), one process (under a mesh), HLO size
 
