@@ -1826,6 +1826,37 @@ def test_bad_hf_and_generation_inputs_are_one_line(tmp_path, capsys):
         assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
 
 
+# config.json key -> (ModelArgs field, the value model.py must get), written out from HF's documentation
+HF_FIELDS = {"rope_theta": ("rope_theta", float), "rms_norm_eps": ("norm_eps", float), "head_dim": ("head_dim", int),
+             "max_position_embeddings": ("max_seq_len", int), "tie_word_embeddings": ("tie_embeddings", bool),
+             "num_key_value_heads": ("n_kv_heads", int),
+             "rope_scaling": ("rope_scaling", lambda r: r and (r["factor"], r["low_freq_factor"], r["high_freq_factor"],
+                                                         r["original_max_position_embeddings"])),
+             "num_experts": ("n_experts", int), "num_experts_per_tok": ("top_k", int),
+             "moe_intermediate_size": ("moe_ffn_dim", int), "router_aux_loss_coef": ("aux_loss_coef", float)}
+
+
+def test_every_config_field_reaches_the_model():
+    """Each config.json field hf.py reads is set in some fixture away from the value a loader that
+    ignored it would use (ModelArgs' default, HF's num_key_value_heads = heads), and arrives in
+    ModelArgs. The logits test above then shows each one is also used as transformers uses it."""
+    import hf
+    shown = set()
+    for name in ("llama", "qwen3", "qwen3_moe"):
+        cfg = json.load(open(os.path.join(HF_FIXTURES, name, "config.json")))
+        args = hf.args_from_config(hf.read_config(os.path.join(HF_FIXTURES, name)))
+        for key, (field, value) in HF_FIELDS.items():
+            if key in cfg:
+                assert getattr(args, field) == value(cfg[key]), (name, key)
+                fallback = cfg["num_attention_heads"] if key == "num_key_value_heads" else getattr(ModelArgs(), field)
+                shown |= {key} if value(cfg[key]) != fallback else set()
+        shown |= {f"rope_scaling.{k}" for k, v in (cfg.get("rope_scaling") or {}).items()
+                  if k != "rope_type" and v != dict(zip(["factor", "low_freq_factor", "high_freq_factor",
+                                                         "original_max_position_embeddings"], (8.0, 1.0, 4.0, 8192)))[k]}
+    assert shown == {*HF_FIELDS, "rope_scaling.factor", "rope_scaling.low_freq_factor",
+                     "rope_scaling.high_freq_factor", "rope_scaling.original_max_position_embeddings"}, shown
+
+
 def test_fine_tuning_starts_from_the_hf_weights_on_one_process_and_under_a_mesh(corpus, tmp_path):
     """--init-from: the step-0 validation loss is the HF model's own loss on that batch (one process),
     and 2 ranks, each reading only its shards' rows, train exactly like one process. The run also
