@@ -7,17 +7,24 @@ state-dict adapters.
 
 model.py already uses Hugging Face's parameter names, so the mapping is short: a `model.` prefix, and
 Qwen 3-MoE's per-expert Linear weights (F, D) stacked into our (E, D, F) grouped-matmul tensors
-(transposed). A config value our model does not implement (biases, un-normalized top-k, dense layers
-inside a MoE model, another rope type, ...) is refused in one line, never loaded as a different model.
-Weights are read tensor by tensor with `safetensors` (never the whole file at once); under a mesh
-each rank reads only the rows of its own shard (`load_into`).
+(transposed). Nothing is loaded as a different model than the files describe: config.json's fields
+are type-checked (`true` is not a layer count), a value model.py does not implement (biases,
+un-normalized top-k, dense layers inside a MoE model, another rope type, ...) is refused, and every
+tensor of the files must be one the config implies, and each one it implies present, floating point,
+of its shape; each refusal is one line. Weights are read tensor by tensor with `safetensors` (never
+the whole file at once); under a mesh each rank reads only its own block of each weight, which
+tensor parallelism cuts by columns as well as rows (`load_into`). An export is all or nothing: it is
+written beside its target and renamed into place, and never mixes with files already there (`save`).
 """
 import json
+import math
 import os
+import re
+import shutil
 import sys
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model import ModelArgs, Transformer, check_args
@@ -34,48 +41,95 @@ EXPERT_WEIGHTS = {"w_gate_ExDxF": "gate_proj", "w_up_ExDxF": "up_proj", "w_down_
 # ------------------------------------------------------------------------------------------------
 # config.json <-> ModelArgs
 
-def _refuse_unsupported(cfg):
+REQUIRED = object()
+# Every config.json field we read: (type, default). JSON has one number type and true is not a
+# layer count: an int field takes ints only (not true, 4.5 or "4"), a float field ints or floats,
+# a bool field true / false. None in the type: null is allowed (HF's "derive it": head_dim).
+FIELDS = {
+    "hidden_size": (int, REQUIRED), "num_hidden_layers": (int, REQUIRED), "num_attention_heads": (int, REQUIRED),
+    "num_key_value_heads": ((int, None), None), "head_dim": ((int, None), None), "vocab_size": (int, REQUIRED),
+    "intermediate_size": (int, REQUIRED), "rms_norm_eps": (float, REQUIRED), "rope_theta": (float, 10000.0),
+    "max_position_embeddings": (int, 2048), "tie_word_embeddings": (bool, False), "rope_scaling": ((dict, None), None),
+    "hidden_act": (str, "silu"), "attention_bias": (bool, False), "mlp_bias": (bool, False),
+    "use_sliding_window": (bool, False),
+}
+MOE_FIELDS = {"num_experts": (int, REQUIRED), "num_experts_per_tok": (int, REQUIRED),
+              "moe_intermediate_size": (int, REQUIRED), "router_aux_loss_coef": (float, 0.001),
+              "norm_topk_prob": (bool, False), "decoder_sparse_step": (int, 1), "mlp_only_layers": (list, [])}
+ROPE_FIELDS = {"factor": (float, REQUIRED), "low_freq_factor": (float, REQUIRED), "high_freq_factor": (float, REQUIRED),
+               "original_max_position_embeddings": (int, REQUIRED)}
+
+
+def _is(v, kind):
+    if kind is None or kind is bool:
+        return v is None if kind is None else isinstance(v, bool)
+    if isinstance(v, bool):  # (a bool is a Python int; here it is not a number)
+        return False
+    return isinstance(v, (int, float)) and math.isfinite(v) if kind is float else isinstance(v, kind)
+
+
+def _typed(cfg, fields, where="config.json"):
+    """{key: value} for `fields`, each present with its type or absent with a default; else HFError."""
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object",
+             list: "a list", None: "null"}
+    out = {}
+    for key, (kind, default) in fields.items():
+        kinds, v = kind if isinstance(kind, tuple) else (kind,), cfg.get(key, default)
+        if v is REQUIRED:
+            raise HFError(f"{where} has no {key!r}")
+        if key in cfg and not any(_is(v, k) for k in kinds):
+            raise HFError(f"{where}: {key} must be {' or '.join(names[k] for k in kinds)}, got {json.dumps(v)}")
+        out[key] = float(v) if float in kinds and v is not None else v
+    return out
+
+
+def _read_fields(cfg):
+    """config.json's fields we use, typed, after refusing what model.py does not implement."""
+    if not isinstance(cfg, dict):
+        raise HFError(f"config.json must be a JSON object, got {type(cfg).__name__}")
     mt = cfg.get("model_type")
     if mt not in MODEL_TYPES:
         raise HFError(f"model_type {mt!r} is not supported; choose one of {', '.join(MODEL_TYPES)}")
-    unsupported = [("attention_bias", True), ("mlp_bias", True), ("use_sliding_window", True)]
-    for key, bad in unsupported:
-        if cfg.get(key) == bad:
-            raise HFError(f"config.json: {key}={bad} is not implemented by model.py")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise HFError(f"config.json: hidden_act={cfg['hidden_act']!r} is not implemented (SwiGLU with silu only)")
-    rope = cfg.get("rope_scaling")
-    if rope is not None and rope.get("rope_type", rope.get("type")) != "llama3":
-        raise HFError(f"config.json: rope_scaling type {rope.get('rope_type', rope.get('type'))!r} is not "
-                      f"implemented (llama3 only)")
+    f = _typed(cfg, {**FIELDS, **(MOE_FIELDS if mt == "qwen3_moe" else {})})
+    for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
+        if f[key]:
+            raise HFError(f"config.json: {key}=True is not implemented by model.py")
+    if f["hidden_act"] != "silu":
+        raise HFError(f"config.json: hidden_act={f['hidden_act']!r} is not implemented (SwiGLU with silu only)")
+    rope = f["rope_scaling"]
+    if rope is not None:
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind != "llama3":
+            raise HFError(f"config.json: rope_scaling type {kind!r} is not implemented (llama3 only)")
+        f["rope_scaling"] = _typed(rope, ROPE_FIELDS, "config.json: rope_scaling")
     if mt == "qwen3_moe":
-        if not cfg.get("norm_topk_prob", False):
+        if not f["norm_topk_prob"]:
             raise HFError("config.json: norm_topk_prob=false is not implemented (top-k weights are renormalized)")
-        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        if f["mlp_only_layers"] or f["decoder_sparse_step"] != 1:
             raise HFError("config.json: dense layers inside a MoE model (mlp_only_layers / decoder_sparse_step) "
                           "are not implemented")
+    return mt, f
 
 
 def args_from_config(cfg):
     """ModelArgs for a HF config dict (raises HFError for what model.py does not implement)."""
-    _refuse_unsupported(cfg)
-    mt, rope = cfg["model_type"], cfg.get("rope_scaling")
+    mt, f = _read_fields(cfg)
+    rope, moe = f["rope_scaling"], mt == "qwen3_moe"
+    args = ModelArgs(
+        dim=f["hidden_size"], n_layers=f["num_hidden_layers"], n_heads=f["num_attention_heads"],
+        n_kv_heads=f["num_key_value_heads"] or f["num_attention_heads"], head_dim=f["head_dim"],
+        vocab_size=f["vocab_size"], ffn_dim=f["intermediate_size"], norm_eps=f["rms_norm_eps"],
+        rope_theta=f["rope_theta"], max_seq_len=f["max_position_embeddings"],
+        rope_scaling=None if rope is None else (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                                                rope["original_max_position_embeddings"]),
+        tie_embeddings=f["tie_word_embeddings"], qk_norm=mt in ("qwen3", "qwen3_moe"),
+        n_experts=f["num_experts"] if moe else 0, top_k=f["num_experts_per_tok"] if moe else 0,
+        moe_ffn_dim=f["moe_intermediate_size"] if moe else 0,
+        aux_loss_coef=f["router_aux_loss_coef"] if moe else ModelArgs.aux_loss_coef)
     try:
-        args = ModelArgs(
-            dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
-            n_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]), head_dim=cfg.get("head_dim"),
-            vocab_size=cfg["vocab_size"], ffn_dim=cfg["intermediate_size"], norm_eps=cfg["rms_norm_eps"],
-            rope_theta=cfg.get("rope_theta", 10000.0), max_seq_len=cfg.get("max_position_embeddings", 2048),
-            rope_scaling=None if rope is None else (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
-                                                    rope["original_max_position_embeddings"]),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), qk_norm=mt in ("qwen3", "qwen3_moe"),
-            n_experts=cfg.get("num_experts", 0) if mt == "qwen3_moe" else 0,
-            top_k=cfg.get("num_experts_per_tok", 0) if mt == "qwen3_moe" else 0,
-            moe_ffn_dim=cfg.get("moe_intermediate_size", 0) if mt == "qwen3_moe" else 0,
-            aux_loss_coef=cfg.get("router_aux_loss_coef", 0.001))
         check_args(args)
-    except KeyError as e:
-        raise HFError(f"config.json has no {e.args[0]!r}") from None
+        if args.head_dim is not None and args.head_dim <= 0:
+            raise ValueError(f"head_dim must be positive, got {args.head_dim}")
     except ValueError as e:
         raise HFError(f"config.json describes no valid model: {e}") from None
     return args
@@ -103,11 +157,16 @@ def config_from_args(args):
 
 
 def read_config(path):
+    """config.json as a dict (HFError if missing, not JSON, or not an object)."""
+    file = os.path.join(path, "config.json")
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            return json.load(f)
+        with open(file) as f:
+            cfg = json.load(f)
     except (OSError, ValueError) as e:
-        raise HFError(f"{os.path.join(path, 'config.json')}: missing or unreadable ({type(e).__name__})") from None
+        raise HFError(f"{file}: missing or unreadable ({type(e).__name__})") from None
+    if not isinstance(cfg, dict):
+        raise HFError(f"{file} must be a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 # ------------------------------------------------------------------------------------------------
@@ -122,75 +181,123 @@ def _hf_keys(name, n_experts):
     return [name if name == "lm_head.weight" else f"model.{name}"]
 
 
+IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")  # a derived buffer older exports carry (transformers skips it too)
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")        # safetensors' names; an int8 / fp8 weight needs its scales
+
+
+def _summary(keys, n=4):
+    """A short, readable list of tensor names in natural order; many become whole layers (`model.layers.7.*`)."""
+    groups = set(keys) if len(keys) <= n else {re.sub(r"^(model\.layers\.\d+)\..*", r"\1.*", k) for k in keys}
+    ordered = sorted(groups, key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)])
+    return ", ".join(ordered[:n]) + (f" and {len(ordered) - n} more" if len(ordered) > n else "")
+
+
 class _Reader:
     """Tensors by HF key across the files of a (possibly sharded) safetensors checkpoint."""
 
     def __init__(self, path):
-        index = os.path.join(path, "model.safetensors.index.json")
-        try:
-            if os.path.exists(index):
+        index, single = (os.path.join(path, f) for f in ("model.safetensors.index.json", "model.safetensors"))
+        if os.path.exists(index) and os.path.exists(single):  # e.g. an unsharded export over a sharded one
+            raise HFError(f"{path} holds both model.safetensors and model.safetensors.index.json: which one is "
+                          f"the model is ambiguous; remove the stale one")
+        self.files = {}
+        if os.path.exists(index):
+            try:
                 with open(index) as f:
                     self.where = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
-            else:
-                single = os.path.join(path, "model.safetensors")
-                with safe_open(single, "pt") as f:
-                    self.where = {k: single for k in f.keys()}
-        except Exception as e:  # missing, truncated, not JSON / safetensors
-            raise HFError(f"{path}: no readable model.safetensors or model.safetensors.index.json "
-                          f"({str(e).splitlines()[0][:120]})") from None
-        self.files = {}
+            except Exception as e:  # unreadable, not JSON, no weight_map of names
+                raise HFError(f"{index}: unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        elif os.path.exists(single):
+            self.where = dict.fromkeys(self._file(single).keys(), single)
+        else:
+            raise HFError(f"{path} has no model.safetensors or model.safetensors.index.json")
+        for file in set(self.where.values()):  # the index and its shards agree (no tensor the index omits)
+            listed = {k for k, v in self.where.items() if v == file}
+            if set(self._file(file).keys()) != listed:
+                raise HFError(f"{file} and model.safetensors.index.json disagree on "
+                              f"{_summary(set(self._file(file).keys()) ^ listed)}")
 
-    def _part(self, key):
-        if key not in self.where:
-            raise HFError(f"the checkpoint has no tensor {key!r}")
-        path = self.where[key]
-        if path not in self.files:
+    def _file(self, file):
+        if file not in self.files:
             try:
-                self.files[path] = safe_open(path, "pt")
+                self.files[file] = safe_open(file, "pt")
             except Exception as e:  # missing, truncated, not safetensors
-                raise HFError(f"{path}: unreadable ({str(e).splitlines()[0][:120]})") from None
-        return self.files[path].get_slice(key)
+                raise HFError(f"{file}: unreadable ({str(e).splitlines()[0][:120]})") from None
+        return self.files[file]
 
-    def shape(self, key):
-        return list(self._part(key).get_shape())
+    def info(self, key):
+        """(shape, safetensors dtype name) of tensor `key`, from the file's header."""
+        part = self._file(self.where[key]).get_slice(key)
+        return list(part.get_shape()), part.get_dtype()
 
-    def slice(self, key, rows=None):
-        """Rows [a, b) of tensor `key` (all rows when None), read from disk without the rest."""
-        part = self._part(key)
-        return part[:] if rows is None else part[rows[0]:rows[1]]
+    def read(self, key, box):
+        """The block of tensor `key` given by `box`, [start, stop) per dim, read without the rest."""
+        return self._file(self.where[key]).get_slice(key)[tuple(slice(a, b) for a, b in box)]
 
 
-def _read_param(reader, name, shape, rows):
-    """Our parameter `name` (full `shape`), rows [a, b) of dim 0, built from its HF tensors."""
+def _expected_tensors(params):
+    """{HF key: the shape config.json implies} for our parameters (expert tensors (F, D), unstacked)."""
+    want = {}
+    for name, p in params.items():
+        keys = _hf_keys(name, p.shape[0])
+        want.update({k: list(p.shape) if len(keys) == 1 else list(p.shape[1:])[::-1] for k in keys})
+    return want
+
+
+def _check_tensors(reader, want, tied):
+    """Refuse before reading a weight: a tensor of the files the config does not describe (it would
+    be dropped), one it implies that is missing, a shape that differs, a non-float dtype."""
+    have = {k for k in reader.where if not IGNORED.search(k)}
+    extra = have - want.keys()
+    if tied and "lm_head.weight" in extra:  # a tied model's copy of the head: fine if it IS the embedding
+        box = [(0, n) for n in reader.info("lm_head.weight")[0]]
+        if reader.info("lm_head.weight")[0] == want["model.embed_tokens.weight"] and torch.equal(
+                reader.read("lm_head.weight", box), reader.read("model.embed_tokens.weight", box)):
+            extra.discard("lm_head.weight")
+    if extra:
+        raise HFError(f"the checkpoint holds {len(extra)} tensors config.json does not describe (they would be "
+                      f"dropped): {_summary(extra)}")
+    missing = want.keys() - have
+    if missing:
+        raise HFError(f"the checkpoint lacks {len(missing)} tensors config.json implies: {_summary(missing)}")
+    for key, shape in want.items():
+        got, dtype = reader.info(key)
+        if got != shape:
+            raise HFError(f"{key} has shape {got}, config.json implies {shape}")
+        if dtype not in FLOAT_DTYPES:
+            raise HFError(f"{key} is {dtype}: only floating-point weights load ({', '.join(FLOAT_DTYPES)}); a "
+                          f"quantized checkpoint is not supported")
+
+
+def _read_param(reader, name, shape, box):
+    """The block `box` ([start, stop) per dim) of our parameter `name` (full `shape`) from its HF tensors."""
     keys = _hf_keys(name, shape[0])
     if len(keys) == 1:
-        if reader.shape(keys[0]) != list(shape):
-            raise HFError(f"{keys[0]} has shape {reader.shape(keys[0])}, config.json implies {list(shape)}")
-        return reader.slice(keys[0], rows)
-    experts = []  # (E, D, F) from E tensors of (F, D): one expert per row of dim 0, transposed
-    for e in range(rows[0], rows[1]):
-        w = reader.slice(keys[e])
-        if tuple(w.T.shape) != tuple(shape[1:]):
-            raise HFError(f"{keys[e]} has shape {list(w.shape)}, config.json implies {list(shape[1:])[::-1]}")
-        experts.append(w.T)
-    return torch.stack(experts) if experts else torch.empty(0, *shape[1:])
+        return reader.read(keys[0], box)
+    # experts: ours (E, D, F) [e, i, j] is expert e's HF (F, D) [j, i]: one tensor per expert, transposed
+    experts = [reader.read(keys[e], box[:0:-1]).T for e in range(*box[0])]
+    return torch.stack(experts) if experts else torch.empty([b - a for a, b in box])
 
 
 @torch.no_grad()
 def load_into(model, path):
-    """Fill `model` (ours, maybe sharded by SimpleFSDP / FSDP2 on dim 0) with the HF weights at
-    `path`; a sharded parameter reads only its own rows. Dtypes convert to the parameter's."""
+    """Fill `model` (ours, plain or sharded: SimpleFSDP / FSDP2 / tensor parallel DTensors) with the HF
+    weights at `path`. A sharded parameter reads only its own block, an offset and a size in every
+    dim: tensor parallelism splits columns, and under FSDP x TP a weight is split in two dims. Every
+    tensor of the files is used and every one the config implies is there. Dtypes convert."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     reader = _Reader(path)
     params = dict(model.named_parameters())
+    _check_tensors(reader, _expected_tensors(params), model.args.tie_embeddings)
     for name, p in params.items():
         if isinstance(p, DTensor):
-            local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            rows, target = (offset[0], offset[0] + local_shape[0]), p.to_local()
+            size, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            target = p.to_local()
         else:
-            rows, target = (0, p.shape[0]), p
-        target.copy_(_read_param(reader, name, tuple(p.shape), rows).to(target.dtype))
+            size, offset, target = p.shape, [0] * p.dim(), p
+        box = [(o, o + n) for o, n in zip(offset, size)]
+        target.copy_(_read_param(reader, name, tuple(p.shape), box).to(target.dtype))
     return model
 
 
@@ -217,11 +324,8 @@ def hf_state_dict(model):
     return out
 
 
-def save(model, path, max_shard_bytes=5 * 2**30):
-    """Write config.json and safetensors (sharded with an index above `max_shard_bytes`)."""
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config_from_args(model.args), f, indent=2)
+def _write_files(model, out, max_shard_bytes):
+    """config.json and safetensors into the directory `out` (sharded with an index above `max_shard_bytes`)."""
     tensors, shards, size = hf_state_dict(model), [{}], 0
     for key, t in tensors.items():
         if size and size + t.numel() * t.element_size() > max_shard_bytes:
@@ -229,31 +333,98 @@ def save(model, path, max_shard_bytes=5 * 2**30):
             size = 0
         shards[-1][key] = t
         size += t.numel() * t.element_size()
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        return path
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                   "weight_map": {k: n for n, shard in zip(names, shards) for k in shard}}, f, indent=2)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    jsons = {"config.json": config_from_args(model.args)}
+    if len(shards) > 1:
+        jsons["model.safetensors.index.json"] = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": {k: n for n, shard in zip(names, shards) for k in shard}}
+    for name, shard in [*zip(names, shards), *jsons.items()]:
+        file = os.path.join(out, name)
+        try:
+            if name in jsons:
+                with open(file, "w") as f:
+                    json.dump(shard, f, indent=2)
+            else:
+                save_file(shard, file, metadata={"format": "pt"})
+            with open(file, "rb") as f:  # on disk before the rename makes it part of the export
+                os.fsync(f.fileno())
+        except (OSError, SafetensorError) as e:  # disk full, file-size limit (safetensors' Rust writer: its own error)
+            raise OSError(f"writing {name} failed: {getattr(e, 'strerror', None) or e}") from None
+
+
+def check_target(path, overwrite=False):
+    """Refuse an export target that is a file, or a non-empty directory unless `overwrite`."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise HFError(f"{path} exists and is not a directory")
+    if os.path.isdir(path) and os.listdir(path) and not overwrite:
+        raise HFError(f"{path} is not empty ({_summary(os.listdir(path), 3)}); an export writes a whole "
+                      f"directory: pass --overwrite to replace it, or choose a new one")
+
+
+def save(model, path, max_shard_bytes=5 * 2**30, overwrite=False):
+    """Write `model` as the HF directory `path`, all or nothing: the files go to a temporary directory
+    beside it, fsynced, then renamed into place. A failed write removes it and leaves `path` as it was;
+    a non-empty `path` is refused unless `overwrite`, which replaces the directory whole (no old shard
+    or index survives to be loaded instead of the new weights)."""
+    check_target(path, overwrite)
+    path = os.path.abspath(path)
+    parent, base = os.path.split(path)
+    tmp, old = (os.path.join(parent, f".{base}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        for stale in (tmp, old):  # (left by a killed export with this pid)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.mkdir(tmp)
+    except OSError as e:
+        raise HFError(f"cannot write {path}: {e.strerror}: {e.filename}") from None
+    try:
+        _write_files(model, tmp, max_shard_bytes)
+        if os.path.isdir(path) and os.listdir(path):  # --overwrite: set the old one aside until the new is in
+            os.rename(path, old)
+        os.rename(tmp, path)  # (rename replaces an empty directory atomically)
+    except BaseException:
+        if os.path.isdir(old) and not os.path.exists(path):
+            os.rename(old, path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return path
 
 
 def main(argv):
-    """python hf.py export RUN_DIR OUT_DIR: a training run's newest checkpoint as a HF directory."""
+    """python hf.py export RUN_DIR OUT_DIR [--overwrite]: a training run's newest checkpoint as a HF
+    directory. Exit 0 done, 2 bad input (nothing written), 5 a write failed (OUT_DIR as it was)."""
+    import argparse
     import generate
-    if len(argv) != 3 or argv[0] != "export":
-        print("usage: python hf.py export RUN_DIR OUT_DIR", file=sys.stderr)
-        return 2
+    p = argparse.ArgumentParser(prog="hf.py", description="a training run's newest checkpoint as a HF directory")
+    p.add_argument("command", choices=["export"])
+    p.add_argument("run_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR (whole, atomically)")
+    cfg = p.parse_args(argv)
     try:
-        model = generate.load_run(argv[1])
+        check_target(cfg.out_dir, cfg.overwrite)  # before the (maybe large) checkpoint is read
+        model = generate.load_run(cfg.run_dir)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {save(model, argv[2])}")
-    return 0
+    try:
+        print(f"wrote {save(model, cfg.out_dir, overwrite=cfg.overwrite)}")
+        return 0
+    except HFError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # disk full, file-size limit: nothing of it is left, OUT_DIR is as it was
+        what = f"{e.strerror}: {e.filename}" if e.filename else str(e)
+        print(f"error: a write failed: {what}; {cfg.out_dir} is as it was", file=sys.stderr)
+        return 5
 
 
 if __name__ == "__main__":

@@ -1998,10 +1998,179 @@ def test_generate_on_a_tokenizer_run_picks_its_tokenizer_and_checkpoint_and_refu
     one_line(["--run", str(good), "x"], f"this run trained on the tokenizer in {tok_dir}, which is gone")
 
 
+# config.json key -> (ModelArgs field, the value model.py must get), written out from HF's documentation
+HF_FIELDS = {"rope_theta": ("rope_theta", float), "rms_norm_eps": ("norm_eps", float), "head_dim": ("head_dim", int),
+             "max_position_embeddings": ("max_seq_len", int), "tie_word_embeddings": ("tie_embeddings", bool),
+             "num_key_value_heads": ("n_kv_heads", int),
+             "rope_scaling": ("rope_scaling", lambda r: r and (r["factor"], r["low_freq_factor"], r["high_freq_factor"],
+                                                         r["original_max_position_embeddings"])),
+             "num_experts": ("n_experts", int), "num_experts_per_tok": ("top_k", int),
+             "moe_intermediate_size": ("moe_ffn_dim", int), "router_aux_loss_coef": ("aux_loss_coef", float)}
+
+
+def test_every_config_field_reaches_the_model():
+    """Each config.json field hf.py reads is set in some fixture away from the value a loader that
+    ignored it would use (ModelArgs' default, HF's num_key_value_heads = heads), and arrives in
+    ModelArgs. The logits test above then shows each one is also used as transformers uses it."""
+    import hf
+    shown = set()
+    for name in ("llama", "qwen3", "qwen3_moe"):
+        cfg = json.load(open(os.path.join(HF_FIXTURES, name, "config.json")))
+        args = hf.args_from_config(hf.read_config(os.path.join(HF_FIXTURES, name)))
+        for key, (field, value) in HF_FIELDS.items():
+            if key in cfg:
+                assert getattr(args, field) == value(cfg[key]), (name, key)
+                fallback = cfg["num_attention_heads"] if key == "num_key_value_heads" else getattr(ModelArgs(), field)
+                shown |= {key} if value(cfg[key]) != fallback else set()
+        shown |= {f"rope_scaling.{k}" for k, v in (cfg.get("rope_scaling") or {}).items()
+                  if k != "rope_type" and v != dict(zip(["factor", "low_freq_factor", "high_freq_factor",
+                                                         "original_max_position_embeddings"], (8.0, 1.0, 4.0, 8192)))[k]}
+    assert shown == {*HF_FIELDS, "rope_scaling.factor", "rope_scaling.low_freq_factor",
+                     "rope_scaling.high_freq_factor", "rope_scaling.original_max_position_embeddings"}, shown
+
+
+def _hf_copy(tmp_path, label, name, tensors=None, drop=()):
+    """A copy of fixture `name` with tensors added / replaced (`tensors(weights)`) or dropped."""
+    from safetensors.torch import load_file, save_file
+    import shutil
+    d = tmp_path / label
+    d.mkdir()
+    shutil.copy(os.path.join(HF_FIXTURES, name, "config.json"), d / "config.json")
+    weights = load_file(os.path.join(HF_FIXTURES, name, "model.safetensors"))
+    save_file({**{k: v for k, v in weights.items() if k not in drop}, **(tensors(weights) if tensors else {})},
+              str(d / "model.safetensors"))
+    if os.path.exists(os.path.join(HF_FIXTURES, name, "tokenizer.json")):
+        os.symlink(os.path.join(HF_FIXTURES, name, "tokenizer.json"), d / "tokenizer.json")
+    return str(d)
+
+
+def test_hf_config_of_the_wrong_type_is_one_line_in_train_and_generate(corpus, tmp_path, capsys):
+    """JSON has one number type and `true` is not a layer count: each wrong type is refused naming the
+    field (never a 1-layer model from `true`, never a traceback), in train.py --init-from and generate --hf."""
+    import generate
+    import train
+    cases = [({"num_hidden_layers": True}, "num_hidden_layers must be an integer, got true"),
+             ({"hidden_size": "64"}, 'hidden_size must be an integer, got "64"'),
+             ({"num_hidden_layers": 4.5}, "num_hidden_layers must be an integer, got 4.5"),
+             ({"hidden_size": None}, "hidden_size must be an integer, got null"),
+             ({"rope_scaling": "llama3"}, 'rope_scaling must be an object or null, got "llama3"'),
+             ({"rms_norm_eps": "1e-5"}, 'rms_norm_eps must be a number, got "1e-5"'),
+             ({"tie_word_embeddings": "false"}, 'tie_word_embeddings must be true or false, got "false"'),
+             ({"rope_scaling": {"rope_type": "llama3", "factor": "8", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 16}}, 'rope_scaling: factor must be a number'),
+             ({"head_dim": 0}, "head_dim must be positive"),
+             (lambda cfg: [cfg], "config.json must be a JSON object, got list")]
+    for i, (edit, message) in enumerate(cases):
+        d = tmp_path / f"c{i}"
+        d.mkdir()
+        cfg = json.load(open(os.path.join(HF_FIXTURES, "qwen3", "config.json")))
+        (d / "config.json").write_text(json.dumps(edit(cfg) if callable(edit) else {**cfg, **edit}))
+        for f in ("model.safetensors", "tokenizer.json"):
+            os.symlink(os.path.join(HF_FIXTURES, "qwen3", f), d / f)
+        out_dir = str(tmp_path / f"run{i}")
+        for main, argv in [(train.main, ["--init-from", str(d), "--data", corpus, "--seq-len", "32", "--out-dir", out_dir]),
+                           (generate.main, ["--hf", str(d), "x"])]:
+            assert main(argv) == 2, (edit, main)
+            err = capsys.readouterr().err.strip()
+            assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, (edit, err)
+        assert not os.path.exists(out_dir)
+
+
+def test_hf_loader_uses_every_tensor_and_finds_every_one_it_needs(tmp_path, capsys):
+    """A weight the config does not describe would be dropped silently, a missing one left at its
+    initialization, an int8 one cast to a meaningless float: each refused naming the tensors. Floats
+    of any width convert; a tied model may carry its head if it is the embedding; a directory with
+    both a model.safetensors and an index is ambiguous. Oracle for the TP / FSDP reads: any block of
+    any parameter, read alone, is that block of the whole parameter."""
+    import generate
+    import hf
+    layer = lambda w, i, j: {k.replace(f"layers.{i}.", f"layers.{j}."): v.clone() for k, v in w.items() if f"layers.{i}." in k}
+    bad = [("four_layers", "llama", lambda w: {**layer(w, 0, 2), **layer(w, 1, 3)}, (),
+            "the checkpoint holds 18 tensors config.json does not describe (they would be dropped): "
+            "model.layers.2.*, model.layers.3.*"),
+           ("stray", "llama", lambda w: {"model.layers.7.mlp.up_proj.weight": w["model.layers.0.mlp.up_proj.weight"].clone()}, (),
+            "does not describe (they would be dropped): model.layers.7.mlp.up_proj.weight"),
+           ("missing", "qwen3_moe", None, ("model.layers.1.mlp.experts.3.down_proj.weight",),
+            "the checkpoint lacks 1 tensors config.json implies: model.layers.1.mlp.experts.3.down_proj.weight"),
+           ("int8", "llama", lambda w: {"model.norm.weight": w["model.norm.weight"].to(torch.int8)}, (),
+            "model.norm.weight is I8: only floating-point weights load"),
+           ("untied_head", "qwen3", lambda w: {"lm_head.weight": w["model.embed_tokens.weight"] + 1}, (),
+            "does not describe (they would be dropped): lm_head.weight")]
+    for label, name, tensors, drop, message in bad:
+        with pytest.raises(hf.HFError, match=re.escape(message)):
+            hf.load(_hf_copy(tmp_path, label, name, tensors, drop))
+    assert generate.main(["--hf", str(tmp_path / "untied_head"), "x"]) == 2  # the CLI: one line
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.endswith("dropped): lm_head.weight"), err
+    want = hf.load(os.path.join(HF_FIXTURES, "qwen3"))
+    half = hf.load(_hf_copy(tmp_path, "f16", "qwen3", tensors=lambda w: {k: v.half() for k, v in w.items()}))
+    tied = hf.load(_hf_copy(tmp_path, "tied", "qwen3", tensors=lambda w: {"lm_head.weight": w["model.embed_tokens.weight"].clone()}))
+    for (n, p), (_, q), (_, r) in zip(want.named_parameters(), half.named_parameters(), tied.named_parameters()):
+        assert q.dtype == torch.float32 and torch.equal(q, p.half().float()) and torch.equal(r, p), n
+    both = tmp_path / "both"  # a sharded export, then an unsharded one beside it (made by hand: hf.save refuses)
+    hf.save(want, str(both), max_shard_bytes=200_000)
+    os.symlink(os.path.join(HF_FIXTURES, "qwen3", "model.safetensors"), both / "model.safetensors")
+    with pytest.raises(hf.HFError, match="holds both model.safetensors and model.safetensors.index.json"):
+        hf.load(str(both))
+    os.remove(both / "model.safetensors")
+    index = json.loads((both / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.norm.weight"]  # its shard still holds it: the index leaves it out
+    (both / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(hf.HFError, match="and model.safetensors.index.json disagree on model.norm.weight"):
+        hf.load(str(both))
+    for name in ("llama", "qwen3_moe"):  # each parameter's blocks: 2 pieces per dim, as TP x FSDP cut them
+        path = os.path.join(HF_FIXTURES, name)
+        full, reader = hf.load(path), hf._Reader(path)
+        for pname, p in full.named_parameters():
+            for corner in range(2 ** p.dim()):
+                box = [(0, n // 2) if corner >> d & 1 else (n // 2, n) for d, n in enumerate(p.shape)]
+                piece = hf._read_param(reader, pname, tuple(p.shape), box)
+                assert torch.equal(piece, p[tuple(slice(a, b) for a, b in box)]), (pname, box)
+
+
+def test_export_never_clobbers_and_a_failed_write_keeps_the_old_files(corpus, tmp_path, capsys):
+    """hf.py export writes a whole directory or nothing: a non-empty target is refused (a user's files
+    there stay), --overwrite replaces it whole (an old sharded export's index does not survive to be
+    loaded instead), and a write that fails (a 256 KiB file-size limit) leaves the previous export
+    bit for bit, no temporary directory behind, one line, exit 5. Oracle: the run's own weights."""
+    import checkpoint
+    import generate
+    import hf
+    run = str(tmp_path / "run")
+    assert _main([*TINY, "--data", corpus, "--steps", "1", "--eval-batches", "0", "--sample-tokens", "0",
+                  "--out-dir", run]) == 0
+    model = generate.load_run(run)
+    hf.save(Transformer(model.args), str(tmp_path / "out"), max_shard_bytes=100_000)  # an older export: other
+    # weights, sharded with an index that a loader would prefer to a new model.safetensors beside it
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "config.json").write_text("mine")
+    (tmp_path / "file").write_text("mine")
+    capsys.readouterr()
+    for target, message in [(user, "is not empty (config.json); an export writes a whole directory: pass --overwrite"),
+                            (tmp_path / "out", "is not empty"), (tmp_path / "file", "exists and is not a directory"),
+                            (tmp_path / "file" / "sub", "cannot write")]:
+        assert hf.main(["export", run, str(target)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
+    assert (user / "config.json").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"
+    assert hf.main(["export", run, str(tmp_path / "out"), "--overwrite"]) == 0
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    for (n, p), (_, q) in zip(model.named_parameters(), hf.load(str(tmp_path / "out")).named_parameters()):
+        assert torch.equal(p, q), n
+    before = {f: checkpoint._sha256(tmp_path / "out" / f) for f in os.listdir(tmp_path / "out")}
+    proc = subprocess.run(["bash", "-c", 'ulimit -f 256 && exec "$@"', "-", sys.executable, "hf.py", "export", run,
+                           str(tmp_path / "out"), "--overwrite"], cwd=HERE, capture_output=True, text=True, timeout=300)
+    err = proc.stderr.strip()
+    assert proc.returncode == 5 and len(err.splitlines()) == 1 and err.startswith("error: a write failed"), err
+    assert {f: checkpoint._sha256(tmp_path / "out" / f) for f in os.listdir(tmp_path / "out")} == before
+    assert sorted(os.listdir(tmp_path)) == ["file", "out", "run", "user"]  # no temporary directory left
+
+
 def test_fine_tuning_starts_from_the_hf_weights_on_one_process_and_under_a_mesh(corpus, tmp_path):
     """--init-from: the step-0 validation loss is the HF model's own loss on that batch (one process),
-    and 2 ranks, each reading only its shards' rows, train exactly like one process. The run also
-    draws its loss plot and ends with a sample."""
+    and 2 ranks, each reading only its own piece (FSDP rows; under tp=2 column blocks too), train
+    exactly like one process. The run also draws its loss plot and ends with a sample."""
     import hf
     llama = os.path.join(HF_FIXTURES, "llama")
     common = ["--init-from", llama, "--data", corpus, "--steps", "4", "--batch-size", "4", "--seq-len", "32",
@@ -2016,11 +2185,12 @@ def test_fine_tuning_starts_from_the_hf_weights_on_one_process_and_under_a_mesh(
     assert abs(_records(single, "val_loss")[0] - want) < 1e-5
     assert "sample (64 bytes" in out
     assert open(os.path.join(single, "loss.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    rc, _, err = torchrun(2, [*common, "--out-dir", multi, "--mesh", "ici=2"])
-    assert rc == 0, err[-3000:]
-    for key in ("loss", "val_loss", "grad_norm"):
-        a, b = _records(single, key), _records(multi, key)
-        assert sorted(a) == sorted(b) and max(abs(a[s] - b[s]) for s in a) < 1e-5, key
+    for mesh, out_dir in [("ici=2", multi), ("ici=1,tp=2", str(tmp_path / "tp"))]:
+        rc, _, err = torchrun(2, [*common, "--out-dir", out_dir, "--mesh", mesh])
+        assert rc == 0, err[-3000:]
+        for key in ("loss", "val_loss", "grad_norm"):
+            a, b = _records(single, key), _records(out_dir, key)
+            assert sorted(a) == sorted(b) and max(abs(a[s] - b[s]) for s in a) < 1e-5, (mesh, key)
 
 
 def test_training_on_a_hf_tokenizer_caches_its_ids_and_writes_tensorboard(corpus, tmp_path, monkeypatch, capsys):
