@@ -12,6 +12,8 @@ The write protocol, in order (a crash between any two steps leaves the previous 
 `latest` is a hint for people and tools; resuming trusts the directories: it takes the newest
 `step_N` and verifies it, so a missing or garbage `latest` cannot hide the checkpoints.
 """
+import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,7 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+import layer_scan
 from mesh import peer_failure
+from model import ModelArgs, Transformer
 
 
 class CheckpointError(ValueError):
@@ -288,6 +292,62 @@ def load(path, state):
     except Exception as e:  # verified files that DCP still cannot read (e.g. written by another version)
         raise CheckpointError(f"checkpoint {path} could not be loaded ({str(e).strip().splitlines()[-1][:200]})") from None
     return state
+
+
+# ------------------------------------------------------------------------------------------------
+# A run's checkpoint as a model (generate.py samples from it, hf.py exports it)
+
+def run_checkpoint(path):
+    """(checkpoint directory, its meta.json) to sample from: `path` is a train.py run directory (its
+    newest checkpoint) or one of its checkpoints `step_N` (an older one, e.g. when the newest is
+    broken). It must verify: a broken one is refused, naming the newest good one to pass instead."""
+    found = step_dirs(os.path.join(path, "checkpoints"))
+    if found:
+        chosen, older = found[0][1], [p for _, p in found[1:]]
+    elif os.path.isdir(path) and (STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+                                  or os.path.isfile(os.path.join(path, "meta.json"))):
+        chosen, older = path, []
+    else:
+        raise CheckpointError(f"{path} holds no checkpoint to read (give a run directory "
+                                         f"or one of its checkpoints/step_N)")
+    problem = verify(chosen)
+    if problem:
+        good = next((p for p in older if verify(p) is None), None)
+        hint = f"the newest good one is {good}: pass it in place of {path}" if good else "no good checkpoint remains"
+        raise CheckpointError(f"checkpoint {chosen} is broken: {problem}; {hint}")
+    return chosen, read_meta(chosen)
+
+
+def load_model(path, meta, device="cpu"):
+    """The model saved in checkpoint `path` (also one saved sharded, or stacked by --scan), built from
+    the ModelArgs its meta.json records; a config this version cannot build is refused in one line."""
+    saved = meta.get("model_args")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{os.path.join(path, 'meta.json')} records no model_args")
+    unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(ModelArgs)})
+    if unknown:
+        raise CheckpointError(f"{os.path.join(path, 'meta.json')}: model_args {', '.join(unknown)} "
+                                         f"unknown to this version (a checkpoint written by another version)")
+    try:
+        model = Transformer(ModelArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}))
+    except (TypeError, ValueError) as e:  # a value of the wrong type or out of range
+        raise CheckpointError(f"{os.path.join(path, 'meta.json')}: model_args describe no model "
+                                         f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+    target = model
+    if meta.get("layers") == "stacked":  # saved with --scan: load the stacked layout, then unstack
+        target = layer_scan.stack_layers(copy.deepcopy(model))
+    state = load(path, {"model": target.state_dict()})["model"]
+    if target is not model:
+        state = {**{k: v for k, v in state.items() if not k.startswith("layers.")},
+                 **{f"layers.{i}.{k[len('layers.'):].replace('__', '.')}": v[i]
+                    for k, v in state.items() if k.startswith("layers.") for i in range(v.shape[0])}}
+    model.load_state_dict(state)
+    return model.to(device)
+
+
+def load_run(path, device="cpu"):
+    """The model of a run's newest verified checkpoint, or of the checkpoint directory `path`."""
+    return load_model(*run_checkpoint(path), device)
 
 
 def to_cpu(tree):

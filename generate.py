@@ -15,7 +15,6 @@ arXiv 1904.09751), from a seeded generator: same seed, same text.
 """
 import argparse
 import codecs
-import dataclasses
 import math
 import os
 import sys
@@ -24,7 +23,6 @@ import torch
 
 import checkpoint
 import device as dev
-from model import ModelArgs, Transformer
 
 
 class KVCache:
@@ -117,62 +115,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_k=0, top_p=
 
 
 # ------------------------------------------------------------------------------------------------
-# Loading: our training runs (DCP checkpoints) and HF directories
-
-def run_checkpoint(path):
-    """(checkpoint directory, its meta.json) to sample from: `path` is a train.py run directory (its
-    newest checkpoint) or one of its checkpoints `step_N` (an older one, e.g. when the newest is
-    broken). It must verify: a broken one is refused, naming the newest good one to pass instead."""
-    found = checkpoint.step_dirs(os.path.join(path, "checkpoints"))
-    if found:
-        chosen, older = found[0][1], [p for _, p in found[1:]]
-    elif os.path.isdir(path) and (checkpoint.STEP_DIR.match(os.path.basename(os.path.normpath(path)))
-                                  or os.path.isfile(os.path.join(path, "meta.json"))):
-        chosen, older = path, []
-    else:
-        raise checkpoint.CheckpointError(f"{path} holds no checkpoint to sample from (give a run directory "
-                                         f"or one of its checkpoints/step_N)")
-    problem = checkpoint.verify(chosen)
-    if problem:
-        good = next((p for p in older if checkpoint.verify(p) is None), None)
-        hint = f"the newest good one is {good}: pass it in place of {path}" if good else "no good checkpoint remains"
-        raise checkpoint.CheckpointError(f"checkpoint {chosen} is broken: {problem}; {hint}")
-    return chosen, checkpoint.read_meta(chosen)
-
-
-def load_checkpoint(path, meta, device="cpu"):
-    """The model saved in checkpoint `path` (also one saved sharded, or stacked by --scan), built from
-    the ModelArgs its meta.json records; a config this version cannot build is refused in one line."""
-    saved = meta.get("model_args")
-    if not isinstance(saved, dict):
-        raise checkpoint.CheckpointError(f"{os.path.join(path, 'meta.json')} records no model_args")
-    unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(ModelArgs)})
-    if unknown:
-        raise checkpoint.CheckpointError(f"{os.path.join(path, 'meta.json')}: model_args {', '.join(unknown)} "
-                                         f"unknown to this version (a checkpoint written by another version)")
-    try:
-        model = Transformer(ModelArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}))
-    except (TypeError, ValueError) as e:  # a value of the wrong type or out of range
-        raise checkpoint.CheckpointError(f"{os.path.join(path, 'meta.json')}: model_args describe no model "
-                                         f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
-    target = model
-    if meta.get("layers") == "stacked":  # saved with --scan: load the stacked layout, then unstack
-        import copy
-        import layer_scan
-        target = layer_scan.stack_layers(copy.deepcopy(model))
-    state = checkpoint.load(path, {"model": target.state_dict()})["model"]
-    if target is not model:
-        state = {**{k: v for k, v in state.items() if not k.startswith("layers.")},
-                 **{f"layers.{i}.{k[len('layers.'):].replace('__', '.')}": v[i]
-                    for k, v in state.items() if k.startswith("layers.") for i in range(v.shape[0])}}
-    model.load_state_dict(state)
-    return model.to(device)
-
-
-def load_run(path, device="cpu"):
-    """The model of a run's newest verified checkpoint, or of the checkpoint directory `path`."""
-    return load_checkpoint(*run_checkpoint(path), device)
-
+# Loading: what a run trained on (its checkpoint: checkpoint.load_run)
 
 def run_tokenizer(meta):
     """What a run trained on: bytes, or the tokenizer directory its checkpoint records (--tokenizer)."""
@@ -263,8 +206,8 @@ def main(argv=None):
             raise ValueError("need --max-new-tokens > 0, 0 < --top-p <= 1, a finite --temperature >= 0, --top-k >= 0")
         device = dev.pick_device(cfg.device)
         if cfg.run:
-            path, meta = run_checkpoint(cfg.run)
-            tok, model = run_tokenizer(meta), load_checkpoint(path, meta, device)
+            path, meta = checkpoint.run_checkpoint(cfg.run)
+            tok, model = run_tokenizer(meta), checkpoint.load_model(path, meta, device)
         else:
             import hf
             config = hf.read_config(cfg.hf)

@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+import checkpoint
 from model import ModelArgs, Transformer, check_args
 
 
@@ -402,7 +403,6 @@ def main(argv):
     """python hf.py export RUN_DIR OUT_DIR [--overwrite]: a training run's newest checkpoint as a HF
     directory. Exit 0 done, 2 bad input (nothing written), 5 a write failed (OUT_DIR as it was)."""
     import argparse
-    import generate
     p = argparse.ArgumentParser(prog="hf.py", description="a training run's newest checkpoint as a HF directory")
     p.add_argument("command", choices=["export"])
     p.add_argument("run_dir")
@@ -411,7 +411,7 @@ def main(argv):
     cfg = p.parse_args(argv)
     try:
         check_target(cfg.out_dir, cfg.overwrite)  # before the (maybe large) checkpoint is read
-        model = generate.load_run(cfg.run_dir)
+        model = checkpoint.load_run(cfg.run_dir)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

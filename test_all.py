@@ -2134,12 +2134,11 @@ def test_export_never_clobbers_and_a_failed_write_keeps_the_old_files(corpus, tm
     loaded instead), and a write that fails (a 256 KiB file-size limit) leaves the previous export
     bit for bit, no temporary directory behind, one line, exit 5. Oracle: the run's own weights."""
     import checkpoint
-    import generate
     import hf
     run = str(tmp_path / "run")
     assert _main([*TINY, "--data", corpus, "--steps", "1", "--eval-batches", "0", "--sample-tokens", "0",
                   "--out-dir", run]) == 0
-    model = generate.load_run(run)
+    model = checkpoint.load_run(run)
     hf.save(Transformer(model.args), str(tmp_path / "out"), max_shard_bytes=100_000)  # an older export: other
     # weights, sharded with an index that a loader would prefer to a new model.safetensors beside it
     user = tmp_path / "user"
