@@ -10,6 +10,7 @@ A run directory holds what a user cannot afford to lose (checkpoints, metrics.js
     collective's wait) with one line naming where it stalled, and exit code 4. It is a Python thread:
     collectives and XLA waits release the GIL, so it runs while the main thread is blocked.
 """
+import contextlib
 import fcntl
 import json
 import math
@@ -121,9 +122,15 @@ class RunDir:
             lr_ax.set_ylabel("learning rate", color="grey")
         fig.tight_layout()
         tmp = os.path.join(self.path, "loss.png.tmp")
-        fig.savefig(tmp, format="png", dpi=100)
-        plt.close(fig)
-        os.replace(tmp, os.path.join(self.path, "loss.png"))
+        try:
+            fig.savefig(tmp, format="png", dpi=100)
+            os.replace(tmp, os.path.join(self.path, "loss.png"))
+        except OSError as e:  # (matplotlib's errors may not name the file: name it, leave no .tmp)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise OSError(e.errno, e.strerror or str(e), os.path.join(self.path, "loss.png")) from None
+        finally:
+            plt.close(fig)
 
     def close(self):
         if self._tb is not None:

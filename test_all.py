@@ -805,6 +805,97 @@ def test_disk_full_during_a_checkpoint_removes_the_partial_one_and_keeps_the_las
     assert run_train([*common, "--resume"])[0] == 0 and sorted(losses(out))[-1] == 6
 
 
+@pytest.mark.parametrize("sig, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_during_a_checkpoint_removes_it_and_exits_like_a_shell(sig, code, corpus, tmp_path, monkeypatch, capsys):
+    """SIGTERM / SIGINT arriving while checkpoint step 4 is being written: one line naming the
+    signal and the checkpoint kept, exit 128 + signal number (as a shell reports it), no partial
+    step_4 left, and the run resumes from step 2 to the uninterrupted losses."""
+    import signal
+    import checkpoint
+    out = str(tmp_path / "run")
+    common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "2", "--eval-batches", "0",
+              "--sample-tokens", "0", "--out-dir", out]
+    real = checkpoint._write_shards
+
+    def write_then_signal(tmp, state):
+        real(tmp, state)
+        if tmp.endswith("step_000004.tmp"):
+            os.kill(os.getpid(), getattr(signal, sig))  # delivered here, mid-save (before the rename)
+    monkeypatch.setattr(checkpoint, "_write_shards", write_then_signal)
+    assert _main(common) == code
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: interrupted by {sig} at step 4; checkpoint step_000002 is kept (a partial one is removed)", err
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000002"]
+    monkeypatch.setattr(checkpoint, "_write_shards", real)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert _main([*common, "--resume"]) == 0
+    assert _main([*common, "--out-dir", out + "_full"]) == 0
+    assert losses(out) == losses(out + "_full")
+
+
+def test_own_failures_and_peer_failures_are_told_apart(corpus, tmp_path, monkeypatch, capsys):
+    """An out-of-memory error names itself and the intact checkpoint (exit 1), not a peer; a peer's
+    connection dropping while a checkpoint is written (DCP wraps it) is a peer failure (exit 4), not
+    a failed write (exit 5); a cut last line in metrics.jsonl (a crash mid-write) does not stop a
+    --resume; a loss.png that cannot be written is named."""
+    import checkpoint
+    import task
+    out = str(tmp_path / "run")
+    common = [*TINY, "--data", corpus, "--steps", "4", "--ckpt-interval", "2", "--eval-batches", "1",
+              "--eval-interval", "2", "--sample-tokens", "0", "--out-dir", out]
+    real_loss = task.LanguageModel.loss
+
+    def oom_at_step_3(model, batch):  # (training calls run with grad enabled, evaluations without)
+        oom_at_step_3.calls += torch.is_grad_enabled()
+        if oom_at_step_3.calls == 3:
+            raise torch.OutOfMemoryError("CPU out of memory: tried to allocate 64.00 GiB")
+        return real_loss(model, batch)
+    oom_at_step_3.calls = 0
+    monkeypatch.setattr(task.LanguageModel, "loss", staticmethod(oom_at_step_3))
+    assert _main(common) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: out of memory at step 3 (CPU out of memory") and "checkpoint step_000002 is intact" in err, err
+    monkeypatch.setattr(task.LanguageModel, "loss", staticmethod(real_loss))
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 3, "lo')  # the crash cut this record
+    real_write = checkpoint._write_shards
+
+    def peer_drops(tmp, state):
+        from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+        dropped = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+        raise CheckpointException("save", {1: _wrap_exception(dropped)})  # (what DCP raises on rank 0)
+    monkeypatch.setattr(checkpoint, "_write_shards", peer_drops)
+    assert _main([*common, "--resume"]) == 4
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: a collective failed at step 4: a peer process died or stalled") and len(err.splitlines()) == 1, err
+    assert not os.path.exists(os.path.join(out, "checkpoints", "step_000004.tmp"))
+    monkeypatch.setattr(checkpoint, "_write_shards", real_write)
+    import matplotlib.figure
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    assert _main([*common, "--resume"]) == 5
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: a write failed: No space left on device: {os.path.join(out, 'loss.png')}", err
+
+
+def test_the_watchdog_of_one_process_blames_no_peer_and_evaluation_batches_are_progress(corpus, tmp_path):
+    """One process has no peer: its watchdog line says the process is stuck (exit 4). Every
+    evaluation batch is progress: an evaluation longer than --watchdog in all is not a stall."""
+    code = "import rundir, time; rundir.Watchdog(0.5, 0, peers=False); time.sleep(30)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 4 and "the process is stuck or too slow" in proc.stderr and "peer" not in proc.stderr
+    import rundir
+    beats = []
+    monkeypatch_beat = rundir.Watchdog.beat
+    try:
+        rundir.Watchdog.beat = lambda self, where: beats.append(where) or monkeypatch_beat(self, where)
+        assert _main([*TINY, "--data", corpus, "--steps", "1", "--eval-batches", "3", "--sample-tokens", "0",
+                      "--out-dir", str(tmp_path / "r")]) == 0
+    finally:
+        rundir.Watchdog.beat = monkeypatch_beat
+    assert [b for b in beats if b.startswith("evaluation batch")] == [f"evaluation batch {i} at step {s}"
+                                                                     for s in (0, 1) for i in (1, 2, 3)]
+
+
 # ------------------------------------------------------------------------------------------------
 # jax_op.py + kernels_pallas.py. Oracles: plain PyTorch, JAX's production splash attention and
 # megablox kernels, the lowered program's array sizes, CPU (for XLA:CPU through call_jax)

@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 import checkpoint
 import data
@@ -362,7 +363,7 @@ def main(argv=None):
     except OSError as e:  # disk full, file-size limit, read-only disk: the checkpoint on disk is intact
         error_line(f"a write failed: {_describe_os_error(e)}")
         return EXIT_WRITE_FAILED
-    except (RuntimeError, torch.distributed.DistError) as e:
+    except (RuntimeError, torch.distributed.DistError, CheckpointException) as e:  # (DCP's: a BaseException)
         return _runtime_failure(e, trainer, parallel)
 
 
