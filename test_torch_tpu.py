@@ -176,3 +176,23 @@ def test_our_gmm_kernel_through_torch_tpus_jax_op_schema_fake_and_values():
     _gmm_loop(xr, wr, sizes).backward(dy)
     torch.testing.assert_close(torch.from_numpy(np.array(dx._elem)), xr.grad, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(torch.from_numpy(np.array(dw._elem)), wr.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_our_jax_op_splits_tensors_and_statics_as_torch_tpus_does():
+    import jax_op
+
+    def axpy(x, y, *, alpha):  # ours: unannotated JAX code, keyword-only = static
+        return alpha * x + y
+
+    def axpy_annotated(x: jax.Array, y: jax.Array, *, alpha: int) -> jax.Array:  # TorchTPU's form
+        return alpha * x + y
+
+    ours = jax_op.jax_op("minititan_test::axpy")(axpy)
+    theirs = torch.tpu.pallas.jax_op("minititan_test_tt::axpy", axpy_annotated)
+    kinds = lambda schema: {a.name: str(a.type) == "Tensor" for a in schema.arguments}  # noqa: E731
+    assert kinds(ours.op._opoverload._schema) == kinds(theirs._opoverload._schema) == \
+        {"x": True, "y": True, "alpha": False}
+    x, y = torch.arange(4.0), torch.ones(4)
+    torch.testing.assert_close(ours(x, y, alpha=3), 3 * x + y)
+    with pytest.raises(TypeError, match="keyword-only"):
+        jax_op.jax_op("minititan_test::axpy2", static=("beta",))(axpy)
