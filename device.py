@@ -78,12 +78,12 @@ def is_tpu(device):
     return torch.device(device).type == "tpu" or (is_xla(device) and pjrt_is_tpu())
 
 
-def _xla_device(flag="--device xla"):
+def _xla_device():
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     try:
         import torch_xla
     except ImportError as e:
-        raise DeviceUnavailable(f"{flag} needs torch_xla ({e})") from None
+        raise DeviceUnavailable(f"--device xla needs torch_xla ({e})") from None
     return torch_xla.device()
 
 
@@ -93,8 +93,12 @@ def pick_device(name="auto"):
         native, why_not = torchtpu_status()
         if native:
             return torch.device("tpu")
-        if pjrt_is_tpu():  # raises DeviceUnavailable naming torch_xla where it is missing
-            return _xla_device(f"--device {name} with PJRT_DEVICE=TPU")
+        if pjrt_is_tpu():
+            try:
+                return _xla_device()
+            except DeviceUnavailable:  # torch_xla is not installed (e.g. in the TorchTPU environment)
+                raise DeviceUnavailable(f"--device {name}: {why_not}; and PJRT_DEVICE=TPU needs torch_xla, "
+                                        f"which is not installed (requirements.txt)") from None
         if name == "tpu":
             raise DeviceUnavailable(f"--device tpu: no TPU here: {why_not}; and PJRT_DEVICE is not TPU "
                                     f"(the torch_xla route)")
