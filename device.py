@@ -4,7 +4,10 @@ Everything that differs between backends lives here, so model.py and the trainer
 Order for `--device auto` (the TPU branch first, one switch each):
 
   1. TorchTPU   - `torch_tpu` importable and `torch.accelerator` reports "tpu"  (native PyTorch on TPU,
-                  torch >= 2.11, its own environment; NOT run here: no TPU in this workplace)
+                  torch_tpu 0.2.0 on torch 2.11-2.15: its own environment, requirements-tpu.txt). On a
+                  machine without TPU chips torch_tpu imports but registers no device (it scans PCI for
+                  Google TPUs at import), so torch.accelerator reports none; test_torch_tpu.py checks
+                  that and every torch_tpu name used here, in that environment, on CPU. Never run on a TPU.
   2. torch_xla  - PJRT_DEVICE names TPU (lazy tensors, one XLA program per step)
   3. cuda       - torch.cuda.is_available()
   4. cpu
@@ -41,13 +44,23 @@ PEAK_BF16_FLOPS = {
 }
 
 
-def _torchtpu_available():
+def torchtpu_status():
+    """(True, "") where torch_tpu registered a TPU device; else (False, what is missing).
+
+    torch_tpu 0.2.0 imports on any machine; only where its PCI scan finds TPU chips does it rename
+    PyTorch's PrivateUse1 backend to "tpu" and make `torch.accelerator` report it."""
     try:
-        import torch_tpu  # noqa: F401  (registers the "tpu" device with PyTorch)
+        import torch_tpu  # noqa: F401  (registers the "tpu" device with PyTorch where chips are found)
     except ImportError:
-        return False
-    acc = getattr(torch, "accelerator", None)
-    return acc is not None and acc.is_available() and acc.current_accelerator().type == "tpu"
+        return False, "torch_tpu is not installed (pip install -r requirements-tpu.txt)"
+    except Exception as e:  # e.g. a torch outside 2.11-2.15: its version-dispatched .so files fail
+        return False, f"torch_tpu failed to import ({type(e).__name__}: {e})"
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is None or acc.type != "tpu":
+        from importlib.metadata import version
+        return False, (f"torch_tpu {version('torch_tpu')} is installed but found no TPU chip "
+                       f"(torch.accelerator reports {acc.type if acc is not None else 'no accelerator'})")
+    return True, ""
 
 
 def pjrt_is_tpu():
@@ -81,19 +94,20 @@ def _xla_device():
 
 def pick_device(name="auto"):
     """Return a torch.device for `name` in auto|tpu|xla|cuda|cpu, or raise DeviceUnavailable."""
-    if name == "auto":
-        if _torchtpu_available():
+    if name in ("auto", "tpu"):
+        native, why_not = torchtpu_status()
+        if native:
             return torch.device("tpu")
         if pjrt_is_tpu():
-            return _xla_device()
+            try:
+                return _xla_device()
+            except DeviceUnavailable:  # torch_xla is not installed (e.g. in the TorchTPU environment)
+                raise DeviceUnavailable(f"--device {name}: {why_not}; and PJRT_DEVICE=TPU needs torch_xla, "
+                                        f"which is not installed (requirements.txt)") from None
+        if name == "tpu":
+            raise DeviceUnavailable(f"--device tpu: no TPU here: {why_not}; and PJRT_DEVICE is not TPU "
+                                    f"(the torch_xla route)")
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "tpu":
-        if _torchtpu_available():
-            return torch.device("tpu")
-        if pjrt_is_tpu():
-            return _xla_device()
-        raise DeviceUnavailable("--device tpu: neither TorchTPU (pip install torch_tpu) nor "
-                                "torch_xla with PJRT_DEVICE=TPU is available on this machine")
     if name == "xla":
         return _xla_device()
     if name == "cuda":
@@ -103,6 +117,18 @@ def pick_device(name="auto"):
     if name == "cpu":
         return torch.device("cpu")
     raise DeviceUnavailable(f"--device {name!r}: choose one of auto, tpu, xla, cuda, cpu")
+
+
+def compile_backend(device):
+    """torch.compile's backend for `device`: torch_xla's "openxla", TorchTPU's "tpu" (torch_tpu
+    refuses "inductor" on TPU tensors), inductor elsewhere."""
+    kind = getattr(device, "type", device)  # a device or its type name ("tpu" exists only with chips)
+    return {"xla": "openxla", "tpu": "tpu"}.get(kind, "inductor")
+
+
+def dist_backend(device):
+    """torch.distributed backend for `device`: TorchTPU registers "tpu" when it finds chips."""
+    return {"cuda": "nccl", "tpu": "tpu"}.get(getattr(device, "type", device), "gloo")
 
 
 def scalar(value, device):
@@ -160,6 +186,8 @@ def reset_peak_memory(device):
     kind = torch.device(device).type
     if kind == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    elif kind == "tpu":
+        torch.accelerator.reset_peak_memory_stats()
     elif kind == "cpu" or not is_tpu(device):
         try:
             with open("/proc/self/clear_refs", "w") as f:  # Linux: resets VmHWM to the current RSS
@@ -210,6 +238,8 @@ def _device_name(device):
     kind = torch.device(device).type
     if kind == "cuda":
         return torch.cuda.get_device_name(device).lower()
+    if kind == "tpu":  # TorchTPU names the chip from its PCI id: "TPU v5e", "TPU v6e", "TPU v7"
+        return torch.tpu.get_device_name().lower()
     if is_tpu(device):
         return os.environ.get("TPU_ACCELERATOR_TYPE", "").lower()  # e.g. "v5litepod-8", "v6e-8"
     return ""

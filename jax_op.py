@@ -1,22 +1,34 @@
 """jax_op.py: a JAX function becomes a PyTorch operator (after TorchTPU's torch.tpu.pallas.jax_op).
 
-    @jax_op("splash", static=("window", "block"))
+    @jax_op("splash")
     def splash(q, k, v, segment_ids, *, window, block): ...      # JAX code, e.g. a pallas_call
 
-registers `minititan::splash` with torch.library.custom_op, so that:
-  - fake/meta: shapes come from jax.eval_shape, so make_fx and torch.compile see ONE opaque node;
+registers `minititan::splash` with torch.library.custom_op. The contract is TorchTPU's (torch_tpu
+0.2.0, `_internal/pallas/pallas.py`), read off the function's signature: the op schema's tensors are
+the positional parameters, its static arguments (compile-time constants: a new value is a new
+compilation) the keyword-only ones. TorchTPU reads the same split from annotations (`jax.Array` ->
+Tensor, int/float/bool/str -> static) and requires them; ours are unannotated JAX code, so the `*`
+marks the split, and statics are ints. Then:
+  - fake/meta: shapes come from jax.eval_shape (TorchTPU: from the jax.export'ed program's output
+    avals), so make_fx and torch.compile see ONE opaque node;
   - autograd: the backward is a second op, `minititan::splash_vjp`, computed by jax.vjp (a kernel
     with a jax.custom_vjp brings its own Pallas backward kernels). The forward is re-run inside the
-    vjp op: a rematerialization traded for a stateless bridge;
+    vjp op: a rematerialization traded for a stateless bridge. TorchTPU's jax_op registers no
+    backward: its splash_sdpa pairs two ops in a torch.autograd.Function and saves (out, lse);
   - implementation, by the inputs' device:
       CPU tensors -> zero-copy DLPack into JAX CPU arrays, the jitted function, DLPack back;
       XLA tensors -> torch_xla's call_jax: the JAX program is embedded in the same XLA graph as the
                      rest of the step (one compiled program, kernel included);
-      TorchTPU    -> torch.tpu.pallas.jax_op does this natively (not available here; not run).
+      TorchTPU    -> the same function registered once through torch.tpu.pallas.jax_op, with our
+                     reading of its signature written as annotations (`native_tpu_op`): TorchTPU
+                     exports it for TPU and runs the Mosaic kernel itself (checked on CPU by
+                     test_torch_tpu.py; never run on a TPU).
 Integer tensors are handed to JAX as int32 (JAX runs without x64), and only floating inputs get
 gradients. Every op has one tensor output.
 """
 import functools
+import inspect
+import re
 
 import jax
 import torch
@@ -52,8 +64,9 @@ def _closure(fn, statics):
     return call
 
 
-def _run(fn, tensors, statics):
-    """Evaluate JAX `fn` on torch tensors (all on one device), returning torch tensor(s)."""
+def _run(fn, tensors, statics, many=False):
+    """Evaluate JAX `fn` on torch tensors (all on one device), returning torch tensor(s) (a list
+    where `many`)."""
     device = tensors[0].device
     if dev.is_xla(device):
         import torch_xla.core.xla_builder as xb
@@ -61,13 +74,33 @@ def _run(fn, tensors, statics):
         return xb.call_jax(_closure(fn, statics), tuple(ints),
                            override_hash=hash((fn.__module__, fn.__qualname__, statics)))
     if dev.is_tpu(device):  # (not XLA, handled above) TorchTPU: its bridge compiles through Mosaic directly.
-        from torch.tpu.pallas import jax_op as native  # noqa: not installable beside torch 2.9
-        return native(_closure(fn, statics))(*tensors)
+        op = native_tpu_op(fn, len(tensors), tuple(k for k, _ in statics), many)
+        return op(*tensors, **dict(statics))
     if device.type != "cpu":
-        host = _run(fn, [t.cpu() for t in tensors], statics)
+        host = _run(fn, [t.cpu() for t in tensors], statics, many)
         return [h.to(device) for h in host] if isinstance(host, (list, tuple)) else host.to(device)
     out = _jit(fn, statics)(*map(_to_jax, tensors))
     return [_to_torch(o) for o in out] if isinstance(out, (list, tuple)) else _to_torch(out)
+
+
+@functools.lru_cache(maxsize=None)
+def native_tpu_op(fn, n_tensors, static, many):
+    """`fn` as TorchTPU's own op, registered once: torch.tpu.pallas.jax_op(name, fn) requires a
+    namespaced name and a fully annotated signature, and infers the schema and the static arguments
+    (here the keyword-only ints) from it. Its fake implementation runs jax.export for TPU, which
+    needs no chip; running it does."""
+    from torch.tpu.pallas import jax_op as tpu_jax_op  # torch_tpu only (requirements-tpu.txt)
+
+    def kernel(*arrays, **statics):
+        return fn(*arrays, **statics)
+
+    P = inspect.Parameter
+    kernel.__signature__ = inspect.Signature(
+        [P(f"x{i}", P.POSITIONAL_OR_KEYWORD, annotation=jax.Array) for i in range(n_tensors)]
+        + [P(k, P.KEYWORD_ONLY, annotation=int) for k in static],
+        return_annotation=list[jax.Array] if many else jax.Array)
+    kernel.__name__ = re.sub(r"\W+", "_", fn.__qualname__).strip("_")
+    return tpu_jax_op(f"{_LIB}_tpu::{kernel.__name__}", kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,48 +142,58 @@ def _result_dtype(f, args):
     return jax.eval_shape(f, *args).dtype
 
 
-def jax_op(name, static=()):
-    """Decorator: register JAX function `fn(*tensors, **static_ints)` as torch op minititan::name."""
-    static = tuple(static)
+def jax_op(name, static=None):
+    """Decorator: register JAX function `fn(*tensors, *, static_ints)` as torch op `name`
+    ("ns::name", or "name" in namespace minititan). Tensors are the positional parameters, statics the
+    keyword-only ones; `static`, where given, must name exactly those."""
 
     def deco(fn):
-        import inspect
-        params = [p for p in inspect.signature(fn).parameters if p not in static]
-        fwd = torch.library.custom_op(f"{_LIB}::{name}", mutates_args=(),
-                                      schema=_schema_types(params, static, 1))(
-            lambda *args: _run(fn, list(args[:len(params)]), tuple(zip(static, args[len(params):]))))
-
-        @fwd.register_fake
-        def _(*args):
-            tensors, statics = args[:len(params)], dict(zip(static, args[len(params):]))
-            specs = [jax.ShapeDtypeStruct(tuple(t.shape), _jax_dtype_of(t)) for t in tensors]
-            out = jax.eval_shape(functools.partial(fn, **statics), *specs)
-            return tensors[0].new_empty(out.shape, dtype=_torch_dtype_of(out.dtype))
-
-        bwd = torch.library.custom_op(f"{_LIB}::{name}_vjp", mutates_args=(),
-                                      schema=_schema_types(params + ["cotangent"], static, 2))(
-            lambda *args: _run(_vjp_fn(fn, tuple(t.dtype.is_floating_point for t in args[:len(params)])),
-                               list(args[:len(params) + 1]),
-                               tuple(zip(static, args[len(params) + 1:]))))
-
-        @bwd.register_fake
-        def _(*args):
-            return [t.new_empty(t.shape) for t in args[:len(params)] if t.dtype.is_floating_point]
-
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(*inputs[:len(params)])
-            ctx.statics = inputs[len(params):]
-
-        def backward(ctx, grad):
-            tensors = ctx.saved_tensors
-            grads = iter(bwd(*tensors, grad.contiguous(), *ctx.statics))
-            return tuple([next(grads) if t.dtype.is_floating_point else None for t in tensors]
-                         + [None] * len(ctx.statics))
-
-        fwd.register_autograd(backward, setup_context=setup_context)
-
-        def call(*tensors, **statics):
-            return fwd(*tensors, *[int(statics[s]) for s in static])
-        call.op, call.jax_fn = fwd, fn
-        return call
+        sig = inspect.signature(fn).parameters.values()
+        params = [p.name for p in sig if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        statics = tuple(p.name for p in sig if p.kind is p.KEYWORD_ONLY)
+        if static is not None and set(static) != set(statics):
+            raise TypeError(f"jax_op {name!r}: static={tuple(static)} but the keyword-only "
+                            f"parameters (the statics) are {statics}")
+        return _register(fn, name if "::" in name else f"{_LIB}::{name}", params, statics)
     return deco
+
+
+def _register(fn, qualified, params, static):
+    """The forward op, its fake, and the vjp op wired as its backward."""
+    fwd = torch.library.custom_op(qualified, mutates_args=(),
+                                  schema=_schema_types(params, static, 1))(
+        lambda *args: _run(fn, list(args[:len(params)]), tuple(zip(static, args[len(params):]))))
+
+    @fwd.register_fake
+    def _(*args):
+        tensors, statics = args[:len(params)], dict(zip(static, args[len(params):]))
+        specs = [jax.ShapeDtypeStruct(tuple(t.shape), _jax_dtype_of(t)) for t in tensors]
+        out = jax.eval_shape(functools.partial(fn, **statics), *specs)
+        return tensors[0].new_empty(out.shape, dtype=_torch_dtype_of(out.dtype))
+
+    bwd = torch.library.custom_op(f"{qualified}_vjp", mutates_args=(),
+                                  schema=_schema_types(params + ["cotangent"], static, 2))(
+        lambda *args: _run(_vjp_fn(fn, tuple(t.dtype.is_floating_point for t in args[:len(params)])),
+                           list(args[:len(params) + 1]),
+                           tuple(zip(static, args[len(params) + 1:])), many=True))
+
+    @bwd.register_fake
+    def _(*args):
+        return [t.new_empty(t.shape) for t in args[:len(params)] if t.dtype.is_floating_point]
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:len(params)])
+        ctx.statics = inputs[len(params):]
+
+    def backward(ctx, grad):
+        tensors = ctx.saved_tensors
+        grads = iter(bwd(*tensors, grad.contiguous(), *ctx.statics))
+        return tuple([next(grads) if t.dtype.is_floating_point else None for t in tensors]
+                     + [None] * len(ctx.statics))
+
+    fwd.register_autograd(backward, setup_context=setup_context)
+
+    def call(*tensors, **statics):
+        return fwd(*tensors, *[int(statics[s]) for s in static])
+    call.op, call.jax_fn = fwd, fn
+    return call
