@@ -26,6 +26,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
+import device as dev
 import expert_parallel
 import fsdp_passes
 import simplefsdp
@@ -97,7 +98,7 @@ class TorchrunMesh(Parallel):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         super().__init__(torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo",
+            dist.init_process_group(dev.dist_backend(self.device),
                                     timeout=datetime.timedelta(seconds=timeout_s))
         # tp innermost: the ranks of one tp group are neighbours (one host's fastest links)
         self.mesh = init_device_mesh(self.device.type, (dcn, ici, tp), mesh_dim_names=("dcn", "ici", "tp"))

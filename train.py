@@ -146,9 +146,8 @@ class Trainer:
                                            remat=cfg.remat, offload=cfg.offload, split=cfg.split,
                                            fsdp_passes=fsdp_passes.chosen(cfg.fsdp_passes, self.parallel.graph_passes))
         if cfg.mode == "compile":
-            backend = "openxla" if dev.is_xla(self.device) else "inductor"
             for layer in self.model.layers:
-                layer.compile(backend=backend)
+                layer.compile(backend=dev.compile_backend(self.device))
         return self.eager_step
 
     def eager_step(self, *batch_and_lr):
