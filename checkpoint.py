@@ -54,7 +54,7 @@ def _barrier():
         dist.barrier()
 
 
-def _sha256(path):
+def sha256_of(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -93,7 +93,7 @@ def save(ckpt_dir, step, state, meta):
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed write
     _barrier()
     try:
-        _write_shards(tmp, state)                              # 1.
+        write_shards(tmp, state)                              # 1.
         _barrier()
         if _rank() == 0:
             _write_meta(tmp, dict(meta, step=step))            # 2.
@@ -116,14 +116,14 @@ def _interrupted(e):
         or "Interrupted(" in str(e)
 
 
-def _write_shards(tmp, state):
+def write_shards(tmp, state):
     # per_thread_copy_ahead=0: our state is already on the host; it also keeps DCP off its
     # stream-overlapping loader, which breaks once torchax (imported by call_jax) claims PrivateUse1.
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0))
 
 
 def _write_meta(tmp, meta):
-    files = {f: _sha256(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
+    files = {f: sha256_of(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(dict(meta, files=files), f)
         f.flush()
@@ -179,7 +179,7 @@ def verify(path):
         full = os.path.join(path, name)
         if not os.path.isfile(full):
             return f"{full} is missing"
-        if _sha256(full) != digest:
+        if sha256_of(full) != digest:
             return f"{full} does not match its checksum (corrupt or truncated)"
     return None
 

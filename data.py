@@ -125,7 +125,7 @@ def cache_dir():
     return os.environ.get("MINITITAN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "minititan")
 
 
-def _sha256(path):
+def sha256_of(path):
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -158,7 +158,7 @@ def _read_cached(path):
     except (OSError, ValueError):  # (written by a version without checksums, or lost)
         return None, "has no readable checksum file"
     try:
-        if _sha256(path) != want:
+        if sha256_of(path) != want:
             return None, "does not match its checksum (corrupt or truncated)"
         ids = np.load(path, mmap_mode="r")
     except (OSError, ValueError) as e:
@@ -202,7 +202,7 @@ def tokenize(train, val, tokenizer_dir, cache=None, notes=None):
             fresh = _encode(tok, text)
             # the checksum is written second: a crash between the two renames is a mismatch, not trust
             _write_atomic(file, lambda f: np.save(f, fresh))
-            _write_atomic(file + ".sha256", lambda f: f.write(_sha256(file).encode()))
+            _write_atomic(file + ".sha256", lambda f: f.write(sha256_of(file).encode()))
             ids = np.load(file, mmap_mode="r")
         out.append(ids)
     return out[0], out[1], tok.get_vocab_size()

@@ -49,7 +49,7 @@ def _is(node, op):
 
 def gather_chains(gm):
     """Forward nodes that are an all-gather or only reshape / cast / wait on one: the full weights."""
-    end = graph_passes._marker_index(gm)
+    end = graph_passes.forward_end_index(gm)
     chain = set()
     for i, node in enumerate(gm.graph.nodes):
         if i >= end or node.op != "call_function":
@@ -160,7 +160,7 @@ def _after_last(gm, bucket):
 def bucket_by_block(gm, param_names):
     """Merge each block's all-gathers (forward, and backward after reshard) and reduce-scatters."""
     from torch._inductor.fx_passes.bucketing import merge_all_gather, merge_reduce_scatter
-    end = graph_passes._marker_index(gm)
+    end = graph_passes.forward_end_index(gm)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     index, P = _param_index(gm), len(param_names)
     gathers = [n for n in gm.graph.nodes if _is(n, c10d.all_gather_into_tensor)]
@@ -250,7 +250,7 @@ def _writers_through_views(node, order, lo, hi):
 def prefetch(gm):
     """Move every all-gather (with the casts and concatenation that feed it, which read only graph
     inputs) to just before the previous all-gather's wait, in the forward and in the backward."""
-    end = graph_passes._marker_index(gm)
+    end = graph_passes.forward_end_index(gm)
     for backward in (False, True):
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         gathers = [n for n in gm.graph.nodes if _is(n, c10d.all_gather_into_tensor) and (order[n] > end) == backward]
@@ -283,14 +283,14 @@ def prefetched(gm):
     """How many forward all-gathers are issued before the previous one's wait (the overlap prefetch
     makes: block k+1's weights in flight while block k computes)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    end = graph_passes._marker_index(gm)
+    end = graph_passes.forward_end_index(gm)
     gathers = [n for n in gm.graph.nodes if _is(n, c10d.all_gather_into_tensor) and order[n] < end]
     return sum(1 for prev, nxt in zip(gathers, gathers[1:]) if _wait_of(prev) and order[nxt] < order[_wait_of(prev)])
 
 
 def collective_counts(gm):
     """{'forward': {kind: n}, 'backward': {kind: n}} of the collectives, split at the marker."""
-    end = graph_passes._marker_index(gm)
+    end = graph_passes.forward_end_index(gm)
     out = {"forward": {}, "backward": {}}
     for i, node in enumerate(gm.graph.nodes):
         if node.op == "call_function" and graph_passes._namespace(node) == "_c10d_functional":

@@ -59,7 +59,7 @@ reload.register_fake(lambda x, device: torch.empty_like(x, device=device))
 # ------------------------------------------------------------------------------------------------
 # Analysis
 
-def _marker_index(gm):
+def forward_end_index(gm):
     for i, node in enumerate(gm.graph.nodes):
         if node.op == "call_function" and node.target == torch.ops.minititan.forward_end.default:
             return i
@@ -82,7 +82,7 @@ def saved_activations(gm):
     """Forward values read after the forward ends: what the step keeps alive beyond its inputs
     (not inputs, nor views of them: the parameters' storage is there anyway)."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    end = _marker_index(gm)
+    end = forward_end_index(gm)
     return [n for n in gm.graph.nodes if n.op == "call_function" and order[n] < end
             and n.target != torch.ops.minititan.offload.default  # those live in host memory
             and isinstance(n.meta.get("val"), torch.Tensor) and any(order[u] > end for u in n.users)
@@ -176,7 +176,7 @@ def recompute_in_backward(gm, recompute):
     """For every forward value the backward reads: if recompute(node), replay it (and the recomputable
     values it needs) right before its first backward use, instead of keeping it alive across the step."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    end = _marker_index(gm)
+    end = forward_end_index(gm)
     graph, copies = gm.graph, {}
 
     def copy_of(node, before):
@@ -203,7 +203,7 @@ def recompute_in_backward(gm, recompute):
 def offload_saved(gm, min_bytes=1 << 16):
     """Offload every saved activation of at least `min_bytes` between its forward and backward use."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    end = _marker_index(gm)
+    end = forward_end_index(gm)
     graph = gm.graph
     for node in saved_activations(gm):
         if tensor_bytes(node) < min_bytes:

@@ -193,7 +193,7 @@ def _summary(keys, n=4):
     return ", ".join(ordered[:n]) + (f" and {len(ordered) - n} more" if len(ordered) > n else "")
 
 
-class _Reader:
+class Reader:
     """Tensors by HF key across the files of a (possibly sharded) safetensors checkpoint."""
 
     def __init__(self, path):
@@ -270,7 +270,7 @@ def _check_tensors(reader, want, tied):
                           f"quantized checkpoint is not supported")
 
 
-def _read_param(reader, name, shape, box):
+def read_param(reader, name, shape, box):
     """The block `box` ([start, stop) per dim) of our parameter `name` (full `shape`) from its HF tensors."""
     keys = _hf_keys(name, shape[0])
     if len(keys) == 1:
@@ -288,7 +288,7 @@ def load_into(model, path):
     tensor of the files is used and every one the config implies is there. Dtypes convert."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    reader = _Reader(path)
+    reader = Reader(path)
     params = dict(model.named_parameters())
     _check_tensors(reader, _expected_tensors(params), model.args.tie_embeddings)
     for name, p in params.items():
@@ -298,7 +298,7 @@ def load_into(model, path):
         else:
             size, offset, target = p.shape, [0] * p.dim(), p
         box = [(o, o + n) for o, n in zip(offset, size)]
-        target.copy_(_read_param(reader, name, tuple(p.shape), box).to(target.dtype))
+        target.copy_(read_param(reader, name, tuple(p.shape), box).to(target.dtype))
     return model
 
 

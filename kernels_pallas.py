@@ -449,7 +449,7 @@ def _gmm_call(x, w, group_sizes, block_m):
                  in_specs=[_ROWS(block_m, K), _GROUP(K, N)], out_specs=_ROWS(block_m, N))(meta, x, w)
 
 
-def _tgmm_call(x, dy, group_sizes, block_m):
+def tgmm_call(x, dy, group_sizes, block_m):
     (M, K), N, G = x.shape, dy.shape[1], group_sizes.shape[0]
     meta, n_visits = group_metadata(group_sizes, M // block_m, block_m)
     return _call(functools.partial(_tgmm_kernel, block_m=block_m), grid=(n_visits,), num_scalar_prefetch=1,
@@ -469,7 +469,7 @@ def _gmm_fwd_rule(x, w, group_sizes, block_m):
 def _gmm_bwd_rule(block_m, res, dy):
     x, w, group_sizes = res
     dx = _gmm_call(dy, jnp.swapaxes(w, 1, 2), group_sizes, block_m).astype(x.dtype)
-    dw = _tgmm_call(x, dy, group_sizes, block_m).astype(w.dtype)
+    dw = tgmm_call(x, dy, group_sizes, block_m).astype(w.dtype)
     return dx, dw, None
 
 

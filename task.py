@@ -16,6 +16,7 @@ its own model, data and loss; its FluxTrainer overrides one step method, its RL 
     units_per_step, unit    what the throughput line counts (tokens, images, ...)
     flops_per_step(args)    model FLOPs of one global step (forward + backward), for MFU
     meta()                  what a checkpoint records of the data, and a resume must match
+    label(), model_record(args), param_count(args)   naming and sizing the model (defaults given)
     preview(model, log)     something to look at after the last step (a text sample, an image grid)
 
 Adding a workload is one subclass and one entry in train.TASKS.
@@ -23,16 +24,19 @@ Adding a workload is one subclass and one entry in train.TASKS.
 import dataclasses
 import os
 
+import torch
+
 import data
 import hf
 from cli import ConfigError
 from model import (FLAVORS, Transformer, check_args, dynamic_shapes_reason, flops_per_token, next_token_loss,
-                   tpu_config, with_overrides)
+                   param_counts, tpu_config, with_overrides)
 
 
 class Task:
     """The interface (see the module docstring); subclasses implement what raises here."""
     unit = "samples"
+    scannable = False    # True: the model's `layers` are identical blocks (layer_scan.py can stack them)
     notes = ()           # one-line remarks printed at start by the writing process
     val_batches = ()
 
@@ -48,6 +52,24 @@ class Task:
 
     def load_pretrained(self, model):
         """Nothing to load unless the task says so."""
+
+    def param_count(self, args):
+        """Parameters of the model `args` describes (the trainer's memory check): built on the meta
+        device, where nothing is allocated."""
+        with torch.device("meta"):
+            return sum(p.numel() for p in self.build_model(args).parameters())
+
+    def blocks(self, model):
+        """What --mode compile compiles one by one (default: the whole model)."""
+        return [model]
+
+    def label(self):
+        """What the start line and meta.json call the model."""
+        return self.cfg.task
+
+    def model_record(self, args):
+        """The model config as meta.json records it (a resume must build the same model)."""
+        return dataclasses.asdict(args) if dataclasses.is_dataclass(args) else repr(args)
 
     def batch(self, step):
         raise NotImplementedError
@@ -77,7 +99,7 @@ class Task:
 
 class LanguageModel(Task):
     """Next-token prediction on bytes (or a Hugging Face tokenizer's ids): Llama 3 / Qwen 3 / Qwen 3-MoE."""
-    unit = "tok"
+    unit, scannable = "tok", True
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -123,6 +145,23 @@ class LanguageModel(Task):
     def build_model(self, args):
         return Transformer(args)
 
+    def param_count(self, args):
+        return param_counts(args)[0]
+
+    def blocks(self, model):
+        return list(model.layers)
+
+    def label(self):
+        cfg = self.cfg
+        return f"hf:{os.path.abspath(cfg.init_from)}" if cfg.init_from else cfg.flavor
+
+    def model_record(self, args):
+        """Implementations (attention, loss, experts) may change across resumes: not recorded."""
+        d = dataclasses.asdict(args)
+        for key in ("attn_impl", "loss_impl", "moe_impl"):
+            d.pop(key)
+        return d
+
     def load_pretrained(self, model):
         if self.cfg.init_from:
             hf.load_into(model, self.cfg.init_from)
@@ -167,17 +206,4 @@ class LanguageModel(Task):
         import generate
         text, count = generate.byte_sample(model, n, self.cfg.seed)
         log({"event": "sample", "text": text}, f"sample ({count} bytes, temperature 0.8):\n{text}")
-
-
-def flavor_label(cfg):
-    """What the start line and meta.json call the model: the flavor, or the HF directory it came from."""
-    return f"hf:{os.path.abspath(cfg.init_from)}" if cfg.init_from else cfg.flavor
-
-
-def model_dict(args):
-    """ModelArgs as recorded in meta.json: implementations may change across resumes, so they are not."""
-    d = dataclasses.asdict(args)
-    for key in ("attn_impl", "loss_impl", "moe_impl"):
-        d.pop(key)
-    return d
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import data
 import optim
+import task as task_lib
 from model import (FLAVORS, ModelArgs, Transformer, apply_rope, check_args,
                    flops_per_token, param_counts, rope_inv_freq, sdpa_attention)
 
@@ -113,7 +114,7 @@ def _files(run_dir):
     """{relative path: sha256} of everything under run_dir/checkpoints: 'nothing lost' = unchanged."""
     import checkpoint
     root = os.path.join(run_dir, "checkpoints")
-    return {os.path.relpath(os.path.join(d, f), root): checkpoint._sha256(os.path.join(d, f))
+    return {os.path.relpath(os.path.join(d, f), root): checkpoint.sha256_of(os.path.join(d, f))
             for d, _, fs in os.walk(root) for f in fs}
 
 
@@ -675,7 +676,7 @@ def test_checkpoint_write_protocol_survives_a_crash_at_every_step(tmp_path, monk
     def crash(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    for step, name in enumerate(["_write_shards", "_sha256", "_write_meta", "_commit", "_point_latest"], start=2):
+    for step, name in enumerate(["write_shards", "sha256_of", "_write_meta", "_commit", "_point_latest"], start=2):
         with monkeypatch.context() as m:
             m.setattr(checkpoint, name, crash)
             with pytest.raises(OSError):
@@ -688,7 +689,7 @@ def test_checkpoint_write_protocol_survives_a_crash_at_every_step(tmp_path, monk
         assert path.endswith(f"step_{committed:06d}") and checkpoint.verify(path) is None, name
         restored = checkpoint.load(path, {"w": torch.zeros(4)})["w"]
         assert torch.equal(restored, torch.full((4,), float(committed))), name
-        if name in ("_write_shards", "_sha256", "_write_meta"):  # failed writes clean up after themselves
+        if name in ("write_shards", "sha256_of", "_write_meta"):  # failed writes clean up after themselves
             assert not [f for f in os.listdir(ckpt_dir) if f.endswith(".tmp")], name
 
 
@@ -815,18 +816,18 @@ def test_a_signal_during_a_checkpoint_removes_it_and_exits_like_a_shell(sig, cod
     out = str(tmp_path / "run")
     common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "2", "--eval-batches", "0",
               "--sample-tokens", "0", "--out-dir", out]
-    real = checkpoint._write_shards
+    real = checkpoint.write_shards
 
     def write_then_signal(tmp, state):
         real(tmp, state)
         if tmp.endswith("step_000004.tmp"):
             os.kill(os.getpid(), getattr(signal, sig))  # delivered here, mid-save (before the rename)
-    monkeypatch.setattr(checkpoint, "_write_shards", write_then_signal)
+    monkeypatch.setattr(checkpoint, "write_shards", write_then_signal)
     assert _main(common) == code
     err = capsys.readouterr().err.strip()
     assert err == f"error: interrupted by {sig} at step 4; checkpoint step_000002 is kept (a partial one is removed)", err
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000002"]
-    monkeypatch.setattr(checkpoint, "_write_shards", real)
+    monkeypatch.setattr(checkpoint, "write_shards", real)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     assert _main([*common, "--resume"]) == 0
     assert _main([*common, "--out-dir", out + "_full"]) == 0
@@ -858,18 +859,18 @@ def test_own_failures_and_peer_failures_are_told_apart(corpus, tmp_path, monkeyp
     monkeypatch.setattr(task.LanguageModel, "loss", staticmethod(real_loss))
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
         f.write('{"step": 3, "lo')  # the crash cut this record
-    real_write = checkpoint._write_shards
+    real_write = checkpoint.write_shards
 
     def peer_drops(tmp, state):
         from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
         dropped = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
         raise CheckpointException("save", {1: _wrap_exception(dropped)})  # (what DCP raises on rank 0)
-    monkeypatch.setattr(checkpoint, "_write_shards", peer_drops)
+    monkeypatch.setattr(checkpoint, "write_shards", peer_drops)
     assert _main([*common, "--resume"]) == 4
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: a collective failed at step 4: a peer process died or stalled") and len(err.splitlines()) == 1, err
     assert not os.path.exists(os.path.join(out, "checkpoints", "step_000004.tmp"))
-    monkeypatch.setattr(checkpoint, "_write_shards", real_write)
+    monkeypatch.setattr(checkpoint, "write_shards", real_write)
     import matplotlib.figure
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     assert _main([*common, "--resume"]) == 5
@@ -1000,7 +1001,7 @@ def test_gmm_matches_jax_megablox():
     w = jnp.asarray(rng.standard_normal((4, 128, 128)), jnp.float32)
     np.testing.assert_allclose(np.asarray(kp.gmm_jax.jax_fn(x, w, gs, block_m=128)),
                                np.asarray(mb_gmm(x, w, gs, tiling=(128, 128, 128), interpret=True)), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(kp._tgmm_call(x, dy, gs, 128)),
+    np.testing.assert_allclose(np.asarray(kp.tgmm_call(x, dy, gs, 128)),
                                np.asarray(mb_tgmm(x.T, dy, gs, tiling=(128, 128, 128), interpret=True)), rtol=1e-5, atol=1e-5)
 
 
@@ -1203,9 +1204,19 @@ def test_tp_and_ep_checkpoints_resume_bit_for_bit_and_another_layout_is_refused(
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     assert torchrun(2, [*common, "--mesh", mesh, "--out-dir", full])[0] == 0
     assert torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--halt-at", "3"])[0] == 0
+    with open(os.path.join(part, "checkpoints", "latest"), "w") as f:
+        f.write("garbage")  # -> one note at resume, printed by the one process that writes
     rc, out, err = torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--resume"])
     assert rc == 0, err[-3000:]
     assert losses(part) == losses(full)
+    assert err.count("note: ") == 1, err  # (under tp both ranks of a tp group are data-parallel rank 0)
+    if "tp" in mesh:  # --resume-from twice: idempotent, done by one process, superseded ones kept
+        for _ in range(2):
+            rc, _, err = torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--resume-from", "step_000003"])
+            assert rc == 0, err[-3000:]
+        assert sorted(os.listdir(os.path.join(part, "checkpoints"))) == [
+            "latest", "step_000003", "step_000006", "step_000006.superseded", "step_000006.superseded.2"]
+        assert losses(part) == losses(full)
     rc, _, err = torchrun(2, [*common, "--mesh", other, "--out-dir", part, "--resume", "--steps", "8", "--allow-change", "steps"])
     lines = [l for l in err.splitlines() if l.startswith("error:")]
     assert rc != 0 and lines and all(f"was saved on mesh '{mesh}', this run uses '{other}'" in l for l in lines), err[-2000:]
@@ -1594,7 +1605,7 @@ def child_fsdp_live_bytes(*argv):
     args = tr.step_fn.args((x, y), torch.tensor(1e-4))
     tr.step_fn(x, y, torch.tensor(1e-4))  # captures and transforms the graph
     gm = tr.step_fn.gm
-    end = graph_passes._marker_index(gm)
+    end = graph_passes.forward_end_index(gm)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     peak = graph_passes.peak_live_bytes(gm, args, until=lambda n: order[n] > end and "_foreach" in str(n.target))
     if tr.parallel.writes_files:
@@ -1621,7 +1632,7 @@ def test_graph_passes_keep_losses_and_do_their_job(flags, corpus, tmp_path):
         # reads instead (on TPU the offloaded copy lives in host memory: compute must never read it).
         gm = passed.step_fn.gm
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        end = graph_passes._marker_index(gm)
+        end = graph_passes.forward_end_index(gm)
         for off in (n for n in gm.graph.nodes if n.target == torch.ops.minititan.offload.default):
             src = off.args[0]
             assert order[src] < order[off] < end and all(order[u] < end for u in src.users), src
@@ -1881,6 +1892,85 @@ def test_dry_run_of_the_largest_flavors_is_fast_and_says_whether_it_fits(flavor,
     assert ("fits" in out) if report["fits"] else ("DOES NOT FIT: short by" in out)
     assert report["flops_per_device"] == flops_per_token(FLAVORS[flavor], 4096) * 4096  # 1 sequence/device
 
+
+
+# ------------------------------------------------------------------------------------------------
+# cli.py + task.py + train.py: the seams. Oracles: the dataclass's own fields, a plain PyTorch loop
+# with torch.optim.AdamW and clip_grad_norm_ on a workload the trainer has never seen
+
+def test_every_config_field_is_a_flag_with_its_type_and_help():
+    import cli
+    parser, fields = cli.build_parser(), dataclasses.fields(cli.TrainConfig)
+    helps = {a.dest: a.help for a in parser._actions if a.dest != "help"}
+    assert set(helps) == {f.name for f in fields} and all(helps.values())
+    assert all(name in helps["fsdp_passes"] for name in __import__("fsdp_passes").PASSES)  # (prefetch was missing)
+    cfg = cli.parse_config(["--steps", "7", "--lr", "0.5", "--set", "dim=8", "--set", "n_layers=1", "--scan"])
+    assert (cfg.steps, cfg.lr, cfg.set, cfg.scan, cfg.init_from) == (7, 0.5, ["dim=8", "n_layers=1"], True, None)
+    assert isinstance(cfg, cli.TrainConfig) and cli.parse_config([]) == cli.TrainConfig(set=[])
+
+
+class LinearRegression(task_lib.Task):
+    """A workload the trainer was not written for, against the Task interface: the whole of it."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.args = (4, 1)  # nn.Linear(4, 1): a matrix (decayed) and a bias (not)
+
+    def setup_data(self, dp_rank, dp_size):
+        self.val_batches = [self.batch(10**6)]
+
+    def build_model(self, args):
+        return torch.nn.Linear(*args)
+
+    def batch(self, step):  # a pure function of (seed, step)
+        x = torch.randn(self.cfg.batch_size, 4, generator=torch.Generator().manual_seed(self.cfg.seed * 7919 + step))
+        return x, x @ torch.tensor([[1.0], [-2.0], [3.0], [0.5]]) + 0.25
+
+    def loss(self, model, batch):
+        mse = F.mse_loss(model(batch[0]), batch[1])
+        return mse, mse
+
+    units_per_step = property(lambda self: self.cfg.batch_size)
+    flops_per_step = lambda self, args: 6 * 5 * self.cfg.batch_size
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_new_workload_trains_through_the_task_interface_like_a_plain_loop(mode, tmp_path):
+    """The shared loop (schedule, clipping, AdamW with its decay mask, checkpoints, metrics) on a
+    regression task of ~20 lines: losses equal a plain PyTorch loop with torch.optim.AdamW; eager and
+    graph mode alike; it checkpoints, and validation runs through the task."""
+    import train
+    out = str(tmp_path / "run")
+    cfg = train.parse_config(["--steps", "12", "--batch-size", "8", "--lr", "0.05", "--warmup", "3", "--clip", "0.5",
+                              "--mode", mode, "--eval-interval", "6", "--ckpt-interval", "6", "--log-interval", "1",
+                              "--out-dir", out])
+    tr = train.Trainer(cfg, task=LinearRegression(cfg))
+    assert tr.run() == 0
+    task = tr.task
+    torch.manual_seed(cfg.seed)  # the trainer seeds, then builds: the same initial weights
+    ref = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW([{"params": [ref.weight], "weight_decay": cfg.weight_decay},
+                             {"params": [ref.bias], "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    expected = {}
+    for step in range(1, cfg.steps + 1):
+        lr = cfg.lr * step / cfg.warmup if step <= cfg.warmup else cfg.lr * (
+            0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - cfg.warmup) / (cfg.steps - cfg.warmup))))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = task.batch(step)
+        loss = F.mse_loss(ref(x), y)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.clip)
+        opt.step()
+        expected[step] = loss.item()
+    got = losses(out)
+    assert got.keys() == expected.keys()
+    torch.testing.assert_close(torch.tensor([got[k] for k in sorted(got)]), torch.tensor([expected[k] for k in sorted(expected)]),
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tr.model.weight.detach(), ref.weight.detach(), rtol=1e-5, atol=1e-6)
+    assert sorted(_records(out, "val_loss")) == [0, 6, 12]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000006", "step_000012"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2211,11 +2301,11 @@ def test_hf_loader_uses_every_tensor_and_finds_every_one_it_needs(tmp_path, caps
         hf.load(str(both))
     for name in ("llama", "qwen3_moe"):  # each parameter's blocks: 2 pieces per dim, as TP x FSDP cut them
         path = os.path.join(HF_FIXTURES, name)
-        full, reader = hf.load(path), hf._Reader(path)
+        full, reader = hf.load(path), hf.Reader(path)
         for pname, p in full.named_parameters():
             for corner in range(2 ** p.dim()):
                 box = [(0, n // 2) if corner >> d & 1 else (n // 2, n) for d, n in enumerate(p.shape)]
-                piece = hf._read_param(reader, pname, tuple(p.shape), box)
+                piece = hf.read_param(reader, pname, tuple(p.shape), box)
                 assert torch.equal(piece, p[tuple(slice(a, b) for a, b in box)]), (pname, box)
 
 
@@ -2248,12 +2338,12 @@ def test_export_never_clobbers_and_a_failed_write_keeps_the_old_files(corpus, tm
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
     for (n, p), (_, q) in zip(model.named_parameters(), hf.load(str(tmp_path / "out")).named_parameters()):
         assert torch.equal(p, q), n
-    before = {f: checkpoint._sha256(tmp_path / "out" / f) for f in os.listdir(tmp_path / "out")}
+    before = {f: checkpoint.sha256_of(tmp_path / "out" / f) for f in os.listdir(tmp_path / "out")}
     proc = subprocess.run(["bash", "-c", 'ulimit -f 256 && exec "$@"', "-", sys.executable, "hf.py", "export", run,
                            str(tmp_path / "out"), "--overwrite"], cwd=HERE, capture_output=True, text=True, timeout=300)
     err = proc.stderr.strip()
     assert proc.returncode == 5 and len(err.splitlines()) == 1 and err.startswith("error: a write failed"), err
-    assert {f: checkpoint._sha256(tmp_path / "out" / f) for f in os.listdir(tmp_path / "out")} == before
+    assert {f: checkpoint.sha256_of(tmp_path / "out" / f) for f in os.listdir(tmp_path / "out")} == before
     assert sorted(os.listdir(tmp_path)) == ["file", "out", "run", "user"]  # no temporary directory left
 
 

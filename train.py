@@ -33,7 +33,6 @@ import rundir
 import task as tasks
 from cli import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED,  # noqa: F401
                  RESUME_CHECKED, ConfigError, error_line, parse_config)
-from model import param_counts
 from parallel import Parallel
 
 TASKS = {"lm": tasks.LanguageModel}
@@ -60,7 +59,7 @@ class Trainer:
     """What every workload shares: model building through the layout, AdamW, schedule, clipping,
     checkpoints, the run directory, watchdog, logging, MFU. `run()` is the loop."""
 
-    def __init__(self, cfg, parallel=None):
+    def __init__(self, cfg, parallel=None, task=None):
         self.cfg, self.parallel = cfg, parallel or choose_parallel(cfg)
         self.device = self.parallel.device
         dp = self.parallel.dp_size
@@ -68,7 +67,7 @@ class Trainer:
             raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {dp} data-parallel ranks")
         self.out_dir = cfg.out_dir or os.path.join("runs", f"{cfg.flavor}-{time.strftime('%Y%m%d-%H%M%S')}")
         rundir.check_writable(self.out_dir)
-        self.task = TASKS[cfg.task](cfg)
+        self.task = task or TASKS[cfg.task](cfg)
         self.task.setup_data(self.parallel.dp_rank, dp)
         self.model_args = self.parallel.model_args(self.task.args)
         self.notes = list(self.task.notes)
@@ -95,7 +94,7 @@ class Trainer:
     def run_meta(self):
         """What a checkpoint records of the run, and a resume must match (checkpoint.check_compatible)."""
         cfg = self.cfg
-        meta = {"flavor": tasks.flavor_label(cfg), "task": cfg.task, "model_args": tasks.model_dict(self.model_args),
+        meta = {"flavor": self.task.label(), "task": cfg.task, "model_args": self.task.model_record(self.model_args),
                 "mesh": self.parallel.mesh_spec,
                 "train": {**{k: getattr(cfg, k) for k in RESUME_CHECKED}, **self.task.meta()}}
         meta["tokenizer"] = meta["train"].pop("tokenizer", None)  # (recorded for generate.py, not compared)
@@ -107,7 +106,7 @@ class Trainer:
         """Weights, gradients, AdamW state and the batch's activations must fit: refused before
         anything is allocated or written (what the dry run estimates at full scale)."""
         local_batch = self.cfg.batch_size // self.parallel.dp_size
-        weights = 16 * param_counts(self.model_args)[0] / self.parallel.n_devices  # fp32 w, grad, 2 moments
+        weights = 16 * self.task.param_count(self.model_args) / self.parallel.n_devices  # fp32 w, grad, 2 moments
         acts = self.task.activation_bytes(self.model_args, local_batch, dev.free_memory_bytes(self.device))
         dev.check_fits(weights + acts, self.device, "the model's weights, gradients and AdamW state (16 bytes a "
                        f"parameter) and the activations of {local_batch} sequences")
@@ -121,6 +120,8 @@ class Trainer:
         dev.seed_all(cfg.seed)
         model = self.task.build_model(self.model_args)
         pretrained = not self.resume_from
+        if cfg.scan and not self.task.scannable:
+            raise ConfigError(f"--scan stacks a model's identical blocks; the {cfg.task} task's model has none")
         if cfg.scan:
             if pretrained:  # (stacking renames the weights: load them first)
                 self.task.load_pretrained(model)
@@ -146,8 +147,8 @@ class Trainer:
                                            remat=cfg.remat, offload=cfg.offload, split=cfg.split,
                                            fsdp_passes=fsdp_passes.chosen(cfg.fsdp_passes, self.parallel.graph_passes))
         if cfg.mode == "compile":
-            for layer in self.model.layers:
-                layer.compile(backend=dev.compile_backend(self.device))
+            for block in self.task.blocks(self.model):
+                block.compile(backend=dev.compile_backend(self.device))
         return self.eager_step
 
     def eager_step(self, *batch_and_lr):
