@@ -595,6 +595,8 @@ BAD_INPUTS = [
     (["--resume-from", "step_000001"], "no such checkpoint"),
     (["--watchdog", "-1"], "--watchdog must be >= 0"),
     (["--init-from", "/nonexistent"], "config.json: missing or unreadable"),
+    (["--batch-size", "100000"], "and the activations of 100000 sequences need"),  # (the dry run's estimate)
+    (["--scan", "--mesh", "ici=2,tp=2"], "--scan with tp or ep is not built"),  # (checked before any launch)
 ]
 
 @pytest.mark.parametrize("args,message", BAD_INPUTS)
