@@ -287,7 +287,8 @@ def patchify(x_BxCxHxW, p=2):
     B, C, H, W = x_BxCxHxW.shape
     if H % p or W % p:
         raise ValueError(f"image size {H}x{W} is not divisible by the patch size {p}")
-    return x_BxCxHxW.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5).reshape(B, H * W // p // p, C * p * p)
+    x = x_BxCxHxW.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)  # B, rows, cols, C, p, p
+    return x.reshape(B, (H // p) * (W // p), C * p * p)
 
 
 def unpatchify(x_BxSxK, H, W, p=2):

@@ -186,11 +186,12 @@ def load(path, device="cpu"):
         missing = [k for k in keys if k not in tensors]
         if missing:
             raise FluxHFError(f"{path}: the checkpoint has no tensor {missing[0]!r}")
-        t = torch.cat([tensors[k].get_tensor(k) for k in keys]) if len(keys) > 1 else tensors[keys[0]].get_tensor(keys[0])
+        t = torch.cat([tensors[k].get_tensor(k) for k in keys])  # a fused tensor's parts, in row order
         if name.startswith(SWAPPED):
             t = _swap_halves(t)
         if tuple(t.shape) != tuple(p.shape):
-            raise FluxHFError(f"{path}: {' + '.join(keys)} has shape {tuple(t.shape)}, config.json implies {tuple(p.shape)}")
+            raise FluxHFError(f"{path}: {' + '.join(keys)} has shape {tuple(t.shape)}, config.json implies "
+                              f"{tuple(p.shape)}")
         state[name] = t.to(device=device, dtype=torch.float32)
         used.update(keys)
     unused = sorted(set(tensors) - used)
