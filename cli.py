@@ -31,6 +31,9 @@ class ConfigError(ValueError):
     pass
 
 
+DEFAULT_FLAVOR = {"lm": "llama3_debug", "flux": "flux_debug"}  # per task (train.TASKS)
+
+
 def flag(default, help, **argparse_kw):
     return dataclasses.field(default=default, metadata={"help": help, **argparse_kw})
 
@@ -38,8 +41,9 @@ def flag(default, help, **argparse_kw):
 @dataclasses.dataclass
 class TrainConfig:
     # what to train
-    task: str = flag("lm", "workload: lm (language-model pretraining)", choices=["lm"])
-    flavor: str = flag("llama3_debug", "model flavor (model.FLAVORS)")
+    task: str = flag("lm", "workload: lm (language-model pretraining), flux (FLUX.1 diffusion on the digits)",
+                     choices=list(DEFAULT_FLAVOR))
+    flavor: Optional[str] = flag(None, "model flavor (model.FLAVORS, flux.FLAVORS; default: the task's debug flavor)")
     init_from: Optional[str] = flag(None, "start from a Hugging Face checkpoint (config.json + safetensors) "
                                     "instead of --flavor: fine-tuning", metavar="HF_DIR")
     set: list = flag((), "override a ModelArgs field, e.g. --set n_layers=2 (repeatable)", metavar="FIELD=VALUE")
@@ -131,7 +135,9 @@ def parse_config(argv=None):
 
 
 def validate(cfg):
-    """Every check on the flags and their combinations, before anything is read or written."""
+    """Every check on the flags and their combinations, before anything is read or written; fills
+    the task's default flavor."""
+    cfg.flavor = cfg.flavor or DEFAULT_FLAVOR[cfg.task]
     for name in ("steps", "batch_size", "seq_len", "log_interval"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")

@@ -96,8 +96,9 @@ def parse_as(kind, text):
 
 
 def with_overrides(args, items):
-    """ModelArgs with `FIELD=VALUE` strings applied (train.py --set), each parsed by its declared type."""
-    kinds = typing.get_type_hints(ModelArgs)
+    """A config dataclass (ModelArgs, flux.FluxArgs) with `FIELD=VALUE` strings applied (train.py
+    --set), each parsed by its declared type."""
+    kinds = typing.get_type_hints(type(args))
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in kinds:

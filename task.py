@@ -92,9 +92,9 @@ class Task:
     def meta(self):
         return {}
 
-    def preview(self, model, log):
-        """Called once after the last step, with the trainer's `log`, where the weights are whole
-        (one device)."""
+    def preview(self, model, log, out_dir):
+        """Called once after the last step, with the trainer's `log` and the run directory, where the
+        weights are whole (one device)."""
 
 
 class LanguageModel(Task):
@@ -197,7 +197,7 @@ class LanguageModel(Task):
         return {"data": self.fingerprint,
                 "tokenizer": os.path.abspath(self.cfg.tokenizer) if self.cfg.tokenizer else None}
 
-    def preview(self, model, log):
+    def preview(self, model, log, out_dir):
         """A few bytes sampled from the trained model (not for stacked blocks, which take no KV cache,
         nor for a vocabulary that is not bytes)."""
         n = self.cfg.sample_tokens

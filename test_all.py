@@ -1908,7 +1908,7 @@ def test_every_config_field_is_a_flag_with_its_type_and_help():
     assert all(name in helps["fsdp_passes"] for name in __import__("fsdp_passes").PASSES)  # (prefetch was missing)
     cfg = cli.parse_config(["--steps", "7", "--lr", "0.5", "--set", "dim=8", "--set", "n_layers=1", "--scan"])
     assert (cfg.steps, cfg.lr, cfg.set, cfg.scan, cfg.init_from) == (7, 0.5, ["dim=8", "n_layers=1"], True, None)
-    assert isinstance(cfg, cli.TrainConfig) and cli.parse_config([]) == cli.TrainConfig(set=[])
+    assert isinstance(cfg, cli.TrainConfig) and cli.parse_config([]) == cli.TrainConfig(set=[], flavor="llama3_debug")
 
 
 class LinearRegression(task_lib.Task):

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import checkpoint
 import data
 import device as dev
+import flux_task
 import fsdp_passes
 import graph_trainer
 import hf
@@ -35,7 +36,7 @@ from cli import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAI
                  RESUME_CHECKED, ConfigError, error_line, parse_config)
 from parallel import Parallel
 
-TASKS = {"lm": tasks.LanguageModel}
+TASKS = {"lm": tasks.LanguageModel, "flux": flux_task.FluxDigits}
 
 
 def model_args(cfg):
@@ -248,7 +249,7 @@ class Trainer:
             if self.step == cfg.halt_at:
                 return 0
         if self.parallel.mesh_spec is None and self.parallel.writes_files:  # (sharded weights: no preview)
-            self.task.preview(self.model, self.log)
+            self.task.preview(self.model, self.log, self.out_dir)
         return 0
 
     def start(self):
@@ -299,7 +300,7 @@ class Trainer:
         if unit == "tok":
             rec["tokens_per_s"] = rec.pop("tok_per_s")
         self.log(rec, f"step {self.step:5d} | loss {loss:.4f} | gnorm {gnorm:.3f} | lr {self.lr:.2e}"
-                 f" | {per_s / 1e3:.1f}k {unit}/s | {flops / 1e12:.3f} TFLOP/s | MFU {100 * rec['mfu']:.1f}%"
+                 f" | {f'{per_s / 1e3:.1f}k' if per_s >= 1e3 else f'{per_s:.1f}'} {unit}/s | {flops / 1e12:.3f} TFLOP/s | MFU {100 * rec['mfu']:.1f}%"
                  f" of {self.peak_label} | mem {mem['peak_bytes'] / 2**30:.2f} GiB ({mem['kind']})"
                  f" | eta {eta:.0f}s")
         self.clock = (time.perf_counter(), self.step, t_start, first)
@@ -341,6 +342,8 @@ def main(argv=None):
         cfg = parse_config(argv)
         if cfg.dry_run:
             import dryrun
+            if cfg.task != "lm":
+                raise ConfigError(f"--dry-run plans language models; the {cfg.task} task's plan is not built")
             try:
                 return dryrun.main(model_args(cfg), cfg)
             except ValueError as e:  # a mesh, batch or chip the plan cannot use
