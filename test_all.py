@@ -2639,3 +2639,42 @@ def test_digits_split_is_seeded_disjoint_stratified_and_the_judge_is_accurate():
 
 if __name__ == "__main__":  # child processes: python test_all.py <child function> [args...]
     globals()[sys.argv[1]](*sys.argv[2:])
+
+
+def _flux_weights(run_dir):
+    import checkpoint
+    import flux
+    import flux_task
+    model = flux_task.FluxOnDigits(flux.FLAVORS["flux_debug"])
+    path, _ = checkpoint.find_resumable(os.path.join(run_dir, "checkpoints"))
+    return checkpoint.load(path, {"model": model.state_dict()})["model"]
+
+
+def test_flux_trains_through_the_shared_trainer_eager_graph_and_simplefsdp_alike(tmp_path):
+    """FLUX as a Task (flux_task.py) on the one trainer: graph mode (one traced step with AdamW) and
+    SimpleFSDP on 2 processes (graph mode, its passes on) equal the eager single process on the same
+    global batches: losses, pre-clip gradient norms, validation MSE at the fixed times, final weights.
+    A halted run resumed equals the uninterrupted one bit for bit; the end writes a sample grid."""
+    common = ["--task", "flux", "--steps", "4", "--batch-size", "8", "--log-interval", "1", "--eval-batches", "2",
+              "--eval-interval", "2", "--ckpt-interval", "0"]
+    runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "part")}
+    assert _main([*common, "--out-dir", runs["eager"]]) == 0
+    assert _main([*common, "--mode", "graph", "--out-dir", runs["graph"]]) == 0
+    rc, _, err = torchrun(2, [*common, "--mode", "graph", "--mesh", "ici=2", "--out-dir", runs["fsdp"]])
+    assert rc == 0, err[-3000:]
+    assert _main([*common, "--halt-at", "2", "--out-dir", runs["part"]]) == 0
+    assert _main([*common, "--resume", "--out-dir", runs["part"]]) == 0
+    oracle = runs["eager"]
+    for name in ("graph", "fsdp"):
+        for key in ("loss", "grad_norm", "val_loss"):
+            mine, ref = _records(runs[name], key), _records(oracle, key)
+            assert mine.keys() == ref.keys() and len(ref) >= 3, (name, key)
+            torch.testing.assert_close(torch.tensor([mine[k] for k in sorted(mine)]),
+                                       torch.tensor([ref[k] for k in sorted(ref)]), rtol=1e-5, atol=1e-6)
+        for k, w in _flux_weights(oracle).items():
+            torch.testing.assert_close(_flux_weights(runs[name])[k], w, rtol=1e-5, atol=1e-5, msg=k)  # (as the LM tests)
+    assert losses(runs["part"]) == losses(oracle)
+    assert all(torch.equal(a, b) for a, b in zip(_flux_weights(runs["part"]).values(), _flux_weights(oracle).values()))
+    with open(os.path.join(oracle, "metrics.jsonl")) as f:
+        judged = [json.loads(line) for line in f if '"samples"' in line]
+    assert os.path.getsize(os.path.join(oracle, "samples.png")) > 0 and 0 <= judged[0]["accuracy"] <= 1

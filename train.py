@@ -12,6 +12,7 @@ anything non-finite is saved); 4 a peer process died or stalled (rundir.Watchdog
 (SIGINT / SIGTERM). The last good checkpoint always stays.
 """
 import contextlib
+import json
 import math
 import os
 import signal
@@ -101,7 +102,7 @@ class Trainer:
         meta["tokenizer"] = meta["train"].pop("tokenizer", None)  # (recorded for generate.py, not compared)
         if cfg.scan:
             meta["layers"] = "stacked"
-        return meta
+        return json.loads(json.dumps(meta))  # as meta.json will hold it (tuples become lists), so it compares
 
     def check_memory(self):
         """Weights, gradients, AdamW state and the batch's activations must fit: refused before
