@@ -62,6 +62,18 @@ def tiny_args(**kw):
     return dataclasses.replace(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128), **kw)
 
 
+def _near(want, got, atol, rtol=0.0):
+    """Every |got - want| <= atol + rtol |want|, and a NaN or Inf fails (torch.testing.assert_close):
+    Python's max() over differences skips a NaN (max(0.0, nan) is 0.0). Lists compare in order,
+    {step: value} dicts by step, with the same steps."""
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), (sorted(want), sorted(got))
+        want, got = [want[k] for k in sorted(want)], [got[k] for k in sorted(want)]
+    assert len(got) == len(want), (want, got)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                               rtol=rtol, atol=atol)
+
+
 # ------------------------------------------------------------------------------------------------
 # Shared helpers: train.py in this process or a subprocess, torchrun, a trainer driven step by step
 
@@ -80,13 +92,16 @@ def _trainer(corpus, tmp_path, *extra):
     return train.Trainer(cfg)
 
 
-def _train_losses(trainer, steps=20):
+def _train_losses(trainer, steps=20, norms=None):
+    """Losses of `steps` steps (and their pre-clip gradient norms appended to `norms`, if given)."""
     import optim as o
     out = []
     for i in range(1, steps + 1):
         x, y = trainer.batches.get(i)
-        ce, _ = trainer.step_fn(x, y, torch.tensor(o.lr_at(i, trainer.cfg.lr, trainer.cfg.warmup, steps)))
+        ce, norm = trainer.step_fn(x, y, torch.tensor(o.lr_at(i, trainer.cfg.lr, trainer.cfg.warmup, steps)))
         out.append(ce.item())
+        if norms is not None:
+            norms.append(norm.item())
     return out
 
 
@@ -104,7 +119,11 @@ def _full_params(ckpt_dir, args, name=None):
     import checkpoint
     import train
     cfg = train.build_parser().parse_args(args)
-    state = {"model": Transformer(train.model_args_from(cfg)).state_dict()}
+    model = Transformer(train.model_args_from(cfg))
+    if cfg.scan:  # stacked (L, ...) block weights, as --scan saves them
+        import layer_scan
+        model = layer_scan.stack_layers(model)
+    state = {"model": model.state_dict()}
     path = os.path.join(ckpt_dir, name) if name else checkpoint.find_resumable(ckpt_dir)[0]
     return checkpoint.load(path, state)["model"]
 
@@ -906,14 +925,15 @@ def child_xla_kernels():
         grads = torch.autograd.grad(total, (qq, kk, vv, hh, ww, xx, wgw))
         return [z.detach().cpu() for z in (a, l, m, *grads)]
     on_cpu, on_xla = run("cpu"), run(xla)
-    print("max diff", max((a - b).abs().max().item() for a, b in zip(on_cpu, on_xla)))
+    print("diffs", json.dumps([(a - b).abs().max().item() for a, b in zip(on_cpu, on_xla)]))  # (NaN: json's NaN)
 
 
 def test_kernels_on_xla_cpu_through_call_jax_equal_cpu():
     proc = subprocess.run([sys.executable, "test_all.py", "child_xla_kernels"], cwd=HERE, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert float(proc.stdout.split("max diff")[1]) < 1e-5
+    diffs = json.loads(proc.stdout.split("diffs")[1])
+    assert len(diffs) == 10 and all(d < 1e-5 for d in diffs), diffs  # (a NaN difference fails: nan < x is False)
 
 
 @pytest.mark.parametrize("flavor", ["qwen3_debug", "qwen3_moe_debug"])
@@ -927,7 +947,7 @@ def test_training_with_pallas_kernels_matches_reference(flavor, corpus, tmp_path
         assert rc == 0, err
     ref, pal = losses(str(tmp_path / "reference")), losses(str(tmp_path / "pallas"))
     assert sorted(ref) == list(range(1, 21)) and sorted(pal) == sorted(ref)
-    assert max(abs(ref[s] - pal[s]) for s in ref) < 1e-4
+    _near(ref, pal, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -949,14 +969,14 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus,
     assert rc == 0, err[-3000:]
     want, got = losses(single), losses(multi)
     assert sorted(got) == list(range(1, 11))
-    assert max(abs(want[s] - got[s]) for s in want) < 1e-5
+    _near(want, got, atol=1e-5)
     # Gradients, not only losses (clipping and Adam hide a gradient scale: Partial("sum") for
     # Partial("avg") doubles every gradient and still trains the same): the pre-clip norm of the
     # gathered gradient equals the full-batch one. And every rank validates its own rows.
     for key in ("grad_norm", "val_loss"):
         want, got = _records(single, key), _records(multi, key)
         assert sorted(got) == sorted(want) and len(want) >= 2, key
-        assert max(abs(want[s] - got[s]) / abs(want[s]) for s in want) < 1e-5, (key, want, got)
+        _near(want, got, atol=0, rtol=1e-5)
     # MFU is per device: all ranks' FLOP/s over the sum of their peaks (it was over one device's peak).
     for rec in (json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl"))):
         if "mfu" in rec:
@@ -998,10 +1018,12 @@ def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, ex
     rc, out, err = torchrun(nproc, [*common, *extra, "--out-dir", multi, "--mesh", mesh])
     assert rc == 0, err[-3000:]
     want, got = losses(single), losses(multi)
-    assert sorted(got) == list(range(1, 11)) and max(abs(want[s] - got[s]) for s in want) < 1e-5
+    assert sorted(got) == list(range(1, 11))
+    _near(want, got, atol=1e-5)
     for key in ("grad_norm", "val_loss"):
         want, got = _records(single, key), _records(multi, key)
-        assert sorted(got) == sorted(want) and max(abs(want[s] - got[s]) / abs(want[s]) for s in want) < 1e-5, key
+        assert len(want) >= 2, key
+        _near(want, got, atol=0, rtol=1e-5)
     p_single = _full_params(os.path.join(single, "checkpoints"), [*common, *extra])
     p_multi = _full_params(os.path.join(multi, "checkpoints"), [*common, *extra])
     for name in p_single:
@@ -1101,12 +1123,39 @@ def _signal_one_of_two_ranks(corpus, out_dir, sig, *extra):
 
 
 def test_a_killed_rank_ends_the_run_within_60s(corpus, tmp_path):
+    """The two ranks are started by hand (torchrun's environment, no torchrun): torchrun would end the
+    survivor itself with SIGTERM and print its own words for the killed rank, which would pass even
+    if the survivor hung. Here the survivor must end itself: its own one `error:` line, exit 4."""
     import signal
+    import socket
     import time
-    proc, _, killed_at = _signal_one_of_two_ranks(corpus, tmp_path / "r", signal.SIGKILL)
-    _, err = proc.communicate(timeout=90)
-    assert time.time() - killed_at < 60 and proc.returncode != 0
-    assert "SIGKILL" in err or "a collective failed" in err  # (torchrun words it "Signals.SIGKILL" or "Signal 9 (SIGKILL)")
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out_dir = tmp_path / "r"
+    ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *DIST_TINY, "--data", corpus, "--steps",
+                               "100000", "--eval-batches", "0", "--ckpt-interval", "0", "--mesh", "ici=2", "--out-dir",
+                               str(out_dir)], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out_dir / "metrics.jsonl").exists():
+            time.sleep(0.5)
+        time.sleep(2)
+        assert ranks[0].poll() is None and ranks[1].poll() is None, "the run ended before the kill"
+        ranks[1].kill()
+        killed_at = time.time()
+        _, err = ranks[0].communicate(timeout=90)
+        took = time.time() - killed_at
+    finally:
+        for p in ranks:
+            p.kill()
+            p.communicate()
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert took < 60 and ranks[0].returncode == 4, (took, ranks[0].returncode, err[-3000:])
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: a collective failed, a peer process probably died"), err[-3000:]
 
 
 def test_a_stalled_peer_ends_every_rank_within_the_watchdog(corpus, tmp_path):
@@ -1156,7 +1205,7 @@ def child_simplefsdp_fx():
         print("RESULT", {k: names.count(k) for k in ("_c10d_functional.all_gather_into_tensor.default",
                                                      "_c10d_functional.reduce_scatter_tensor.default",
                                                      "_c10d_functional.wait_tensor.default")},
-              max((a - b).abs().max().item() for a, b in zip(got, want)))
+              [(a - b).abs().max().item() for a, b in zip(got, want)])
 
 
 def test_simplefsdp_collectives_are_nodes_of_the_traced_graph(tmp_path):
@@ -1169,7 +1218,7 @@ def test_simplefsdp_collectives_are_nodes_of_the_traced_graph(tmp_path):
     assert counts["_c10d_functional.all_gather_into_tensor.default"] == 2      # one per parameter
     assert counts["_c10d_functional.reduce_scatter_tensor.default"] == 2
     assert counts["_c10d_functional.wait_tensor.default"] >= 4
-    assert float(line[line.rindex("}") + 1:]) == 0.0                             # graph == eager
+    assert ast.literal_eval(line[line.rindex("}") + 1:].strip()) == [0.0, 0.0]   # graph == eager (NaN != 0.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1191,15 +1240,20 @@ def child_spmd_steps(*argv):
     cfg = train.build_parser().parse_args(argv)
     ctx = spmd.SpmdContext(cfg.mesh)
     tr = train.Trainer(cfg, ctx)
-    out, compiles = [], []
+    out, norms, compiles = [], [], []
     for i in range(1, cfg.steps + 1):
         x, y = tr.batches.get(i)
-        ce, _ = tr.step_fn(*tr.place(x, y), device.scalar(optim.lr_at(i, cfg.lr, cfg.warmup, cfg.steps), tr.device))
+        xs, ys = tr.place(x, y)
+        ce, norm = tr.step_fn(xs, ys, device.scalar(optim.lr_at(i, cfg.lr, cfg.warmup, cfg.steps), tr.device))
         torch_xla.sync()
         out.append(ce.item())
+        norms.append(norm.item())
         compiles.append(met.metric_data("CompileTime")[0])
     spec = torch_xla._XLAC._get_xla_sharding_spec
-    print(json.dumps({"losses": out, "compiles": compiles, "specs": [spec(p) for p in tr.params],
+    os.makedirs(cfg.out_dir, exist_ok=True)  # the final weights, gathered to the host, for the test
+    torch.save({n: p.detach().cpu() for n, p in zip(tr.param_names, tr.params)}, os.path.join(cfg.out_dir, "params.pt"))
+    print(json.dumps({"losses": out, "norms": norms, "compiles": compiles, "specs": [spec(p) for p in tr.params],
+                      "batch_spec": spec(xs), "batch_shards": [list(t.shape) for t, _ in torch_xla._XLAC._get_local_shards([xs])[0]],
                       "state_specs": [spec(t) for t in tr.opt.state["exp_avg"] + tr.opt.state["exp_avg_sq"]],
                       "shapes": [list(p.shape) for p in tr.params],
                       "param_bytes": ctx.local_bytes(tr.params), "total_bytes": sum(p.numel() * 4 for p in tr.params)}))
@@ -1233,8 +1287,21 @@ def test_spmd_mesh_on_xla_equals_one_cpu_process(mesh, mode, extra, corpus, tmp_
                           timeout=300, env={**os.environ, **SPMD_ENV, "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    want = _train_losses(_trainer(corpus, tmp_path, *extra), steps=8)
-    assert max(abs(a - b) for a, b in zip(want, res["losses"])) < 1e-4, (want, res["losses"])
+    oracle, norms = _trainer(corpus, tmp_path, *extra), []
+    want = _train_losses(oracle, steps=8, norms=norms)
+    _near(want, res["losses"], atol=1e-4)
+    # Gradients and weights too: clipping and Adam's normalization hide a gradient scale from losses.
+    _near(norms, res["norms"], atol=0, rtol=1e-4)
+    got = torch.load(tmp_path / "x" / "params.pt")
+    assert list(got) == oracle.param_names
+    for name, p in zip(oracle.param_names, oracle.params):  # (XLA:CPU sums in another order: measured 1.6e-5
+        # on one of 32768 elements after 8 steps; one step's update is ~lr = 3e-3)
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    # The batch is split over every data-parallel device, dcn included: a batch replicated across
+    # slices computes the same numbers (GSPMD keeps the semantics), so only its layout shows it.
+    dp = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
+    assert res["batch_spec"].startswith(f"{{devices=[{dp},1]") and "replicate" not in res["batch_spec"], res["batch_spec"]
+    assert res["batch_shards"] == [[4 // dp, 32]] * dp, res["batch_shards"]
     ici = int(mesh.split("ici=")[1])
     # Sharded, and still sharded after 8 updates: parameters and both AdamW moments, 1/ici per device.
     assert all(s.startswith("{devices=[") for s in res["specs"] + res["state_specs"]), res["specs"]
@@ -1289,7 +1356,7 @@ def test_graph_mode_is_one_graph_and_equals_eager(corpus, tmp_path, extra):
     eager = _trainer(corpus, tmp_path, *extra)
     graph = _trainer(corpus, tmp_path, "--mode", "graph", *extra)
     want, got = _train_losses(eager), _train_losses(graph)
-    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5, (want, got)
+    _near(want, got, atol=1e-5)
     for p, q in zip(eager.params, graph.params):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     import graph_trainer
@@ -1304,13 +1371,13 @@ def test_graph_mode_is_one_graph_and_equals_eager(corpus, tmp_path, extra):
 def test_compile_mode_matches_eager_over_20_steps(corpus, tmp_path):
     want = _train_losses(_trainer(corpus, tmp_path))
     got = _train_losses(_trainer(corpus, tmp_path, "--mode", "compile"))
-    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5
+    _near(want, got, atol=1e-5)
 
 
 def test_graph_mode_inductor_backend_matches_eager(corpus, tmp_path):
     want = _train_losses(_trainer(corpus, tmp_path), steps=6)
     got = _train_losses(_trainer(corpus, tmp_path, "--mode", "graph", "--backend", "inductor"), steps=6)
-    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-4
+    _near(want, got, atol=1e-4)
 
 
 def child_xla_graph_steps(*argv):
@@ -1346,7 +1413,7 @@ def test_xla_compiles_one_program_per_step_shape(mode, scan, corpus, tmp_path):
     # the weight decay: per-step scalars enter as inputs that torch_xla does not merge by value.
     assert res["compiles"][0] == res["compiles"][-1] == 2, res["compiles"]
     want = _train_losses(_trainer(corpus, tmp_path), steps=8)
-    assert max(abs(a - b) for a, b in zip(want, res["losses"])) < 1e-4
+    _near(want, res["losses"], atol=1e-4)
 
 
 def _gathers(side):
@@ -1364,7 +1431,7 @@ def test_graph_mode_with_simplefsdp_hsdp_is_one_graph_with_its_collectives(corpu
     assert rc == 0, err[-3000:]
     for key in ("loss", "grad_norm"):
         want, got = _records(single, key), _records(multi, key)
-        assert max(abs(want[s] - got[s]) for s in want) < 1e-5, key
+        _near(want, got, atol=1e-5)
     graph = next(json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl")) if '"graph"' in line)
     n_params = len(Transformer(dataclasses.replace(ModelArgs(), n_layers=2, dim=64, n_heads=4, n_kv_heads=2,
                                                    ffn_dim=131)).state_dict())
@@ -1512,13 +1579,13 @@ def child_xla_scan_gradients():
         hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(got))
         torch_xla.sync()  # one program for all gradients (reading them one by one would compile one each)
         by_name = dict(zip([n for n, _ in unrolled.named_parameters()], want))
-        err = 0.0
+        errs = []  # per gradient (a max() over them would skip a NaN)
         for name, g in zip([n for n, _ in scanned.named_parameters()], got):
             leaf = name[len("layers."):].replace("__", ".")
             w = (torch.stack([by_name[f"layers.{i}.{leaf}"] for i in range(layers)]) if name.startswith("layers.")
                  else by_name[name])
-            err = max(err, (g.cpu() - w).abs().max().item())
-        out[f"{flavor}/{layers}"] = {"err": err, "hlo_lines": len(hlo.splitlines()), "whiles": hlo.count(" while(")}
+            errs.append((g.cpu() - w).abs().max().item())
+        out[f"{flavor}/{layers}"] = {"errs": errs, "hlo_lines": len(hlo.splitlines()), "whiles": hlo.count(" while(")}
     print(json.dumps(out))
 
 
@@ -1531,7 +1598,7 @@ def test_layer_scan_on_xla_is_one_while_loop_with_the_unrolled_gradients():
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     for r in res.values():
-        assert r["err"] < 1e-6 and r["whiles"] >= 2, res
+        assert r["errs"] and all(e < 1e-6 for e in r["errs"]) and r["whiles"] >= 2, res
     assert res["llama3_debug/2"]["hlo_lines"] == res["llama3_debug/5"]["hlo_lines"], res
 
 
@@ -1553,7 +1620,7 @@ def test_layer_scan_keeps_the_step_graph_constant_in_depth(corpus, tmp_path):
     got += _train_losses(_trainer(corpus, tmp_path, "--mode", "graph", "--scan", *moe), steps=3)
     # Gradients agree to 1e-6 (above); the global norm sums stacked tensors in another order, so
     # the clip coefficient differs in the last bits and losses drift by ~2e-5 over 5 steps.
-    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-4
+    _near(want, got, atol=1e-4)
 
 
 @pytest.mark.parametrize("impl,mode,mesh", [("simple", "graph", "ici=2"), ("simple", "eager", "dcn=2,ici=2"),
@@ -1570,7 +1637,16 @@ def test_layer_scan_under_a_mesh_matches_single_process(impl, mode, mesh, corpus
     rc, out, err = torchrun(nproc, [*common, "--out-dir", multi, "--mesh", mesh, "--dp-impl", impl, "--mode", mode])
     assert rc == 0, err[-3000:]
     want, got = losses(single), losses(multi)
-    assert sorted(got) == list(range(1, 7)) and max(abs(want[s] - got[s]) for s in want) < 1e-5
+    assert sorted(got) == list(range(1, 7))
+    _near(want, got, atol=1e-5)
+    # Pre-clip gradient norms and final weights: a gradient scale (a sum for a mean over ranks) hides
+    # behind clipping and Adam's normalization in the losses.
+    _near(_records(single, "grad_norm"), _records(multi, "grad_norm"), atol=0, rtol=1e-5)
+    p_single = _full_params(os.path.join(single, "checkpoints"), common)
+    p_multi = _full_params(os.path.join(multi, "checkpoints"), common)
+    assert sorted(p_single) == sorted(p_multi) and any(p.dim() == 3 for p in p_single.values())  # (stacked)
+    for name in p_single:
+        torch.testing.assert_close(p_multi[name], p_single[name], rtol=0, atol=1e-5, msg=name)
 
 
 def test_layer_scan_under_simplefsdp_holds_one_gathered_layer_not_the_stack(corpus, tmp_path):
@@ -1848,7 +1924,7 @@ def test_fine_tuning_starts_from_the_hf_weights_on_one_process_and_under_a_mesh(
     assert rc == 0, err[-3000:]
     for key in ("loss", "val_loss", "grad_norm"):
         a, b = _records(single, key), _records(multi, key)
-        assert sorted(a) == sorted(b) and max(abs(a[s] - b[s]) for s in a) < 1e-5, key
+        _near(a, b, atol=1e-5)
 
 
 def test_training_on_a_hf_tokenizer_caches_its_ids_and_writes_tensorboard(corpus, tmp_path, monkeypatch, capsys):
