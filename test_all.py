@@ -105,6 +105,16 @@ def _train_losses(trainer, steps=20, norms=None):
     return out
 
 
+def _ops_of_one_more_step(trainer):
+    """The names torch.profiler (a public hook) records during one more step: which code ran, e.g.
+    dynamo's "Torch-Compiled Region", inductor's "## Call CompiledFxGraph", our "minititan::" ops."""
+    from torch.profiler import ProfilerActivity, profile
+    x, y = trainer.batches.get(1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer.step_fn(x, y, torch.tensor(1e-4))
+    return {e.key for e in prof.key_averages()}
+
+
 DIST_TINY = [*TINY, "--set", "ffn_dim=131"]  # 131: an uneven first dimension for the shards
 
 def torchrun(nproc, args, timeout=300):
@@ -973,16 +983,16 @@ def test_kernels_on_xla_cpu_through_call_jax_equal_cpu():
 
 @pytest.mark.parametrize("flavor", ["qwen3_debug", "qwen3_moe_debug"])
 def test_training_with_pallas_kernels_matches_reference(flavor, corpus, tmp_path):
-    common = [*TINY, "--flavor", flavor, "--data", corpus, "--steps", "20", "--ckpt-interval", "0",
-              "--eval-interval", "0", "--eval-batches", "0"]
-    if flavor == "qwen3_moe_debug":
-        common += ["--set", "moe_ffn_dim=32"]
-    for k in ("reference", "pallas"):
-        rc, _, err = run_train([*common, "--kernels", k, "--out-dir", str(tmp_path / k)])
-        assert rc == 0, err
-    ref, pal = losses(str(tmp_path / "reference")), losses(str(tmp_path / "pallas"))
-    assert sorted(ref) == list(range(1, 21)) and sorted(pal) == sorted(ref)
-    _near(ref, pal, atol=1e-4)
+    moe = flavor == "qwen3_moe_debug"
+    common = ["--flavor", flavor, *(["--set", "moe_ffn_dim=32"] if moe else [])]
+    reference, pallas = _trainer(corpus, tmp_path, *common), _trainer(corpus, tmp_path, *common, "--kernels", "pallas")
+    _near(_train_losses(reference), _train_losses(pallas), atol=1e-4)
+    # ... and the Pallas kernels are what ran: forward and backward ops called in a step (none without)
+    kernels = ["splash", "fused_linear_cross_entropy", *(["gmm"] if moe else [])]
+    want = {f"minititan::{k}{vjp}" for k in kernels for vjp in ("", "_vjp")}
+    ran = _ops_of_one_more_step(pallas)
+    assert want <= ran, sorted(want - ran)
+    assert not any(n.startswith("minititan::") for n in _ops_of_one_more_step(reference))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1405,14 +1415,20 @@ def test_graph_mode_is_one_graph_and_equals_eager(corpus, tmp_path, extra):
 
 def test_compile_mode_matches_eager_over_20_steps(corpus, tmp_path):
     want = _train_losses(_trainer(corpus, tmp_path))
-    got = _train_losses(_trainer(corpus, tmp_path, "--mode", "compile"))
+    compiled = _trainer(corpus, tmp_path, "--mode", "compile")
+    got = _train_losses(compiled)
     _near(want, got, atol=1e-5)
+    ran = _ops_of_one_more_step(compiled)  # dynamo's frames ran, and inductor's compiled code in them
+    assert any(n.startswith("Torch-Compiled Region") for n in ran) and any("CompiledFxGraph" in n for n in ran), sorted(ran)
 
 
 def test_graph_mode_inductor_backend_matches_eager(corpus, tmp_path):
     want = _train_losses(_trainer(corpus, tmp_path), steps=6)
-    got = _train_losses(_trainer(corpus, tmp_path, "--mode", "graph", "--backend", "inductor"), steps=6)
+    inductor = _trainer(corpus, tmp_path, "--mode", "graph", "--backend", "inductor")
+    got = _train_losses(inductor, steps=6)
     _near(want, got, atol=1e-4)
+    ran = _ops_of_one_more_step(inductor)  # inductor's compiled step ran, not the FX interpreter
+    assert any("CompiledFxGraph" in n for n in ran), sorted(ran)
 
 
 def child_xla_graph_steps(*argv):
