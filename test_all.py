@@ -63,6 +63,18 @@ def tiny_args(**kw):
     return dataclasses.replace(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128), **kw)
 
 
+def _near(want, got, atol, rtol=0.0):
+    """Every |got - want| <= atol + rtol |want|, and a NaN or Inf fails (torch.testing.assert_close):
+    Python's max() over differences skips a NaN (max(0.0, nan) is 0.0). Lists compare in order,
+    {step: value} dicts by step, with the same steps."""
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), (sorted(want), sorted(got))
+        want, got = [want[k] for k in sorted(want)], [got[k] for k in sorted(want)]
+    assert len(got) == len(want), (want, got)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                               rtol=rtol, atol=atol)
+
+
 # ------------------------------------------------------------------------------------------------
 # Shared helpers: train.py in this process or a subprocess, torchrun, a trainer driven step by step
 
@@ -81,14 +93,27 @@ def _trainer(corpus, tmp_path, *extra):
     return train.Trainer(cfg)
 
 
-def _train_losses(trainer, steps=20):
+def _train_losses(trainer, steps=20, norms=None):
+    """Losses of `steps` steps (and their pre-clip gradient norms appended to `norms`, if given)."""
     import optim as o
     out = []
     for i in range(1, steps + 1):
         x, y = trainer.task.batch(i)
-        ce, _ = trainer.step_fn(x, y, torch.tensor(o.lr_at(i, trainer.cfg.lr, trainer.cfg.warmup, steps)))
+        ce, norm = trainer.step_fn(x, y, torch.tensor(o.lr_at(i, trainer.cfg.lr, trainer.cfg.warmup, steps)))
         out.append(ce.item())
+        if norms is not None:
+            norms.append(norm.item())
     return out
+
+
+def _ops_of_one_more_step(trainer):
+    """The names torch.profiler (a public hook) records during one more step: which code ran, e.g.
+    dynamo's "Torch-Compiled Region", inductor's "## Call CompiledFxGraph", our "minititan::" ops."""
+    from torch.profiler import ProfilerActivity, profile
+    x, y = trainer.task.batch(1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer.step_fn(x, y, torch.tensor(1e-4))
+    return {e.key for e in prof.key_averages()}
 
 
 DIST_TINY = [*TINY, "--set", "ffn_dim=131"]  # 131: an uneven first dimension for the shards
@@ -105,7 +130,11 @@ def _full_params(ckpt_dir, args, name=None):
     import checkpoint
     import train
     cfg = train.parse_config(args)
-    state = {"model": Transformer(train.model_args(cfg)).state_dict()}
+    model = Transformer(train.model_args(cfg))
+    if cfg.scan:  # stacked (L, ...) block weights, as --scan saves them
+        import layer_scan
+        model = layer_scan.stack_layers(model)
+    state = {"model": model.state_dict()}
     path = os.path.join(ckpt_dir, name) if name else checkpoint.find_resumable(ckpt_dir)[0]
     return checkpoint.load(path, state)["model"]
 
@@ -565,9 +594,21 @@ def test_resume_equals_uninterrupted_bit_for_bit(corpus, tmp_path):
     assert rc == 0, err
     assert "start at step 4" in out and "resuming from step_000004, which verifies" in err
     assert losses(part) == losses(full)  # exact float equality, steps 1..8
-    rng = [checkpoint.load(os.path.join(d, "checkpoints", "step_000008"), {"rng": torch.get_rng_state()})["rng"]
-           for d in (full, part)]
-    assert torch.equal(*rng)
+    # Every tensor of the final checkpoints bit-equal: weights, both AdamW moments, step, RNG (the
+    # last update shows in no logged loss, only in what is saved).
+    import copy
+    template = _trainer(corpus, tmp_path).state()
+
+    def flat(state):
+        out = {"step": state["step"], "rng": state["rng"], **{f"model/{n}": t for n, t in state["model"].items()}}
+        for kind, tensors in state["optim"].items():
+            out.update({f"{kind}/{n}": t for n, t in tensors.items()})
+        return out
+    flat = [flat(checkpoint.load(os.path.join(d, "checkpoints", "step_000008"), copy.deepcopy(template))) for d in (full, part)]
+    assert sorted(flat[0]) == sorted(flat[1]) and len(flat[0]) == 3 * len(template["model"]) + 2
+    for name, t in flat[0].items():
+        assert torch.equal(t, flat[1][name]), name
+    assert int(flat[0]["step"]) == 8
 
 
 BAD_INPUTS = [
@@ -648,22 +689,38 @@ def test_checkpoint_of_another_flavor_is_refused_and_kept(corpus, tmp_path):
     assert rc == 2 and err.strip().endswith("resume without --scan")  # stacked names differ
 
 
-def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("what,value", [("loss", float("nan")), ("grad norm", float("inf"))])
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(what, value, corpus, tmp_path, monkeypatch, capsys):
     import train
     out_dir = str(tmp_path / "run")
     real_step = train.Trainer.eager_step
 
     def poisoned(self, inputs, targets, lr):
         ce, norm = real_step(self, inputs, targets, lr)
-        return (ce * float("nan") if self.step == 5 else ce), norm
+        if self.step == 5:
+            ce, norm = (ce * value, norm) if what == "loss" else (ce, norm * value)
+        return ce, norm
 
     monkeypatch.setattr(train.Trainer, "eager_step", poisoned)
     rc = train.main([*TINY, "--data", corpus, "--steps", "8", "--ckpt-interval", "3", "--out-dir", out_dir])
-    assert rc == 3 and "error: loss is nan at step 5" in capsys.readouterr().err
+    assert rc == 3 and f"error: {what} is {value} at step 5" in capsys.readouterr().err
     ckpts = os.path.join(out_dir, "checkpoints")
     assert sorted(os.listdir(ckpts)) == ["latest", "step_000003"]
     import checkpoint
     assert checkpoint.find_resumable(ckpts)[0].endswith("step_000003")
+
+
+def test_an_out_dir_that_is_a_file_or_unwritable_is_refused(corpus, tmp_path, capsys):
+    """README: an --out-dir that is a file, lies under a file, or under a folder this user cannot
+    write: one line, exit 2, the file untouched. (/proc/sys is read-only even for root.)"""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("keep me")
+    for out, message in [(str(afile), "exists and is not a directory"), (str(afile / "run"), "is a file, not a directory"),
+                         ("/proc/sys/minititan-run", "/proc/sys is not writable")]:
+        assert _main([*TINY, "--data", corpus, "--steps", "1", "--out-dir", out]) == 2, out
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: --out-dir ") and message in err and len(err.splitlines()) == 1, err
+    assert afile.read_text() == "keep me" and sorted(os.listdir(tmp_path)) == ["notes.txt"]
 
 
 def test_checkpoint_write_protocol_survives_a_crash_at_every_step(tmp_path, monkeypatch):
@@ -742,12 +799,19 @@ def test_resume_refuses_a_changed_config_and_says_what_it_does(corpus, tmp_path,
     other.write_text(open(corpus).read()[::-1])
     for extra, message in [(["--lr", "0.01"], "lr: saved 0.003, now 0.01); pass --allow-change lr"),
                            (["--data", str(other)], "data: saved"), (["--seed", "1"], "seed: saved 0, now 1"),
-                           (["--steps", "3"], "is at step 3, --steps is 3: nothing to train")]:
+                           (["--steps", "3"], "is at step 3, --steps is 3: nothing to train"),
+                           (["--batch-size", "8"], "batch_size: saved 4, now 8"), (["--seq-len", "16"], "seq_len: saved 32, now 16"),
+                           (["--warmup", "3"], "warmup: saved 2, now 3"), (["--clip", "0.5"], "clip: saved 1.0, now 0.5"),
+                           (["--weight-decay", "0"], "weight_decay: saved 0.1, now 0.0"),
+                           (["--dtype", "bf16"], "dtype: saved 'fp32', now 'bf16'")]:
         assert _main([*common, "--resume", *extra]) == 2, extra
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
     assert _files(out) == before and sorted(losses(out)) == [1, 2, 3]
+    os.remove(os.path.join(out, "checkpoints", "latest"))  # a missing pointer: said, and the directory trusted
     assert _main([*common, "--resume", "--lr", "0.01", "--allow-change", "lr"]) == 0  # deliberate
+    assert "note: " in (err := capsys.readouterr().err) and "latest is missing or does not name the newest checkpoint; " \
+        "resuming from step_000003, which verifies" in err, err
     assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6]
     assert _main([*common[:-1], str(tmp_path / "empty"), "--resume", "--steps", "1"]) == 0
     assert "note: no checkpoint in" in capsys.readouterr().err
@@ -1074,28 +1138,29 @@ def child_xla_kernels():
         grads = torch.autograd.grad(total, (qq, kk, vv, hh, ww, xx, wgw))
         return [z.detach().cpu() for z in (a, l, m, *grads)]
     on_cpu, on_xla = run("cpu"), run(xla)
-    print("max diff", max((a - b).abs().max().item() for a, b in zip(on_cpu, on_xla)))
+    print("diffs", json.dumps([(a - b).abs().max().item() for a, b in zip(on_cpu, on_xla)]))  # (NaN: json's NaN)
 
 
 def test_kernels_on_xla_cpu_through_call_jax_equal_cpu():
     proc = subprocess.run([sys.executable, "test_all.py", "child_xla_kernels"], cwd=HERE, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert float(proc.stdout.split("max diff")[1]) < 1e-5
+    diffs = json.loads(proc.stdout.split("diffs")[1])
+    assert len(diffs) == 10 and all(d < 1e-5 for d in diffs), diffs  # (a NaN difference fails: nan < x is False)
 
 
 @pytest.mark.parametrize("flavor", ["qwen3_debug", "qwen3_moe_debug"])
 def test_training_with_pallas_kernels_matches_reference(flavor, corpus, tmp_path):
-    common = [*TINY, "--flavor", flavor, "--data", corpus, "--steps", "20", "--ckpt-interval", "0",
-              "--eval-interval", "0", "--eval-batches", "0"]
-    if flavor == "qwen3_moe_debug":
-        common += ["--set", "moe_ffn_dim=32"]
-    for k in ("reference", "pallas"):
-        rc, _, err = run_train([*common, "--kernels", k, "--out-dir", str(tmp_path / k)])
-        assert rc == 0, err
-    ref, pal = losses(str(tmp_path / "reference")), losses(str(tmp_path / "pallas"))
-    assert sorted(ref) == list(range(1, 21)) and sorted(pal) == sorted(ref)
-    assert max(abs(ref[s] - pal[s]) for s in ref) < 1e-4
+    moe = flavor == "qwen3_moe_debug"
+    common = ["--flavor", flavor, *(["--set", "moe_ffn_dim=32"] if moe else [])]
+    reference, pallas = _trainer(corpus, tmp_path, *common), _trainer(corpus, tmp_path, *common, "--kernels", "pallas")
+    _near(_train_losses(reference), _train_losses(pallas), atol=1e-4)
+    # ... and the Pallas kernels are what ran: forward and backward ops called in a step (none without)
+    kernels = ["splash", "fused_linear_cross_entropy", *(["gmm"] if moe else [])]
+    want = {f"minititan::{k}{vjp}" for k in kernels for vjp in ("", "_vjp")}
+    ran = _ops_of_one_more_step(pallas)
+    assert want <= ran, sorted(want - ran)
+    assert not any(n.startswith("minititan::") for n in _ops_of_one_more_step(reference))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1117,14 +1182,14 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus,
     assert rc == 0, err[-3000:]
     want, got = losses(single), losses(multi)
     assert sorted(got) == list(range(1, 11))
-    assert max(abs(want[s] - got[s]) for s in want) < 1e-5
+    _near(want, got, atol=1e-5)
     # Gradients, not only losses (clipping and Adam hide a gradient scale: Partial("sum") for
     # Partial("avg") doubles every gradient and still trains the same): the pre-clip norm of the
     # gathered gradient equals the full-batch one. And every rank validates its own rows.
     for key in ("grad_norm", "val_loss"):
         want, got = _records(single, key), _records(multi, key)
         assert sorted(got) == sorted(want) and len(want) >= 2, key
-        assert max(abs(want[s] - got[s]) / abs(want[s]) for s in want) < 1e-5, (key, want, got)
+        _near(want, got, atol=0, rtol=1e-5)
     # MFU is per device: all ranks' FLOP/s over the sum of their peaks (it was over one device's peak).
     for rec in (json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl"))):
         if "mfu" in rec:
@@ -1166,10 +1231,12 @@ def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, ex
     rc, out, err = torchrun(nproc, [*common, *extra, "--out-dir", multi, "--mesh", mesh])
     assert rc == 0, err[-3000:]
     want, got = losses(single), losses(multi)
-    assert sorted(got) == list(range(1, 11)) and max(abs(want[s] - got[s]) for s in want) < 1e-5
+    assert sorted(got) == list(range(1, 11))
+    _near(want, got, atol=1e-5)
     for key in ("grad_norm", "val_loss"):
         want, got = _records(single, key), _records(multi, key)
-        assert sorted(got) == sorted(want) and max(abs(want[s] - got[s]) / abs(want[s]) for s in want) < 1e-5, key
+        assert len(want) >= 2, key
+        _near(want, got, atol=0, rtol=1e-5)
     p_single = _full_params(os.path.join(single, "checkpoints"), [*common, *extra])
     p_multi = _full_params(os.path.join(multi, "checkpoints"), [*common, *extra])
     for name in p_single:
@@ -1279,12 +1346,40 @@ def _signal_one_of_two_ranks(corpus, out_dir, sig, *extra):
 
 
 def test_a_killed_rank_ends_the_run_within_60s(corpus, tmp_path):
+    """The two ranks are started by hand (torchrun's environment, no torchrun): torchrun would end the
+    survivor itself with SIGTERM and print its own words for the killed rank, which would pass even
+    if the survivor hung. Here the survivor must end itself: its own one `error:` line, exit 4."""
     import signal
+    import socket
     import time
-    proc, _, killed_at = _signal_one_of_two_ranks(corpus, tmp_path / "r", signal.SIGKILL)
-    _, err = proc.communicate(timeout=90)
-    assert time.time() - killed_at < 60 and proc.returncode != 0
-    assert "SIGKILL" in err or "a collective failed" in err  # (torchrun words it "Signals.SIGKILL" or "Signal 9 (SIGKILL)")
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out_dir = tmp_path / "r"
+    ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *DIST_TINY, "--data", corpus, "--steps",
+                               "100000", "--eval-batches", "0", "--ckpt-interval", "0", "--mesh", "ici=2", "--out-dir",
+                               str(out_dir)], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out_dir / "metrics.jsonl").exists():
+            time.sleep(0.5)
+        time.sleep(2)
+        assert ranks[0].poll() is None and ranks[1].poll() is None, "the run ended before the kill"
+        ranks[1].kill()
+        killed_at = time.time()
+        _, err = ranks[0].communicate(timeout=90)
+        took = time.time() - killed_at
+    finally:
+        for p in ranks:
+            p.kill()
+            p.communicate()
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert took < 60 and ranks[0].returncode == 4, (took, ranks[0].returncode, err[-3000:])
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: a collective failed at step "), err[-3000:]
+    assert "a peer process died or stalled" in lines[0], err[-3000:]
 
 
 def test_a_stalled_peer_ends_every_rank_within_the_watchdog(corpus, tmp_path):
@@ -1334,7 +1429,7 @@ def child_simplefsdp_fx():
         print("RESULT", {k: names.count(k) for k in ("_c10d_functional.all_gather_into_tensor.default",
                                                      "_c10d_functional.reduce_scatter_tensor.default",
                                                      "_c10d_functional.wait_tensor.default")},
-              max((a - b).abs().max().item() for a, b in zip(got, want)))
+              [(a - b).abs().max().item() for a, b in zip(got, want)])
 
 
 def test_simplefsdp_collectives_are_nodes_of_the_traced_graph(tmp_path):
@@ -1347,7 +1442,7 @@ def test_simplefsdp_collectives_are_nodes_of_the_traced_graph(tmp_path):
     assert counts["_c10d_functional.all_gather_into_tensor.default"] == 2      # one per parameter
     assert counts["_c10d_functional.reduce_scatter_tensor.default"] == 2
     assert counts["_c10d_functional.wait_tensor.default"] >= 4
-    assert float(line[line.rindex("}") + 1:]) == 0.0                             # graph == eager
+    assert ast.literal_eval(line[line.rindex("}") + 1:].strip()) == [0.0, 0.0]   # graph == eager (NaN != 0.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1369,14 +1464,19 @@ def child_spmd_steps(*argv):
     cfg = train.parse_config(argv)
     ctx = spmd.XlaSpmd(cfg.mesh)
     tr = train.Trainer(cfg, ctx)
-    out, compiles = [], []
+    out, norms, compiles = [], [], []
     for i in range(1, cfg.steps + 1):
-        ce, _ = tr.step_fn(*ctx.place_batch(tr.task.batch(i)), device.scalar(optim.lr_at(i, cfg.lr, cfg.warmup, cfg.steps), tr.device))
+        xs, ys = ctx.place_batch(tr.task.batch(i))
+        ce, norm = tr.step_fn(xs, ys, device.scalar(optim.lr_at(i, cfg.lr, cfg.warmup, cfg.steps), tr.device))
         torch_xla.sync()
         out.append(ce.item())
+        norms.append(norm.item())
         compiles.append(met.metric_data("CompileTime")[0])
     spec = torch_xla._XLAC._get_xla_sharding_spec
-    print(json.dumps({"losses": out, "compiles": compiles, "specs": [spec(p) for p in tr.params],
+    os.makedirs(cfg.out_dir, exist_ok=True)  # the final weights, gathered to the host, for the test
+    torch.save({n: p.detach().cpu() for n, p in zip(tr.param_names, tr.params)}, os.path.join(cfg.out_dir, "params.pt"))
+    print(json.dumps({"losses": out, "norms": norms, "compiles": compiles, "specs": [spec(p) for p in tr.params],
+                      "batch_spec": spec(xs), "batch_shards": [list(t.shape) for t, _ in torch_xla._XLAC._get_local_shards([xs])[0]],
                       "state_specs": [spec(t) for t in tr.opt.state["exp_avg"] + tr.opt.state["exp_avg_sq"]],
                       "shapes": [list(p.shape) for p in tr.params],
                       "param_bytes": ctx.local_bytes(tr.params), "total_bytes": sum(p.numel() * 4 for p in tr.params)}))
@@ -1410,8 +1510,21 @@ def test_spmd_mesh_on_xla_equals_one_cpu_process(mesh, mode, extra, corpus, tmp_
                           timeout=300, env={**os.environ, **SPMD_ENV, "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    want = _train_losses(_trainer(corpus, tmp_path, *extra), steps=8)
-    assert max(abs(a - b) for a, b in zip(want, res["losses"])) < 1e-4, (want, res["losses"])
+    oracle, norms = _trainer(corpus, tmp_path, *extra), []
+    want = _train_losses(oracle, steps=8, norms=norms)
+    _near(want, res["losses"], atol=1e-4)
+    # Gradients and weights too: clipping and Adam's normalization hide a gradient scale from losses.
+    _near(norms, res["norms"], atol=0, rtol=1e-4)
+    got = torch.load(tmp_path / "x" / "params.pt")
+    assert list(got) == oracle.param_names
+    for name, p in zip(oracle.param_names, oracle.params):  # (XLA:CPU sums in another order: measured 1.6e-5
+        # on one of 32768 elements after 8 steps; one step's update is ~lr = 3e-3)
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    # The batch is split over every data-parallel device, dcn included: a batch replicated across
+    # slices computes the same numbers (GSPMD keeps the semantics), so only its layout shows it.
+    dp = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
+    assert res["batch_spec"].startswith(f"{{devices=[{dp},1]") and "replicate" not in res["batch_spec"], res["batch_spec"]
+    assert res["batch_shards"] == [[4 // dp, 32]] * dp, res["batch_shards"]
     ici = int(mesh.split("ici=")[1])
     # Sharded, and still sharded after 8 updates: parameters and both AdamW moments, 1/ici per device.
     assert all(s.startswith("{devices=[") for s in res["specs"] + res["state_specs"]), res["specs"]
@@ -1466,7 +1579,7 @@ def test_graph_mode_is_one_graph_and_equals_eager(corpus, tmp_path, extra):
     eager = _trainer(corpus, tmp_path, *extra)
     graph = _trainer(corpus, tmp_path, "--mode", "graph", *extra)
     want, got = _train_losses(eager), _train_losses(graph)
-    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5, (want, got)
+    _near(want, got, atol=1e-5)
     for p, q in zip(eager.params, graph.params):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     import graph_trainer
@@ -1480,14 +1593,20 @@ def test_graph_mode_is_one_graph_and_equals_eager(corpus, tmp_path, extra):
 
 def test_compile_mode_matches_eager_over_20_steps(corpus, tmp_path):
     want = _train_losses(_trainer(corpus, tmp_path))
-    got = _train_losses(_trainer(corpus, tmp_path, "--mode", "compile"))
-    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5
+    compiled = _trainer(corpus, tmp_path, "--mode", "compile")
+    got = _train_losses(compiled)
+    _near(want, got, atol=1e-5)
+    ran = _ops_of_one_more_step(compiled)  # dynamo's frames ran, and inductor's compiled code in them
+    assert any(n.startswith("Torch-Compiled Region") for n in ran) and any("CompiledFxGraph" in n for n in ran), sorted(ran)
 
 
 def test_graph_mode_inductor_backend_matches_eager(corpus, tmp_path):
     want = _train_losses(_trainer(corpus, tmp_path), steps=6)
-    got = _train_losses(_trainer(corpus, tmp_path, "--mode", "graph", "--backend", "inductor"), steps=6)
-    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-4
+    inductor = _trainer(corpus, tmp_path, "--mode", "graph", "--backend", "inductor")
+    got = _train_losses(inductor, steps=6)
+    _near(want, got, atol=1e-4)
+    ran = _ops_of_one_more_step(inductor)  # inductor's compiled step ran, not the FX interpreter
+    assert any("CompiledFxGraph" in n for n in ran), sorted(ran)
 
 
 def child_xla_graph_steps(*argv):
@@ -1523,7 +1642,7 @@ def test_xla_compiles_one_program_per_step_shape(mode, scan, corpus, tmp_path):
     # the weight decay: per-step scalars enter as inputs that torch_xla does not merge by value.
     assert res["compiles"][0] == res["compiles"][-1] == 2, res["compiles"]
     want = _train_losses(_trainer(corpus, tmp_path), steps=8)
-    assert max(abs(a - b) for a, b in zip(want, res["losses"])) < 1e-4
+    _near(want, res["losses"], atol=1e-4)
 
 
 def _gathers(side):
@@ -1541,7 +1660,7 @@ def test_graph_mode_with_simplefsdp_hsdp_is_one_graph_with_its_collectives(corpu
     assert rc == 0, err[-3000:]
     for key in ("loss", "grad_norm"):
         want, got = _records(single, key), _records(multi, key)
-        assert max(abs(want[s] - got[s]) for s in want) < 1e-5, key
+        _near(want, got, atol=1e-5)
     graph = next(json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl")) if '"graph"' in line)
     n_params = len(Transformer(dataclasses.replace(ModelArgs(), n_layers=2, dim=64, n_heads=4, n_kv_heads=2,
                                                    ffn_dim=131)).state_dict())
@@ -1719,13 +1838,13 @@ def child_xla_scan_gradients():
         hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(got))
         torch_xla.sync()  # one program for all gradients (reading them one by one would compile one each)
         by_name = dict(zip([n for n, _ in unrolled.named_parameters()], want))
-        err = 0.0
+        errs = []  # per gradient (a max() over them would skip a NaN)
         for name, g in zip([n for n, _ in scanned.named_parameters()], got):
             leaf = name[len("layers."):].replace("__", ".")
             w = (torch.stack([by_name[f"layers.{i}.{leaf}"] for i in range(layers)]) if name.startswith("layers.")
                  else by_name[name])
-            err = max(err, (g.cpu() - w).abs().max().item())
-        out[f"{flavor}/{layers}"] = {"err": err, "hlo_lines": len(hlo.splitlines()), "whiles": hlo.count(" while(")}
+            errs.append((g.cpu() - w).abs().max().item())
+        out[f"{flavor}/{layers}"] = {"errs": errs, "hlo_lines": len(hlo.splitlines()), "whiles": hlo.count(" while(")}
     print(json.dumps(out))
 
 
@@ -1738,7 +1857,7 @@ def test_layer_scan_on_xla_is_one_while_loop_with_the_unrolled_gradients():
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     for r in res.values():
-        assert r["err"] < 1e-6 and r["whiles"] >= 2, res
+        assert r["errs"] and all(e < 1e-6 for e in r["errs"]) and r["whiles"] >= 2, res
     assert res["llama3_debug/2"]["hlo_lines"] == res["llama3_debug/5"]["hlo_lines"], res
 
 
@@ -1760,7 +1879,7 @@ def test_layer_scan_keeps_the_step_graph_constant_in_depth(corpus, tmp_path):
     got += _train_losses(_trainer(corpus, tmp_path, "--mode", "graph", "--scan", *moe), steps=3)
     # Gradients agree to 1e-6 (above); the global norm sums stacked tensors in another order, so
     # the clip coefficient differs in the last bits and losses drift by ~2e-5 over 5 steps.
-    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-4
+    _near(want, got, atol=1e-4)
 
 
 @pytest.mark.parametrize("impl,mode,mesh", [("simple", "graph", "ici=2"), ("simple", "eager", "dcn=2,ici=2"),
@@ -1777,7 +1896,16 @@ def test_layer_scan_under_a_mesh_matches_single_process(impl, mode, mesh, corpus
     rc, out, err = torchrun(nproc, [*common, "--out-dir", multi, "--mesh", mesh, "--dp-impl", impl, "--mode", mode])
     assert rc == 0, err[-3000:]
     want, got = losses(single), losses(multi)
-    assert sorted(got) == list(range(1, 7)) and max(abs(want[s] - got[s]) for s in want) < 1e-5
+    assert sorted(got) == list(range(1, 7))
+    _near(want, got, atol=1e-5)
+    # Pre-clip gradient norms and final weights: a gradient scale (a sum for a mean over ranks) hides
+    # behind clipping and Adam's normalization in the losses.
+    _near(_records(single, "grad_norm"), _records(multi, "grad_norm"), atol=0, rtol=1e-5)
+    p_single = _full_params(os.path.join(single, "checkpoints"), common)
+    p_multi = _full_params(os.path.join(multi, "checkpoints"), common)
+    assert sorted(p_single) == sorted(p_multi) and any(p.dim() == 3 for p in p_single.values())  # (stacked)
+    for name in p_single:
+        torch.testing.assert_close(p_multi[name], p_single[name], rtol=0, atol=1e-5, msg=name)
 
 
 def test_layer_scan_under_simplefsdp_holds_one_gathered_layer_not_the_stack(corpus, tmp_path):
@@ -1870,10 +1998,19 @@ def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones()
     for group in (True, False):
         steps = [r["step_s"] for r in rows if r["fits"] == group]
         assert steps == sorted(steps)
-    best = rows[0]
-    rc, out, _ = run_train([*flags, "--mesh", best["mesh"], *(["--remat"] if best["remat"] else [])], timeout=120)
-    single = json.loads(out.strip().splitlines()[-1])
-    assert math.isclose(single["step_s"], best["step_s"]) and math.isclose(single["total_bytes"], best["total_bytes"])
+    # Every row equals its layout's own dry run (in this process; the activation bytes a sequence,
+    # the one traced figure, traced once per remat setting as a single dry run does)
+    import dryrun
+    import mesh as mesh_lib
+    import model
+    import train
+    args = train.model_args(train.parse_config(flags))
+    per_sequence = {r: dryrun.saved_bytes_per_sequence(model.tpu_config(args), 4096, r) for r in (False, True)}
+    assert any(r["remat"] for r in rows) and not all(r["remat"] for r in rows)
+    for row in rows:
+        own = dryrun.dry_run(args, "qwen3_235b_a22b", mesh_lib.mesh_dims(row["mesh"]), 256, 4096, "tpu_v5p",
+                             row["remat"], per_sequence[row["remat"]])
+        assert {k: own[k] for k in row} == row, (row, {k: own[k] for k in row})
     rc, out, err = run_train([*flags, "--plan", "--chips", "3"], timeout=120)
     assert rc == 2 and err.strip().startswith("error:") and len(err.strip().splitlines()) == 1, err
 
@@ -1891,7 +2028,12 @@ def test_dry_run_of_the_largest_flavors_is_fast_and_says_whether_it_fits(flavor,
     whole, _ = dryrun.param_groups(FLAVORS[flavor])  # experts over all 256 data-parallel ranks, the rest over ici
     shard = math.ceil(whole["tp"] / 128) + math.ceil(whole["experts"] / 256) + math.ceil(whole["rest"] / 128)
     assert report["memory_bytes"]["params (fp32 shard)"] == 4 * shard
-    assert ("fits" in out) if report["fits"] else ("DOES NOT FIT: short by" in out)
+    # The verdict is the published HBM (95 GiB a v5p chip) against the sum of the parts, and the text
+    # says the same ("fits" is also a key of the JSON line, so look at the text's total line).
+    assert report["total_bytes"] == sum(report["memory_bytes"].values())
+    assert report["fits"] == (report["total_bytes"] <= 95 * 2**30), report
+    total_line = next(l for l in out.splitlines() if l.strip().startswith("total per device"))
+    assert total_line.endswith("GiB HBM: fits") if report["fits"] else "GiB HBM: DOES NOT FIT: short by" in total_line, total_line
     assert report["flops_per_device"] == flops_per_token(FLAVORS[flavor], 4096) * 4096  # 1 sequence/device
 
 
@@ -2138,7 +2280,7 @@ def test_generate_on_a_tokenizer_run_picks_its_tokenizer_and_checkpoint_and_refu
     assert "".join(map(show, split)) + show(None) == tok.decode(split) == "é"
 
     def greedy_text(step_name):  # 6 tokens by argmax over the whole sequence, no KV cache
-        model = Transformer(train.model_args_from(train.build_parser().parse_args(args)))
+        model = Transformer(train.model_args(train.parse_config(args)))
         model.load_state_dict(_full_params(str(run / "checkpoints"), args, step_name))
         seq = tok.encode(prompt, add_special_tokens=False).ids
         with torch.no_grad():
@@ -2371,8 +2513,7 @@ def test_fine_tuning_starts_from_the_hf_weights_on_one_process_and_under_a_mesh(
         rc, _, err = torchrun(2, [*common, "--out-dir", out_dir, "--mesh", mesh])
         assert rc == 0, err[-3000:]
         for key in ("loss", "val_loss", "grad_norm"):
-            a, b = _records(single, key), _records(out_dir, key)
-            assert sorted(a) == sorted(b) and max(abs(a[s] - b[s]) for s in a) < 1e-5, (mesh, key)
+            _near(_records(single, key), _records(out_dir, key), atol=1e-5)
 
 
 def test_training_on_a_hf_tokenizer_caches_its_ids_and_writes_tensorboard(corpus, tmp_path, monkeypatch, capsys):
