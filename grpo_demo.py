@@ -1,6 +1,6 @@
 """grpo_demo.py: GRPO end to end on the arithmetic task, small enough for 2 CPU cores, outside train.py.
 
-    python grpo_demo.py --warm-steps 300 --steps 50       # warm start, then 50 GRPO steps
+    python grpo_demo.py --warm-until 0.5 --steps 50       # warm start to 50% held-out, then 50 GRPO steps
 
 1. Warm start: next-byte training on solved problems (`12+34=46\\n...`, tasks.py) until the policy is
    partly right: GRPO learns nothing from a group whose G samples all score the same.
@@ -24,7 +24,7 @@ import rollout
 import tasks
 from model import ModelArgs, Transformer
 
-DEMO_MODEL = ModelArgs(dim=128, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=64)
+DEMO_MODEL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=16)
 PROMPT_LEN = 6  # `ab+cd=`
 
 
@@ -54,22 +54,33 @@ def adamw_step(model, state, step, lr, weight_decay):
     return state
 
 
-def warm_start(model, task, steps, lr, seed, batch=32, seq_len=63):
-    text = torch.tensor(list(task.train_text(20000, seed)), dtype=torch.long)
-    state, g = optim.init_state(list(model.parameters())), torch.Generator().manual_seed(seed)
-    for step in range(1, steps + 1):
-        start = torch.randint(len(text) - seq_len - 1, (batch,), generator=g)
-        rows = torch.stack([text[s:s + seq_len + 1] for s in start.tolist()])
-        loss, _ = model(rows[:, :-1], rows[:, 1:])
+def warm_start(model, task, max_steps, lr, seed, until, batch=64):
+    """Supervised steps on solved problems, one problem a row, the loss on the answer bytes only (the
+    prompt digits are random: nothing to learn there), until held-out accuracy reaches `until`."""
+    state, acc = optim.init_state(list(model.parameters())), 0.0
+    for step in range(1, max_steps + 1):
+        lines = task.train_text(batch, seed * 1_000_003 + step).split(b"\n")[:-1]  # `12+34=46`, `56+78=134`
+        width = PROMPT_LEN + task.max_answer_bytes
+        rows = torch.tensor([list(x + b"\n" * (width - len(x))) for x in lines])
+        targets = rows[:, 1:].clone()
+        targets[:, :PROMPT_LEN - 1] = -100  # ignore_index: no loss on predicting the prompt
+        for i, x in enumerate(lines):
+            targets[i, len(x):] = -100  # nor after the answer's newline (padding)
+        loss, _ = model(rows[:, :-1], targets)
         loss.backward()
-        state = adamw_step(model, state, step, optim.lr_at(step, lr, 20, steps), 0.1)
-        if step % 100 == 0:
-            print(f"warm start {step}: loss {loss.item():.3f} held-out accuracy {accuracy(model, task):.3f}", flush=True)
+        state = adamw_step(model, state, step, lr, 0.0)
+        if step % 50 == 0:
+            acc = accuracy(model, task)
+            print(f"warm start {step}: loss {loss.item():.3f} held-out accuracy {acc:.3f}", flush=True)
+            if acc >= until:
+                break
+    return acc
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--warm-steps", type=int, default=300)
+    p.add_argument("--warm-steps", type=int, default=3000, help="at most this many supervised steps")
+    p.add_argument("--warm-until", type=float, default=0.5, help="stop the warm start at this held-out accuracy")
     p.add_argument("--warm-lr", type=float, default=3e-3)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--prompts", type=int, default=32, help="prompts per GRPO step")
@@ -96,7 +107,7 @@ def main(argv=None):
     torch.manual_seed(cfg.seed)
     model = Transformer(DEMO_MODEL)
     t0 = time.perf_counter()
-    warm_start(model, task, cfg.warm_steps, cfg.warm_lr, cfg.seed)
+    warm_start(model, task, cfg.warm_steps, cfg.warm_lr, cfg.seed, cfg.warm_until)
     acc0 = accuracy(model, task, show=4)
     print(f"after warm start ({time.perf_counter() - t0:.0f} s): held-out greedy accuracy {acc0:.3f}", flush=True)
     dtype = torch.bfloat16 if cfg.engine_dtype == "bf16" else torch.float32

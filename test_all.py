@@ -2085,5 +2085,16 @@ def test_engine_process_sync_in_place_bit_equal_logprobs_and_failures_in_one_lin
         engine.close()
 
 
+
+def test_grpo_demo_bad_input_is_one_error_line_exit_2(capsys):
+    import grpo_demo
+    for args, msg in [(["--group-size", "1"], "group size G must be >= 2"), (["--clip", "0"], "clip bounds must be > 0"),
+                      (["--aggregation", "bnpo"], "unknown loss aggregation 'bnpo'"),
+                      (["--task", "gsm8k"], "unknown reward task 'gsm8k'"), (["--steps", "0"], "need --steps")]:
+        assert grpo_demo.main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1, (args, err)
+
+
 if __name__ == "__main__":  # child processes: python test_all.py <child function> [args...]
     globals()[sys.argv[1]](*sys.argv[2:])
