@@ -120,7 +120,8 @@ def main(argv=None):
             prompts = task.prompts(step, cfg.prompts)
             ro = engine.generate(prompts, algo.group_size, task.max_answer_bytes, temperature=algo.temperature,
                                  seed=cfg.seed * 1_000_003 + step, eos_id=tasks.EOS)
-            assert ro.version == step
+            if ro.version != step:  # the ratio would compare the wrong policies
+                raise rollout.EngineError(f"rollout carries policy version {ro.version}, expected {step}")
             rewards = torch.tensor([task.reward(pr, c) for pr, c in
                                     zip(ro.prompts_BxP.tolist(), ro.completions_BxC.tolist())])
             adv = grpo.group_advantages(rewards, algo.group_size, algo.std_norm)
