@@ -2778,6 +2778,199 @@ def test_digits_split_is_seeded_disjoint_stratified_and_the_judge_is_accurate():
     assert torch.equal(digits.classify(judge, hx * 1.5), digits.classify(judge, hx.clamp(-1, 1)))  # overshoot clipped
 
 
+
+# ------------------------------------------------------------------------------------------------
+# arithmetic.py + grpo.py + weight_sync.py + rollout.py (GRPO's pieces). Oracles: Python arithmetic on the
+# prompt text, the per-group formula (statistics.stdev), a per-token loop of the loss and its
+# analytic gradient, generate.generate (one sequence at a time), the trainer's own forward, the
+# in-process engine (vs the engine process), the trainer's weights (bit for bit)
+
+GRPO_TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+
+
+def test_arith_task_prompts_held_out_split_and_a_reward_that_survives_junk():
+    import arithmetic
+    task = arithmetic.get_task("arith", seed=3, format_credit=0.1)
+    assert task.prompts(7, 32) == arithmetic.get_task("arith", seed=3).prompts(7, 32)   # (seed, step) -> prompts
+    assert task.prompts(7, 32) != task.prompts(8, 32) != arithmetic.get_task("arith", seed=4).prompts(8, 32)
+
+    def pair(prompt):  # the oracle reads the numbers off the text
+        m = re.fullmatch(rb"(\d\d)\+(\d\d)=", bytes(prompt))
+        assert m, prompt
+        return int(m[1]), int(m[2])
+    test = {pair(p) for p in task.test_set()}
+    drawn = {pair(p) for step in range(200) for p in task.prompts(step, 32)}
+    assert len(test) == 500 and not test & drawn and len(drawn) > 3000
+    for line in task.train_text(50, seed=1).decode().splitlines():
+        lhs, rhs = line.split("=")
+        assert sum(int(x) for x in lhs.split("+")) == int(rhs) and pair(lhs.encode() + b"=") not in test
+    p = list(b"12+34=")
+    cases = {b"46\n": 1.0, b"46\n\xff junk after the end": 1.0, b"046\n": 0.1, b"47\n": 0.1, b"46": 0.0,
+             b"": 0.0, b"\n": 0.0, b"4a\n": 0.0, b"\xff\xfe\n": 0.0, b"\x00\n": 0.0, b"9" * 1000 + b"\n": 0.0,
+             b"1000\n": 0.0, b" 46\n": 0.0, b"-46\n": 0.0}
+    for completion, want in cases.items():
+        assert task.reward(p, list(completion)) == want, completion
+        assert arithmetic.get_task("arith").reward(p, completion) == (1.0 if want == 1.0 else 0.0), completion
+    with pytest.raises(ValueError, match="unknown reward task 'gsm8k'; known: arith"):
+        arithmetic.get_task("gsm8k")
+
+
+def test_group_advantages_equal_the_per_group_formula():
+    import statistics
+    import grpo
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randint(0, 3, (5 * 4,), generator=g).float() / 2
+    rewards[4:8] = 1.0  # one group all the same: advantage 0, not NaN
+    for std_norm in (True, False):
+        got = grpo.group_advantages(rewards, 4, std_norm=std_norm).tolist()
+        for i in range(5):
+            r = rewards[4 * i:4 * i + 4].tolist()
+            for j in range(4):
+                want = r[j] - statistics.mean(r)
+                if std_norm:
+                    want /= statistics.stdev(r) + 1e-6
+                assert abs(got[4 * i + j] - want) < 1e-5, (std_norm, i, j)
+    with pytest.raises(ValueError, match="do not split into groups of 3"):
+        grpo.group_advantages(rewards, 3)
+    for bad, msg in [(dict(group_size=1), "G must be >= 2"), (dict(eps_low=0.0), "clip bounds must be > 0"),
+                     (dict(eps_high=-0.1), "clip bounds must be > 0"), (dict(aggregation="bnpo"), "unknown loss aggregation 'bnpo'")]:
+        with pytest.raises(ValueError, match=msg):
+            grpo.GRPOConfig(**bad).check()
+
+
+@pytest.mark.parametrize("aggregation", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_grpo_loss_and_gradient_equal_a_per_token_loop(aggregation, beta):
+    """min(rho A, clip(rho) A) per token, k3 KL, the aggregation's weights, and the gradient worked out
+    by hand (d rho / d logp = rho; a clipped token has none; d k3 / d logp = 1 - exp(ref - logp))."""
+    import grpo
+    cfg = grpo.GRPOConfig(eps_low=0.2, eps_high=0.28, aggregation=aggregation, beta=beta).check()
+    g = torch.Generator().manual_seed(1)
+    B, C = 6, 5
+    logp = (-torch.rand(B, C, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    engine = logp.detach() + torch.randn(B, C, generator=g, dtype=torch.float64) * 0.4
+    ref = logp.detach() + torch.randn(B, C, generator=g, dtype=torch.float64) * 0.3
+    engine[1, :2] = logp.detach()[1, :2] + torch.tensor([0.7, -0.7], dtype=torch.float64)  # rho 0.50, 2.01 at A < 0
+    adv = torch.tensor([1.5, -0.7, 0.0, 0.9, -1.2, 0.4], dtype=torch.float64)
+    lengths = [5, 3, 1, 4, 2, 5]
+    mask = torch.tensor([[t < n for t in range(C)] for n in lengths])
+    loss, stats = grpo.policy_loss(logp, engine, adv, mask, cfg, logp_ref_BxC=ref)
+    loss.backward()
+
+    n_all = sum(lengths)
+    want_loss, want_grad, kinds = 0.0, [[0.0] * C for _ in range(B)], set()
+    for b in range(B):
+        for t in range(lengths[b]):
+            lp, le, lr, A = float(logp.detach()[b, t]), float(engine[b, t]), float(ref[b, t]), float(adv[b])
+            rho = math.exp(lp - le)
+            clipped_rho = min(max(rho, 1 - 0.2), 1 + 0.28)
+            term = -min(rho * A, clipped_rho * A)
+            d_term = 0.0 if clipped_rho * A < rho * A else -rho * A
+            kinds.add(("clipped" if clipped_rho * A < rho * A else "free", A > 0, rho != clipped_rho))
+            if beta:
+                term += beta * (math.exp(lr - lp) - (lr - lp) - 1)
+                d_term += beta * (1 - math.exp(lr - lp))
+            w = {"grpo": 1 / (lengths[b] * B), "dapo": 1 / n_all, "dr_grpo": 1 / (B * C)}[aggregation]
+            want_loss += w * term
+            want_grad[b][t] = w * d_term
+    # the case list: clipped tokens of both signs, and tokens outside the clip range min() keeps
+    assert {("clipped", True, True), ("clipped", False, True), ("free", True, True), ("free", False, True),
+            ("free", True, False)} <= kinds, kinds
+    assert abs(float(loss.detach()) - want_loss) < 1e-12
+    assert torch.allclose(logp.grad, torch.tensor(want_grad, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert 0 < stats["clip_frac"] < 1 and ("kl" in stats) == (beta > 0)
+
+
+def test_batched_sampling_equals_one_sequence_decoding_and_bf16_mismatch_is_measured():
+    """Greedy rows of one batch equal generate.generate() prompt by prompt; the mask ends at the first
+    eos; a bf16 engine's logprobs vs the fp32 trainer's: ratio statistics printed (the RL mismatch)."""
+    import copy
+    import generate
+    import grpo
+    import rollout
+    import arithmetic
+    torch.manual_seed(0)
+    model = Transformer(GRPO_TINY)
+    prompts = arithmetic.get_task("arith").prompts(0, 6)
+    want = [generate.generate(model, p, 8) for p in prompts]
+    eos = want[0][2]  # row 0 ends by its third token
+    got, logp, mask = rollout.sample_batch(model, torch.tensor(prompts), 8, 0.0, None, eos_id=eos)
+    for i, w in enumerate(want):
+        end = w.index(eos) + 1 if eos in w else 8
+        assert got[i, :end].tolist() == w[:end] and mask[i].tolist() == [t < end for t in range(8)], i
+    assert mask[0].sum() <= 3 and not mask.all()
+
+    engine = rollout.Engine(copy.deepcopy(model).to(torch.bfloat16))
+    ro = engine.generate(arithmetic.get_task("arith").prompts(1, 16), 4, 6, temperature=1.0, seed=0)
+    full = torch.cat([ro.prompts_BxP, ro.completions_BxC], 1)
+    with torch.no_grad():
+        log_ratio = (grpo.completion_logprobs(model, full, 6, 1.0) - ro.logprobs_BxC)[ro.mask_BxC]
+    ratio = log_ratio.exp()
+    print(f"\nbf16 engine vs fp32 trainer over {ratio.numel()} tokens: ratio mean {ratio.mean():.5f} "
+          f"std {ratio.std():.5f} min {ratio.min():.4f} max {ratio.max():.4f} mean|log ratio| {log_ratio.abs().mean():.5f}")
+    assert 0 < log_ratio.abs().mean() < 0.05 and ro.completions_BxC.shape == (64, 6)
+
+
+def test_engine_process_sync_in_place_bit_equal_logprobs_and_failures_in_one_line():
+    """One engine process: weights bit-equal to the trainer's after each sync, copied into the same
+    buffers (data_ptr unchanged), rollouts carry the version, equal the in-process engine, and their
+    logprobs equal the trainer's forward (fp32: ratio 1 within 1e-5); a stalled and then a dead engine
+    raise one-line EngineErrors within the timeout."""
+    import copy
+    import signal
+    import time
+    import grpo
+    import rollout
+    import arithmetic
+    torch.manual_seed(0)
+    trainer = Transformer(GRPO_TINY)
+    engine = rollout.EngineProcess(GRPO_TINY, timeout_s=30)
+    try:
+        before = engine.state()
+        with pytest.raises(rollout.EngineError, match="no weights synced yet"):
+            engine.generate([[1, 2]], 2, 2)
+        prompts = arithmetic.get_task("arith").prompts(0, 4)
+        for version in (1, 2):
+            stats = engine.sync(trainer.named_parameters(), version)
+            print(f"\nsync v{version}: {stats['bytes']} bytes in {stats['seconds'] * 1e3:.2f} ms")
+            assert stats["bytes"] == 4 * sum(p.numel() for p in trainer.parameters())
+            state = engine.state()
+            assert state["version"] == version and state["ptrs"] == before["ptrs"]
+            assert all(torch.equal(state["weights"][n], p) for n, p in trainer.named_parameters())
+            ro = engine.generate(prompts, 3, 5, temperature=0.8, seed=version, eos_id=10)
+            local = rollout.Engine(copy.deepcopy(trainer)).generate(prompts, 3, 5, temperature=0.8, seed=version, eos_id=10)
+            assert ro.version == version and torch.equal(ro.completions_BxC, local.completions_BxC)
+            full = torch.cat([ro.prompts_BxP, ro.completions_BxC], 1)
+            with torch.no_grad():
+                oracle = F.log_softmax(trainer(full)[:, 5:-1] / 0.8, -1).gather(-1, full[:, 6:, None])[..., 0]
+                assert torch.equal(grpo.completion_logprobs(trainer, full, 6, 0.8), oracle)
+            assert (oracle - ro.logprobs_BxC)[ro.mask_BxC].exp().sub(1).abs().max() < 1e-5
+            with torch.no_grad():  # an "update": the next sync must carry it
+                for p in trainer.parameters():
+                    p.add_(torch.randn_like(p) * 0.01)
+        engine.timeout_s = 1.0
+        os.kill(engine.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(rollout.EngineError, match=r"^rollout engine stalled: no reply to generate within 1 s$"):
+            engine.generate(prompts, 3, 5, eos_id=10)
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(rollout.EngineError, match=r"^rollout engine process died \(exit code -9\)"):
+            engine.sync(trainer.named_parameters(), 3)
+    finally:
+        engine.close()
+
+
+
+def test_grpo_demo_bad_input_is_one_error_line_exit_2(capsys):
+    import grpo_demo
+    for args, msg in [(["--group-size", "1"], "group size G must be >= 2"), (["--clip", "0"], "clip bounds must be > 0"),
+                      (["--aggregation", "bnpo"], "unknown loss aggregation 'bnpo'"),
+                      (["--task", "gsm8k"], "unknown reward task 'gsm8k'"), (["--steps", "0"], "need --steps")]:
+        assert grpo_demo.main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1, (args, err)
+
+
 if __name__ == "__main__":  # child processes: python test_all.py <child function> [args...]
     globals()[sys.argv[1]](*sys.argv[2:])
 

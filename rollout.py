@@ -1,0 +1,232 @@
+"""rollout.py: the rollout engine: its own copy of the policy, in its own process, sampling G
+completions per prompt with their per-token logprobs and the policy version that wrote them.
+
+In torchtitan's experiments/rl (and VeRL) the samples come from a separate inference engine (vLLM),
+not from the trainer: different process, different layout, different precision. This is ours, small:
+
+    engine = EngineProcess(model_args, dtype=torch.bfloat16, timeout_s=60)   # spawns the server loop
+    engine.sync(model.named_parameters(), version=step)     # weight_sync.py: gloo broadcast, in place
+    ro = engine.generate(prompts, group_size=8, max_new_tokens=4, temperature=1.0, seed=step, eos_id=10)
+    ro.completions_BxC, ro.logprobs_BxC, ro.mask_BxC, ro.version
+    engine.close()
+
+Decoding reuses generate.py's static KV cache: a batch of B rows (prompts x G, group after group)
+is prefilled once, then one token per step for every row; a row that has written eos_id keeps
+decoding (static shapes: on XLA one decode program) but its later tokens are masked out. Prompts
+of one call must have the same length (no padding: the arithmetic task's prompts all do). Sampling
+is at temperature T from one seeded generator on the host, so a seed reproduces the rollout; the
+logprob returned is log softmax(logits / T) of the sampled token, the quantity the trainer's
+grpo.completion_logprobs recomputes for the importance ratio.
+
+A dead or stalled engine must not hang the trainer: every reply is awaited with a deadline while
+watching the process; either failure raises EngineError with one line (the caller exits 4).
+"""
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import device as dev
+import weight_sync
+from generate import KVCache
+from model import Transformer
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+@dataclass
+class Rollout:
+    prompts_BxP: torch.Tensor       # long; rows grouped: prompt i's G samples are rows i*G .. i*G+G-1
+    completions_BxC: torch.Tensor   # long; C = max_new_tokens
+    logprobs_BxC: torch.Tensor      # float32: the engine's log softmax(logits / T) of each sampled token
+    mask_BxC: torch.Tensor          # bool: tokens through the first eos_id
+    version: int                    # the policy version (weight sync) that sampled it
+    seconds: float = 0.0
+
+
+@torch.no_grad()
+def sample_batch(model, prompts_BxP, max_new_tokens, temperature, generator, eos_id=None):
+    """Decode max_new_tokens for every row at once with a static KV cache: (tokens, logprobs, mask)."""
+    B, P = prompts_BxP.shape
+    device = model.embed_tokens.weight.device
+    if P + max_new_tokens > model.args.max_seq_len:
+        raise ValueError(f"prompt + new tokens = {P + max_new_tokens} exceeds max_seq_len {model.args.max_seq_len}")
+    cache = KVCache(model.args, B, P + max_new_tokens, device, model.embed_tokens.weight.dtype)
+    step_in = prompts_BxP.to(device)
+    tokens, logps = [], []
+    done_B = torch.zeros(B, dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        logits_BxV = model(step_in, kv_cache=cache)[:, -1]
+        cache.pos += step_in.shape[1]
+        dev.sync(device)  # XLA: one decode program per step
+        logits_BxV = logits_BxV.float().cpu()
+        if temperature > 0:
+            logits_BxV = logits_BxV / temperature
+            tok_B = torch.multinomial(torch.softmax(logits_BxV, -1), 1, generator=generator).squeeze(1)
+        else:
+            tok_B = logits_BxV.argmax(-1)
+        logps.append(F.log_softmax(logits_BxV, -1).gather(1, tok_B[:, None]).squeeze(1))
+        tokens.append(tok_B)
+        if eos_id is not None:
+            done_B |= tok_B == eos_id
+            if bool(done_B.all()):
+                break  # every row has ended: the rest would be masked anyway
+        step_in = tok_B[:, None].to(device)
+    C = max_new_tokens
+    out_BxC = torch.full((B, C), eos_id if eos_id is not None else 0, dtype=torch.long)
+    logp_BxC = torch.zeros(B, C)
+    out_BxC[:, :len(tokens)] = torch.stack(tokens, 1)
+    logp_BxC[:, :len(logps)] = torch.stack(logps, 1)
+    if eos_id is None:
+        mask_BxC = torch.ones(B, C, dtype=torch.bool)
+    else:
+        is_eos = (out_BxC == eos_id).int()
+        mask_BxC = (torch.cumsum(is_eos, 1) - is_eos) == 0  # through the first eos
+    mask_BxC[:, len(tokens):] = False
+    return out_BxC, logp_BxC, mask_BxC
+
+
+class Engine:
+    """The engine's state in whatever process holds it: a policy copy and its version."""
+
+    def __init__(self, model):
+        self.model = model.eval()
+        self.version = -1
+
+    def generate(self, prompts, group_size, max_new_tokens, temperature=1.0, seed=0, eos_id=None, batch_size=256):
+        """G completions of each prompt (lists of token ids, one length), in batches of batch_size rows."""
+        if not prompts or len({len(p) for p in prompts}) != 1 or not prompts[0]:
+            raise ValueError("prompts must be a non-empty list of non-empty token lists of one length")
+        if group_size < 1 or max_new_tokens < 1 or batch_size < 1 or temperature < 0:
+            raise ValueError("need group_size, max_new_tokens, batch_size >= 1 and temperature >= 0")
+        t0 = time.perf_counter()
+        rows_BxP = torch.tensor(prompts, dtype=torch.long).repeat_interleave(group_size, 0)
+        g = torch.Generator().manual_seed(seed)
+        parts = [sample_batch(self.model, rows_BxP[i:i + batch_size], max_new_tokens, temperature, g, eos_id)
+                 for i in range(0, len(rows_BxP), batch_size)]
+        toks, logps, masks = (torch.cat(x) for x in zip(*parts))
+        return Rollout(rows_BxP, toks, logps, masks, self.version, time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine as a separate process: a server loop, and the trainer's handle on it
+
+def _serve(conn, model_args, dtype, port, timeout_s):
+    """The engine process: build the policy copy, join the sync group, answer commands until 'stop'."""
+    engine = Engine(Transformer(model_args).to(dtype))
+    conn.send(("ok", "built"))
+    receiver = weight_sync.Receiver(weight_sync.join(1, timeout_s, port=port), engine.model)
+    while True:
+        cmd, kw = conn.recv()
+        try:
+            if cmd == "sync":
+                conn.send(("ok", "receiving"))
+                engine.version = receiver.recv()
+                conn.send(("ok", engine.version))
+            elif cmd == "generate":
+                if engine.version < 0:
+                    raise EngineError("no weights synced yet")
+                conn.send(("ok", engine.generate(**kw)))
+            elif cmd == "state":  # for tests: the engine's own weights, their addresses, its version
+                conn.send(("ok", {"weights": {n: p.detach().clone() for n, p in engine.model.named_parameters()},
+                                  "ptrs": [p.data_ptr() for p in engine.model.parameters()],
+                                  "version": engine.version}))
+            elif cmd == "stop":
+                conn.send(("ok", None))
+                return
+            else:
+                raise EngineError(f"unknown command {cmd!r}")
+        except Exception as e:  # reported to the caller as one line; the loop keeps serving
+            conn.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+
+
+class EngineProcess:
+    """The trainer's handle on an engine process. Every call waits at most timeout_s for its reply."""
+
+    def __init__(self, model_args, dtype=torch.float32, timeout_s=60.0):
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no state inherited from the trainer
+        store = weight_sync.host_store(timeout_s)
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child_conn, model_args, dtype, store.port, timeout_s),
+                                daemon=True)
+        self.proc.start()
+        child_conn.close()
+        self.sender = None
+        self._reply("start")
+        try:
+            self.pg = weight_sync.join(0, timeout_s, store=store)
+        except RuntimeError as e:
+            self._kill()
+            raise EngineError(f"rollout engine did not join the sync group: {str(e).splitlines()[0]}") from None
+
+    def sync(self, named_params, version):
+        """Push the trainer's weights as policy `version`; the sync's {"version", "bytes", "seconds"}."""
+        named_params = list(named_params)
+        if self.sender is None:
+            self.sender = weight_sync.Sender(self.pg, named_params)
+        self._send("sync", {})
+        self._reply("sync")  # the engine is alive and waiting in the broadcast
+        try:
+            stats = self.sender.send(named_params, version)
+        except weight_sync.SyncError as e:
+            self._kill()
+            raise EngineError(str(e)) from None
+        got = self._reply("sync")
+        if got != version:
+            raise EngineError(f"engine reports policy version {got} after syncing {version}")
+        return stats
+
+    def generate(self, prompts, group_size, max_new_tokens, temperature=1.0, seed=0, eos_id=None, batch_size=256):
+        self._send("generate", dict(prompts=prompts, group_size=group_size, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, seed=seed, eos_id=eos_id, batch_size=batch_size))
+        return self._reply("generate")
+
+    def state(self):
+        self._send("state", {})
+        return self._reply("state")
+
+    def close(self):
+        """Stop the server loop (or kill it if it does not answer); safe to call twice."""
+        if self.proc.is_alive():
+            try:
+                self._send("stop", {})
+                self._reply("stop", timeout_s=min(self.timeout_s, 10))
+                self.proc.join(10)
+            except EngineError:
+                pass
+        self._kill()
+
+    def _send(self, cmd, kw):
+        try:
+            self.conn.send((cmd, kw))
+        except (BrokenPipeError, OSError):
+            self._kill()
+            raise EngineError(f"rollout engine process died (exit code {self.proc.exitcode}) before {cmd}") from None
+
+    def _reply(self, what, timeout_s=None):
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while not self.conn.poll(0.05):
+            if not self.proc.is_alive():
+                self._kill()
+                raise EngineError(f"rollout engine process died (exit code {self.proc.exitcode}) during {what}")
+            if time.monotonic() > deadline:
+                self._kill()
+                raise EngineError(f"rollout engine stalled: no reply to {what} within {timeout_s or self.timeout_s:g} s")
+        try:
+            status, value = self.conn.recv()
+        except (EOFError, OSError):
+            self._kill()
+            raise EngineError(f"rollout engine process died (exit code {self.proc.exitcode}) during {what}") from None
+        if status == "error":
+            raise EngineError(f"rollout engine failed during {what}: {value}")
+        return value
+
+    def _kill(self):
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
