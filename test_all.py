@@ -1164,7 +1164,7 @@ def test_training_with_pallas_kernels_matches_reference(flavor, corpus, tmp_path
 
 
 # ------------------------------------------------------------------------------------------------
-# mesh.py + simplefsdp.py (gloo, CPU, torchrun). Oracles: one process on the same global batch
+# parallel.py + mesh.py + simplefsdp.py (gloo, CPU, torchrun). Oracles: one process on the same global batch
 # (losses, gradient norms, validation, final parameters), FSDP2, eager (for the traced graph)
 
 @pytest.mark.parametrize("nproc,mesh,impl,flavor", [(2, "ici=2", "simple", "llama3_debug"),
@@ -1206,89 +1206,6 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus,
         total, local = start(single)[key], start(multi)[key]
         slack = row_bytes * (2 if key == "optim_bytes_local" else 1)
         assert total / shards <= local <= total / shards + slack, (key, total, local)
-
-
-TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head")
-
-
-MOE_EXACT = ["--set", "moe_ffn_dim=32", "--set", "aux_loss_coef=0"]  # (aux loss per rank: see above)
-
-
-@pytest.mark.parametrize("nproc,mesh,flavor,extra", [
-    (2, "ici=1,tp=2", "llama3_debug", []), (2, "ici=1,tp=2", "qwen3_debug", ["--mode", "graph"]),
-    (4, "ici=2,tp=2", "llama3_debug", []), (4, "dcn=2,ici=1,tp=2", "qwen3_debug", []),
-    (2, "ici=2,ep=2", "qwen3_moe_debug", MOE_EXACT), (4, "dcn=2,ici=2,ep=2", "qwen3_moe_debug", MOE_EXACT),
-    (2, "ici=2,ep=2", "qwen3_moe_debug", [*MOE_EXACT, "--mode", "graph", "--kernels", "pallas"])])
-def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, extra, corpus, tmp_path):
-    """Tensor + sequence parallelism (tensor_parallel.py) and expert parallelism (expert_parallel.py),
-    under SimpleFSDP's 2-D placements, vs one process on the same global batch: losses, gradient
-    norms, validation and final weights to 1e-5; per-rank parameter and AdamW bytes: 1/(ici x tp) of
-    the split matmuls, 1/(ep x its FSDP size) of the experts, 1/ici of the rest; in graph mode the
-    TP collectives / EP all-to-alls are nodes of the one step graph (EP traced: static buffers)."""
-    common = [*TINY, "--flavor", flavor, "--data", corpus, "--steps", "10", "--ckpt-interval", "0", "--eval-batches", "1"]
-    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
-    assert run_train([*common, *[a for a in extra if a in MOE_EXACT], "--out-dir", single])[0] == 0
-    rc, out, err = torchrun(nproc, [*common, *extra, "--out-dir", multi, "--mesh", mesh])
-    assert rc == 0, err[-3000:]
-    want, got = losses(single), losses(multi)
-    assert sorted(got) == list(range(1, 11))
-    _near(want, got, atol=1e-5)
-    for key in ("grad_norm", "val_loss"):
-        want, got = _records(single, key), _records(multi, key)
-        assert len(want) >= 2, key
-        _near(want, got, atol=0, rtol=1e-5)
-    p_single = _full_params(os.path.join(single, "checkpoints"), [*common, *extra])
-    p_multi = _full_params(os.path.join(multi, "checkpoints"), [*common, *extra])
-    for name in p_single:
-        torch.testing.assert_close(p_multi[name], p_single[name], rtol=0, atol=1e-5)
-    dims = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
-    ici, tp = dims["ici"], dims.get("tp", 1)
-    share = lambda n: nproc if "_Ex" in n else ici * (tp if any(k in n for k in TP_SPLIT) else 1)
-    want_bytes = sum(p.numel() * 4 / share(n) for n, p in p_single.items())
-    start = next(json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl")) if '"start"' in line)
-    assert start["param_bytes_local"] == want_bytes and start["optim_bytes_local"] == 2 * want_bytes
-    # the planner's per-device figures for this layout are the run's measured allocation
-    import dryrun
-    import mesh as mesh_lib
-    import train
-    cfg = train.parse_config([*common, *extra])
-    report = dryrun.dry_run(train.model_args(cfg), flavor, mesh_lib.mesh_dims(mesh), cfg.batch_size, cfg.seq_len,
-                            "tpu_v5p", remat=False)
-    assert report["memory_bytes"]["params (fp32 shard)"] == start["param_bytes_local"]
-    assert report["memory_bytes"]["AdamW state (fp32 shard)"] == start["optim_bytes_local"]
-    if "graph" in extra:
-        graph = next(json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl")) if '"graph"' in line)
-        fwd, bwd = graph["collectives_by_side"]["forward"], graph["collectives_by_side"]["backward"]
-        if "tp" in dims:  # per block: SP's all-gathers before attention and MLP, reduce-scatters after
-            assert fwd["all_gather_into_tensor"] >= 2 * 2 + 1 and fwd["reduce_scatter_tensor"] >= 2 * 2, fwd
-        else:  # per MoE layer: counts, rows out, rows back (forward); rows out and back (backward)
-            assert fwd["all_to_all_single"] == 3 * 2 and bwd["all_to_all_single"] == 2 * 2, (fwd, bwd)
-
-
-@pytest.mark.parametrize("mesh,flavor,other", [("ici=1,tp=2", "llama3_debug", "ici=2"),
-                                               ("ici=2,ep=2", "qwen3_moe_debug", "ici=2")])
-def test_tp_and_ep_checkpoints_resume_bit_for_bit_and_another_layout_is_refused(mesh, flavor, other, corpus, tmp_path):
-    common = [*TINY, "--flavor", flavor, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0",
-              *(MOE_EXACT if "moe" in flavor else [])]
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    assert torchrun(2, [*common, "--mesh", mesh, "--out-dir", full])[0] == 0
-    assert torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--halt-at", "3"])[0] == 0
-    with open(os.path.join(part, "checkpoints", "latest"), "w") as f:
-        f.write("garbage")  # -> one note at resume, printed by the one process that writes
-    rc, out, err = torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--resume"])
-    assert rc == 0, err[-3000:]
-    assert losses(part) == losses(full)
-    assert err.count("note: ") == 1, err  # (under tp both ranks of a tp group are data-parallel rank 0)
-    if "tp" in mesh:  # --resume-from twice: idempotent, done by one process, superseded ones kept
-        for _ in range(2):
-            rc, _, err = torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--resume-from", "step_000003"])
-            assert rc == 0, err[-3000:]
-        assert sorted(os.listdir(os.path.join(part, "checkpoints"))) == [
-            "latest", "step_000003", "step_000006", "step_000006.superseded", "step_000006.superseded.2"]
-        assert losses(part) == losses(full)
-    rc, _, err = torchrun(2, [*common, "--mesh", other, "--out-dir", part, "--resume", "--steps", "8", "--allow-change", "steps"])
-    lines = [l for l in err.splitlines() if l.startswith("error:")]
-    assert rc != 0 and lines and all(f"was saved on mesh '{mesh}', this run uses '{other}'" in l for l in lines), err[-2000:]
 
 
 def test_sharded_resume_equals_uninterrupted_and_other_mesh_is_refused(corpus, tmp_path):
@@ -1572,6 +1489,93 @@ def test_spmd_resume_is_bit_for_bit_and_bad_meshes_are_refused(corpus, tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------
+# tensor_parallel.py + expert_parallel.py (gloo, CPU, torchrun). Oracles: one process on the same global
+# batch (losses, gradient norms, validation, final weights), the planner's per-device bytes, the uninterrupted run
+
+TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head")
+
+
+MOE_EXACT = ["--set", "moe_ffn_dim=32", "--set", "aux_loss_coef=0"]  # (aux loss per rank: see above)
+
+
+@pytest.mark.parametrize("nproc,mesh,flavor,extra", [
+    (2, "ici=1,tp=2", "llama3_debug", []), (2, "ici=1,tp=2", "qwen3_debug", ["--mode", "graph"]),
+    (4, "ici=2,tp=2", "llama3_debug", []), (4, "dcn=2,ici=1,tp=2", "qwen3_debug", []),
+    (2, "ici=2,ep=2", "qwen3_moe_debug", MOE_EXACT), (4, "dcn=2,ici=2,ep=2", "qwen3_moe_debug", MOE_EXACT),
+    (2, "ici=2,ep=2", "qwen3_moe_debug", [*MOE_EXACT, "--mode", "graph", "--kernels", "pallas"])])
+def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, extra, corpus, tmp_path):
+    """Tensor + sequence parallelism (tensor_parallel.py) and expert parallelism (expert_parallel.py),
+    under SimpleFSDP's 2-D placements, vs one process on the same global batch: losses, gradient
+    norms, validation and final weights to 1e-5; per-rank parameter and AdamW bytes: 1/(ici x tp) of
+    the split matmuls, 1/(ep x its FSDP size) of the experts, 1/ici of the rest; in graph mode the
+    TP collectives / EP all-to-alls are nodes of the one step graph (EP traced: static buffers)."""
+    common = [*TINY, "--flavor", flavor, "--data", corpus, "--steps", "10", "--ckpt-interval", "0", "--eval-batches", "1"]
+    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
+    assert run_train([*common, *[a for a in extra if a in MOE_EXACT], "--out-dir", single])[0] == 0
+    rc, out, err = torchrun(nproc, [*common, *extra, "--out-dir", multi, "--mesh", mesh])
+    assert rc == 0, err[-3000:]
+    want, got = losses(single), losses(multi)
+    assert sorted(got) == list(range(1, 11))
+    _near(want, got, atol=1e-5)
+    for key in ("grad_norm", "val_loss"):
+        want, got = _records(single, key), _records(multi, key)
+        assert len(want) >= 2, key
+        _near(want, got, atol=0, rtol=1e-5)
+    p_single = _full_params(os.path.join(single, "checkpoints"), [*common, *extra])
+    p_multi = _full_params(os.path.join(multi, "checkpoints"), [*common, *extra])
+    for name in p_single:
+        torch.testing.assert_close(p_multi[name], p_single[name], rtol=0, atol=1e-5)
+    dims = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
+    ici, tp = dims["ici"], dims.get("tp", 1)
+    share = lambda n: nproc if "_Ex" in n else ici * (tp if any(k in n for k in TP_SPLIT) else 1)
+    want_bytes = sum(p.numel() * 4 / share(n) for n, p in p_single.items())
+    start = next(json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl")) if '"start"' in line)
+    assert start["param_bytes_local"] == want_bytes and start["optim_bytes_local"] == 2 * want_bytes
+    # the planner's per-device figures for this layout are the run's measured allocation
+    import dryrun
+    import mesh as mesh_lib
+    import train
+    cfg = train.parse_config([*common, *extra])
+    report = dryrun.dry_run(train.model_args(cfg), flavor, mesh_lib.mesh_dims(mesh), cfg.batch_size, cfg.seq_len,
+                            "tpu_v5p", remat=False)
+    assert report["memory_bytes"]["params (fp32 shard)"] == start["param_bytes_local"]
+    assert report["memory_bytes"]["AdamW state (fp32 shard)"] == start["optim_bytes_local"]
+    if "graph" in extra:
+        graph = next(json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl")) if '"graph"' in line)
+        fwd, bwd = graph["collectives_by_side"]["forward"], graph["collectives_by_side"]["backward"]
+        if "tp" in dims:  # per block: SP's all-gathers before attention and MLP, reduce-scatters after
+            assert fwd["all_gather_into_tensor"] >= 2 * 2 + 1 and fwd["reduce_scatter_tensor"] >= 2 * 2, fwd
+        else:  # per MoE layer: counts, rows out, rows back (forward); rows out and back (backward)
+            assert fwd["all_to_all_single"] == 3 * 2 and bwd["all_to_all_single"] == 2 * 2, (fwd, bwd)
+
+
+@pytest.mark.parametrize("mesh,flavor,other", [("ici=1,tp=2", "llama3_debug", "ici=2"),
+                                               ("ici=2,ep=2", "qwen3_moe_debug", "ici=2")])
+def test_tp_and_ep_checkpoints_resume_bit_for_bit_and_another_layout_is_refused(mesh, flavor, other, corpus, tmp_path):
+    common = [*TINY, "--flavor", flavor, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0",
+              *(MOE_EXACT if "moe" in flavor else [])]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    assert torchrun(2, [*common, "--mesh", mesh, "--out-dir", full])[0] == 0
+    assert torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--halt-at", "3"])[0] == 0
+    with open(os.path.join(part, "checkpoints", "latest"), "w") as f:
+        f.write("garbage")  # -> one note at resume, printed by the one process that writes
+    rc, out, err = torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--resume"])
+    assert rc == 0, err[-3000:]
+    assert losses(part) == losses(full)
+    assert err.count("note: ") == 1, err  # (under tp both ranks of a tp group are data-parallel rank 0)
+    if "tp" in mesh:  # --resume-from twice: idempotent, done by one process, superseded ones kept
+        for _ in range(2):
+            rc, _, err = torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--resume-from", "step_000003"])
+            assert rc == 0, err[-3000:]
+        assert sorted(os.listdir(os.path.join(part, "checkpoints"))) == [
+            "latest", "step_000003", "step_000006", "step_000006.superseded", "step_000006.superseded.2"]
+        assert losses(part) == losses(full)
+    rc, _, err = torchrun(2, [*common, "--mesh", other, "--out-dir", part, "--resume", "--steps", "8", "--allow-change", "steps"])
+    lines = [l for l in err.splitlines() if l.startswith("error:")]
+    assert rc != 0 and lines and all(f"was saved on mesh '{mesh}', this run uses '{other}'" in l for l in lines), err[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------
 # graph_trainer.py. Oracles: the eager loop, one process (under HSDP), torch_xla's compile counter
 
 @pytest.mark.parametrize("extra", [[], ["--flavor", "qwen3_moe_debug", "--kernels", "pallas", "--set", "moe_ffn_dim=32"]])
@@ -1644,6 +1648,71 @@ def test_xla_compiles_one_program_per_step_shape(mode, scan, corpus, tmp_path):
     want = _train_losses(_trainer(corpus, tmp_path), steps=8)
     _near(want, res["losses"], atol=1e-4)
 
+
+# ------------------------------------------------------------------------------------------------
+# graph_passes.py. Oracles: the untransformed graph (bit for bit), the graph's structure
+
+@pytest.mark.parametrize("flags", [["--remat"], ["--offload"], ["--split", "3"], ["--remat", "--offload", "--split", "2"]])
+def test_graph_passes_keep_losses_and_do_their_job(flags, corpus, tmp_path):
+    import graph_passes
+    plain = _trainer(corpus, tmp_path, "--mode", "graph")
+    passed = _trainer(corpus, tmp_path, "--mode", "graph", *flags)
+    assert _train_losses(plain, steps=5) == _train_losses(passed, steps=5)  # bit for bit
+    before, after = plain.step_fn.report, passed.step_fn.report
+    assert before["saved_bytes"] == before["saved_bytes_captured"] > 0
+    n_off, n_back = graph_passes.transfer_counts(passed.step_fn.gm)
+    if "--remat" in flags:
+        assert after["saved_bytes"] * 2 <= before["saved_bytes"]
+    if "--offload" in flags:  # the graph holds the transfers; what stays on device shrinks
+        assert n_off == n_back > 0 and after["offloaded_bytes"] > 0
+        # Structure: an offloaded value's only post-forward reader is its reload, which the backward
+        # reads instead (on TPU the offloaded copy lives in host memory: compute must never read it).
+        gm = passed.step_fn.gm
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        end = graph_passes.forward_end_index(gm)
+        for off in (n for n in gm.graph.nodes if n.target == torch.ops.minititan.offload.default):
+            src = off.args[0]
+            assert order[src] < order[off] < end and all(order[u] < end for u in src.users), src
+            assert off.users and all(u.target == torch.ops.minititan.reload.default and order[u] > end for u in off.users)
+        assert after["saved_bytes"] < (before["saved_bytes"] if "--remat" not in flags else after["saved_bytes_captured"])
+    else:
+        assert n_off == n_back == 0
+    if "--split" in flags:
+        assert len(passed.step_fn.compiled.stages) == int(flags[flags.index("--split") + 1])
+
+
+def test_saved_activation_bytes_equal_what_autograd_keeps_beyond_the_inputs():
+    """The graph report's (and the planner's) saved bytes: storage the step keeps from forward to
+    backward that its inputs do not already hold. Oracle: autograd's own saved tensors (recorded by
+    saved_tensors_hooks), each storage once, minus the inputs' storage. Transposed weights and
+    detached copies are views: counting them (as before) doubled this figure."""
+    import graph_passes
+    import graph_trainer
+    torch.manual_seed(0)
+    w1, w2, x = torch.randn(256, 64), torch.randn(8, 256), torch.randn(4, 64)
+    forward = lambda w1, w2, x: (torch.relu(x @ w1.t()) @ w2.t()).square().sum()
+
+    def step(w1, w2, x):
+        with torch.enable_grad():
+            w1, w2 = w1.detach().requires_grad_(), w2.detach().requires_grad_()
+            return torch.autograd.grad(graph_passes.forward_end(forward(w1, w2, x)), (w1, w2))
+    gm = graph_trainer.capture(step, (w1, w2, x))
+    a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    inputs = {t.untyped_storage().data_ptr() for t in (a, b, x)}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in inputs:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward(a, b, x)
+    assert sum(kept.values()) == 4 * 256 * 4 + 4 * 8 * 4  # relu(x w1^T) and the product squared
+    assert graph_passes.saved_bytes(gm) == sum(kept.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# fsdp_passes.py. Oracles: passes off (bit for bit), one process (under HSDP), live bytes on real tensors
 
 def _gathers(side):
     return side.get("all_gather_into_tensor", 0) + side.get("all_gather_into_tensor_out", 0)
@@ -1731,68 +1800,6 @@ def child_fsdp_live_bytes(*argv):
     peak = graph_passes.peak_live_bytes(gm, args, until=lambda n: order[n] > end and "_foreach" in str(n.target))
     if tr.parallel.writes_files:
         print(json.dumps({"peak": peak}))
-
-
-# ------------------------------------------------------------------------------------------------
-# graph_passes.py. Oracles: the untransformed graph (bit for bit), the graph's structure
-
-@pytest.mark.parametrize("flags", [["--remat"], ["--offload"], ["--split", "3"], ["--remat", "--offload", "--split", "2"]])
-def test_graph_passes_keep_losses_and_do_their_job(flags, corpus, tmp_path):
-    import graph_passes
-    plain = _trainer(corpus, tmp_path, "--mode", "graph")
-    passed = _trainer(corpus, tmp_path, "--mode", "graph", *flags)
-    assert _train_losses(plain, steps=5) == _train_losses(passed, steps=5)  # bit for bit
-    before, after = plain.step_fn.report, passed.step_fn.report
-    assert before["saved_bytes"] == before["saved_bytes_captured"] > 0
-    n_off, n_back = graph_passes.transfer_counts(passed.step_fn.gm)
-    if "--remat" in flags:
-        assert after["saved_bytes"] * 2 <= before["saved_bytes"]
-    if "--offload" in flags:  # the graph holds the transfers; what stays on device shrinks
-        assert n_off == n_back > 0 and after["offloaded_bytes"] > 0
-        # Structure: an offloaded value's only post-forward reader is its reload, which the backward
-        # reads instead (on TPU the offloaded copy lives in host memory: compute must never read it).
-        gm = passed.step_fn.gm
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        end = graph_passes.forward_end_index(gm)
-        for off in (n for n in gm.graph.nodes if n.target == torch.ops.minititan.offload.default):
-            src = off.args[0]
-            assert order[src] < order[off] < end and all(order[u] < end for u in src.users), src
-            assert off.users and all(u.target == torch.ops.minititan.reload.default and order[u] > end for u in off.users)
-        assert after["saved_bytes"] < (before["saved_bytes"] if "--remat" not in flags else after["saved_bytes_captured"])
-    else:
-        assert n_off == n_back == 0
-    if "--split" in flags:
-        assert len(passed.step_fn.compiled.stages) == int(flags[flags.index("--split") + 1])
-
-
-def test_saved_activation_bytes_equal_what_autograd_keeps_beyond_the_inputs():
-    """The graph report's (and the planner's) saved bytes: storage the step keeps from forward to
-    backward that its inputs do not already hold. Oracle: autograd's own saved tensors (recorded by
-    saved_tensors_hooks), each storage once, minus the inputs' storage. Transposed weights and
-    detached copies are views: counting them (as before) doubled this figure."""
-    import graph_passes
-    import graph_trainer
-    torch.manual_seed(0)
-    w1, w2, x = torch.randn(256, 64), torch.randn(8, 256), torch.randn(4, 64)
-    forward = lambda w1, w2, x: (torch.relu(x @ w1.t()) @ w2.t()).square().sum()
-
-    def step(w1, w2, x):
-        with torch.enable_grad():
-            w1, w2 = w1.detach().requires_grad_(), w2.detach().requires_grad_()
-            return torch.autograd.grad(graph_passes.forward_end(forward(w1, w2, x)), (w1, w2))
-    gm = graph_trainer.capture(step, (w1, w2, x))
-    a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
-    inputs = {t.untyped_storage().data_ptr() for t in (a, b, x)}
-    kept = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in inputs:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward(a, b, x)
-    assert sum(kept.values()) == 4 * 256 * 4 + 4 * 8 * 4  # relu(x w1^T) and the product squared
-    assert graph_passes.saved_bytes(gm) == sum(kept.values())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2569,7 +2576,7 @@ def test_decoding_on_xla_compiles_the_step_once_and_equals_cpu():
 
 
 # ------------------------------------------------------------------------------------------------
-# flux.py + flux_sample.py + flux_hf.py + digits.py. Oracles: diffusers' FluxTransformer2DModel outputs on
+# flux.py + flux_sample.py + flux_hf.py + digits.py + flux_task.py. Oracles: diffusers' FluxTransformer2DModel outputs on
 # tiny random checkpoints (fixtures/make_flux_fixtures.py), the published FLUX.1 config counted tensor by
 # tensor, torch's FlopCounterMode, the flow formulas and the Euler loop written out here, sklearn's raw digits
 
