@@ -90,7 +90,9 @@ class TrainConfig:
     watchdog: float = flag(300.0, "end the run (exit 4) after this many seconds without progress, e.g. a stalled "
                            "peer (0: off; raise it for long first-step compiles)")
     halt_at: int = flag(0, "stop after this step as if preempted (tests resume)")
-    sample_tokens: int = flag(64, "at the end, print this many sampled bytes (0: off)")
+    sample_tokens: int = flag(64, "lm: at the end, print this many sampled bytes (0: off)")
+    sample_images: int = flag(10, "flux: at the end, sample this many images per class into samples.png, "
+                              "judged by a classifier (0: off)")
     tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars (out-dir/tensorboard)")
     # planning without running
     dry_run: bool = flag(False, "trace at full scale on meta tensors; print memory/FLOPs/step-time estimates")
@@ -142,7 +144,7 @@ def validate(cfg):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
     for name in ("warmup", "eval_interval", "eval_batches", "ckpt_interval", "halt_at", "seed", "split",
-                 "sample_tokens"):
+                 "sample_tokens", "sample_images"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):

@@ -13,7 +13,7 @@ is FLUX's own, after torchtitan's `models/flux` (its train.py / validate.py):
     generator seeded with (seed, i), so resume and N ranks see what one process would;
   - the loss: x_t = (1 - t) x0 + t eps, target v = eps - x0, MSE (flux_sample.py); validation MSE
     at the fixed times (i + 0.5) / 8 on held-out digits, comparable across runs;
-  - the preview: 10 samples per class (Euler on FLUX's shifted schedule, guidance scale
+  - the preview: --sample-images samples per class (10) (Euler on FLUX's shifted schedule, guidance scale
     `GUIDANCE`), a PNG grid (a row per class) and the share an independent classifier (an SVC on the
     real digits, digits.py) labels as the prompt's class.
 """
@@ -135,7 +135,10 @@ class FluxDigits(Task):
         return self.cfg.flavor
 
     def preview(self, model, log, out_dir):
-        images, accuracy = sample_grid(model, self.cfg.seed, os.path.join(out_dir, "samples.png"))
+        if not self.cfg.sample_images:
+            return
+        images, accuracy = sample_grid(model, self.cfg.seed, os.path.join(out_dir, "samples.png"),
+                                       per_class=self.cfg.sample_images)
         log({"event": "samples", "accuracy": accuracy, "guidance": GUIDANCE},
             f"samples: {os.path.join(out_dir, 'samples.png')}; an SVC on the real digits labels {100 * accuracy:.1f}% "
             f"of {len(images)} samples as their prompt's class (guidance {GUIDANCE})")

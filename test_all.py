@@ -553,12 +553,12 @@ def test_the_token_cache_is_verified_rebuilt_and_never_left_half_written(corpus,
             npy.write_bytes(npy.read_bytes()[:size // 2])
         else:
             (folder / (npy.name + ".sha256")).unlink()
-        if damage == "zeros":  # through train.py: the batches read the rebuilt ids
-            ids = _trainer(corpus, tmp_path, "--tokenizer", qwen, "--set", "vocab_size=320").batches.data
+        if damage == "zeros":  # through train.py: the batches read the rebuilt ids (the note printed at start)
+            trainer = _trainer(corpus, tmp_path, "--tokenizer", qwen, "--set", "vocab_size=320")
+            ids, err = trainer.task.batches.data, "".join(line + "\n" for line in trainer.notes)
         else:
-            ids = data.tokenize(text, val, qwen)[0]
+            ids, err = data.tokenize(text, val, qwen)[0], capsys.readouterr().err
         assert np.array_equal(ids, first), damage
-        err = capsys.readouterr().err
         assert err.count("note:") == 1 and f"the token cache {npy} " in err, (damage, err)
     for f in folder.iterdir():
         f.unlink()
@@ -1761,7 +1761,8 @@ def test_simplefsdp_graph_passes_are_exact_and_free_the_gathered_model(corpus, t
     graph = lambda d: next(json.loads(line) for line in open(os.path.join(d, "metrics.jsonl")) if '"graph"' in line)
     full_bytes = 4 * sum(p.numel() for p in Transformer(dataclasses.replace(
         ModelArgs(), n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=131)).parameters())
-    assert graph(runs["none"])["saved_gathered_bytes"] >= full_bytes  # (uneven shards gather padded rows)
+    embedding = 4 * 256 * 64  # (its backward reads only the token ids: not saved)
+    assert graph(runs["none"])["saved_gathered_bytes"] >= full_bytes - embedding  # (uneven shards gather padded rows)
     assert graph(runs["reshard,bucket,prefetch"])["saved_gathered_bytes"] == 0
     assert graph(runs["none"])["prefetched_gathers"] == 0
     # Memory, measured on the real tensors of a step (a parameter-heavy model, 4 blocks of 16.8M
@@ -2255,7 +2256,7 @@ def test_bad_hf_and_generation_inputs_are_one_line(tmp_path, capsys):
     shutil.copy(os.path.join(HF_FIXTURES, "qwen3", "tokenizer.json"), mixed / "tokenizer.json")
     for argv, message in [(["--hf", str(mixed), "x"], "the tokenizer has 300 tokens, the model only 256"),
                           (["--hf", os.path.join(HF_FIXTURES, "qwen3"), ""], "the prompt is empty"),
-                          (["--run", str(tmp_path), "x"], "holds no checkpoint to sample from")]:
+                          (["--run", str(tmp_path), "x"], "holds no checkpoint to read")]:
         assert generate.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
@@ -2997,9 +2998,9 @@ def test_flux_trains_through_the_shared_trainer_eager_graph_and_simplefsdp_alike
     global batches: losses, pre-clip gradient norms, validation MSE at the fixed times, final weights.
     A halted run resumed equals the uninterrupted one bit for bit; the end writes a sample grid."""
     common = ["--task", "flux", "--steps", "4", "--batch-size", "8", "--log-interval", "1", "--eval-batches", "2",
-              "--eval-interval", "2", "--ckpt-interval", "0"]
+              "--eval-interval", "2", "--ckpt-interval", "0", "--sample-images", "0"]
     runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "part")}
-    assert _main([*common, "--out-dir", runs["eager"]]) == 0
+    assert _main([*common, "--out-dir", runs["eager"], "--sample-images", "2"]) == 0
     assert _main([*common, "--mode", "graph", "--out-dir", runs["graph"]]) == 0
     rc, _, err = torchrun(2, [*common, "--mode", "graph", "--mesh", "ici=2", "--out-dir", runs["fsdp"]])
     assert rc == 0, err[-3000:]
