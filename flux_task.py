@@ -174,3 +174,39 @@ def save_grid(images_Nx1xHxW, per_row, path):
     fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
     os.replace(tmp, path)
+
+
+def main(argv=None):
+    """python flux_task.py RUN_DIR [--per-class N] [--guidance 1,2,4]: sample a FLUX run's newest
+    checkpoint, a grid per guidance scale (RUN_DIR/samples_g<scale>.png) and the judge's accuracy."""
+    import argparse
+    import sys
+    import checkpoint
+    p = argparse.ArgumentParser(description=main.__doc__.split(":")[0])
+    p.add_argument("run_dir")
+    p.add_argument("--per-class", type=int, default=10)
+    p.add_argument("--guidance", default=str(GUIDANCE), help="comma list of guidance scales")
+    p.add_argument("--seed", type=int, default=0)
+    cfg = p.parse_args(argv)
+    try:
+        scales = [float(g) for g in cfg.guidance.split(",")]
+        if cfg.per_class < 1 or not all(0 < g < float("inf") for g in scales):
+            raise ValueError(f"--per-class must be >= 1 and --guidance positive numbers, got {cfg.per_class}, {cfg.guidance}")
+        path, meta = checkpoint.run_checkpoint(cfg.run_dir)
+        if meta.get("task") != "flux":
+            raise ValueError(f"{path} is not a FLUX run (task {meta.get('task')!r})")
+        model = FluxOnDigits(flux.FluxArgs(**{k: tuple(v) if isinstance(v, list) else v
+                                              for k, v in meta["model_args"].items()}))
+        model.load_state_dict(checkpoint.load(path, {"model": model.state_dict()})["model"])
+    except (ValueError, TypeError, OSError) as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    for g in scales:
+        out = os.path.join(cfg.run_dir, f"samples_g{g:g}.png")
+        images, accuracy = sample_grid(model, cfg.seed, out, per_class=cfg.per_class, guidance=g)
+        print(f"guidance {g:g}: {100 * accuracy:.1f}% of {len(images)} samples labelled as their prompt's class; {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
