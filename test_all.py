@@ -3020,3 +3020,7 @@ def test_flux_trains_through_the_shared_trainer_eager_graph_and_simplefsdp_alike
     with open(os.path.join(oracle, "metrics.jsonl")) as f:
         judged = [json.loads(line) for line in f if '"samples"' in line]
     assert os.path.getsize(os.path.join(oracle, "samples.png")) > 0 and 0 <= judged[0]["accuracy"] <= 1
+    import flux_task  # the sampling CLI on the run: a grid per scale; a run of another task refused in one line
+    assert flux_task.main([oracle, "--per-class", "1", "--guidance", "1,3"]) == 0
+    assert all(os.path.getsize(os.path.join(oracle, f"samples_g{g}.png")) > 0 for g in (1, 3))
+    assert flux_task.main([oracle, "--guidance", "nan"]) == 2
