@@ -177,6 +177,9 @@ def _validate_mesh(cfg):
     if not cfg.mesh:
         return
     sizes = mesh.mesh_dims(cfg.mesh)  # (MeshError: a one-line refusal too)
+    if cfg.task != "lm" and (sizes["tp"] > 1 or sizes["ep"] > 1):
+        raise ConfigError(f"--mesh {cfg.mesh!r}: tp and ep split language models' heads and experts; the "
+                          f"{cfg.task} task runs data parallel (dcn / ici) only")
     spmd = not mesh.launched_by_torchrun() and cfg.device == "xla"
     if spmd:
         if sizes["tp"] > 1 or sizes["ep"] > 1:

@@ -5,7 +5,7 @@ loop by loop (RoPE, GQA attention, MoE per token), torch's own functional ops (t
 written out), torch.optim.AdamW and clip_grad_norm_, the uninterrupted run (resume), eager CPU
 (XLA:CPU), JAX's production Pallas kernels, one process and FSDP2 (data parallel), the unrolled loop
 (scan). A test that must run in a fresh process (XLA runtime first, torchrun) calls one of the
-`child_*` functions below through `python test_all.py child_NAME ARGS`. CPU only, ~16.5 min on 2 cores (196 tests).
+`child_*` functions below through `python test_all.py child_NAME ARGS`. CPU only, ~16.5 min on 2 cores (197 tests).
 """
 import dataclasses
 import json
@@ -638,6 +638,7 @@ BAD_INPUTS = [
     (["--init-from", "/nonexistent"], "config.json: missing or unreadable"),
     (["--batch-size", "100000"], "and the activations of 100000 sequences need"),  # (the dry run's estimate)
     (["--scan", "--mesh", "ici=2,tp=2"], "--scan with tp or ep is not built"),  # (checked before any launch)
+    (["--task", "flux", "--mesh", "ici=1,tp=2"], "the flux task runs data parallel (dcn / ici) only"),
 ]
 
 @pytest.mark.parametrize("args,message", BAD_INPUTS)
