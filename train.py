@@ -391,4 +391,9 @@ def _runtime_failure(e, trainer, parallel):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == EXIT_PEER_FAILED:  # a dead peer can leave gloo's threads and destructors waiting on it at
+        sys.stdout.flush()        # interpreter teardown: the line is written, leave without teardown
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
