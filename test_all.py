@@ -119,10 +119,40 @@ def _ops_of_one_more_step(trainer):
 DIST_TINY = [*TINY, "--set", "ffn_dim=131"]  # 131: an uneven first dimension for the shards
 
 def torchrun(nproc, args, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), os.path.join(HERE, "train.py"), *args], cwd=HERE, capture_output=True,
-                          text=True, timeout=timeout)
-    return proc.returncode, proc.stdout, proc.stderr
+    """Launch train.py on `nproc` gloo ranks. A rank that dies of SIGSEGV (seen once in ~50 CI runs of the
+    4-process tests: a crash inside gloo, every rank's own line otherwise correct) is reported as a
+    warning (with the crashed rank's Python stack, train.py enables faulthandler) and the run is repeated
+    once from the same starting files; a second crash fails the test."""
+    out_dir = args[args.index("--out-dir") + 1] if "--out-dir" in args else None
+    before = _snapshot(out_dir)
+    for attempt in (1, 2):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               str(nproc), os.path.join(HERE, "train.py"), *args], cwd=HERE, capture_output=True,
+                              text=True, timeout=timeout)
+        if attempt == 2 or "Signal 11 (SIGSEGV)" not in proc.stderr:
+            return proc.returncode, proc.stdout, proc.stderr
+        import warnings
+        warnings.warn(f"torchrun {' '.join(args)}: a rank died of SIGSEGV; repeating once:\n{proc.stderr[-4000:]}")
+        _restore(out_dir, before)
+
+
+def _snapshot(path):
+    """A copy of directory `path` as it is (None if there is none), for _restore."""
+    import shutil
+    import tempfile
+    if not path or not os.path.exists(path):
+        return None
+    copy = os.path.join(tempfile.mkdtemp(), "copy")
+    shutil.copytree(path, copy, symlinks=True)
+    return copy
+
+
+def _restore(path, copy):
+    import shutil
+    if path and os.path.exists(path):
+        shutil.rmtree(path)
+    if copy:
+        shutil.copytree(copy, path, symlinks=True)
 
 
 def _full_params(ckpt_dir, args, name=None):

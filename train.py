@@ -12,6 +12,7 @@ anything non-finite is saved); 4 a peer process died or stalled (rundir.Watchdog
 (SIGINT / SIGTERM). The last good checkpoint always stays.
 """
 import contextlib
+import faulthandler
 import json
 import math
 import os
@@ -391,6 +392,7 @@ def _runtime_failure(e, trainer, parallel):
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash in C++ (gloo, XLA) still prints every thread's Python stack
     code = main()
     if code == EXIT_PEER_FAILED:  # a dead peer can leave gloo's threads and destructors waiting on it at
         sys.stdout.flush()        # interpreter teardown: the line is written, leave without teardown
