@@ -169,6 +169,26 @@ def _full_params(ckpt_dir, args, name=None):
     return checkpoint.load(path, state)["model"]
 
 
+def _ranks_equal_one_process(single, multi, steps, args, keys=("grad_norm", "val_loss")):
+    """The oracle of every data-parallel test: N ranks' run equals one process's on the same global
+    batch. Losses at every step; pre-clip gradient norms (a gradient scale, a sum for a mean over ranks,
+    hides behind clipping and Adam in the losses) and validation; final weights gathered whole.
+    Returns the one process's full parameters."""
+    want, got = losses(single), losses(multi)
+    assert sorted(got) == list(range(1, steps + 1))
+    _near(want, got, atol=1e-5)
+    for key in keys:
+        want, got = _records(single, key), _records(multi, key)
+        assert sorted(got) == sorted(want) and len(want) >= 2, key
+        _near(want, got, atol=0, rtol=1e-5)
+    p_single = _full_params(os.path.join(single, "checkpoints"), args)
+    p_multi = _full_params(os.path.join(multi, "checkpoints"), args)
+    assert sorted(p_single) == sorted(p_multi)
+    for name in p_single:
+        torch.testing.assert_close(p_multi[name], p_single[name], rtol=0, atol=1e-5, msg=name)
+    return p_single
+
+
 def _files(run_dir):
     """{relative path: sha256} of everything under run_dir/checkpoints: 'nothing lost' = unchanged."""
     import checkpoint
@@ -1211,24 +1231,13 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus,
     assert run_train([*common, "--out-dir", single])[0] == 0
     rc, out, err = torchrun(nproc, [*common, "--out-dir", multi, "--mesh", mesh, "--dp-impl", impl])
     assert rc == 0, err[-3000:]
-    want, got = losses(single), losses(multi)
-    assert sorted(got) == list(range(1, 11))
-    _near(want, got, atol=1e-5)
-    # Gradients, not only losses (clipping and Adam hide a gradient scale: Partial("sum") for
-    # Partial("avg") doubles every gradient and still trains the same): the pre-clip norm of the
-    # gathered gradient equals the full-batch one. And every rank validates its own rows.
-    for key in ("grad_norm", "val_loss"):
-        want, got = _records(single, key), _records(multi, key)
-        assert sorted(got) == sorted(want) and len(want) >= 2, key
-        _near(want, got, atol=0, rtol=1e-5)
+    # (Partial("sum") for Partial("avg") doubles every gradient and still trains the same: the pre-clip
+    # norms see it. And every rank validates its own rows.)
+    p_single = _ranks_equal_one_process(single, multi, 10, common)
     # MFU is per device: all ranks' FLOP/s over the sum of their peaks (it was over one device's peak).
     for rec in (json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl"))):
         if "mfu" in rec:
             assert rec["devices"] == nproc and math.isclose(rec["mfu"] * rec["peak_flops"] * nproc, rec["tflops"] * 1e12)
-    p_single = _full_params(os.path.join(single, "checkpoints"), common)
-    p_multi = _full_params(os.path.join(multi, "checkpoints"), common)
-    for name in p_single:
-        torch.testing.assert_close(p_multi[name], p_single[name], rtol=0, atol=1e-5)
     # Per-rank parameter and optimizer bytes: 1/shards of the total, plus at most one row per tensor.
     start = lambda d: next(json.loads(line) for line in open(os.path.join(d, "metrics.jsonl")) if '"start"' in line)
     shards = int(mesh.split("ici=")[1])
@@ -1297,7 +1306,6 @@ def test_a_killed_rank_ends_the_run_within_60s(corpus, tmp_path):
     """The two ranks are started by hand (torchrun's environment, no torchrun): torchrun would end the
     survivor itself with SIGTERM and print its own words for the killed rank, which would pass even
     if the survivor hung. Here the survivor must end itself: its own one `error:` line, exit 4."""
-    import signal
     import socket
     import time
     with socket.socket() as sock:  # a free port for the rendezvous
@@ -1545,17 +1553,7 @@ def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, ex
     assert run_train([*common, *[a for a in extra if a in MOE_EXACT], "--out-dir", single])[0] == 0
     rc, out, err = torchrun(nproc, [*common, *extra, "--out-dir", multi, "--mesh", mesh])
     assert rc == 0, err[-3000:]
-    want, got = losses(single), losses(multi)
-    assert sorted(got) == list(range(1, 11))
-    _near(want, got, atol=1e-5)
-    for key in ("grad_norm", "val_loss"):
-        want, got = _records(single, key), _records(multi, key)
-        assert len(want) >= 2, key
-        _near(want, got, atol=0, rtol=1e-5)
-    p_single = _full_params(os.path.join(single, "checkpoints"), [*common, *extra])
-    p_multi = _full_params(os.path.join(multi, "checkpoints"), [*common, *extra])
-    for name in p_single:
-        torch.testing.assert_close(p_multi[name], p_single[name], rtol=0, atol=1e-5)
+    p_single = _ranks_equal_one_process(single, multi, 10, [*common, *extra])
     dims = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
     ici, tp = dims["ici"], dims.get("tp", 1)
     share = lambda n: nproc if "_Ex" in n else ici * (tp if any(k in n for k in TP_SPLIT) else 1)
@@ -1819,7 +1817,6 @@ def child_fsdp_live_bytes(*argv):
     """(child process, torchrun) Peak live intermediate bytes of rank 0's step graph up to the
     optimizer (the first foreach op after the forward/backward marker)."""
     import graph_passes
-    import mesh
     import train
     cfg = train.parse_config(argv)
     tr = train.Trainer(cfg)
@@ -1934,17 +1931,8 @@ def test_layer_scan_under_a_mesh_matches_single_process(impl, mode, mesh, corpus
     nproc = 4 if mesh.startswith("dcn") else 2
     rc, out, err = torchrun(nproc, [*common, "--out-dir", multi, "--mesh", mesh, "--dp-impl", impl, "--mode", mode])
     assert rc == 0, err[-3000:]
-    want, got = losses(single), losses(multi)
-    assert sorted(got) == list(range(1, 7))
-    _near(want, got, atol=1e-5)
-    # Pre-clip gradient norms and final weights: a gradient scale (a sum for a mean over ranks) hides
-    # behind clipping and Adam's normalization in the losses.
-    _near(_records(single, "grad_norm"), _records(multi, "grad_norm"), atol=0, rtol=1e-5)
-    p_single = _full_params(os.path.join(single, "checkpoints"), common)
-    p_multi = _full_params(os.path.join(multi, "checkpoints"), common)
-    assert sorted(p_single) == sorted(p_multi) and any(p.dim() == 3 for p in p_single.values())  # (stacked)
-    for name in p_single:
-        torch.testing.assert_close(p_multi[name], p_single[name], rtol=0, atol=1e-5, msg=name)
+    p_single = _ranks_equal_one_process(single, multi, 6, common, keys=("grad_norm",))
+    assert any(p.dim() == 3 for p in p_single.values())  # (stacked)
 
 
 def test_layer_scan_under_simplefsdp_holds_one_gathered_layer_not_the_stack(corpus, tmp_path):
@@ -1979,7 +1967,6 @@ def child_step_transient_bytes(*argv):
     held before, less the gradient shards it returns (the optimizer's own copies are not the point)."""
     import gc
     import device as dev
-    import mesh
     import train
     cfg = train.parse_config(argv)
     tr = train.Trainer(cfg)
