@@ -9,6 +9,7 @@ import dataclasses
 import math
 import sys
 import types
+import typing
 from typing import Optional
 
 import fsdp_passes
@@ -29,6 +30,39 @@ def error_line(message):
 
 class ConfigError(ValueError):
     pass
+
+
+# `--set FIELD=VALUE`: a model config (model.ModelArgs, flux.FluxArgs) with fields replaced by name
+
+def parse_as(kind, text):
+    """`text` as the declared type of a config field: int, float, str, bool (true/false/1/0),
+    tuple (comma-separated numbers, e.g. rope_scaling=8,1,4,8192); Optional[...] also takes 'none'."""
+    if typing.get_origin(kind) is typing.Union:
+        if text.lower() == "none":
+            return None
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(text)
+        return text.lower() in ("true", "1")
+    if kind is tuple:
+        return tuple(float(x) if any(c in x for c in ".eE") else int(x) for x in text.split(","))
+    return kind(text)
+
+
+def with_overrides(args, items):
+    """A config dataclass (ModelArgs, flux.FluxArgs) with `FIELD=VALUE` strings applied (train.py
+    --set), each parsed by its declared type."""
+    kinds = typing.get_type_hints(type(args))
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in kinds:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(kinds)}")
+        try:
+            args = dataclasses.replace(args, **{key: parse_as(kinds[key], value)})
+        except ValueError:
+            raise ValueError(f"--set {item!r}: {value!r} is not a {getattr(kinds[key], '__name__', kinds[key])}") from None
+    return args
 
 
 DEFAULT_FLAVOR = {"lm": "llama3_debug", "flux": "flux_debug"}  # per task (train.TASKS)

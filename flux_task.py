@@ -25,8 +25,7 @@ import torch.nn as nn
 import digits
 import flux
 import flux_sample
-from cli import ConfigError
-from model import with_overrides
+from cli import ConfigError, with_overrides
 from task import Task
 
 N_CLASSES, PROMPT_TOKENS = 10, 4

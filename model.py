@@ -14,7 +14,6 @@ moe_impl), looked up in the tables below (the Pallas kernels of kernels_pallas.p
 import dataclasses
 import importlib
 import math
-import typing
 from dataclasses import dataclass
 from typing import Optional
 
@@ -77,37 +76,6 @@ FLAVORS = {
     "qwen3_235b_a22b": ModelArgs(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_dim=12288,
                                  n_experts=128, top_k=8, moe_ffn_dim=1536, **_QWEN),
 }
-
-
-def parse_as(kind, text):
-    """`text` as the declared type of a ModelArgs field: int, float, str, bool (true/false/1/0),
-    tuple (comma-separated numbers, e.g. rope_scaling=8,1,4,8192); Optional[...] also takes 'none'."""
-    if typing.get_origin(kind) is typing.Union:
-        if text.lower() == "none":
-            return None
-        kind = next(k for k in typing.get_args(kind) if k is not type(None))
-    if kind is bool:
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(text)
-        return text.lower() in ("true", "1")
-    if kind is tuple:
-        return tuple(float(x) if any(c in x for c in ".eE") else int(x) for x in text.split(","))
-    return kind(text)
-
-
-def with_overrides(args, items):
-    """A config dataclass (ModelArgs, flux.FluxArgs) with `FIELD=VALUE` strings applied (train.py
-    --set), each parsed by its declared type."""
-    kinds = typing.get_type_hints(type(args))
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in kinds:
-            raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(kinds)}")
-        try:
-            args = dataclasses.replace(args, **{key: parse_as(kinds[key], value)})
-        except ValueError:
-            raise ValueError(f"--set {item!r}: {value!r} is not a {getattr(kinds[key], '__name__', kinds[key])}") from None
-    return args
 
 
 def check_args(args):

@@ -28,9 +28,9 @@ import torch
 
 import data
 import hf
-from cli import ConfigError
+from cli import ConfigError, with_overrides
 from model import (FLAVORS, Transformer, check_args, dynamic_shapes_reason, flops_per_token, next_token_loss,
-                   param_counts, tpu_config, with_overrides)
+                   param_counts, tpu_config)
 
 
 class Task:
