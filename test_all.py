@@ -3080,6 +3080,9 @@ def test_flux_latent_file_batches_are_its_rows_loss_is_the_flow_mse_and_a_run_tr
     assert dropped < 8 and 0 < t.min() and t.max() < 1
     torch.manual_seed(0)
     model = task.build_model(task.args)
+    with torch.no_grad():  # (random weights everywhere: the zero-initialised last layer would predict 0 for any x_t)
+        for p in model.parameters():
+            p.normal_(0, 0.2)
     with torch.no_grad():  # the flow written out: x_t = (1 - t) x0 + t eps, target eps - x0, mean of squares
         tt = t[:, None, None]
         want = ((model(((1 - tt) * x0 + tt * eps), t, txt, y) - (eps - x0)) ** 2).mean()
