@@ -126,7 +126,9 @@ class FluxDigits(Task):
         cfg = self.cfg
         self.src = flux_latents.LatentFile(cfg.data, self.args) if cfg.data else DigitsSource(cfg.seed)
         self.rank, self.size = dp_rank, dp_size
-        held, n = self.src.held, min(len(self.src.held["latents"]), cfg.batch_size)
+        held, n = self.src.held, min(len(self.src.held["latents"]), cfg.batch_size) // dp_size * dp_size
+        if cfg.eval_batches and not n:  # (a small file's held-out tenth: fewer rows than ranks)
+            self.notes = [f"note: validation skipped: {len(held['latents'])} held-out row(s) for {dp_size} ranks"]
         gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
         x0 = flux.patchify(held["latents"][:n])
         eps = torch.randn(x0.shape, generator=gen)
@@ -135,7 +137,7 @@ class FluxDigits(Task):
             tuple(e.expand(n, *e.shape[1:]).contiguous() for e in self.src.empty)
         rows = self._mine(n)
         self.val_batches = [(x0[rows], eps[rows], torch.full((n,), t)[rows], *(c[rows] for c in cond))
-                            for t in flux_sample.validation_timesteps(8)][: max(cfg.eval_batches, 0)]
+                            for t in flux_sample.validation_timesteps(8)][: cfg.eval_batches if n else 0]
 
     def _cond(self, part, idx):
         return tuple(part[k][idx] for k in self.src.cond_keys)

@@ -3107,15 +3107,18 @@ def test_flux_latent_file_batches_are_its_rows_loss_is_the_flow_mse_and_a_run_tr
 def test_flux_init_from_a_diffusers_directory_fills_the_transformer(tmp_path):
     """--init-from (fine-tuning) on a latent file: the trainer's transformer holds the fixture's weights
     bit for bit, and its output with --distilled-guidance 3.5, through the task's own conditioning
-    (image ids from the file's 8x6 latents), equals diffusers' stored output for that sample."""
+    (image ids from the file's 8x6 latents), equals diffusers' stored output for that sample. Under
+    SimpleFSDP on 2 processes (each rank loads its own shard) the first step's loss, gradient norm
+    and validation MSE equal the one-process run's."""
     import flux_hf
     import train
     fixture = os.path.join(FLUX_FIXTURES, "guidance")
     want = _flux_expected("guidance")
-    path = _latent_file(tmp_path / "cache.safetensors", n=4, chw=(2, 8, 6), te=(5, 24), v=12)
-    cfg = train.parse_config(["--task", "flux", "--data", path, "--init-from", fixture, "--distilled-guidance", "3.5",
-                              "--batch-size", "2", "--out-dir", str(tmp_path / "run")])
-    trainer = train.Trainer(cfg)
+    path = _latent_file(tmp_path / "cache.safetensors", n=20, chw=(2, 8, 6), te=(5, 24), v=12)
+    common = ["--task", "flux", "--data", path, "--init-from", fixture, "--distilled-guidance", "3.5", "--steps", "1",
+              "--batch-size", "4", "--eval-batches", "1", "--sample-images", "0", "--ckpt-interval", "0"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    trainer = train.Trainer(train.parse_config([*common, "--out-dir", one]))
     ref = flux_hf.load(fixture)
     mine = dict(trainer.model.flux.named_parameters())
     assert mine.keys() == dict(ref.named_parameters()).keys()
@@ -3125,7 +3128,14 @@ def test_flux_init_from_a_diffusers_directory_fills_the_transformer(tmp_path):
                             want["pooled_projections"][:1])
     assert want["guidance"][0] == 3.5
     torch.testing.assert_close(got, want["sample"][:1], rtol=1e-4, atol=1e-4 * want["sample"].abs().max().item())
-    assert trainer.meta["flavor"] == f"hf:{os.path.abspath(fixture)}" and not os.path.exists(tmp_path / "run")
+    assert trainer.meta["flavor"] == f"hf:{os.path.abspath(fixture)}" and not os.path.exists(one)
+    assert trainer.run() == 0
+    rc, _, err = torchrun(2, [*common, "--mesh", "ici=2", "--out-dir", two])
+    assert rc == 0, err[-3000:]
+    for key in ("loss", "grad_norm", "val_loss"):
+        mine, ref = _records(two, key), _records(one, key)
+        assert mine.keys() == ref.keys() and len(ref) >= 1, key
+        torch.testing.assert_close(torch.tensor(list(mine.values())), torch.tensor(list(ref.values())), rtol=1e-5, atol=0)
 
 
 def _flux_bad_inputs(tmp_path):
