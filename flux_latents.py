@@ -62,7 +62,7 @@ class LatentFile:
         if missing or unknown:
             self._fail(f"{'no tensor ' + repr(missing[0]) if missing else 'unknown tensor ' + repr(unknown[0])} "
                        f"(the file holds latents, txt, pooled; optionally labels, empty_txt, empty_pooled)")
-        x, txt, y = t["latents"], t["txt"], t["pooled"]
+        x, txt = t["latents"], t["txt"]
         if x.dim() != 4 or 4 * x.shape[1] != a.in_channels or x.shape[2] % 2 or x.shape[3] % 2 or min(x.shape[2:]) < 2:
             self._fail(f"latents has shape {tuple(x.shape)}; the model takes (N, C, H, W) with 4 C = its in_channels "
                        f"{a.in_channels} (2x2 packing) and H, W even")
@@ -76,7 +76,8 @@ class LatentFile:
                            f"{'(%d, T, %d)' % (n, a.context_in_dim) if name == 'txt' else want}")
         if "labels" in t:
             lab = t["labels"]
-            if lab.dtype not in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) or tuple(lab.shape) != (n,):
+            integer = lab.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+            if not integer or tuple(lab.shape) != (n,):
                 self._fail(f"labels must be integers of shape ({n},), got {lab.dtype} {tuple(lab.shape)}")
             if len(lab) and (lab.min() < 0 or lab.max() >= N_CLASSES):
                 self._fail(f"labels must be classes 0..{N_CLASSES - 1} (a grid row each), got "

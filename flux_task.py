@@ -306,14 +306,15 @@ def main(argv=None):
             raise ValueError(f"{path} trained on a latent file: its prompts are the file's (the run's grids "
                              f"are written at each evaluation); this CLI samples digits runs")
         model = ConditionedFlux(flux.FluxArgs(**{k: tuple(v) if isinstance(v, list) else v
-                                              for k, v in meta["model_args"].items()}))
+                                                 for k, v in meta["model_args"].items()}))
         model.load_state_dict(checkpoint.load(path, {"model": model.state_dict()})["model"])
     except (ValueError, TypeError, OSError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
     for g in scales:
         out = os.path.join(cfg.run_dir, f"samples_g{g:g}.png")
-        images, accuracy = sample_grid(model, DigitsSource(cfg.seed), cfg.seed, out, per_class=cfg.per_class, guidance=g)
+        images, accuracy = sample_grid(model, DigitsSource(cfg.seed), cfg.seed, out, per_class=cfg.per_class,
+                                       guidance=g)
         print(f"guidance {g:g}: {100 * accuracy:.1f}% of {len(images)} samples labelled as their prompt's class; {out}")
     return 0
 
