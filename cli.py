@@ -41,7 +41,8 @@ def flag(default, help, **argparse_kw):
 @dataclasses.dataclass
 class TrainConfig:
     # what to train
-    task: str = flag("lm", "workload: lm (language-model pretraining), flux (FLUX.1 diffusion on the digits or a latent file)",
+    task: str = flag("lm", "workload: lm (language-model pretraining), flux (FLUX.1 diffusion on the digits or a "
+                     "latent file)",
                      choices=list(DEFAULT_FLAVOR))
     flavor: Optional[str] = flag(None, "model flavor (model.FLAVORS, flux.FLAVORS; default: the task's debug flavor)")
     init_from: Optional[str] = flag(None, "start from a Hugging Face checkpoint (config.json + safetensors) "
