@@ -75,13 +75,15 @@ def flag(default, help, **argparse_kw):
 @dataclasses.dataclass
 class TrainConfig:
     # what to train
-    task: str = flag("lm", "workload: lm (language-model pretraining), flux (FLUX.1 diffusion on the digits)",
+    task: str = flag("lm", "workload: lm (language-model pretraining), flux (FLUX.1 diffusion on the digits or a "
+                     "latent file)",
                      choices=list(DEFAULT_FLAVOR))
     flavor: Optional[str] = flag(None, "model flavor (model.FLAVORS, flux.FLAVORS; default: the task's debug flavor)")
     init_from: Optional[str] = flag(None, "start from a Hugging Face checkpoint (config.json + safetensors) "
                                     "instead of --flavor: fine-tuning", metavar="HF_DIR")
     set: list = flag((), "override a ModelArgs field, e.g. --set n_layers=2 (repeatable)", metavar="FIELD=VALUE")
-    data: Optional[str] = flag(None, "text file or directory (default: this Python's stdlib sources)")
+    data: Optional[str] = flag(None, "lm: text file or directory (default: this Python's stdlib sources); flux: a "
+                               ".safetensors file of latents + text embeddings (flux_latents.py; default: the digits)")
     tokenizer: Optional[str] = flag(None, "train on the ids of a HF tokenizer.json (default: bytes)", metavar="HF_DIR")
     # the optimization
     steps: int = flag(400, "optimizer steps")
@@ -126,7 +128,9 @@ class TrainConfig:
     halt_at: int = flag(0, "stop after this step as if preempted (tests resume)")
     sample_tokens: int = flag(64, "lm: at the end, print this many sampled bytes (0: off)")
     sample_images: int = flag(10, "flux: at the end, sample this many images per class into samples.png, "
-                              "judged by a classifier (0: off)")
+                              "judged by a classifier; at each evaluation a quick grid samples_step_N.png (0: off)")
+    distilled_guidance: Optional[float] = flag(None, "flux: the guidance value given to a model with a guidance "
+                                               "embedding (flux-dev's distilled scale; default 1)")
     tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars (out-dir/tensorboard)")
     # planning without running
     dry_run: bool = flag(False, "trace at full scale on meta tensors; print memory/FLOPs/step-time estimates")
@@ -187,6 +191,9 @@ def validate(cfg):
         if not (getattr(cfg, name) >= 0 and math.isfinite(getattr(cfg, name))):
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0{' seconds' if name == 'watchdog' else ''}, "
                               f"got {getattr(cfg, name)}")
+    g = cfg.distilled_guidance
+    if g is not None and (cfg.task != "flux" or not (g >= 0 and math.isfinite(g))):
+        raise ConfigError(f"--distilled-guidance {g}: a finite value >= 0, for --task flux only")
     unknown = set(filter(None, cfg.allow_change.split(","))) - set(RESUME_CHECKED) - {"data"}
     if unknown:
         raise ConfigError(f"--allow-change {cfg.allow_change!r}: unknown {sorted(unknown)}; choose from "

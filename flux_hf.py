@@ -2,6 +2,7 @@
 like torchtitan's flux state_dict_adapter.
 
     model = flux_hf.load("FLUX.1-dev/transformer/")   # -> flux.Flux, BFL's layout
+    args = flux_hf.read_args(d); state = flux_hf.read_state(d, args)   # the pieces (train.py --init-from)
     flux_hf.save(model, "out/")                       # the other way: loads back bit for bit
 
 diffusers renames every module, and differs in layout in three places, mapped both ways here:
@@ -169,14 +170,19 @@ def _open_tensors(path):
     return {k: handles[fn] for k, fn in files.items()}
 
 
-def load(path, device="cpu"):
-    """A diffusers FluxTransformer2DModel directory as a flux.Flux (float32)."""
+def read_args(path):
+    """The FluxArgs of a diffusers directory's config.json (refusing what flux.py does not implement)."""
     try:
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
         raise FluxHFError(f"{os.path.join(path, 'config.json')}: missing or unreadable ({type(e).__name__})") from None
-    args = args_from_config(cfg)
+    return args_from_config(cfg)
+
+
+def read_state(path, args):
+    """{our parameter name: float32 CPU tensor} from the directory's safetensors, for a model of
+    `args`: every expected tensor present with its shape, every tensor of the files used."""
     tensors = _open_tensors(path)
     with torch.device("meta"):
         model = Flux(args)
@@ -192,11 +198,20 @@ def load(path, device="cpu"):
         if tuple(t.shape) != tuple(p.shape):
             raise FluxHFError(f"{path}: {' + '.join(keys)} has shape {tuple(t.shape)}, config.json implies "
                               f"{tuple(p.shape)}")
-        state[name] = t.to(device=device, dtype=torch.float32)
+        state[name] = t.float()
         used.update(keys)
     unused = sorted(set(tensors) - used)
     if unused:
         raise FluxHFError(f"{path}: {len(unused)} tensor(s) flux.py does not use, e.g. {unused[0]!r}")
+    return state
+
+
+def load(path, device="cpu"):
+    """A diffusers FluxTransformer2DModel directory as a flux.Flux (float32)."""
+    args = read_args(path)
+    state = read_state(path, args)
+    with torch.device("meta"):
+        model = Flux(args)
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=True)
     return model

@@ -1,21 +1,30 @@
-"""flux_task.py: FLUX.1 diffusion training as a Task: rectified flow on real images, the class as the prompt.
+"""flux_task.py: FLUX.1 diffusion training as a Task: rectified flow on real images or on cached latents.
 
     python train.py --task flux --flavor flux_debug --steps 800 --batch-size 64 --lr 1e-3 --warmup 50
+    python train.py --task flux --data cache.safetensors --init-from FLUX_DIR   # latents + embeddings; fine-tune
 
 The shared trainer (train.py) runs it unchanged: the same loop, AdamW, checkpoints, graph mode. What
 is FLUX's own, after torchtitan's `models/flux` (its train.py / validate.py):
-  - the model: flux.Flux behind a prompt encoder. The frozen T5 / CLIP encoders cannot be downloaded
-    here, so a learned token sequence and pooled vector per class stand in for them (`ClassPrompt`;
-    one extra row is the empty prompt, for classifier-free guidance);
-  - the data: scikit-learn's 1797 handwritten 8x8 digits (digits.py), packed 2x2 as FLUX packs its
-    latents: 16 tokens of 4 channels. Global batch i is a pure function of (seed, i): the images, the
-    prompts dropped to empty (probability 0.1), the times t and the noise eps all come from one
-    generator seeded with (seed, i), so resume and N ranks see what one process would;
+  - the model: flux.Flux behind its conditioning (`ConditionedFlux`). On the digits the frozen T5 /
+    CLIP encoders (which cannot be downloaded here) are stood in for by a learned token sequence and
+    pooled vector per class (`ClassPrompt`; one extra row is the empty prompt, for classifier-free
+    guidance); a latent file brings the encoders' outputs themselves. `--init-from` a diffusers
+    directory fills the transformer (flux_hf.py) to fine-tune it;
+  - the data, one of two sources with the same fields (`train` / `held` rows, `cond_keys`, `empty`):
+    scikit-learn's 1797 handwritten 8x8 digits (digits.py), or `--data FILE.safetensors`: VAE
+    latents + T5 / CLIP outputs computed ahead (flux_latents.py: its schema, its held-out tenth).
+    Either is packed 2x2 as FLUX packs its latents. Global batch i is a pure function of (seed, i):
+    the rows, the prompts dropped to empty (probability 0.1, where there is an empty prompt), the
+    times t and the noise eps all come from one generator seeded with (seed, i), so resume and N
+    ranks see what one process would;
   - the loss: x_t = (1 - t) x0 + t eps, target v = eps - x0, MSE (flux_sample.py); validation MSE
-    at the fixed times (i + 0.5) / 8 on held-out digits, comparable across runs;
-  - the preview: --sample-images samples per class (10) (Euler on FLUX's shifted schedule, guidance scale
-    `GUIDANCE`), a PNG grid (a row per class) and the share an independent classifier (an SVC on the
-    real digits, digits.py) labels as the prompt's class.
+    at the fixed times (i + 0.5) / 8 on held-out rows (unconditional where there is an empty prompt),
+    comparable across runs;
+  - pictures: at each evaluation a quick grid (a row per class / prompt, 8 Euler steps) named by the
+    step (samples_step_000200.png); at the end --sample-images per class (20 steps, guidance scale
+    `GUIDANCE`) into samples.png, and, for the digits, the share an independent classifier (an SVC
+    on the real digits, digits.py) labels as the prompt's class. A latent file's grid shows the
+    latents' first channel (no VAE decoder here).
 """
 import os
 
@@ -24,6 +33,7 @@ import torch.nn as nn
 
 import digits
 import flux
+import flux_latents
 import flux_sample
 from cli import ConfigError, with_overrides
 from task import Task
@@ -32,6 +42,7 @@ N_CLASSES, PROMPT_TOKENS = 10, 4
 DROP_PROMPT = 0.1     # classifier-free guidance: train the empty prompt on this share of samples
 GUIDANCE = 2.0        # the preview's guidance scale u + s (c - u)
 SIDE = 8              # digits are 8 x 8, one channel
+EVAL_GRID = (4, 8)    # at each evaluation: up to this many samples per row, Euler steps (cheap)
 
 
 class ClassPrompt(nn.Module):
@@ -46,19 +57,36 @@ class ClassPrompt(nn.Module):
         return self.tokens_CxTxE[class_B], self.pooled_CxV[class_B]
 
 
-class FluxOnDigits(nn.Module):
-    """(x_t packed (B, 16, 4), t (B,), class (B,)) -> predicted velocity (B, 16, 4)."""
+class ConditionedFlux(nn.Module):
+    """(x_t packed (B, S, C), t (B,), *conditioning) -> predicted velocity (B, S, C). The conditioning
+    is a class (B,) through the learned ClassPrompt (`classes`), or the text tokens (B, T, E) and
+    pooled vectors (B, V) as given. A model with a guidance embedding gets `guidance` (flux-dev's
+    distilled scale) for every sample."""
 
-    def __init__(self, args):
+    def __init__(self, args, hw=(SIDE, SIDE), classes=True, guidance=1.0):
         super().__init__()
-        self.prompt, self.flux = ClassPrompt(args), flux.Flux(args)
+        self.prompt = ClassPrompt(args) if classes else None
+        self.flux, self.hw, self.guidance = flux.Flux(args), tuple(hw), guidance
 
-    def forward(self, x_BxSxC, t_B, class_B):
-        txt_BxTxE, y_BxV = self.prompt(class_B)
+    def encode(self, *cond):
+        return self.prompt(*cond) if self.prompt is not None else cond
+
+    def forward(self, x_BxSxC, t_B, *cond):
+        txt_BxTxE, y_BxV = self.encode(*cond)
         B, dev = x_BxSxC.shape[0], x_BxSxC.device
-        guidance_B = torch.ones(B, device=dev) if self.flux.args.guidance_embed else None  # (flux-dev's input)
-        return self.flux(x_BxSxC, flux.image_ids(B, SIDE, SIDE, device=dev), txt_BxTxE,
-                         flux.text_ids(B, PROMPT_TOKENS, device=dev), t_B, y_BxV, guidance_B)
+        guidance_B = torch.full((B,), self.guidance, device=dev) if self.flux.args.guidance_embed else None
+        return self.flux(x_BxSxC, flux.image_ids(B, *self.hw, device=dev), txt_BxTxE,
+                         flux.text_ids(B, txt_BxTxE.shape[1], device=dev), t_B, y_BxV, guidance_B)
+
+
+class DigitsSource:
+    """The digits as a data source: images (N, 1, 8, 8) in [-1, 1], the class as the prompt."""
+    cond_keys, hw, fingerprint = ("labels",), (SIDE, SIDE), None
+
+    def __init__(self, seed):
+        self.train = dict(zip(("latents", "labels"), digits.load("train", seed)))
+        self.held = dict(zip(("latents", "labels"), digits.load("held_out", seed)))
+        self.empty = (torch.tensor([N_CLASSES]),)
 
 
 class FluxDigits(Task):
@@ -66,55 +94,98 @@ class FluxDigits(Task):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        if cfg.flavor not in flux.FLAVORS:
-            raise ConfigError(f"unknown FLUX flavor {cfg.flavor!r}; choose one of {', '.join(flux.FLAVORS)}")
+        if cfg.tokenizer or cfg.kernels != "reference":
+            raise ConfigError("--task flux runs the reference kernels on images or latents "
+                              "(--tokenizer / --kernels pallas are not built for it)")
         try:
-            self.args = with_overrides(flux.FLAVORS[cfg.flavor], cfg.set)
+            if cfg.init_from:
+                import flux_hf
+                args = flux_hf.read_args(cfg.init_from)
+            elif cfg.flavor not in flux.FLAVORS:
+                raise ConfigError(f"unknown FLUX flavor {cfg.flavor!r}; choose one of {', '.join(flux.FLAVORS)}")
+            else:
+                args = flux.FLAVORS[cfg.flavor]
+            self.args = with_overrides(args, cfg.set)
             flux.check_args(self.args)
-        except ValueError as e:
+        except ValueError as e:  # (flux_hf.FluxHFError too: a config flux.py does not implement)
             raise ConfigError(str(e)) from None
-        if self.args.in_channels != 4 or self.args.out_channels != 4:
-            raise ConfigError(f"--flavor {cfg.flavor}: the digits are 1 channel packed 2x2 (4 channels a token), "
-                              f"the model takes {self.args.in_channels} in and {self.args.out_channels} out")
-        if cfg.init_from or cfg.tokenizer or cfg.kernels != "reference":
-            raise ConfigError("--task flux trains from scratch on the digits with the reference kernels "
-                              "(--init-from / --tokenizer / --kernels pallas are not built for it)")
+        a = self.args
+        if a.out_channels != a.in_channels:
+            raise ConfigError(f"the model predicts {a.out_channels} channels a token from {a.in_channels}: "
+                              f"a velocity has its input's channels")
+        if not cfg.data and a.in_channels != 4:
+            raise ConfigError(f"the digits are 1 channel packed 2x2 (4 channels a token), the model takes "
+                              f"{a.in_channels}: train it on a latent file (--data FILE.safetensors)")
+        if cfg.distilled_guidance is not None and not a.guidance_embed:
+            raise ConfigError(f"--distilled-guidance {cfg.distilled_guidance}: this model has no guidance "
+                              f"embedding (flux-dev's; guidance_embed=False)")
+        self.guidance = 1.0 if cfg.distilled_guidance is None else cfg.distilled_guidance
 
     def setup_data(self, dp_rank, dp_size):
-        self.images, self.labels = digits.load("train", self.cfg.seed)
+        cfg = self.cfg
+        self.src = flux_latents.LatentFile(cfg.data, self.args) if cfg.data else DigitsSource(cfg.seed)
         self.rank, self.size = dp_rank, dp_size
-        held, _ = digits.load("held_out", self.cfg.seed)
-        gen = torch.Generator().manual_seed(self.cfg.seed + 1_000_003)
-        x0 = flux.patchify(held[: min(len(held), self.cfg.batch_size)])
+        held, n = self.src.held, min(len(self.src.held["latents"]), cfg.batch_size) // dp_size * dp_size
+        if cfg.eval_batches and not n:  # (a small file's held-out tenth: fewer rows than ranks)
+            self.notes = [f"note: validation skipped: {len(held['latents'])} held-out row(s) for {dp_size} ranks"]
+        gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
+        x0 = flux.patchify(held["latents"][:n])
         eps = torch.randn(x0.shape, generator=gen)
-        rows = self._mine(len(x0))
-        cls = torch.full((len(x0),), N_CLASSES)  # unconditional: the validation measures the flow itself
-        self.val_batches = [(x0[rows], eps[rows], torch.full((len(x0),), t)[rows], cls[rows])
-                            for t in flux_sample.validation_timesteps(8)][: max(self.cfg.eval_batches, 0)]
+        # unconditional where there is an empty prompt: the validation measures the flow itself
+        cond = self._cond(held, slice(0, n)) if self.src.empty is None else \
+            tuple(e.expand(n, *e.shape[1:]).contiguous() for e in self.src.empty)
+        rows = self._mine(n)
+        self.val_batches = [(x0[rows], eps[rows], torch.full((n,), t)[rows], *(c[rows] for c in cond))
+                            for t in flux_sample.validation_timesteps(8)][: cfg.eval_batches if n else 0]
+
+    def _cond(self, part, idx):
+        return tuple(part[k][idx] for k in self.src.cond_keys)
 
     def _mine(self, n):
         per = n // self.size
         return slice(self.rank * per, (self.rank + 1) * per)
 
     def build_model(self, args):
-        return FluxOnDigits(args)
+        return ConditionedFlux(args, self.src.hw, classes=self.src.cond_keys == ("labels",), guidance=self.guidance)
+
+    def load_pretrained(self, model):
+        """--init-from: the diffusers transformer's weights into model.flux (each rank its own block of a
+        sharded parameter); the prompt stand-in, if any, keeps its fresh init."""
+        if not self.cfg.init_from:
+            return
+        import flux_hf
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        try:
+            state = flux_hf.read_state(self.cfg.init_from, self.args)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        with torch.no_grad():
+            for name, p in model.flux.named_parameters():
+                full, target = state[name], p
+                if isinstance(p, DTensor):
+                    size, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                    full, target = full[tuple(slice(o, o + n) for o, n in zip(offset, size))], p.to_local()
+                target.copy_(full)
 
     def batch(self, step):
-        """This rank's rows of global batch `step`: (x0 (B, 16, 4), eps, t (B,), class (B,))."""
-        B = self.cfg.batch_size
+        """This rank's rows of global batch `step`: (x0 (B, S, C), eps, t (B,), *conditioning)."""
+        B, src = self.cfg.batch_size, self.src
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
-        pick = torch.randint(0, len(self.images), (B,), generator=gen)
-        x0, cls = flux.patchify(self.images[pick]), self.labels[pick].clone()
-        cls[torch.rand(B, generator=gen) < DROP_PROMPT] = N_CLASSES
+        pick = torch.randint(0, len(src.train["latents"]), (B,), generator=gen)
+        x0, cond = flux.patchify(src.train["latents"][pick]), self._cond(src.train, pick)
+        drop = torch.rand(B, generator=gen) < DROP_PROMPT
+        for c, e in zip(cond, src.empty or ()):  # (indexing copied the rows: writing is safe)
+            c[drop] = e
         t = flux_sample.sample_timesteps(B, gen, "logit_normal")
         eps = torch.randn(x0.shape, generator=gen)
         rows = self._mine(B)
-        return x0[rows], eps[rows], t[rows], cls[rows]
+        return x0[rows], eps[rows], t[rows], *(c[rows] for c in cond)
 
     def loss(self, model, batch):
-        x0, eps, t, cls = batch
+        x0, eps, t, *cond = batch
         x_t, _ = flux_sample.flow_pair(x0, eps, t)
-        mse = flux_sample.flow_loss(model(x_t, t, cls), x0, eps)
+        mse = flux_sample.flow_loss(model(x_t, t, *cond), x0, eps)
         return mse, mse
 
     @property
@@ -122,39 +193,74 @@ class FluxDigits(Task):
         return self.cfg.batch_size
 
     def flops_per_step(self, args):
-        return flux.flops_per_sample(args, (SIDE // 2) ** 2, PROMPT_TOKENS) * self.cfg.batch_size
+        H, W = self.src.hw
+        txt = self.src.train["txt"].shape[1] if "txt" in self.src.train else PROMPT_TOKENS
+        return flux.flops_per_sample(args, (H // 2) * (W // 2), txt) * self.cfg.batch_size
 
     def param_count(self, args):
-        return flux.param_count(args) + (N_CLASSES + 1) * (PROMPT_TOKENS * args.context_in_dim + args.vec_in_dim)
+        prompt = (N_CLASSES + 1) * (PROMPT_TOKENS * args.context_in_dim + args.vec_in_dim)
+        return flux.param_count(args) + (prompt if self.src.cond_keys == ("labels",) else 0)
 
     def blocks(self, model):
         return [*model.flux.double_blocks, *model.flux.single_blocks]
 
     def label(self):
-        return self.cfg.flavor
+        return f"hf:{os.path.abspath(self.cfg.init_from)}" if self.cfg.init_from else self.cfg.flavor
+
+    def meta(self):
+        return {"data": self.src.fingerprint} if self.src.fingerprint else {}
+
+    def evaluated(self, model, step, log, out_dir):
+        """A quick grid at each evaluation, named by the step (not judged: that is the end's)."""
+        if not self.cfg.sample_images:
+            return
+        path = os.path.join(out_dir, f"samples_step_{step:06d}.png")
+        sample_grid(model, self.src, self.cfg.seed, path, min(self.cfg.sample_images, EVAL_GRID[0]),
+                    steps=EVAL_GRID[1], judge=False)
+        log({"event": "grid", "step": step, "path": path}, f"step {step:5d} | grid {path}")
 
     def preview(self, model, log, out_dir):
         if not self.cfg.sample_images:
             return
-        images, accuracy = sample_grid(model, self.cfg.seed, os.path.join(out_dir, "samples.png"),
-                                       per_class=self.cfg.sample_images)
-        log({"event": "samples", "accuracy": accuracy, "guidance": GUIDANCE},
-            f"samples: {os.path.join(out_dir, 'samples.png')}; an SVC on the real digits labels {100 * accuracy:.1f}% "
-            f"of {len(images)} samples as their prompt's class (guidance {GUIDANCE})")
+        path = os.path.join(out_dir, "samples.png")
+        images, accuracy = sample_grid(model, self.src, self.cfg.seed, path, per_class=self.cfg.sample_images,
+                                       judge=isinstance(self.src, DigitsSource))
+        guidance = GUIDANCE if self.src.empty is not None else 1.0
+        judged = "" if accuracy is None else (f"; an SVC on the real digits labels {100 * accuracy:.1f}% of "
+                                              f"{len(images)} samples as their prompt's class")
+        log({"event": "samples", "accuracy": accuracy, "guidance": guidance},
+            f"samples: {path}{judged} (guidance {guidance})")
+
+
+def grid_prompts(src):
+    """The grid's rows: one per class present among the held-out rows (its first sample's prompt), or,
+    without labels, the first held-out samples' prompts. -> (conditioning tuple (R, ...), classes or None)"""
+    held = src.held
+    if "labels" in held:
+        classes = [c for c in range(N_CLASSES) if (held["labels"] == c).any()]
+        first = torch.tensor([int((held["labels"] == c).nonzero()[0]) for c in classes])
+        return tuple(held[k][first] for k in src.cond_keys), held["labels"][first]
+    n = min(len(held["latents"]), N_CLASSES)
+    return tuple(held[k][:n] for k in src.cond_keys), None
 
 
 @torch.no_grad()
-def sample_grid(model, seed, path=None, per_class=10, steps=20, guidance=GUIDANCE):
-    """(images (10 * per_class, 1, 8, 8), the judge's accuracy on them); a PNG grid (row per class)."""
+def sample_grid(model, src, seed, path=None, per_class=10, steps=20, guidance=GUIDANCE, judge=True):
+    """(images (rows * per_class, C, H, W), the judge's accuracy on them, or None); a PNG grid (a row per
+    class / prompt). Classifier-free guidance where the source has an empty prompt."""
     device = next(model.parameters()).device
-    cls = torch.arange(N_CLASSES, device=device).repeat_interleave(per_class)
-    empty = torch.full((1,), N_CLASSES, device=device)
-    txt, y = model.prompt(cls)
+    cond, classes = grid_prompts(src)
+    cond = tuple(c.to(device).repeat_interleave(per_class, dim=0) for c in cond)
+    txt, y = model.encode(*cond)
+    uncond = model.encode(*(e.to(device) for e in src.empty)) if src.empty is not None else None
     images = flux_sample.sample(
-        model.flux, txt, y, (1, SIDE, SIDE), steps=steps, seed=seed, cfg_scale=guidance, uncond=model.prompt(empty),
-        guidance=1.0 if model.flux.args.guidance_embed else None).cpu()
-    judge, _ = digits.classifier(seed)
-    accuracy = (digits.classify(judge, images) == cls.cpu()).float().mean().item()
+        model.flux, txt, y, (model.flux.args.in_channels // 4, *src.hw), steps=steps, seed=seed,
+        cfg_scale=guidance if uncond is not None else 1.0, uncond=uncond,
+        guidance=model.guidance if model.flux.args.guidance_embed else None).cpu()
+    accuracy = None
+    if judge and classes is not None:
+        clf, _ = digits.classifier(seed)
+        accuracy = (digits.classify(clf, images) == classes.repeat_interleave(per_class)).float().mean().item()
     if path:
         save_grid(images, per_class, path)
     return images, accuracy
@@ -164,10 +270,11 @@ def save_grid(images_Nx1xHxW, per_row, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = images_Nx1xHxW.shape[0] // per_row
-    grid = images_Nx1xHxW[:, 0].clamp(-1, 1).reshape(rows, per_row, SIDE, SIDE).permute(0, 2, 1, 3)
+    N, _, H, W = images_Nx1xHxW.shape
+    rows = N // per_row
+    grid = images_Nx1xHxW[:, 0].clamp(-1, 1).reshape(rows, per_row, H, W).permute(0, 2, 1, 3)  # channel 0
     fig = plt.figure(figsize=(per_row * 0.5, rows * 0.5))
-    plt.imshow(grid.reshape(rows * SIDE, per_row * SIDE).numpy(), cmap="gray_r", vmin=-1, vmax=1)
+    plt.imshow(grid.reshape(rows * H, per_row * W).numpy(), cmap="gray_r", vmin=-1, vmax=1)
     plt.axis("off")
     tmp = path + ".tmp"
     fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
@@ -194,15 +301,19 @@ def main(argv=None):
         path, meta = checkpoint.run_checkpoint(cfg.run_dir)
         if meta.get("task") != "flux":
             raise ValueError(f"{path} is not a FLUX run (task {meta.get('task')!r})")
-        model = FluxOnDigits(flux.FluxArgs(**{k: tuple(v) if isinstance(v, list) else v
-                                              for k, v in meta["model_args"].items()}))
+        if meta["train"].get("data"):
+            raise ValueError(f"{path} trained on a latent file: its prompts are the file's (the run's grids "
+                             f"are written at each evaluation); this CLI samples digits runs")
+        model = ConditionedFlux(flux.FluxArgs(**{k: tuple(v) if isinstance(v, list) else v
+                                                 for k, v in meta["model_args"].items()}))
         model.load_state_dict(checkpoint.load(path, {"model": model.state_dict()})["model"])
     except (ValueError, TypeError, OSError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
     for g in scales:
         out = os.path.join(cfg.run_dir, f"samples_g{g:g}.png")
-        images, accuracy = sample_grid(model, cfg.seed, out, per_class=cfg.per_class, guidance=g)
+        images, accuracy = sample_grid(model, DigitsSource(cfg.seed), cfg.seed, out, per_class=cfg.per_class,
+                                       guidance=g)
         print(f"guidance {g:g}: {100 * accuracy:.1f}% of {len(images)} samples labelled as their prompt's class; {out}")
     return 0
 

@@ -17,6 +17,7 @@ its own model, data and loss; its FluxTrainer overrides one step method, its RL 
     flops_per_step(args)    model FLOPs of one global step (forward + backward), for MFU
     meta()                  what a checkpoint records of the data, and a resume must match
     label(), model_record(args), param_count(args)   naming and sizing the model (defaults given)
+    evaluated(model, step, log, out_dir)   after each evaluation, something to look at (an image grid)
     preview(model, log)     something to look at after the last step (a text sample, an image grid)
 
 Adding a workload is one subclass and one entry in train.TASKS.
@@ -91,6 +92,9 @@ class Task:
 
     def meta(self):
         return {}
+
+    def evaluated(self, model, step, log, out_dir):
+        """Called after each evaluation on one device (where the weights are whole), by the writing process."""
 
     def preview(self, model, log, out_dir):
         """Called once after the last step, with the trainer's `log` and the run directory, where the

@@ -312,6 +312,8 @@ class Trainer:
         self.log({"step": self.step, "val_loss": val}, f"step {self.step:5d} | val loss {val:.4f}")
         if self.parallel.writes_files:
             self.run_dir.plot()
+            if self.parallel.mesh_spec is None:  # (sharded weights: not drawn)
+                self.task.evaluated(self.model, self.step, self.log, self.out_dir)
         return val
 
 
