@@ -16,7 +16,17 @@ is FLUX's own, after torchtitan's `models/flux` (its train.py / validate.py):
   - the preview: --sample-images samples per class (10) (Euler on FLUX's shifted schedule, guidance scale
     `GUIDANCE`), a PNG grid (a row per class) and the share an independent classifier (an SVC on the
     real digits, digits.py) labels as the prompt's class.
+
+The dry run (`--dry-run [--plan --chips N]`, dryrun.py) plans the published flavors at full scale
+through `plan_workload`: FLUX itself on cached VAE latents and T5 / CLIP outputs (the frozen encoders
+run ahead of training, as the MLPerf reference caches them), an --image-size image, e.g.
+
+    python train.py --task flux --flavor flux_dev --dry-run --image-size 1024 --batch-size 4 --mesh ici=4
+
+1024 x 1024 pixels -> a 128 x 128 x 16 latent (the VAE downsamples 8x) -> packed 2x2: 4096 tokens of
+64 channels, beside 512 T5 tokens; FLOPs from flux.flops_per_sample (torchtitan's formula).
 """
+import dataclasses
 import os
 
 import torch
@@ -33,6 +43,43 @@ N_CLASSES, PROMPT_TOKENS = 10, 4
 DROP_PROMPT = 0.1     # classifier-free guidance: train the empty prompt on this share of samples
 GUIDANCE = 2.0        # the preview's guidance scale u + s (c - u)
 SIDE = 8              # digits are 8 x 8, one channel
+VAE_CHANNELS, VAE_DOWN = 16, 8  # FLUX's autoencoder: 16 latent channels at 1/8 of the image's side
+T5_TOKENS = 512       # the published flavors' prompt length (flux-dev's T5 max_sequence_length)
+PUBLISHED_SIZE = 1024  # FLUX.1's native resolution: the published flavors' default --image-size
+
+
+def latent_geometry(args, image_size):
+    """(latent side, text tokens) for an image_size-pixel square image and this flavor: tokens of 2 x 2
+    x 16 channels read FLUX's VAE latents (side / 8) beside T5's tokens; tokens of 2 x 2 x 1 read the
+    digits' pixels beside the learned prompt. ValueError (one line) for a size that does not pack."""
+    if args.in_channels == 4 * VAE_CHANNELS:
+        down, text = VAE_DOWN, T5_TOKENS
+    elif args.in_channels == 4:
+        down, text = 1, PROMPT_TOKENS
+    else:
+        raise ValueError(f"in_channels {args.in_channels}: FLUX tokens pack 2 x 2 patches of {VAE_CHANNELS} VAE "
+                         f"channels ({4 * VAE_CHANNELS}) or, for the digits, of one pixel channel (4)")
+    if image_size <= 0 or image_size % (2 * down):
+        raise ValueError(f"--image-size {image_size} is not a positive multiple of {2 * down} (the latent is "
+                         f"1/{down} of the side, packed in 2 x 2 patches)")
+    return image_size // down, text
+
+
+def velocity(model, x_BxSxC, t_B, txt_BxTxE, y_BxV, side):
+    """flux.Flux on packed tokens of a side x side latent: position ids built here; flux-dev's
+    distilled guidance input fixed at 1."""
+    B, dev = x_BxSxC.shape[0], x_BxSxC.device
+    guidance_B = torch.ones(B, device=dev) if model.args.guidance_embed else None
+    return model(x_BxSxC, flux.image_ids(B, side, side, device=dev), txt_BxTxE,
+                 flux.text_ids(B, txt_BxTxE.shape[1], device=dev), t_B, y_BxV, guidance_B)
+
+
+def flow_matching_loss(model, batch):
+    """(x0, eps, t, *conditioning): rectified flow's MSE, as (loss to report, loss to differentiate)."""
+    x0, eps, t, *cond = batch
+    x_t, _ = flux_sample.flow_pair(x0, eps, t)
+    mse = flux_sample.flow_loss(model(x_t, t, *cond), x0, eps)
+    return mse, mse
 
 
 class ClassPrompt(nn.Module):
@@ -55,11 +102,19 @@ class FluxOnDigits(nn.Module):
         self.prompt, self.flux = ClassPrompt(args), flux.Flux(args)
 
     def forward(self, x_BxSxC, t_B, class_B):
-        txt_BxTxE, y_BxV = self.prompt(class_B)
-        B, dev = x_BxSxC.shape[0], x_BxSxC.device
-        guidance_B = torch.ones(B, device=dev) if self.flux.args.guidance_embed else None  # (flux-dev's input)
-        return self.flux(x_BxSxC, flux.image_ids(B, SIDE, SIDE, device=dev), txt_BxTxE,
-                         flux.text_ids(B, PROMPT_TOKENS, device=dev), t_B, y_BxV, guidance_B)
+        return velocity(self.flux, x_BxSxC, t_B, *self.prompt(class_B), SIDE)
+
+
+class FluxOnLatents(nn.Module):
+    """(x_t packed (B, S, C), t (B,), T5 tokens (B, T, E), pooled CLIP (B, V)) -> velocity (B, S, C):
+    FLUX as it trains at scale, on cached encoder outputs (what the dry run traces)."""
+
+    def __init__(self, args, side, attention=flux.sdpa):
+        super().__init__()
+        self.flux, self.side = flux.Flux(args, attention), side
+
+    def forward(self, x_BxSxC, t_B, txt_BxTxE, y_BxV):
+        return velocity(self.flux, x_BxSxC, t_B, txt_BxTxE, y_BxV, self.side)
 
 
 class FluxDigits(Task):
@@ -74,12 +129,26 @@ class FluxDigits(Task):
             flux.check_args(self.args)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if self.args.in_channels != 4 or self.args.out_channels != 4:
-            raise ConfigError(f"--flavor {cfg.flavor}: the digits are 1 channel packed 2x2 (4 channels a token), "
-                              f"the model takes {self.args.in_channels} in and {self.args.out_channels} out")
         if cfg.init_from or cfg.tokenizer or cfg.kernels != "reference":
             raise ConfigError("--task flux trains from scratch on the digits with the reference kernels "
                               "(--init-from / --tokenizer / --kernels pallas are not built for it)")
+        published = self.args.in_channels == 4 * VAE_CHANNELS
+        self.image_size = cfg.image_size or (PUBLISHED_SIZE if published else SIDE)
+        if cfg.dry_run:  # planned at full scale on cached latents (plan_workload): no digits involved
+            if self.args.out_channels != self.args.in_channels:
+                raise ConfigError(f"--flavor {cfg.flavor}: the velocity has the latent's channels; the model takes "
+                                  f"{self.args.in_channels} in and gives {self.args.out_channels} out")
+            try:
+                self.latent_side, self.text_tokens = latent_geometry(self.args, self.image_size)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            return
+        if self.args.in_channels != 4 or self.args.out_channels != 4:
+            raise ConfigError(f"--flavor {cfg.flavor}: the digits are 1 channel packed 2x2 (4 channels a token), "
+                              f"the model takes {self.args.in_channels} in and {self.args.out_channels} out"
+                              f"{' (the published flavors: --dry-run)' if published else ''}")
+        if self.image_size != SIDE:
+            raise ConfigError(f"--image-size {self.image_size}: the digits are {SIDE} x {SIDE} (other sizes: --dry-run)")
 
     def setup_data(self, dp_rank, dp_size):
         self.images, self.labels = digits.load("train", self.cfg.seed)
@@ -112,11 +181,7 @@ class FluxDigits(Task):
         rows = self._mine(B)
         return x0[rows], eps[rows], t[rows], cls[rows]
 
-    def loss(self, model, batch):
-        x0, eps, t, cls = batch
-        x_t, _ = flux_sample.flow_pair(x0, eps, t)
-        mse = flux_sample.flow_loss(model(x_t, t, cls), x0, eps)
-        return mse, mse
+    loss = staticmethod(flow_matching_loss)  # batch: (x0, eps, t, class)
 
     @property
     def units_per_step(self):
@@ -133,6 +198,37 @@ class FluxDigits(Task):
 
     def label(self):
         return self.cfg.flavor
+
+    def plan_workload(self, args):
+        """The dry run's FLUX (dryrun.Workload): FluxOnLatents at --image-size, one sample traced on
+        meta at one double and one single block, then one more of each, extrapolated to the depths.
+        All of it is data parallel (no tp / ep); FSDP gathers one block at a time, the double one
+        the larger."""
+        import dryrun
+        side, T = self.latent_side, self.text_tokens
+        S = (side // 2) ** 2
+
+        def saved_at(depths, remat):
+            with torch.device("meta"):
+                model = FluxOnLatents(dataclasses.replace(args, **depths), side, flux.flash_sdpa)  # (TPU: splash)
+                bf16 = dict(dtype=torch.bfloat16)
+                x0, eps = torch.empty(1, S, args.in_channels, **bf16), torch.empty(1, S, args.in_channels, **bf16)
+                batch = (x0, eps, torch.empty(1), torch.empty(1, T, args.context_in_dim, **bf16),
+                         torch.empty(1, args.vec_in_dim, **bf16))
+            return dryrun.step_saved_bytes(model, flow_matching_loss, batch, remat)
+
+        with torch.device("meta"):
+            one_of_each = flux.Flux(dataclasses.replace(args, depth=1, depth_single_blocks=1))
+        largest = max(sum(p.numel() for p in blocks[0].parameters())
+                      for blocks in (one_of_each.double_blocks, one_of_each.single_blocks))
+        no_tp = lambda dims: (None if dims["tp"] == dims["ep"] == 1 else
+                              f"--task flux runs data parallel only (dcn / ici): tp={dims['tp']}, ep={dims['ep']} refused")
+        depths = {"depth": args.depth, "depth_single_blocks": args.depth_single_blocks}
+        return dryrun.Workload(
+            self.cfg.flavor, {"tp": 0, "experts": 0, "rest": flux.param_count(args)},
+            {"tp": 0, "experts": 0, "rest": largest}, flux.flops_per_sample(args, S, T), S + T,
+            lambda remat: dryrun.extrapolate(lambda d: saved_at(d, remat), depths), no_tp,
+            dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks)
 
     def preview(self, model, log, out_dir):
         if not self.cfg.sample_images:

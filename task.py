@@ -18,6 +18,8 @@ its own model, data and loss; its FluxTrainer overrides one step method, its RL 
     meta()                  what a checkpoint records of the data, and a resume must match
     label(), model_record(args), param_count(args)   naming and sizing the model (defaults given)
     preview(model, log)     something to look at after the last step (a text sample, an image grid)
+    plan_workload(args)     what the dry run (dryrun.py) needs at full scale: a dryrun.Workload (parameter
+                            groups, FLOPs and tokens of a sample, its saved activations traced on meta)
 
 Adding a workload is one subclass and one entry in train.TASKS.
 """
@@ -91,6 +93,10 @@ class Task:
 
     def meta(self):
         return {}
+
+    def plan_workload(self, args):
+        """dryrun.Workload for `args` at full scale (--dry-run, --plan); nothing is allocated."""
+        raise NotImplementedError
 
     def preview(self, model, log, out_dir):
         """Called once after the last step, with the trainer's `log` and the run directory, where the
@@ -192,6 +198,10 @@ class LanguageModel(Task):
             return bound
         import dryrun
         return 2 * B * dryrun.saved_bytes_per_sequence(args, S, remat=False)
+
+    def plan_workload(self, args):
+        import dryrun
+        return dryrun.lm_workload(args, self.cfg.flavor, self.cfg.seq_len)
 
     def meta(self):
         return {"data": self.fingerprint,
