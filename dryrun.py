@@ -1,11 +1,15 @@
 """dryrun.py: will this configuration fit and how fast could it be? Answered without any hardware.
 
     python train.py --dry-run --flavor llama3_405b --mesh dcn=2,ici=128 --chip tpu_v5p
+    python train.py --task flux --flavor flux_dev --dry-run --image-size 1024 --batch-size 4 --mesh ici=4
 
-The whole step (graph_trainer.build_step_fn) is traced by make_fx on meta tensors, at full width and
-with the TPU kernels (the config rewrite), so the graph's saved activations are exact for one and two
-layers; the per-layer difference extrapolates to the full depth (every block is the same). Nothing is
-allocated. Parameters, gradients and AdamW state follow from the parameter counts and the layout
+A task describes its model to the planner as a `Workload` (Task.plan_workload: parameters grouped by
+how a layout splits them, FLOPs and tokens of a sample, saved activations): everything below works
+on that, never on a model class. The whole step (graph_trainer.build_step_fn with the task's loss) is
+traced by make_fx on meta tensors, at full width and with the TPU kernels (a language model's config
+rewrite; FLUX's flash attention), so the graph's saved activations are exact for one block of each
+kind and one more; the per-block differences extrapolate to the full depths (blocks of a kind are
+the same: `extrapolate`). Nothing is allocated. Parameters, gradients and AdamW state follow from the parameter counts and the layout
 (fp32; the TP-split weights over ici x tp, the experts over all data-parallel ranks, the rest over
 ici; replicated over dcn), as train.py places them; FSDP collectives from the same. The step time is a
 roofline: max(compute at peak, FSDP's ICI traffic, DCN traffic), i.e. FSDP overlapped with compute,
