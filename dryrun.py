@@ -4,16 +4,18 @@
     python train.py --task flux --flavor flux_dev --dry-run --image-size 1024 --batch-size 4 --mesh ici=4
 
 A task describes its model to the planner as a `Workload` (Task.plan_workload: parameters grouped by
-how a layout splits them, FLOPs and tokens of a sample, saved activations): everything below works
-on that, never on a model class. The whole step (graph_trainer.build_step_fn with the task's loss) is
-traced by make_fx on meta tensors, at full width and with the TPU kernels (a language model's config
-rewrite; FLUX's flash attention), so the graph's saved activations are exact for one block of each
-kind and one more; the per-block differences extrapolate to the full depths (blocks of a kind are
-the same: `extrapolate`). Nothing is allocated. Parameters, gradients and AdamW state follow from the parameter counts and the layout
-(fp32; the TP-split weights over ici x tp, the experts over all data-parallel ranks, the rest over
-ici; replicated over dcn), as train.py places them; FSDP collectives from the same. The step time is a
-roofline: max(compute at peak, FSDP's ICI traffic, DCN traffic), i.e. FSDP overlapped with compute,
-plus the TP/EP collectives, which sit on the critical path; a lower bound, the MFU an upper bound.
+how a layout splits them, FLOPs and tokens of a sample, saved activations); `estimate` and `plan`
+work on that alone (a language model's Workload is built here, `lm_workload`; FLUX's in
+flux_task.py). The whole step (graph_trainer.build_step_fn with the task's loss) is traced by make_fx
+on meta tensors, at full width and with the TPU kernels (a language model's config rewrite; FLUX's
+flash attention), so the graph's saved activations are exact for one block of each kind and one
+more; the per-block differences extrapolate to the full depths (blocks of a kind are the same:
+`extrapolate`). Nothing is allocated. Parameters, gradients and AdamW state follow from the
+parameter counts and the layout (fp32; the TP-split weights over ici x tp, the experts over all
+data-parallel ranks, the rest over ici; replicated over dcn), as train.py places them; FSDP
+collectives from the same. The step time is a roofline: max(compute at peak, FSDP's ICI traffic,
+DCN traffic), i.e. FSDP overlapped with compute, plus the TP/EP collectives, which sit on the
+critical path; a lower bound, the MFU an upper bound.
 
 Layouts (mesh dims dcn, ici, tp, ep as in train.py): tensor parallelism splits the attention and
 dense-MLP matmuls, the compute and (sequence parallel) the saved activations tp ways and adds its
@@ -242,7 +244,8 @@ def main(w, cfg):
 
 
 def format_plan(rows, cfg, top=15):
-    lines = [f"plan: {rows[0]['flavor']} on {cfg.chips} x {cfg.chip}, global batch {cfg.batch_size} x {rows[0]['seq_len']} tokens; "
+    lines = [f"plan: {rows[0]['flavor']} on {cfg.chips} x {cfg.chip}, global batch {cfg.batch_size} x "
+             f"{rows[0]['seq_len']} tokens; "
              f"{len(rows)} layouts, best {min(top, len(rows))} (roofline: FSDP overlapped, TP/EP exposed)",
              f"  {'mesh':<28} {'remat':<5} {'batch/dp':>8} {'HBM GiB':>8} {'fits':<4} {'step ms':>9} "
              f"{'TP/EP ms':>9} {'MFU':>6}  bound"]

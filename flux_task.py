@@ -221,8 +221,8 @@ class FluxDigits(Task):
             one_of_each = flux.Flux(dataclasses.replace(args, depth=1, depth_single_blocks=1))
         largest = max(sum(p.numel() for p in blocks[0].parameters())
                       for blocks in (one_of_each.double_blocks, one_of_each.single_blocks))
-        no_tp = lambda dims: (None if dims["tp"] == dims["ep"] == 1 else
-                              f"--task flux runs data parallel only (dcn / ici): tp={dims['tp']}, ep={dims['ep']} refused")
+        no_tp = lambda dims: (None if dims["tp"] == dims["ep"] == 1 else f"--task flux runs data parallel "
+                              f"only (dcn / ici): tp={dims['tp']}, ep={dims['ep']} refused")
         depths = {"depth": args.depth, "depth_single_blocks": args.depth_single_blocks}
         return dryrun.Workload(
             self.cfg.flavor, {"tp": 0, "experts": 0, "rest": flux.param_count(args)},

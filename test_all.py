@@ -2066,7 +2066,8 @@ def test_flux_dry_run_at_1024_through_the_task_seam_flops_shards_plan_and_a_bad_
     assert mem["params (fp32 shard)"] == mem["grads (fp32 shard)"] == 4 * published / chips
     assert mem["AdamW state (fp32 shard)"] == 8 * published / chips
     assert report["flops_per_device"] == flux.flops_per_sample(flux.FLAVORS["flux_dev"], 4096, 512) * local
-    h, hd = FLUX_DEV_CONFIG["num_attention_heads"] * FLUX_DEV_CONFIG["attention_head_dim"], FLUX_DEV_CONFIG["attention_head_dim"]
+    hd = FLUX_DEV_CONFIG["attention_head_dim"]
+    h = FLUX_DEV_CONFIG["num_attention_heads"] * hd
     lin = lambda i, o: i * o + o
     double = 2 * (lin(h, 6 * h) + lin(h, 3 * h) + 2 * hd + lin(h, h) + lin(h, 4 * h) + lin(4 * h, h))
     assert mem["gathered layer (bf16, x2 prefetch)"] == 2 * 2 * double
