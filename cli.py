@@ -89,6 +89,8 @@ class TrainConfig:
     steps: int = flag(400, "optimizer steps")
     batch_size: int = flag(32, "global batch size, sequences")
     seq_len: int = flag(128, "tokens (bytes) per sequence")
+    image_size: int = flag(0, "flux: image side in pixels (0: the task's, 8 for the digits, 1024 for the "
+                           "published flavors' --dry-run)")
     lr: float = flag(3e-3, "peak learning rate")
     warmup: int = flag(30, "linear warmup steps, then cosine decay to lr/10")
     clip: float = flag(1.0, "global gradient-norm clip (0: off)")
@@ -181,7 +183,7 @@ def validate(cfg):
     for name in ("steps", "batch_size", "seq_len", "log_interval"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    for name in ("warmup", "eval_interval", "eval_batches", "ckpt_interval", "halt_at", "seed", "split",
+    for name in ("warmup", "eval_interval", "eval_batches", "ckpt_interval", "halt_at", "seed", "split", "image_size",
                  "sample_tokens", "sample_images"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")

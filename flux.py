@@ -76,6 +76,13 @@ def sdpa(q_BxHxSxD, k_BxHxSxD, v_BxHxSxD):
     return F.scaled_dot_product_attention(q_BxHxSxD, k_BxHxSxD, v_BxHxSxD)
 
 
+def flash_sdpa(q_BxHxSxD, k_BxHxSxD, v_BxHxSxD):
+    """The same attention through PyTorch's flash-attention op (its CPU kernel; shape functions on
+    meta): the backward keeps the output and the log-sum-exp, never the S x S probabilities, as a
+    TPU flash kernel (splash attention) does. What the dry run traces at full scale."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_BxHxSxD, k_BxHxSxD, v_BxHxSxD)[0]
+
+
 # ------------------------------------------------------------------------------------------------
 # Embeddings: timesteps, RoPE over 3 position axes
 

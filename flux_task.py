@@ -25,7 +25,17 @@ is FLUX's own, after torchtitan's `models/flux` (its train.py / validate.py):
     `GUIDANCE`) into samples.png, and, for the digits, the share an independent classifier (an SVC
     on the real digits, digits.py) labels as the prompt's class. A latent file's grid shows the
     latents' first channel (no VAE decoder here).
+
+The dry run (`--dry-run [--plan --chips N]`, dryrun.py) plans the published flavors at full scale
+through `plan_workload`: FLUX itself on cached VAE latents and T5 / CLIP outputs (the frozen encoders
+run ahead of training, as the MLPerf reference caches them), an --image-size image, e.g.
+
+    python train.py --task flux --flavor flux_dev --dry-run --image-size 1024 --batch-size 4 --mesh ici=4
+
+1024 x 1024 pixels -> a 128 x 128 x 16 latent (the VAE downsamples 8x) -> packed 2x2: 4096 tokens of
+64 channels, beside 512 T5 tokens; FLOPs from flux.flops_per_sample (torchtitan's formula).
 """
+import dataclasses
 import os
 
 import torch
@@ -43,6 +53,36 @@ DROP_PROMPT = 0.1     # classifier-free guidance: train the empty prompt on this
 GUIDANCE = 2.0        # the preview's guidance scale u + s (c - u)
 SIDE = 8              # digits are 8 x 8, one channel
 EVAL_GRID = (4, 8)    # at each evaluation: up to this many samples per row, Euler steps (cheap)
+VAE_CHANNELS, VAE_DOWN = 16, 8  # FLUX's autoencoder: 16 latent channels at 1/8 of the image's side
+T5_TOKENS = 512       # the published flavors' prompt length (flux-dev's T5 max_sequence_length)
+PUBLISHED_SIZE = 1024  # FLUX.1's native resolution: the published flavors' default --image-size
+
+
+def latent_geometry(args, image_size):
+    """(latent side, text tokens) for an image_size-pixel square image and this flavor: tokens of 2 x 2
+    x 16 channels read FLUX's VAE latents (side / 8) beside T5's tokens; tokens of 2 x 2 x 1 read the
+    digits' pixels beside the learned prompt. ValueError (one line) for a size that does not pack."""
+    if args.in_channels == 4 * VAE_CHANNELS:
+        down, text = VAE_DOWN, T5_TOKENS
+    elif args.in_channels == 4:
+        down, text = 1, PROMPT_TOKENS
+    else:
+        raise ValueError(f"in_channels {args.in_channels}: FLUX tokens pack 2 x 2 patches of {VAE_CHANNELS} VAE "
+                         f"channels ({4 * VAE_CHANNELS}) or, for the digits, of one pixel channel (4)")
+    if image_size <= 0 or image_size % (2 * down):
+        raise ValueError(f"--image-size {image_size} is not a positive multiple of {2 * down} (the latent is "
+                         f"1/{down} of the side, packed in 2 x 2 patches)")
+    return image_size // down, text
+
+
+
+def flow_matching_loss(model, batch):
+    """(x0, eps, t, *conditioning): rectified flow's MSE, as (loss to report, loss to differentiate)."""
+    x0, eps, t, *cond = batch
+    x_t, _ = flux_sample.flow_pair(x0, eps, t)
+    mse = flux_sample.flow_loss(model(x_t, t, *cond), x0, eps)
+    return mse, mse
+
 
 
 class ClassPrompt(nn.Module):
@@ -63,10 +103,10 @@ class ConditionedFlux(nn.Module):
     pooled vectors (B, V) as given. A model with a guidance embedding gets `guidance` (flux-dev's
     distilled scale) for every sample."""
 
-    def __init__(self, args, hw=(SIDE, SIDE), classes=True, guidance=1.0):
+    def __init__(self, args, hw=(SIDE, SIDE), classes=True, guidance=1.0, attention=flux.sdpa):
         super().__init__()
         self.prompt = ClassPrompt(args) if classes else None
-        self.flux, self.hw, self.guidance = flux.Flux(args), tuple(hw), guidance
+        self.flux, self.hw, self.guidance = flux.Flux(args, attention), tuple(hw), guidance
 
     def encode(self, *cond):
         return self.prompt(*cond) if self.prompt is not None else cond
@@ -113,9 +153,21 @@ class FluxDigits(Task):
         if a.out_channels != a.in_channels:
             raise ConfigError(f"the model predicts {a.out_channels} channels a token from {a.in_channels}: "
                               f"a velocity has its input's channels")
+        published = a.in_channels == 4 * VAE_CHANNELS
+        self.image_size = cfg.image_size or (PUBLISHED_SIZE if published else SIDE)
+        if cfg.dry_run:  # planned at full scale on cached latents (plan_workload): no data involved
+            try:
+                self.latent_side, self.text_tokens = latent_geometry(a, self.image_size)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            return
         if not cfg.data and a.in_channels != 4:
             raise ConfigError(f"the digits are 1 channel packed 2x2 (4 channels a token), the model takes "
-                              f"{a.in_channels}: train it on a latent file (--data FILE.safetensors)")
+                              f"{a.in_channels}: train it on a latent file (--data FILE.safetensors)"
+                              f"{' or plan it (--dry-run)' if published else ''}")
+        if cfg.image_size and (cfg.data or cfg.image_size != SIDE):
+            raise ConfigError(f"--image-size {cfg.image_size}: training takes its data's size (the digits are "
+                              f"{SIDE} x {SIDE}, a latent file has its own); other sizes: --dry-run")
         if cfg.distilled_guidance is not None and not a.guidance_embed:
             raise ConfigError(f"--distilled-guidance {cfg.distilled_guidance}: this model has no guidance "
                               f"embedding (flux-dev's; guidance_embed=False)")
@@ -182,11 +234,7 @@ class FluxDigits(Task):
         rows = self._mine(B)
         return x0[rows], eps[rows], t[rows], *(c[rows] for c in cond)
 
-    def loss(self, model, batch):
-        x0, eps, t, *cond = batch
-        x_t, _ = flux_sample.flow_pair(x0, eps, t)
-        mse = flux_sample.flow_loss(model(x_t, t, *cond), x0, eps)
-        return mse, mse
+    loss = staticmethod(flow_matching_loss)  # batch: (x0, eps, t, *conditioning)
 
     @property
     def units_per_step(self):
@@ -218,6 +266,38 @@ class FluxDigits(Task):
         sample_grid(model, self.src, self.cfg.seed, path, min(self.cfg.sample_images, EVAL_GRID[0]),
                     steps=EVAL_GRID[1], judge=False)
         log({"event": "grid", "step": step, "path": path}, f"step {step:5d} | grid {path}")
+
+    def plan_workload(self, args):
+        """The dry run's FLUX (dryrun.Workload): ConditionedFlux on cached latents at --image-size, one sample traced on
+        meta at one double and one single block, then one more of each, extrapolated to the depths.
+        All of it is data parallel (no tp / ep); FSDP gathers one block at a time, the double one
+        the larger."""
+        import dryrun
+        side, T = self.latent_side, self.text_tokens
+        S = (side // 2) ** 2
+
+        def saved_at(depths, remat):
+            with torch.device("meta"):
+                model = ConditionedFlux(dataclasses.replace(args, **depths), (side, side), classes=False,
+                                        attention=flux.flash_sdpa)  # (TPU: splash)
+                bf16 = dict(dtype=torch.bfloat16)
+                x0, eps = torch.empty(1, S, args.in_channels, **bf16), torch.empty(1, S, args.in_channels, **bf16)
+                batch = (x0, eps, torch.empty(1), torch.empty(1, T, args.context_in_dim, **bf16),
+                         torch.empty(1, args.vec_in_dim, **bf16))
+            return dryrun.step_saved_bytes(model, flow_matching_loss, batch, remat)
+
+        with torch.device("meta"):
+            one_of_each = flux.Flux(dataclasses.replace(args, depth=1, depth_single_blocks=1))
+        largest = max(sum(p.numel() for p in blocks[0].parameters())
+                      for blocks in (one_of_each.double_blocks, one_of_each.single_blocks))
+        no_tp = lambda dims: (None if dims["tp"] == dims["ep"] == 1 else f"--task flux runs data parallel "
+                              f"only (dcn / ici): tp={dims['tp']}, ep={dims['ep']} refused")
+        depths = {"depth": args.depth, "depth_single_blocks": args.depth_single_blocks}
+        return dryrun.Workload(
+            self.cfg.flavor, {"tp": 0, "experts": 0, "rest": flux.param_count(args)},
+            {"tp": 0, "experts": 0, "rest": largest}, flux.flops_per_sample(args, S, T), S + T,
+            lambda remat: dryrun.extrapolate(lambda d: saved_at(d, remat), depths), no_tp,
+            dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks)
 
     def preview(self, model, log, out_dir):
         if not self.cfg.sample_images:

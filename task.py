@@ -19,6 +19,8 @@ its own model, data and loss; its FluxTrainer overrides one step method, its RL 
     label(), model_record(args), param_count(args)   naming and sizing the model (defaults given)
     evaluated(model, step, log, out_dir)   after each evaluation, something to look at (an image grid)
     preview(model, log)     something to look at after the last step (a text sample, an image grid)
+    plan_workload(args)     what the dry run (dryrun.py) needs at full scale: a dryrun.Workload (parameter
+                            groups, FLOPs and tokens of a sample, its saved activations traced on meta)
 
 Adding a workload is one subclass and one entry in train.TASKS.
 """
@@ -95,6 +97,10 @@ class Task:
 
     def evaluated(self, model, step, log, out_dir):
         """Called after each evaluation on one device (where the weights are whole), by the writing process."""
+
+    def plan_workload(self, args):
+        """dryrun.Workload for `args` at full scale (--dry-run, --plan); nothing is allocated."""
+        raise NotImplementedError
 
     def preview(self, model, log, out_dir):
         """Called once after the last step, with the trainer's `log` and the run directory, where the
@@ -196,6 +202,10 @@ class LanguageModel(Task):
             return bound
         import dryrun
         return 2 * B * dryrun.saved_bytes_per_sequence(args, S, remat=False)
+
+    def plan_workload(self, args):
+        import dryrun
+        return dryrun.lm_workload(args, self.cfg.flavor, self.cfg.seq_len)
 
     def meta(self):
         return {"data": self.fingerprint,

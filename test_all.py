@@ -689,6 +689,8 @@ BAD_INPUTS = [
     (["--batch-size", "100000"], "and the activations of 100000 sequences need"),  # (the dry run's estimate)
     (["--scan", "--mesh", "ici=2,tp=2"], "--scan with tp or ep is not built"),  # (checked before any launch)
     (["--task", "flux", "--mesh", "ici=1,tp=2"], "the flux task runs data parallel (dcn / ici) only"),
+    (["--task", "flux", "--image-size", "16"], "the digits are 8 x 8"),  # (other sizes: the dry run only)
+    (["--task", "flux", "--flavor", "flux_dev"], "(the published flavors: --dry-run)"),
 ]
 
 @pytest.mark.parametrize("args,message", BAD_INPUTS)
@@ -2061,6 +2063,46 @@ def test_dry_run_of_the_largest_flavors_is_fast_and_says_whether_it_fits(flavor,
     total_line = next(l for l in out.splitlines() if l.strip().startswith("total per device"))
     assert total_line.endswith("GiB HBM: fits") if report["fits"] else "GiB HBM: DOES NOT FIT: short by" in total_line, total_line
     assert report["flops_per_device"] == flops_per_token(FLAVORS[flavor], 4096) * 4096  # 1 sequence/device
+
+
+def test_flux_dry_run_at_1024_through_the_task_seam_flops_shards_plan_and_a_bad_image_size(capsys):
+    """flux_dev at 1024 x 1024 on 8 v5p chips under FSDP (ici=8), planned through Task.plan_workload:
+    FLOPs per device are flux.py's formula (checked against FlopCounterMode and the published sizes in
+    the FLUX section) for 4096 image + 512 text tokens, times the local batch; parameter, gradient and
+    AdamW bytes per device are the published 11,901,408,320 parameters x 4 / 4 / 8 bytes over 8 chips;
+    the gathered unit is one double block, counted here from the published config. --plan offers
+    data-parallel layouts only (dcn x ici = 8, no tp / ep), its row for ici=8 equals the dry run.
+    An image size the VAE (8x) and 2 x 2 packing cannot divide is one error line, exit 2."""
+    import dryrun
+    import flux
+    import train
+    flags = ["--task", "flux", "--flavor", "flux_dev", "--dry-run", "--image-size", "1024", "--batch-size", "16"]
+    assert train.main([*flags, "--mesh", "ici=8"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    published, chips, local = 11_901_408_320, 8, 2
+    mem = report["memory_bytes"]
+    assert report["params"] == published and report["local_batch"] == local and report["seq_len"] == 4096 + 512
+    assert mem["params (fp32 shard)"] == mem["grads (fp32 shard)"] == 4 * published / chips
+    assert mem["AdamW state (fp32 shard)"] == 8 * published / chips
+    assert report["flops_per_device"] == flux.flops_per_sample(flux.FLAVORS["flux_dev"], 4096, 512) * local
+    hd = FLUX_DEV_CONFIG["attention_head_dim"]
+    h = FLUX_DEV_CONFIG["num_attention_heads"] * hd
+    lin = lambda i, o: i * o + o
+    double = 2 * (lin(h, 6 * h) + lin(h, 3 * h) + 2 * hd + lin(h, h) + lin(h, 4 * h) + lin(4 * h, h))
+    assert mem["gathered layer (bf16, x2 prefetch)"] == 2 * 2 * double
+    # (flash attention traced: a sample's S x S probabilities, 24 heads x 4608^2 fp32 = 2 GB a block,
+    # are not saved; the 57 blocks together keep less than that of 57 blocks)
+    assert 0 < mem["saved activations (bf16)"] / local < 57 * 24 * 4608**2 * 4
+    task = train.TASKS["flux"](train.parse_config([*flags, "--plan", "--chips", "8"]))
+    per_sample = mem["saved activations (bf16)"] / local
+    workload = dataclasses.replace(task.plan_workload(task.args), saved_bytes=lambda remat: per_sample)
+    rows = dryrun.plan(workload, 8, 16, "tpu_v5p")
+    assert sorted(r["mesh"] for r in rows if not r["remat"]) == ["dcn=2,ici=4", "dcn=4,ici=2", "dcn=8,ici=1", "ici=8"]
+    assert len(rows) == 8 and next(r for r in rows if r["mesh"] == "ici=8" and not r["remat"]) == report
+    for size in ("1000", "8"):  # (8: a FLUX VAE latent of 1 x 1 cannot be packed 2 x 2)
+        assert train.main([*flags, "--image-size", size]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: --image-size {size} is not a positive multiple of 16") and "\n" not in err, err
 
 
 

@@ -346,10 +346,9 @@ def main(argv=None):
         cfg = parse_config(argv)
         if cfg.dry_run:
             import dryrun
-            if cfg.task != "lm":
-                raise ConfigError(f"--dry-run plans language models; the {cfg.task} task's plan is not built")
+            task = TASKS[cfg.task](cfg)
             try:
-                return dryrun.main(model_args(cfg), cfg)
+                return dryrun.main(task.plan_workload(task.args), cfg)
             except ValueError as e:  # a mesh, batch or chip the plan cannot use
                 raise ConfigError(str(e)) from None
         parallel = choose_parallel(cfg)
