@@ -19,8 +19,10 @@ The network, as BFL's `flux/src/flux/modules/layers.py` writes it (and torchtita
 Modulation and final layers start at zero (torchtitan's init_weights): each block starts as the
 identity and the model predicts 0, so training starts from a stable point.
 
-Attention is a parameter (`attention(q_BxHxSxD, k, v) -> BxHxSxD`, non-causal): SDPA by default, a
-Pallas kernel later. Sampling and the flow-matching loss are in flux_sample.py; diffusers
+Attention (`attention(q_BxHxSxD, k, v) -> BxHxSxD`, non-causal) is chosen by name, `attn_impl`, from
+ATTENTION_IMPLS as model.py chooses its kernels (model.lookup_impl; "module:function" entries are
+imported on first use): "sdpa" (torch's), or "splash" (kernels_pallas.py's block-sparse flash
+attention with every block live: `--kernels pallas`). Sampling and the flow-matching loss are in flux_sample.py; diffusers
 checkpoints in flux_hf.py.
 """
 import dataclasses
@@ -29,6 +31,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from model import lookup_impl
 
 
 @dataclasses.dataclass
@@ -46,6 +50,7 @@ class FluxArgs:
     theta: int = 10_000
     qkv_bias: bool = True
     guidance_embed: bool = False   # flux-dev: distilled guidance scale as an extra input
+    attn_impl: str = "sdpa"        # a name in ATTENTION_IMPLS ("splash": the Pallas kernel)
 
 
 FLAVORS = {
@@ -69,11 +74,15 @@ def check_args(a):
     if len(a.axes_dim) != 3 or any(d % 2 for d in a.axes_dim) or sum(a.axes_dim) != a.hidden_size // a.num_heads:
         raise ValueError(f"axes_dim {tuple(a.axes_dim)} must be 3 even sizes summing to the head dim "
                          f"{a.hidden_size // a.num_heads}")
+    lookup_impl(ATTENTION_IMPLS, a.attn_impl, "attention")  # ValueError naming the choices
 
 
 def sdpa(q_BxHxSxD, k_BxHxSxD, v_BxHxSxD):
     """Non-causal attention over the joint text + image sequence."""
     return F.scaled_dot_product_attention(q_BxHxSxD, k_BxHxSxD, v_BxHxSxD)
+
+
+ATTENTION_IMPLS = {"sdpa": sdpa, "splash": "kernels_pallas:splash_full_attention"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,10 +235,10 @@ class LastLayer(nn.Module):
 
 
 class Flux(nn.Module):
-    def __init__(self, args: FluxArgs, attention=sdpa):
+    def __init__(self, args: FluxArgs):
         super().__init__()
         check_args(args)
-        self.args, self.attention = args, attention
+        self.args, self.attention = args, lookup_impl(ATTENTION_IMPLS, args.attn_impl, "attention")
         d = args.hidden_size
         self.img_in = nn.Linear(args.in_channels, d)
         self.time_in = MLPEmbedder(256, d)

@@ -17,6 +17,7 @@ is FLUX's own, after torchtitan's `models/flux` (its train.py / validate.py):
     `GUIDANCE`), a PNG grid (a row per class) and the share an independent classifier (an SVC on the
     real digits, digits.py) labels as the prompt's class.
 """
+import dataclasses
 import os
 
 import torch
@@ -77,9 +78,11 @@ class FluxDigits(Task):
         if self.args.in_channels != 4 or self.args.out_channels != 4:
             raise ConfigError(f"--flavor {cfg.flavor}: the digits are 1 channel packed 2x2 (4 channels a token), "
                               f"the model takes {self.args.in_channels} in and {self.args.out_channels} out")
-        if cfg.init_from or cfg.tokenizer or cfg.kernels != "reference":
-            raise ConfigError("--task flux trains from scratch on the digits with the reference kernels "
-                              "(--init-from / --tokenizer / --kernels pallas are not built for it)")
+        if cfg.init_from or cfg.tokenizer:
+            raise ConfigError("--task flux trains from scratch on the digits (--init-from / --tokenizer are "
+                              "not built for it)")
+        if cfg.kernels == "pallas":  # the joint attention as the Pallas splash kernel, every block live
+            self.args = dataclasses.replace(self.args, attn_impl="splash")
 
     def setup_data(self, dp_rank, dp_size):
         self.images, self.labels = digits.load("train", self.cfg.seed)
@@ -133,6 +136,10 @@ class FluxDigits(Task):
 
     def label(self):
         return self.cfg.flavor
+
+    def model_record(self, args):
+        """The attention implementation may change across resumes: not recorded."""
+        return {k: v for k, v in dataclasses.asdict(args).items() if k != "attn_impl"}
 
     def preview(self, model, log, out_dir):
         if not self.cfg.sample_images:
