@@ -60,7 +60,8 @@ class Task:
             return sum(p.numel() for p in self.build_model(args).parameters())
 
     def blocks(self, model):
-        """What --mode compile compiles one by one (default: the whole model)."""
+        """The model's repeated modules: what --mode compile compiles one by one, and what the
+        SimpleFSDP bucket pass (fsdp_passes.py) gathers one at a time (default: the whole model)."""
         return [model]
 
     def label(self):

@@ -3019,6 +3019,8 @@ def test_flux_trains_through_the_shared_trainer_eager_graph_and_simplefsdp_alike
     """FLUX as a Task (flux_task.py) on the one trainer: graph mode (one traced step with AdamW) and
     SimpleFSDP on 2 processes (graph mode, its passes on) equal the eager single process on the same
     global batches: losses, pre-clip gradient norms, validation MSE at the fixed times, final weights.
+    The SimpleFSDP passes bucket by FLUX's blocks (the Task's `blocks`): one all-gather per double /
+    single block (+ one for the rest) each way, each issued before the previous one's wait.
     So do --mode compile with --kernels pallas (one run: inductor-compiled blocks around the non-causal
     splash kernel; losses and norms to 1e-4) and graph mode on XLA:CPU (a child process: the step
     compiled once). A halted run resumed equals the uninterrupted one bit for bit; the end writes a
@@ -3058,6 +3060,10 @@ def test_flux_trains_through_the_shared_trainer_eager_graph_and_simplefsdp_alike
                                        torch.tensor([ref[k] for k in sorted(ref)]), rtol=1e-5, atol=1e-6)
         for k, w in _flux_weights(oracle).items():
             torch.testing.assert_close(_flux_weights(runs[name])[k], w, rtol=1e-5, atol=1e-5, msg=k)  # (as the LM tests)
+    graph = next(json.loads(line) for line in open(os.path.join(runs["fsdp"], "metrics.jsonl")) if '"graph"' in line)
+    fwd, bwd, blocks = graph["collectives_by_side"]["forward"], graph["collectives_by_side"]["backward"], 2 + 2
+    assert _gathers(fwd) == _gathers(bwd) == bwd["reduce_scatter_tensor"] == blocks + 1, graph["collectives_by_side"]
+    assert graph["prefetched_gathers"] == blocks and graph["saved_gathered_bytes"] == 0
     assert losses(runs["part"]) == losses(oracle)
     assert all(torch.equal(a, b) for a, b in zip(_flux_weights(runs["part"]).values(), _flux_weights(oracle).values()))
     with open(os.path.join(oracle, "metrics.jsonl")) as f:

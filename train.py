@@ -147,7 +147,8 @@ class Trainer:
             return graph_trainer.GraphStep(self.model, self.task.loss, self.opt, self.device, clip=cfg.clip,
                                            autocast=self.autocast, parallel=self.parallel, backend=cfg.backend,
                                            remat=cfg.remat, offload=cfg.offload, split=cfg.split,
-                                           fsdp_passes=fsdp_passes.chosen(cfg.fsdp_passes, self.parallel.graph_passes))
+                                           fsdp_passes=fsdp_passes.chosen(cfg.fsdp_passes, self.parallel.graph_passes),
+                                           blocks=() if cfg.scan else self.task.blocks(self.model))
         if cfg.mode == "compile":
             for block in self.task.blocks(self.model):
                 block.compile(backend=dev.compile_backend(self.device))
