@@ -223,6 +223,26 @@ class SingleStreamBlock(nn.Module):
         return x_BxLxD + gate * self.linear2(torch.cat([attn, F.gelu(mlp, approximate="tanh")], dim=-1))
 
 
+class PackedBlock(nn.Module):
+    """A block on layer_scan.py's contract, (h, cos, sin) -> (h, aux), for --scan: h packs both
+    streams and the conditioning vector along the sequence, [txt (T) | img | vec (1)], which is
+    also a single block's [x | vec]. vec rides in the carry unchanged, so the scan's backward, pulling
+    h back layer by layer, sums vec's gradient over the blocks as the unrolled loop does."""
+
+    def __init__(self, block, n_txt, attention):
+        super().__init__()
+        self.block, self.n_txt, self.attention = block, n_txt, attention
+
+    def forward(self, h_Bx_TplusSplus1_xD, cos, sin):
+        x, vec_BxD = h_Bx_TplusSplus1_xD[:, :-1], h_Bx_TplusSplus1_xD[:, -1]
+        if isinstance(self.block, DoubleStreamBlock):
+            img, txt = self.block(x[:, self.n_txt:], x[:, :self.n_txt], vec_BxD, (cos, sin), self.attention)
+            x = torch.cat([txt, img], dim=1)
+        else:
+            x = self.block(x, vec_BxD, (cos, sin), self.attention)
+        return torch.cat([x, vec_BxD[:, None]], dim=1), x.new_zeros((), dtype=torch.float32)
+
+
 class LastLayer(nn.Module):
     def __init__(self, d, out):
         super().__init__()
@@ -248,6 +268,7 @@ class Flux(nn.Module):
         self.double_blocks = nn.ModuleList(DoubleStreamBlock(args) for _ in range(args.depth))
         self.single_blocks = nn.ModuleList(SingleStreamBlock(args) for _ in range(args.depth_single_blocks))
         self.final_layer = LastLayer(d, args.out_channels)
+        self.packed = False  # pack_for_scan() sets it
         if self.img_in.weight.device.type != "meta":
             self.init_weights()
 
@@ -269,6 +290,14 @@ class Flux(nn.Module):
             for p in mod.parameters():
                 p.zero_()
 
+    def pack_for_scan(self, n_txt):
+        """Wrap every block as a PackedBlock (text length n_txt) and return the two stacks, as
+        Task.scan_stacks names them for layer_scan.py."""
+        self.double_blocks = nn.ModuleList(PackedBlock(b, n_txt, self.attention) for b in self.double_blocks)
+        self.single_blocks = nn.ModuleList(PackedBlock(b, n_txt, self.attention) for b in self.single_blocks)
+        self.packed = True
+        return [(self, "double_blocks"), (self, "single_blocks")]
+
     def forward(self, img_BxSxC, img_ids_BxSx3, txt_BxTxE, txt_ids_BxTx3, t_B, y_BxV, guidance_B=None):
         if (guidance_B is None) == (self.guidance_in is not None):
             raise ValueError("a guidance value is required by, and only by, a model with guidance_embed "
@@ -280,6 +309,12 @@ class Flux(nn.Module):
         vec_BxD = vec_BxD + self.vector_in(y_BxV)
         txt = self.txt_in(txt_BxTxE)
         rope = rope_freqs(torch.cat([txt_ids_BxTx3, img_ids_BxSx3], dim=1), self.args.axes_dim, self.args.theta)
+        if self.packed:  # both stacks on the packed carry (PackedBlock), maybe stacked by layer_scan.py
+            h = torch.cat([txt, img, vec_BxD[:, None]], dim=1)
+            for stack in (self.double_blocks, self.single_blocks):
+                for block in (stack if isinstance(stack, nn.ModuleList) else [stack]):
+                    h, _ = block(h, *rope)
+            return self.final_layer(h[:, txt.shape[1]:-1], vec_BxD)
         for block in self.double_blocks:
             img, txt = block(img, txt, vec_BxD, rope, self.attention)
         x = torch.cat([txt, img], dim=1)

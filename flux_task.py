@@ -131,6 +131,9 @@ class FluxDigits(Task):
     def param_count(self, args):
         return flux.param_count(args) + (N_CLASSES + 1) * (PROMPT_TOKENS * args.context_in_dim + args.vec_in_dim)
 
+    def scan_stacks(self, model):
+        return model.flux.pack_for_scan(PROMPT_TOKENS)
+
     def blocks(self, model):
         return [*model.flux.double_blocks, *model.flux.single_blocks]
 

@@ -3006,19 +3006,28 @@ if __name__ == "__main__":  # child processes: python test_all.py <child functio
     globals()[sys.argv[1]](*sys.argv[2:])
 
 
-def _flux_weights(run_dir):
+def _flux_weights(run_dir, scan=False):
+    """The final weights; a --scan run's (L, ...) stacks unstacked into the plain model's names."""
     import checkpoint
     import flux
     import flux_task
+    import layer_scan
     model = flux_task.FluxOnDigits(flux.FLAVORS["flux_debug"])
+    if scan:
+        layer_scan.stack_layers(model, model.flux.pack_for_scan(flux_task.PROMPT_TOKENS))
     path, _ = checkpoint.find_resumable(os.path.join(run_dir, "checkpoints"))
-    return checkpoint.load(path, {"model": model.state_dict()})["model"]
+    state, plain = checkpoint.load(path, {"model": model.state_dict()})["model"], {}
+    for name, w in state.items():
+        stack = re.fullmatch(r"(flux\.(?:double|single)_blocks)\.block__(.+)", name)
+        plain.update({f"{stack[1]}.{i}.{stack[2].replace('__', '.')}": w[i] for i in range(len(w))} if stack else {name: w})
+    return plain
 
 
 def test_flux_trains_through_the_shared_trainer_eager_graph_and_simplefsdp_alike(tmp_path, monkeypatch):
     """FLUX as a Task (flux_task.py) on the one trainer: graph mode (one traced step with AdamW) and
     SimpleFSDP on 2 processes (graph mode, its passes on) equal the eager single process on the same
     global batches: losses, pre-clip gradient norms, validation MSE at the fixed times, final weights.
+    So does --scan (each block stack one scan over stacked weights; the weights compared unstacked).
     The SimpleFSDP passes bucket by FLUX's blocks (the Task's `blocks`): one all-gather per double /
     single block (+ one for the rest) each way, each issued before the previous one's wait.
     So do --mode compile with --kernels pallas (one run: inductor-compiled blocks around the non-causal
@@ -3027,7 +3036,7 @@ def test_flux_trains_through_the_shared_trainer_eager_graph_and_simplefsdp_alike
     sample grid."""
     common = ["--task", "flux", "--steps", "4", "--batch-size", "8", "--log-interval", "1", "--eval-batches", "2",
               "--eval-interval", "2", "--ckpt-interval", "0", "--sample-images", "0"]
-    runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "part", "compiled", "xla")}
+    runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "part", "compiled", "xla", "scan")}
     # (XLA in its own process, started first: it runs while this one trains)
     xla = subprocess.Popen([sys.executable, "test_all.py", "child_xla_graph_steps", *common, "--eval-batches", "0",
                             "--mode", "graph", "--device", "xla", "--out-dir", runs["xla"]], cwd=HERE, text=True,
@@ -3047,19 +3056,22 @@ def test_flux_trains_through_the_shared_trainer_eager_graph_and_simplefsdp_alike
     assert res["compiles"][0] == res["compiles"][-1] == 2, res["compiles"]  # (as the LM's XLA graph test)
     _near(_records(runs["eager"], "loss"), dict(zip(range(1, 5), res["losses"])), atol=1e-4)
     assert _main([*common, "--mode", "graph", "--out-dir", runs["graph"]]) == 0
+    assert _main([*common, "--scan", "--out-dir", runs["scan"]]) == 0
     rc, _, err = torchrun(2, [*common, "--mode", "graph", "--mesh", "ici=2", "--out-dir", runs["fsdp"]])
     assert rc == 0, err[-3000:]
     assert _main([*common, "--halt-at", "2", "--out-dir", runs["part"]]) == 0
     assert _main([*common, "--resume", "--out-dir", runs["part"]]) == 0
     oracle = runs["eager"]
-    for name in ("graph", "fsdp"):
+    for name in ("graph", "fsdp", "scan"):
         for key in ("loss", "grad_norm", "val_loss"):
             mine, ref = _records(runs[name], key), _records(oracle, key)
             assert mine.keys() == ref.keys() and len(ref) >= 3, (name, key)
             torch.testing.assert_close(torch.tensor([mine[k] for k in sorted(mine)]),
                                        torch.tensor([ref[k] for k in sorted(ref)]), rtol=1e-5, atol=1e-6)
+        mine = _flux_weights(runs[name], scan=name == "scan")
+        assert mine.keys() == _flux_weights(oracle).keys(), name
         for k, w in _flux_weights(oracle).items():
-            torch.testing.assert_close(_flux_weights(runs[name])[k], w, rtol=1e-5, atol=1e-5, msg=k)  # (as the LM tests)
+            torch.testing.assert_close(mine[k], w, rtol=1e-5, atol=1e-5, msg=k)  # (as the LM tests)
     graph = next(json.loads(line) for line in open(os.path.join(runs["fsdp"], "metrics.jsonl")) if '"graph"' in line)
     fwd, bwd, blocks = graph["collectives_by_side"]["forward"], graph["collectives_by_side"]["backward"], 2 + 2
     assert _gathers(fwd) == _gathers(bwd) == bwd["reduce_scatter_tensor"] == blocks + 1, graph["collectives_by_side"]

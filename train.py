@@ -122,13 +122,14 @@ class Trainer:
         dev.seed_all(cfg.seed)
         model = self.task.build_model(self.model_args)
         pretrained = not self.resume_from
-        if cfg.scan and not self.task.scannable:
+        stacks = self.task.scan_stacks(model) if cfg.scan else []
+        if cfg.scan and not stacks:
             raise ConfigError(f"--scan stacks a model's identical blocks; the {cfg.task} task's model has none")
         if cfg.scan:
             if pretrained:  # (stacking renames the weights: load them first)
                 self.task.load_pretrained(model)
             import layer_scan
-            model = layer_scan.stack_layers(model)
+            model = layer_scan.stack_layers(model, stacks)
         model = self.parallel.parallelize(model)
         if pretrained and not cfg.scan:  # under a mesh each rank reads only its own pieces
             self.task.load_pretrained(model)
