@@ -19,8 +19,10 @@ The network, as BFL's `flux/src/flux/modules/layers.py` writes it (and torchtita
 Modulation and final layers start at zero (torchtitan's init_weights): each block starts as the
 identity and the model predicts 0, so training starts from a stable point.
 
-Attention is a parameter (`attention(q_BxHxSxD, k, v) -> BxHxSxD`, non-causal): SDPA by default, a
-Pallas kernel later. Sampling and the flow-matching loss are in flux_sample.py; diffusers
+Attention (`attention(q_BxHxSxD, k, v) -> BxHxSxD`, non-causal) is chosen by name, `attn_impl`, from
+ATTENTION_IMPLS as model.py chooses its kernels (model.lookup_impl; "module:function" entries are
+imported on first use): "sdpa" (torch's), or "splash" (kernels_pallas.py's block-sparse flash
+attention with every block live: `--kernels pallas`). Sampling and the flow-matching loss are in flux_sample.py; diffusers
 checkpoints in flux_hf.py.
 """
 import dataclasses
@@ -29,6 +31,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from model import lookup_impl
 
 
 @dataclasses.dataclass
@@ -46,6 +50,7 @@ class FluxArgs:
     theta: int = 10_000
     qkv_bias: bool = True
     guidance_embed: bool = False   # flux-dev: distilled guidance scale as an extra input
+    attn_impl: str = "sdpa"        # a name in ATTENTION_IMPLS ("splash": the Pallas kernel)
 
 
 FLAVORS = {
@@ -69,6 +74,7 @@ def check_args(a):
     if len(a.axes_dim) != 3 or any(d % 2 for d in a.axes_dim) or sum(a.axes_dim) != a.hidden_size // a.num_heads:
         raise ValueError(f"axes_dim {tuple(a.axes_dim)} must be 3 even sizes summing to the head dim "
                          f"{a.hidden_size // a.num_heads}")
+    lookup_impl(ATTENTION_IMPLS, a.attn_impl, "attention")  # ValueError naming the choices
 
 
 def sdpa(q_BxHxSxD, k_BxHxSxD, v_BxHxSxD):
@@ -81,6 +87,9 @@ def flash_sdpa(q_BxHxSxD, k_BxHxSxD, v_BxHxSxD):
     meta): the backward keeps the output and the log-sum-exp, never the S x S probabilities, as a
     TPU flash kernel (splash attention) does. What the dry run traces at full scale."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_BxHxSxD, k_BxHxSxD, v_BxHxSxD)[0]
+
+
+ATTENTION_IMPLS = {"sdpa": sdpa, "flash": flash_sdpa, "splash": "kernels_pallas:splash_full_attention"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -221,6 +230,26 @@ class SingleStreamBlock(nn.Module):
         return x_BxLxD + gate * self.linear2(torch.cat([attn, F.gelu(mlp, approximate="tanh")], dim=-1))
 
 
+class PackedBlock(nn.Module):
+    """A block on layer_scan.py's contract, (h, cos, sin) -> (h, aux), for --scan: h packs both
+    streams and the conditioning vector along the sequence, [txt (T) | img | vec (1)], which is
+    also a single block's [x | vec]. vec rides in the carry unchanged, so the scan's backward, pulling
+    h back layer by layer, sums vec's gradient over the blocks as the unrolled loop does."""
+
+    def __init__(self, block, n_txt, attention):
+        super().__init__()
+        self.block, self.n_txt, self.attention = block, n_txt, attention
+
+    def forward(self, h_Bx_TplusSplus1_xD, cos, sin):
+        x, vec_BxD = h_Bx_TplusSplus1_xD[:, :-1], h_Bx_TplusSplus1_xD[:, -1]
+        if isinstance(self.block, DoubleStreamBlock):
+            img, txt = self.block(x[:, self.n_txt:], x[:, :self.n_txt], vec_BxD, (cos, sin), self.attention)
+            x = torch.cat([txt, img], dim=1)
+        else:
+            x = self.block(x, vec_BxD, (cos, sin), self.attention)
+        return torch.cat([x, vec_BxD[:, None]], dim=1), x.new_zeros((), dtype=torch.float32)
+
+
 class LastLayer(nn.Module):
     def __init__(self, d, out):
         super().__init__()
@@ -233,10 +262,10 @@ class LastLayer(nn.Module):
 
 
 class Flux(nn.Module):
-    def __init__(self, args: FluxArgs, attention=sdpa):
+    def __init__(self, args: FluxArgs):
         super().__init__()
         check_args(args)
-        self.args, self.attention = args, attention
+        self.args, self.attention = args, lookup_impl(ATTENTION_IMPLS, args.attn_impl, "attention")
         d = args.hidden_size
         self.img_in = nn.Linear(args.in_channels, d)
         self.time_in = MLPEmbedder(256, d)
@@ -246,6 +275,7 @@ class Flux(nn.Module):
         self.double_blocks = nn.ModuleList(DoubleStreamBlock(args) for _ in range(args.depth))
         self.single_blocks = nn.ModuleList(SingleStreamBlock(args) for _ in range(args.depth_single_blocks))
         self.final_layer = LastLayer(d, args.out_channels)
+        self.packed = False  # pack_for_scan() sets it
         if self.img_in.weight.device.type != "meta":
             self.init_weights()
 
@@ -267,6 +297,14 @@ class Flux(nn.Module):
             for p in mod.parameters():
                 p.zero_()
 
+    def pack_for_scan(self, n_txt):
+        """Wrap every block as a PackedBlock (text length n_txt) and return the two stacks, as
+        Task.scan_stacks names them for layer_scan.py."""
+        self.double_blocks = nn.ModuleList(PackedBlock(b, n_txt, self.attention) for b in self.double_blocks)
+        self.single_blocks = nn.ModuleList(PackedBlock(b, n_txt, self.attention) for b in self.single_blocks)
+        self.packed = True
+        return [(self, "double_blocks"), (self, "single_blocks")]
+
     def forward(self, img_BxSxC, img_ids_BxSx3, txt_BxTxE, txt_ids_BxTx3, t_B, y_BxV, guidance_B=None):
         if (guidance_B is None) == (self.guidance_in is not None):
             raise ValueError("a guidance value is required by, and only by, a model with guidance_embed "
@@ -278,6 +316,12 @@ class Flux(nn.Module):
         vec_BxD = vec_BxD + self.vector_in(y_BxV)
         txt = self.txt_in(txt_BxTxE)
         rope = rope_freqs(torch.cat([txt_ids_BxTx3, img_ids_BxSx3], dim=1), self.args.axes_dim, self.args.theta)
+        if self.packed:  # both stacks on the packed carry (PackedBlock), maybe stacked by layer_scan.py
+            h = torch.cat([txt, img, vec_BxD[:, None]], dim=1)
+            for stack in (self.double_blocks, self.single_blocks):
+                for block in (stack if isinstance(stack, nn.ModuleList) else [stack]):
+                    h, _ = block(h, *rope)
+            return self.final_layer(h[:, txt.shape[1]:-1], vec_BxD)
         for block in self.double_blocks:
             img, txt = block(img, txt, vec_BxD, rope, self.attention)
         x = torch.cat([txt, img], dim=1)

@@ -103,10 +103,10 @@ class ConditionedFlux(nn.Module):
     pooled vectors (B, V) as given. A model with a guidance embedding gets `guidance` (flux-dev's
     distilled scale) for every sample."""
 
-    def __init__(self, args, hw=(SIDE, SIDE), classes=True, guidance=1.0, attention=flux.sdpa):
+    def __init__(self, args, hw=(SIDE, SIDE), classes=True, guidance=1.0):
         super().__init__()
         self.prompt = ClassPrompt(args) if classes else None
-        self.flux, self.hw, self.guidance = flux.Flux(args, attention), tuple(hw), guidance
+        self.flux, self.hw, self.guidance = flux.Flux(args), tuple(hw), guidance
 
     def encode(self, *cond):
         return self.prompt(*cond) if self.prompt is not None else cond
@@ -134,9 +134,8 @@ class FluxDigits(Task):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        if cfg.tokenizer or cfg.kernels != "reference":
-            raise ConfigError("--task flux runs the reference kernels on images or latents "
-                              "(--tokenizer / --kernels pallas are not built for it)")
+        if cfg.tokenizer:
+            raise ConfigError("--task flux trains on images or latents (--tokenizer is not built for it)")
         try:
             if cfg.init_from:
                 import flux_hf
@@ -172,6 +171,8 @@ class FluxDigits(Task):
             raise ConfigError(f"--distilled-guidance {cfg.distilled_guidance}: this model has no guidance "
                               f"embedding (flux-dev's; guidance_embed=False)")
         self.guidance = 1.0 if cfg.distilled_guidance is None else cfg.distilled_guidance
+        if cfg.kernels == "pallas":  # the joint attention as the Pallas splash kernel, every block live
+            self.args = dataclasses.replace(self.args, attn_impl="splash")
 
     def setup_data(self, dp_rank, dp_size):
         cfg = self.cfg
@@ -242,12 +243,17 @@ class FluxDigits(Task):
 
     def flops_per_step(self, args):
         H, W = self.src.hw
-        txt = self.src.train["txt"].shape[1] if "txt" in self.src.train else PROMPT_TOKENS
-        return flux.flops_per_sample(args, (H // 2) * (W // 2), txt) * self.cfg.batch_size
+        return flux.flops_per_sample(args, (H // 2) * (W // 2), self._text_tokens()) * self.cfg.batch_size
+
+    def _text_tokens(self):
+        return self.src.train["txt"].shape[1] if "txt" in self.src.train else PROMPT_TOKENS
 
     def param_count(self, args):
         prompt = (N_CLASSES + 1) * (PROMPT_TOKENS * args.context_in_dim + args.vec_in_dim)
         return flux.param_count(args) + (prompt if self.src.cond_keys == ("labels",) else 0)
+
+    def scan_stacks(self, model):
+        return model.flux.pack_for_scan(self._text_tokens())
 
     def blocks(self, model):
         return [*model.flux.double_blocks, *model.flux.single_blocks]
@@ -278,8 +284,8 @@ class FluxDigits(Task):
 
         def saved_at(depths, remat):
             with torch.device("meta"):
-                model = ConditionedFlux(dataclasses.replace(args, **depths), (side, side), classes=False,
-                                        attention=flux.flash_sdpa)  # (TPU: splash)
+                model = ConditionedFlux(dataclasses.replace(args, attn_impl="flash", **depths), (side, side),
+                                        classes=False)  # (flash: never S x S, as splash on a TPU)
                 bf16 = dict(dtype=torch.bfloat16)
                 x0, eps = torch.empty(1, S, args.in_channels, **bf16), torch.empty(1, S, args.in_channels, **bf16)
                 batch = (x0, eps, torch.empty(1), torch.empty(1, T, args.context_in_dim, **bf16),
@@ -298,6 +304,10 @@ class FluxDigits(Task):
             {"tp": 0, "experts": 0, "rest": largest}, flux.flops_per_sample(args, S, T), S + T,
             lambda remat: dryrun.extrapolate(lambda d: saved_at(d, remat), depths), no_tp,
             dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks)
+
+    def model_record(self, args):
+        """The attention implementation may change across resumes: not recorded."""
+        return {k: v for k, v in dataclasses.asdict(args).items() if k != "attn_impl"}
 
     def preview(self, model, log, out_dir):
         if not self.cfg.sample_images:

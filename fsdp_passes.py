@@ -20,7 +20,6 @@ All keep the numerics exactly: the same values are gathered and reduced. A --sca
 collectives are not graph nodes: they run per layer inside the scan op (simplefsdp.LayerGather).
 """
 import operator
-import re
 
 import torch
 
@@ -74,10 +73,13 @@ def reshard_after_forward(gm, also=None):
 # ------------------------------------------------------------------------------------------------
 # bucketing
 
-def _block_of(param_name):
-    """The bucket a parameter belongs to: its transformer block, the embedding, or the head."""
-    m = re.match(r"layers\.(\d+)\.", param_name)
-    return f"block {m.group(1)}" if m else "embedding" if "embed" in param_name else "head"
+def param_buckets(named_parameters, blocks):
+    """The bucket of each parameter, in order: the block (of the Task's `blocks`, the model's
+    repeated modules: a transformer's layers, FLUX's double and single blocks) holding it, else the
+    embedding or the head."""
+    owner = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
+    return [f"block {owner[id(p)]}" if id(p) in owner else "embedding" if "embed" in name else "head"
+            for name, p in named_parameters]
 
 
 def _param_index(gm):
@@ -110,7 +112,7 @@ def _grad_param(wait, n_params):
     return None
 
 
-def _buckets(nodes_and_params, names):
+def _buckets(nodes_and_params, bucket_of):
     """Group collectives by the block of their parameter, keeping graph order within each side (and
     by process group and dtype: an expert-parallel block's expert weights gather over another group)."""
     groups = {}
@@ -118,7 +120,7 @@ def _buckets(nodes_and_params, names):
         if i is not None:
             how = tuple(a for a in node.args[1:] if isinstance(a, (str, int)))
             dtype = node.meta["val"].dtype if "val" in node.meta else None
-            groups.setdefault((_block_of(names[i]), how, dtype), []).append(node)
+            groups.setdefault((bucket_of[i], how, dtype), []).append(node)
     return [g for g in groups.values() if len(g) > 1]
 
 
@@ -157,26 +159,27 @@ def _after_last(gm, bucket):
         anchor = n
 
 
-def bucket_by_block(gm, param_names):
-    """Merge each block's all-gathers (forward, and backward after reshard) and reduce-scatters."""
+def bucket_by_block(gm, bucket_of):
+    """Merge each block's all-gathers (forward, and backward after reshard) and reduce-scatters;
+    `bucket_of`: param_buckets(), one name per parameter in the step's order."""
     from torch._inductor.fx_passes.bucketing import merge_all_gather, merge_reduce_scatter
     end = graph_passes.forward_end_index(gm)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    index, P = _param_index(gm), len(param_names)
+    index, P = _param_index(gm), len(bucket_of)
     gathers = [n for n in gm.graph.nodes if _is(n, c10d.all_gather_into_tensor)]
     for side in (lambda n: order[n] < end, lambda n: order[n] > end):  # never merge across the boundary
-        buckets = _buckets([(g, _source_param(g, index, P)) for g in gathers if side(g)], param_names)
+        buckets = _buckets([(g, _source_param(g, index, P)) for g in gathers if side(g)], bucket_of)
         for bucket in buckets:
             _hoist_inputs(gm, bucket)
         if buckets:
             merge_all_gather(gm, buckets)
     # HSDP: DTensor reduces each full gradient over dcn (all-reduce), then scatters it over ici.
     reduces = [n for n in gm.graph.nodes if _is(n, c10d.all_reduce)]
-    for bucket in _buckets([(r, _grad_param(_wait_of(r), P) if _wait_of(r) else None) for r in reduces], param_names):
+    for bucket in _buckets([(r, _grad_param(_wait_of(r), P) if _wait_of(r) else None) for r in reduces], bucket_of):
         _merge_all_reduce(gm, bucket)
     scatters = [n for n in gm.graph.nodes if _is(n, c10d.reduce_scatter_tensor)]
     waits = {s: next((u for u in s.users if _is(u, c10d.wait_tensor)), None) for s in scatters}
-    buckets = _buckets([(s, _grad_param(waits[s], P) if waits[s] else None) for s in scatters], param_names)
+    buckets = _buckets([(s, _grad_param(waits[s], P) if waits[s] else None) for s in scatters], bucket_of)
     for bucket in buckets:
         _after_last(gm, bucket)
     if buckets:

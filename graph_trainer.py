@@ -98,7 +98,7 @@ class GraphStep:
     owning), and how to run: clipping, autocast, the parallel layout, the backend and the passes."""
 
     def __init__(self, model, loss_fn, opt, device, *, clip, autocast, parallel=None, backend=None, remat=False,
-                 offload=False, split=0, fsdp_passes=()):
+                 offload=False, split=0, fsdp_passes=(), blocks=()):
         self.backend = backend or ("xla" if dev.is_xla(device) else "fx")
         if self.backend == "xla" and not dev.is_xla(device):
             raise GraphCaptureError("--backend xla needs --device xla (or a TPU)")
@@ -109,6 +109,7 @@ class GraphStep:
         self.step_fn = build_step_fn(model, self.param_names, loss_fn, clip, opt.betas, opt.eps,
                                      opt.weight_decay, opt.mask, autocast, parallel)
         self.remat, self.offload, self.split, self.fsdp_passes = remat, offload, split, tuple(fsdp_passes)
+        self.blocks = list(blocks)  # the model's repeated modules: the bucket pass's buckets
         self.gm = None        # the captured (and transformed) step graph
         self.compiled = None  # what runs it: gm, its stages (split), or inductor's compilation
         self.report = {}      # graph size, collectives, saved / offloaded bytes (the `graph:` log line)
@@ -121,7 +122,7 @@ class GraphStep:
         elif self.remat:
             gm = graph_passes.remat(gm)
         if "bucket" in self.fsdp_passes:
-            gm = fsdp_passes.bucket_by_block(gm, self.param_names)
+            gm = fsdp_passes.bucket_by_block(gm, fsdp_passes.param_buckets(self.model.named_parameters(), self.blocks))
         if "prefetch" in self.fsdp_passes:
             gm = fsdp_passes.prefetch(gm)
         if self.offload:

@@ -1,9 +1,9 @@
 """kernels_pallas.py: three Pallas kernels that never write their big intermediates to memory.
 
 1. splash attention: block-sparse flash attention (FlashAttention, arXiv 2205.14135; JAX's
-   splash_attention). The static mask (causal, sliding window) is turned on the host into, per query
-   block, the list of kv blocks to visit and whether each is FULL (no mask work) or PARTIAL (mask
-   evaluated in the kernel); EMPTY blocks are never visited. Packed documents (segment ids) are data,
+   splash_attention). The static mask (causal, sliding window, or none: FLUX's full attention) is
+   turned on the host into, per query block, the list of kv blocks to visit and whether each is
+   FULL (no mask work) or PARTIAL (mask evaluated in the kernel); EMPTY blocks are never visited. Packed documents (segment ids) are data,
    so they are checked inside every visited block. Online softmax; the log-sum-exp is kept for the
    backward, whose dq and dk/dv kernels recompute probabilities block by block. Never S x S.
 2. fused final projection + cross-entropy: running log-sum-exp over vocabulary tiles; the backward
@@ -58,17 +58,18 @@ def _call(kernel, *, out_shape, grid, in_specs, out_specs, num_scalar_prefetch=0
 # 1. Splash attention
 
 @functools.lru_cache(maxsize=None)
-def block_layout(n_blocks, block, window, segments):
+def block_layout(n_blocks, block, window, segments, causal=1):
     """Host-side block sparsity: for each query block the kv blocks to visit and their kind, and the
-    transposed lists for the dk/dv kernel. Returns numpy int32 (count, index, kind) x 2."""
+    transposed lists for the dk/dv kernel. Returns numpy int32 (count, index, kind) x 2. Not causal:
+    every block is live (FULL, or PARTIAL where segment ids must be checked)."""
     kinds = np.zeros((n_blocks, n_blocks), np.int32)
     for i in range(n_blocks):
         qs, qe = i * block, (i + 1) * block - 1
         for j in range(n_blocks):
             ks, ke = j * block, (j + 1) * block - 1
-            if ks > qe or (window and qs - ke >= window):
+            if causal and (ks > qe or (window and qs - ke >= window)):
                 continue  # EMPTY: every key is in the future, or out of the window
-            full = ke <= qs and (not window or qe - ks < window) and not segments
+            full = (not causal or ke <= qs and (not window or qe - ks < window)) and not segments
             kinds[i, j] = FULL if full else PARTIAL
 
     def lists(k):
@@ -82,21 +83,22 @@ def block_layout(n_blocks, block, window, segments):
     return lists(kinds) + lists(kinds.T)
 
 
-def _mask(s, q_block, k_block, block, kind, window, segq, segk):
+def _mask(s, q_block, k_block, block, kind, window, segq, segk, causal):
     """Apply causal / window / segment masking to scores s (block, block), only if kind is PARTIAL."""
     def masked(s):
         q = q_block * block + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
         k = k_block * block + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        keep = k <= q
+        keep = segq[:, None] == segk[None, :]
+        if causal:
+            keep = keep & (k <= q)
         if window:
             keep = keep & (q - k < window)
-        keep = keep & (segq[:, None] == segk[None, :])
         return jnp.where(keep, s, NEG_INF)
     return jax.lax.cond(kind == FULL, lambda s: s, masked, s)
 
 
 def _splash_fwd_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref,
-                       *, block, window, scale):
+                       *, block, window, scale, causal):
     i = pl.program_id(2)
     q = q_ref[...]
 
@@ -105,7 +107,7 @@ def _splash_fwd_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, segq_ref, segk_ref, 
         j = idx[i, t]
         k, v = k_ref[pl.ds(j * block, block), :], v_ref[pl.ds(j * block, block), :]
         s = _mask(_dot(q, k, trans_b=True) * scale, i, j, block, kind[i, t], window,
-                  segq_ref[...], segk_ref[pl.ds(j * block, block)])
+                  segq_ref[...], segk_ref[pl.ds(j * block, block)], causal)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[:, None])
         corr = jnp.exp(m - m_new)
@@ -119,7 +121,7 @@ def _splash_fwd_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, segq_ref, segk_ref, 
 
 
 def _splash_dq_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref,
-                      segk_ref, dq_ref, *, block, window, scale):
+                      segk_ref, dq_ref, *, block, window, scale, causal):
     i = pl.program_id(2)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
 
@@ -127,7 +129,7 @@ def _splash_dq_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
         j = idx[i, t]
         k, v = k_ref[pl.ds(j * block, block), :], v_ref[pl.ds(j * block, block), :]
         s = _mask(_dot(q, k, trans_b=True) * scale, i, j, block, kind[i, t], window,
-                  segq_ref[...], segk_ref[pl.ds(j * block, block)])
+                  segq_ref[...], segk_ref[pl.ds(j * block, block)], causal)
         p = jnp.exp(s - lse[:, None])
         ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
@@ -137,7 +139,7 @@ def _splash_dq_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
 
 
 def _splash_dkv_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref,
-                       segk_ref, dk_ref, dv_ref, *, block, window, scale, group):
+                       segk_ref, dk_ref, dv_ref, *, block, window, scale, group, causal):
     j = pl.program_id(2)
     k, v, segk = k_ref[...], v_ref[...], segk_ref[...]
 
@@ -148,7 +150,7 @@ def _splash_dkv_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, do_ref, lse_ref, del
         rows = pl.ds(i * block, block)
         q, do = q_ref[g, rows, :], do_ref[g, rows, :]
         s = _mask(_dot(q, k, trans_b=True) * scale, i, j, block, kind[j, r], window,
-                  segq_ref[rows], segk)
+                  segq_ref[rows], segk, causal)
         p = jnp.exp(s - lse_ref[g, rows][:, None])
         dv = dv + _dot(p.T.astype(do.dtype), do)
         ds = p * (_dot(do, v, trans_b=True) - delta_ref[g, rows][:, None])
@@ -175,12 +177,12 @@ def _pad_seq(x, S_pad, axis, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _splash_forward(q, k, v, seg, window, block, segments):
+def _splash_forward(q, k, v, seg, window, block, segments, causal):
     B, H, S, D = q.shape
     Hkv, n = k.shape[1], q.shape[2] // block
-    cnt, idx, kind, *_ = map(jnp.asarray, block_layout(n, block, window, segments))
+    cnt, idx, kind, *_ = map(jnp.asarray, block_layout(n, block, window, segments, causal))
     q_blk, kv_all, row_blk, segq, segk = _splash_specs(B, H, Hkv, S, D, block, H // Hkv)
-    kern = functools.partial(_splash_fwd_kernel, block=block, window=window, scale=D ** -0.5)
+    kern = functools.partial(_splash_fwd_kernel, block=block, window=window, scale=D ** -0.5, causal=causal)
     call = _call(kern, grid=(B, H, n),
                  out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),             # o
                             jax.ShapeDtypeStruct((B, H, S), jnp.float32)),       # lse
@@ -190,24 +192,24 @@ def _splash_forward(q, k, v, seg, window, block, segments):
     return call(cnt, idx, kind, q, k, v, seg, seg)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _splash_padded(q, k, v, seg, window, block, segments):
-    return _splash_forward(q, k, v, seg, window, block, segments)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _splash_padded(q, k, v, seg, window, block, segments, causal):
+    return _splash_forward(q, k, v, seg, window, block, segments, causal)[0]
 
 
-def _splash_fwd_rule(q, k, v, seg, window, block, segments):
-    o, lse = _splash_forward(q, k, v, seg, window, block, segments)
+def _splash_fwd_rule(q, k, v, seg, window, block, segments, causal):
+    o, lse = _splash_forward(q, k, v, seg, window, block, segments, causal)
     return o, (q, k, v, seg, o, lse)
 
 
-def _splash_bwd_rule(window, block, segments, res, do):
+def _splash_bwd_rule(window, block, segments, causal, res, do):
     q, k, v, seg, o, lse = res
     B, H, S, D = q.shape
     Hkv, n, group = k.shape[1], S // block, H // k.shape[1]
     delta = (o.astype(jnp.float32) * do.astype(jnp.float32)).sum(-1)  # (B, H, S)
-    cnt, idx, kind, cnt_t, idx_t, kind_t = map(jnp.asarray, block_layout(n, block, window, segments))
+    cnt, idx, kind, cnt_t, idx_t, kind_t = map(jnp.asarray, block_layout(n, block, window, segments, causal))
     q_blk, kv_all, row_blk, segq, segk = _splash_specs(B, H, Hkv, S, D, block, group)
-    dq = _call(functools.partial(_splash_dq_kernel, block=block, window=window, scale=D ** -0.5),
+    dq = _call(functools.partial(_splash_dq_kernel, block=block, window=window, scale=D ** -0.5, causal=causal),
                grid=(B, H, n), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), num_scalar_prefetch=3,
                in_specs=[q_blk, kv_all, kv_all, q_blk, row_blk, row_blk, segq, segk],  # q k v do lse delta seg seg
                out_specs=q_blk)(cnt, idx, kind, q, k, v, do, lse, delta, seg, seg)
@@ -218,7 +220,8 @@ def _splash_bwd_rule(window, block, segments, res, do):
     kv_blk = pl.BlockSpec((None, None, block, D), lambda b, h, j, *_: (b, h, j, 0))
     seg_all = pl.BlockSpec((None, S), lambda b, h, j, *_: (b, 0))
     seg_blk = pl.BlockSpec((None, block), lambda b, h, j, *_: (b, j))
-    dk, dv = _call(functools.partial(_splash_dkv_kernel, block=block, window=window, scale=D ** -0.5, group=group),
+    dk, dv = _call(functools.partial(_splash_dkv_kernel, block=block, window=window, scale=D ** -0.5, group=group,
+                                     causal=causal),
                    grid=(B, Hkv, n), num_scalar_prefetch=3,  # the transposed block lists: q blocks per kv block
                    out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
                    in_specs=[q_grp, kv_blk, kv_blk, q_grp, r_grp, r_grp, seg_all, seg_blk],  # q k v do lse delta seg seg
@@ -229,23 +232,34 @@ def _splash_bwd_rule(window, block, segments, res, do):
 _splash_padded.defvjp(_splash_fwd_rule, _splash_bwd_rule)
 
 
-@jax_op("splash", static=("window", "block", "segments"))
-def splash_jax(q, k, v, segment_ids, *, window, block, segments):
+@jax_op("splash", static=("window", "block", "segments", "causal"))
+def splash_jax(q, k, v, segment_ids, *, window, block, segments, causal=1):
     """q (B, H, S, D), k/v (B, Hkv, S, D), segment_ids (B, S) int -> (B, H, S, D). q is scaled by
-    1/sqrt(D) inside. window 0 = none. S is padded up to a multiple of block (padded keys are in
-    every real query's future, so causality masks them)."""
+    1/sqrt(D) inside. window 0 = none. S is padded up to a multiple of block: padded keys are in
+    every real query's future (causal), or carry segment id -1, which no real query has (not causal:
+    then the segment check must be on, `segments` 1)."""
     S = q.shape[2]
     S_pad = round_up(S, block)
     out = _splash_padded(_pad_seq(q, S_pad, 2), _pad_seq(k, S_pad, 2), _pad_seq(v, S_pad, 2),
-                         _pad_seq(segment_ids, S_pad, 1, -1), window, block, segments)
+                         _pad_seq(segment_ids, S_pad, 1, -1), window, block, segments, causal)
     return out[:, :, :S]
 
 
-def splash_attention(q, k, v, window=None, segment_ids=None, block=128):
-    """PyTorch entry point, same contract as model.sdpa_attention."""
-    block = min(block, round_up(q.shape[2], NUM_SUBLANES))
-    seg = segment_ids if segment_ids is not None else q.new_zeros(q.shape[0], q.shape[2], dtype=torch.int32)
-    return splash_jax(q, k, v, seg, window=window or 0, block=block, segments=int(segment_ids is not None))
+def splash_attention(q, k, v, window=None, segment_ids=None, block=128, causal=True):
+    """PyTorch entry point, same contract as model.sdpa_attention; causal=False: full attention
+    (every block live; a window is a causal notion and refused)."""
+    if window and not causal:
+        raise ValueError("a sliding window is causal: not with causal=False")
+    S = q.shape[2]
+    block = min(block, round_up(S, NUM_SUBLANES))
+    seg = segment_ids if segment_ids is not None else q.new_zeros(q.shape[0], S, dtype=torch.int32)
+    segments = segment_ids is not None or (not causal and S % block != 0)  # (padded keys: segment -1)
+    return splash_jax(q, k, v, seg, window=window or 0, block=block, segments=int(segments), causal=int(causal))
+
+
+def splash_full_attention(q_BxHxSxD, k_BxHkvxSxD, v_BxHkvxSxD, block=128):
+    """Non-causal splash attention (FLUX's joint attention over text + image): flux.py's "splash"."""
+    return splash_attention(q_BxHxSxD, k_BxHkvxSxD, v_BxHkvxSxD, block=block, causal=False)
 
 # ================================================================================================
 # 2. Fused final projection + cross-entropy

@@ -4,8 +4,10 @@ A 126-layer model traced layer by layer gives a graph (and a compiled program) 1
 one layer, and compile time grows with it. JAX's answer is lax.scan over weights stacked on a leading
 layer axis; torch_xla's is torch_xla.experimental.scan_layers. Ours, for the traced step graph:
 
-  stack_layers(model)      replaces model.layers by a StackedLayers holding, for every block
-                           parameter name, one (L, ...) parameter; the model's run_layers() calls it.
+  stack_layers(model)      replaces model.layers (or each stack the Task names: Task.scan_stacks) by
+                           a StackedLayers holding, for every block parameter name, one (L, ...)
+                           parameter; the model's run_layers() calls it. A block maps (h, cos, sin)
+                           -> (h, aux): one carried tensor, two constants without gradients.
   minititan::scan_layers   one custom op: forward loops over the layers, keeping each layer's input
                            (the scan carry, (L, B, S, D)) for the backward;
   ..._scan_layers_bwd      the backward op: walks the layers in reverse, replaying one block's
@@ -226,7 +228,9 @@ class StackedLayers(nn.Module):
         return self.n_layers
 
 
-def stack_layers(model):
-    """Swap model.layers (a ModuleList of identical blocks) for one StackedLayers, in place."""
-    model.layers = StackedLayers(list(model.layers))
+def stack_layers(model, stacks=None):
+    """Swap each stack, (owner module, attribute) of a ModuleList of identical blocks (default: the
+    model's `layers`), for one StackedLayers, in place."""
+    for owner, name in stacks or [(model, "layers")]:
+        setattr(owner, name, StackedLayers(list(getattr(owner, name))))
     return model

@@ -98,7 +98,7 @@ def check_args(args):
             raise ValueError(f"{name} must be a positive number, got {getattr(args, name)}")
     for registry, name, kind in ((ATTENTION_IMPLS, args.attn_impl, "attention"), (LOSS_IMPLS, args.loss_impl, "loss"),
                                  (GMM_IMPLS, args.moe_impl, "grouped matmul")):
-        _impl(registry, name, kind)  # ValueError naming the choices for an unknown name
+        lookup_impl(registry, name, kind)  # ValueError naming the choices for an unknown name
 
 
 def dynamic_shapes_reason(args):
@@ -172,7 +172,7 @@ LOSS_IMPLS = {"plain": plain_cross_entropy, "fused": "kernels_pallas:fused_linea
 GMM_IMPLS = {"reference": gmm_reference, "gmm": "kernels_pallas:gmm"}
 
 
-def _impl(registry, name, kind):
+def lookup_impl(registry, name, kind):
     if name not in registry:
         raise ValueError(f"unknown {kind} implementation {name!r}; have {sorted(registry)}")
     fn = registry[name]
@@ -248,7 +248,7 @@ class Attention(nn.Module):
             k, v, mask_SxT = kv_cache.update(k, v.transpose(1, 2))
             out = sdpa_attention(q, k, v, mask_SxT=mask_SxT)
         else:
-            out = _impl(ATTENTION_IMPLS, a.attn_impl, "attention")(q, k, v.transpose(1, 2))
+            out = lookup_impl(ATTENTION_IMPLS, a.attn_impl, "attention")(q, k, v.transpose(1, 2))
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -313,7 +313,7 @@ class MoE(nn.Module):
     def experts(self, x_MxD, group_sizes_E):
         """Each row through its expert's SwiGLU; rows sorted by expert, group_sizes_E rows each (one
         grouped matmul per weight). Under expert parallelism: this rank's experts, on the rows sent to it."""
-        gmm = _impl(GMM_IMPLS, self.args.moe_impl, "grouped matmul")
+        gmm = lookup_impl(GMM_IMPLS, self.args.moe_impl, "grouped matmul")
         h_MxF = F.silu(gmm(x_MxD, self.w_gate_ExDxF, group_sizes_E)) * gmm(x_MxD, self.w_up_ExDxF, group_sizes_E)
         return gmm(h_MxF, self.w_down_ExFxD, group_sizes_E)
 
@@ -390,7 +390,7 @@ class Transformer(nn.Module):
         h, aux = self.hidden(tokens_BxS, kv_cache)
         if targets_BxS is None:
             return h @ self.output_weight().t()
-        loss_fn = _impl(LOSS_IMPLS, self.args.loss_impl, "loss")
+        loss_fn = lookup_impl(LOSS_IMPLS, self.args.loss_impl, "loss")
         ce = loss_fn(h.reshape(-1, h.shape[-1]), self.output_weight(), targets_BxS.reshape(-1))
         return ce, self.args.aux_loss_coef * aux
 

@@ -39,7 +39,6 @@ from model import (FLAVORS, Transformer, check_args, dynamic_shapes_reason, flop
 class Task:
     """The interface (see the module docstring); subclasses implement what raises here."""
     unit = "samples"
-    scannable = False    # True: the model's `layers` are identical blocks (layer_scan.py can stack them)
     notes = ()           # one-line remarks printed at start by the writing process
     val_batches = ()
 
@@ -62,8 +61,15 @@ class Task:
         with torch.device("meta"):
             return sum(p.numel() for p in self.build_model(args).parameters())
 
+    def scan_stacks(self, model):
+        """What --scan stacks (layer_scan.stack_layers): (owner module, attribute) of each ModuleList
+        of identical blocks mapping (h, cos, sin) -> (h, aux); none (the default): --scan refused.
+        Called once, on the freshly built model, which it may prepare for that contract."""
+        return []
+
     def blocks(self, model):
-        """What --mode compile compiles one by one (default: the whole model)."""
+        """The model's repeated modules: what --mode compile compiles one by one, and what the
+        SimpleFSDP bucket pass (fsdp_passes.py) gathers one at a time (default: the whole model)."""
         return [model]
 
     def label(self):
@@ -109,7 +115,7 @@ class Task:
 
 class LanguageModel(Task):
     """Next-token prediction on bytes (or a Hugging Face tokenizer's ids): Llama 3 / Qwen 3 / Qwen 3-MoE."""
-    unit, scannable = "tok", True
+    unit = "tok"
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -157,6 +163,9 @@ class LanguageModel(Task):
 
     def param_count(self, args):
         return param_counts(args)[0]
+
+    def scan_stacks(self, model):
+        return [(model, "layers")]
 
     def blocks(self, model):
         return list(model.layers)

@@ -1047,6 +1047,27 @@ def test_splash_attention_matches_reference(dtype, B, H, Hkv, S, D, window, segm
         torch.testing.assert_close(g.float(), w, **TOL[dtype])
 
 
+def test_splash_full_attention_equals_plain_softmax_attention():
+    """Non-causal splash (FLUX's joint attention): every block live, the padded keys masked; forward
+    and gradients equal softmax(q k^T / sqrt(D)) v written here. S = 40 in blocks of 16: two FULL
+    blocks and a padded one per row."""
+    import kernels_pallas as kp
+    torch.manual_seed(0)
+    B, H, S, D = 2, 2, 40, 16
+    q, k, v = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
+    cot = torch.randn(B, H, S, D)
+    out, grads = _grads(lambda q, k, v: kp.splash_full_attention(q, k, v, block=16), (q, k, v), cot)
+    plain = lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D), dim=-1) @ v
+    want, want_grads = _grads(plain, [x.detach().requires_grad_() for x in (q, k, v)], cot)
+    torch.testing.assert_close(out, want, **TOL[torch.float32])
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, **TOL[torch.float32])
+    count, _, kind, *_ = kp.block_layout(3, 16, 0, 0, 0)  # (the unpadded layout: all FULL, none skipped)
+    assert count.tolist() == [3, 3, 3] and (kind == kp.FULL).all()
+    with pytest.raises(ValueError, match="window is causal"):
+        kp.splash_attention(q, k, v, window=4, causal=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N,D,V", [(37, 16, 300), (64, 8, 256)])
 def test_fused_linear_cross_entropy_matches_reference(dtype, N, D, V):
@@ -1645,7 +1666,8 @@ def test_graph_mode_inductor_backend_matches_eager(corpus, tmp_path):
 
 
 def child_xla_graph_steps(*argv):
-    """(child process) 8 steps of train.py's step function on XLA; losses and compile counts."""
+    """(child process) 8 steps (or --steps, if fewer) of train.py's step function on XLA, any task's
+    batches; losses and compile counts."""
     import torch_xla
     import torch_xla.debug.metrics as met
     import device
@@ -1653,9 +1675,9 @@ def child_xla_graph_steps(*argv):
     cfg = train.parse_config(argv)
     tr = train.Trainer(cfg)
     out, compiles = [], []
-    for i in range(1, 9):
-        x, y = tr.task.batch(i)
-        ce, _ = tr.step_fn(x.to(tr.device), y.to(tr.device), device.scalar(optim.lr_at(i, cfg.lr, cfg.warmup, 8), tr.device))
+    for i in range(1, min(cfg.steps, 8) + 1):
+        batch = [t.to(tr.device) for t in tr.task.batch(i)]
+        ce, _ = tr.step_fn(*batch, device.scalar(optim.lr_at(i, cfg.lr, cfg.warmup, 8), tr.device))
         torch_xla.sync()
         out.append(ce.item())
         compiles.append(met.metric_data("CompileTime")[0])
@@ -3043,38 +3065,76 @@ if __name__ == "__main__":  # child processes: python test_all.py <child functio
     globals()[sys.argv[1]](*sys.argv[2:])
 
 
-def _flux_weights(run_dir, task=None):
+def _flux_weights(run_dir, task=None, scan=False):
+    """The final weights; a --scan run's (L, ...) stacks unstacked into the plain model's names."""
     import checkpoint
     import flux
     import flux_task
+    import layer_scan
     model = task.build_model(task.args) if task else flux_task.ConditionedFlux(flux.FLAVORS["flux_debug"])
+    if scan:
+        layer_scan.stack_layers(model, model.flux.pack_for_scan(flux_task.PROMPT_TOKENS))
     path, _ = checkpoint.find_resumable(os.path.join(run_dir, "checkpoints"))
-    return checkpoint.load(path, {"model": model.state_dict()})["model"]
+    state, plain = checkpoint.load(path, {"model": model.state_dict()})["model"], {}
+    for name, w in state.items():
+        stack = re.fullmatch(r"(flux\.(?:double|single)_blocks)\.block__(.+)", name)
+        plain.update({f"{stack[1]}.{i}.{stack[2].replace('__', '.')}": w[i] for i in range(len(w))} if stack else {name: w})
+    return plain
 
 
-def test_flux_trains_through_the_shared_trainer_eager_graph_and_simplefsdp_alike(tmp_path):
+def test_flux_trains_through_the_shared_trainer_eager_graph_and_simplefsdp_alike(tmp_path, monkeypatch):
     """FLUX as a Task (flux_task.py) on the one trainer: graph mode (one traced step with AdamW) and
     SimpleFSDP on 2 processes (graph mode, its passes on) equal the eager single process on the same
     global batches: losses, pre-clip gradient norms, validation MSE at the fixed times, final weights.
-    A halted run resumed equals the uninterrupted one bit for bit; the end writes a sample grid."""
+    So does --scan (each block stack one scan over stacked weights; the weights compared unstacked).
+    The SimpleFSDP passes bucket by FLUX's blocks (the Task's `blocks`): one all-gather per double /
+    single block (+ one for the rest) each way, each issued before the previous one's wait.
+    So do --mode compile with --kernels pallas (one run: inductor-compiled blocks around the non-causal
+    splash kernel; losses and norms to 1e-4) and graph mode on XLA:CPU (a child process: the step
+    compiled once). A halted run resumed equals the uninterrupted one bit for bit; the end writes a
+    sample grid."""
     common = ["--task", "flux", "--steps", "4", "--batch-size", "8", "--log-interval", "1", "--eval-batches", "2",
               "--eval-interval", "2", "--ckpt-interval", "0", "--sample-images", "0"]
-    runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "part")}
+    runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "part", "compiled", "xla", "scan")}
+    # (XLA in its own process, started first: it runs while this one trains)
+    xla = subprocess.Popen([sys.executable, "test_all.py", "child_xla_graph_steps", *common, "--eval-batches", "0",
+                            "--mode", "graph", "--device", "xla", "--out-dir", runs["xla"]], cwd=HERE, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert _main([*common, "--out-dir", runs["eager"], "--sample-images", "2"]) == 0
+    import kernels_pallas  # the table names "kernels_pallas:splash_full_attention": count that it is what runs
+    splash_calls, splash = [], kernels_pallas.splash_full_attention
+    monkeypatch.setattr(kernels_pallas, "splash_full_attention", lambda *a: splash_calls.append(1) or splash(*a))
+    assert _main([*common, "--mode", "compile", "--kernels", "pallas", "--eval-batches", "0",
+                  "--out-dir", runs["compiled"]]) == 0
+    assert splash_calls
+    for key in ("loss", "grad_norm"):
+        _near(_records(runs["eager"], key), _records(runs["compiled"], key), atol=1e-4)
+    out, err = xla.communicate(timeout=300)
+    assert xla.returncode == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["compiles"][0] == res["compiles"][-1] == 2, res["compiles"]  # (as the LM's XLA graph test)
+    _near(_records(runs["eager"], "loss"), dict(zip(range(1, 5), res["losses"])), atol=1e-4)
     assert _main([*common, "--mode", "graph", "--out-dir", runs["graph"]]) == 0
+    assert _main([*common, "--scan", "--out-dir", runs["scan"]]) == 0
     rc, _, err = torchrun(2, [*common, "--mode", "graph", "--mesh", "ici=2", "--out-dir", runs["fsdp"]])
     assert rc == 0, err[-3000:]
     assert _main([*common, "--halt-at", "2", "--out-dir", runs["part"]]) == 0
     assert _main([*common, "--resume", "--out-dir", runs["part"]]) == 0
     oracle = runs["eager"]
-    for name in ("graph", "fsdp"):
+    for name in ("graph", "fsdp", "scan"):
         for key in ("loss", "grad_norm", "val_loss"):
             mine, ref = _records(runs[name], key), _records(oracle, key)
             assert mine.keys() == ref.keys() and len(ref) >= 3, (name, key)
             torch.testing.assert_close(torch.tensor([mine[k] for k in sorted(mine)]),
                                        torch.tensor([ref[k] for k in sorted(ref)]), rtol=1e-5, atol=1e-6)
+        mine = _flux_weights(runs[name], scan=name == "scan")
+        assert mine.keys() == _flux_weights(oracle).keys(), name
         for k, w in _flux_weights(oracle).items():
-            torch.testing.assert_close(_flux_weights(runs[name])[k], w, rtol=1e-5, atol=1e-5, msg=k)  # (as the LM tests)
+            torch.testing.assert_close(mine[k], w, rtol=1e-5, atol=1e-5, msg=k)  # (as the LM tests)
+    graph = next(json.loads(line) for line in open(os.path.join(runs["fsdp"], "metrics.jsonl")) if '"graph"' in line)
+    fwd, bwd, blocks = graph["collectives_by_side"]["forward"], graph["collectives_by_side"]["backward"], 2 + 2
+    assert _gathers(fwd) == _gathers(bwd) == bwd["reduce_scatter_tensor"] == blocks + 1, graph["collectives_by_side"]
+    assert graph["prefetched_gathers"] == blocks and graph["saved_gathered_bytes"] == 0
     assert losses(runs["part"]) == losses(oracle)
     assert all(torch.equal(a, b) for a, b in zip(_flux_weights(runs["part"]).values(), _flux_weights(oracle).values()))
     with open(os.path.join(oracle, "metrics.jsonl")) as f:

@@ -123,13 +123,14 @@ class Trainer:
         dev.seed_all(cfg.seed)
         model = self.task.build_model(self.model_args)
         pretrained = not self.resume_from
-        if cfg.scan and not self.task.scannable:
+        stacks = self.task.scan_stacks(model) if cfg.scan else []
+        if cfg.scan and not stacks:
             raise ConfigError(f"--scan stacks a model's identical blocks; the {cfg.task} task's model has none")
         if cfg.scan:
             if pretrained:  # (stacking renames the weights: load them first)
                 self.task.load_pretrained(model)
             import layer_scan
-            model = layer_scan.stack_layers(model)
+            model = layer_scan.stack_layers(model, stacks)
         model = self.parallel.parallelize(model)
         if pretrained and not cfg.scan:  # under a mesh each rank reads only its own pieces
             self.task.load_pretrained(model)
@@ -148,7 +149,8 @@ class Trainer:
             return graph_trainer.GraphStep(self.model, self.task.loss, self.opt, self.device, clip=cfg.clip,
                                            autocast=self.autocast, parallel=self.parallel, backend=cfg.backend,
                                            remat=cfg.remat, offload=cfg.offload, split=cfg.split,
-                                           fsdp_passes=fsdp_passes.chosen(cfg.fsdp_passes, self.parallel.graph_passes))
+                                           fsdp_passes=fsdp_passes.chosen(cfg.fsdp_passes, self.parallel.graph_passes),
+                                           blocks=() if cfg.scan else self.task.blocks(self.model))
         if cfg.mode == "compile":
             for block in self.task.blocks(self.model):
                 block.compile(backend=dev.compile_backend(self.device))
