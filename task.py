@@ -19,6 +19,15 @@ its own model, data and loss; its FluxTrainer overrides one step method, its RL 
     label(), model_record(args), param_count(args)   naming and sizing the model (defaults given)
     preview(model, log)     something to look at after the last step (a text sample, an image grid)
 
+Four seams for a workload that keeps state beside the model (GRPO: a rollout engine it feeds with
+the live policy's weights); their defaults do nothing, so lm and flux do not see them:
+    attach(model)           the live model, once built, sharded, loaded or restored (before step 1)
+    step_metrics()          numbers of the last batch for the logged step (reward mean, sync seconds)
+    evaluate(model, step, log)  numbers for an evaluation's record (held-out accuracy); `evaluates`:
+                            evaluations run even without val_batches; `plotted`: keys drawn in the
+                            run's plot beside the loss
+    close()                 release what the task holds (an engine process), on every way out
+
 Adding a workload is one subclass and one entry in train.TASKS.
 """
 import dataclasses
@@ -39,6 +48,8 @@ class Task:
     scannable = False    # True: the model's `layers` are identical blocks (layer_scan.py can stack them)
     notes = ()           # one-line remarks printed at start by the writing process
     val_batches = ()
+    evaluates = False    # True: evaluate() runs at evaluations even with no val_batches
+    plotted = ()         # metric keys (step records) drawn in the run's plot beside the loss
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -96,6 +107,20 @@ class Task:
         """Called once after the last step, with the trainer's `log` and the run directory, where the
         weights are whole (one device)."""
 
+    def attach(self, model):
+        """The live (possibly sharded) model the trainer updates, before its first step."""
+
+    def step_metrics(self):
+        """{name: number} about the last step's batch, added to a logged step's record."""
+        return {}
+
+    def evaluate(self, model, step, log):
+        """{name: number} added to the evaluation record at `step` (called on every rank)."""
+        return {}
+
+    def close(self):
+        """Release what the task holds; called once however the run ends."""
+
 
 class LanguageModel(Task):
     """Next-token prediction on bytes (or a Hugging Face tokenizer's ids): Llama 3 / Qwen 3 / Qwen 3-MoE."""
@@ -105,6 +130,8 @@ class LanguageModel(Task):
         super().__init__(cfg)
         self.notes = []
         self.args = self.model_args()
+        if cfg.seq_len > self.args.max_seq_len:
+            raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {self.args.max_seq_len}")
 
     def setup_data(self, dp_rank, dp_size):
         cfg = self.cfg
@@ -138,8 +165,6 @@ class LanguageModel(Task):
             check_args(args)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if cfg.seq_len > args.max_seq_len:
-            raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
         return args
 
     def build_model(self, args):
