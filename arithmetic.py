@@ -119,9 +119,13 @@ def main(argv=None):
             raise ValueError(f"--problems must be >= 1, got {cfg.problems}")
         text = get_task(cfg.task, cfg.seed).train_text(cfg.problems, cfg.seed)
         tmp = f"{cfg.path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(text)
-        os.replace(tmp, cfg.path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(text)
+            os.replace(tmp, cfg.path)
+        finally:  # (a failed write leaves no partial file behind)
+            if os.path.exists(tmp):
+                os.remove(tmp)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

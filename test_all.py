@@ -2994,7 +2994,7 @@ def grpo_warm(tmp_path_factory):
 
 def _grpo_args(warm, out_dir, *extra):
     return ["--task", "grpo", "--init-from", warm, "--steps", "4", "--updates-per-batch", "2",
-            "--prompts-per-step", "4", "--group-size", "4", "--format-credit", "0.1", "--lr", "1e-3",
+            "--prompts-per-step", "4", "--group-size", "4", "--format-credit", "0.1", "--kl-beta", "0.05", "--lr", "1e-3",
             "--warmup", "0", "--eval-interval", "0", "--log-interval", "1", "--ckpt-interval", "0",
             "--out-dir", out_dir, *extra]
 
@@ -3009,7 +3009,8 @@ def test_grpo_through_the_trainer_graph_mode_simplefsdp_and_resume_equal_one_eag
     = optimizer steps in the synced weights), reward per step and held-out accuracy at the first and
     last evaluation in metrics.jsonl and the plot, completions in the log. Graph mode and 2 torchrun
     ranks (SimpleFSDP, each its own rows, one engine) equal the eager process on the same global
-    batches: losses, pre-clip gradient norms, rewards, final weights. Halted at step 2 and resumed
+    batches (k3 KL to the warm start on: each rank scores its own rows against the reference): losses,
+    pre-clip gradient norms, rewards, final weights. Halted at step 2 and resumed
     equals the straight run bit for bit."""
     runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "part")}
     assert _main(_grpo_args(grpo_warm, runs["eager"])) == 0
