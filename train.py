@@ -8,8 +8,8 @@
 graph (the whole step, optimizer included, as one traced graph: graph_trainer.py). Exit codes: 2 bad
 input (one `error:` line, nothing written); 3 a NaN/Inf loss, gradient norm or validation loss (before
 anything non-finite is saved); 4 a peer process or the rollout engine died or stalled (rundir.Watchdog,
-rollout.EngineError); 5 a failed write (disk full); 1 this process failed by itself (out of memory, named in one line); 130 / 143 interrupted
-(SIGINT / SIGTERM). The last good checkpoint always stays.
+rollout.EngineError); 5 a failed write (disk full); 1 this process failed by itself (out of memory,
+named in one line); 130 / 143 interrupted (SIGINT / SIGTERM). The last good checkpoint always stays.
 """
 import contextlib
 import json
