@@ -5,7 +5,7 @@ loop by loop (RoPE, GQA attention, MoE per token), torch's own functional ops (t
 written out), torch.optim.AdamW and clip_grad_norm_, the uninterrupted run (resume), eager CPU
 (XLA:CPU), JAX's production Pallas kernels, one process and FSDP2 (data parallel), the unrolled loop
 (scan). A test that must run in a fresh process (XLA runtime first, torchrun) calls one of the
-`child_*` functions below through `python test_all.py child_NAME ARGS`. CPU only, ~16.5 min on 2 cores (197 tests).
+`child_*` functions below through `python test_all.py child_NAME ARGS`. CPU only, ~17.5 min on 2 cores (198 tests).
 """
 import dataclasses
 import json
