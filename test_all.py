@@ -5,7 +5,7 @@ loop by loop (RoPE, GQA attention, MoE per token), torch's own functional ops (t
 written out), torch.optim.AdamW and clip_grad_norm_, the uninterrupted run (resume), eager CPU
 (XLA:CPU), JAX's production Pallas kernels, one process and FSDP2 (data parallel), the unrolled loop
 (scan). A test that must run in a fresh process (XLA runtime first, torchrun) calls one of the
-`child_*` functions below through `python test_all.py child_NAME ARGS`. CPU only, ~17.5 min on 2 cores (198 tests).
+`child_*` functions below through `python test_all.py child_NAME ARGS`. CPU only, ~17.5 min on 2 cores (199 tests).
 """
 import dataclasses
 import json
@@ -2968,6 +2968,16 @@ def test_engine_process_sync_in_place_bit_equal_logprobs_and_failures_in_one_lin
     finally:
         engine.close()
 
+
+
+def test_grpo_demo_bad_input_is_one_error_line_exit_2(capsys):
+    import grpo_demo
+    for args, msg in [(["--group-size", "1"], "group size G must be >= 2"), (["--clip", "0"], "clip bounds must be > 0"),
+                      (["--aggregation", "bnpo"], "unknown loss aggregation 'bnpo'"),
+                      (["--task", "gsm8k"], "unknown reward task 'gsm8k'"), (["--steps", "0"], "need --steps")]:
+        assert grpo_demo.main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1, (args, err)
 
 
 # GRPO as a workload of the trainer (grpo_task.py): a tiny supervised warm start on the arithmetic text
