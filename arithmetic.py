@@ -10,11 +10,18 @@ the end-of-sequence byte). Nothing is downloaded.
     task.test_set()                        # 500 held-out problems, never drawn by prompts()
     task.reward(prompt, completion_bytes)  # 1.0 exact answer; format_credit for a well-formed wrong one
 
+    python arithmetic.py write arith.txt --problems 100000   # the warm start's corpus: solved training
+                                                             # problems, one a line (train.py --task lm --data)
+
 All 90 x 90 = 8100 problems are split once by a fixed permutation (not by the run's seed), so every
 run holds out the same 500 and the test accuracy of two runs is comparable. The reward compares bytes,
 never decodes or `int()`s them, so any junk a policy writes (non-UTF-8, NULs, a thousand digits, no
 newline at all) scores 0 instead of raising: the parser is `split at the first newline, compare`.
 """
+import argparse
+import os
+import sys
+
 import torch
 
 EOS = ord("\n")
@@ -95,3 +102,36 @@ def get_task(name, seed=0, format_credit=0.0):
     if name not in TASKS:
         raise ValueError(f"unknown reward task {name!r}; known: {', '.join(sorted(TASKS))}")
     return TASKS[name](seed, format_credit)
+
+
+def main(argv=None):
+    """`write FILE`: n solved training problems as text (atomically: a tmp name, then os.replace)."""
+    p = argparse.ArgumentParser(description="write a verifiable task's solved training problems as text")
+    p.add_argument("command", choices=["write"])
+    p.add_argument("path")
+    p.add_argument("--task", default="arith")
+    p.add_argument("--problems", type=int, default=100_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.error = lambda message: (print(f"error: {message}", file=sys.stderr), sys.exit(2))
+    cfg = p.parse_args(argv)
+    try:
+        if cfg.problems < 1:
+            raise ValueError(f"--problems must be >= 1, got {cfg.problems}")
+        text = get_task(cfg.task, cfg.seed).train_text(cfg.problems, cfg.seed)
+        tmp = f"{cfg.path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(text)
+            os.replace(tmp, cfg.path)
+        finally:  # (a failed write leaves no partial file behind)
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {cfg.problems} solved {cfg.task} problems ({len(text)} bytes) to {cfg.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

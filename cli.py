@@ -65,7 +65,7 @@ def with_overrides(args, items):
     return args
 
 
-DEFAULT_FLAVOR = {"lm": "llama3_debug", "flux": "flux_debug"}  # per task (train.TASKS)
+DEFAULT_FLAVOR = {"lm": "llama3_debug", "flux": "flux_debug", "grpo": "llama3_debug"}  # per task (train.TASKS)
 
 
 def flag(default, help, **argparse_kw):
@@ -76,11 +76,11 @@ def flag(default, help, **argparse_kw):
 class TrainConfig:
     # what to train
     task: str = flag("lm", "workload: lm (language-model pretraining), flux (FLUX.1 diffusion on the digits or a "
-                     "latent file)",
-                     choices=list(DEFAULT_FLAVOR))
+                     "latent file), grpo (GRPO post-training on a verifiable task)", choices=list(DEFAULT_FLAVOR))
     flavor: Optional[str] = flag(None, "model flavor (model.FLAVORS, flux.FLAVORS; default: the task's debug flavor)")
     init_from: Optional[str] = flag(None, "start from a Hugging Face checkpoint (config.json + safetensors) "
-                                    "instead of --flavor: fine-tuning", metavar="HF_DIR")
+                                    "instead of --flavor: fine-tuning; grpo: also a train.py run directory "
+                                    "(its newest checkpoint: the warm start)", metavar="DIR")
     set: list = flag((), "override a ModelArgs field, e.g. --set n_layers=2 (repeatable)", metavar="FIELD=VALUE")
     data: Optional[str] = flag(None, "lm: text file or directory (default: this Python's stdlib sources); flux: a "
                                ".safetensors file of latents + text embeddings (flux_latents.py; default: the digits)")
@@ -134,6 +134,20 @@ class TrainConfig:
     distilled_guidance: Optional[float] = flag(None, "flux: the guidance value given to a model with a guidance "
                                                "embedding (flux-dev's distilled scale; default 1)")
     tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars (out-dir/tensorboard)")
+    # grpo (--task grpo): rollouts from an engine process, the clipped loss (grpo.py), a reward (arithmetic.py)
+    reward_task: str = flag("arith", "grpo: the verifiable task that draws prompts and scores completions")
+    format_credit: float = flag(0.0, "grpo: reward of a well-formed wrong answer (the exact answer scores 1)")
+    group_size: int = flag(8, "grpo: G, completions sampled per prompt (>= 2)")
+    prompts_per_step: int = flag(32, "grpo: prompts per rollout batch (G x this rows; divisible over ranks)")
+    updates_per_batch: int = flag(1, "grpo: optimizer steps on each rollout batch (--steps, --ckpt-interval, "
+                                  "--halt-at must be multiples)")
+    clip_eps: float = flag(0.2, "grpo: the ratio's clip range, clip(rho, 1 - eps, 1 + eps)")
+    aggregation: str = flag("dapo", "grpo: loss aggregation, grpo | dapo | dr_grpo")
+    kl_beta: float = flag(0.0, "grpo: k3 KL coefficient to the frozen warm-start policy (0: none)")
+    max_new_tokens: int = flag(4, "grpo: tokens sampled per completion")
+    temperature: float = flag(1.0, "grpo: sampling temperature")
+    engine_dtype: str = flag("fp32", "grpo: the rollout engine's weights", choices=["fp32", "bf16"])
+    engine_timeout: float = flag(120.0, "grpo: seconds without a reply before the engine counts as stalled (exit 4)")
     # planning without running
     dry_run: bool = flag(False, "trace at full scale on meta tensors; print memory/FLOPs/step-time estimates")
     chip: str = flag("tpu_v5p", "TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")
@@ -210,9 +224,36 @@ def validate(cfg):
         fsdp_passes.chosen(cfg.fsdp_passes)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.task == "grpo":
+        _validate_grpo(cfg)
     if cfg.scan and cfg.mode == "compile":
         raise ConfigError("--scan has no per-block modules for --mode compile to compile: use eager or graph")
     _validate_mesh(cfg)
+
+
+def _validate_grpo(cfg):
+    """GRPO's flags: the algorithm's (grpo.GRPOConfig.check), the reward task's name, and checkpoints
+    on rollout-batch boundaries (a resume then starts a fresh batch: no rollout needs replaying)."""
+    import arithmetic
+    import grpo
+    try:
+        grpo.GRPOConfig(group_size=cfg.group_size, eps_low=cfg.clip_eps, eps_high=cfg.clip_eps,
+                        aggregation=cfg.aggregation, beta=cfg.kl_beta, temperature=cfg.temperature).check()
+        arithmetic.get_task(cfg.reward_task, format_credit=cfg.format_credit)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for name in ("prompts_per_step", "updates_per_batch", "max_new_tokens"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    if not (cfg.engine_timeout > 0 and math.isfinite(cfg.engine_timeout)):
+        raise ConfigError(f"--engine-timeout must be a positive number of seconds, got {cfg.engine_timeout}")
+    u = cfg.updates_per_batch
+    for name in ("steps", "ckpt_interval", "halt_at"):
+        if getattr(cfg, name) % u:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is not a multiple of "
+                              f"--updates-per-batch {u} (checkpoints fall on rollout-batch boundaries)")
+    if cfg.scan or cfg.dry_run or cfg.tokenizer:
+        raise ConfigError("--task grpo trains a byte-level policy unstacked: --scan, --dry-run, --tokenizer are not built for it")
 
 
 def _validate_mesh(cfg):

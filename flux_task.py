@@ -264,10 +264,13 @@ class FluxDigits(Task):
     def meta(self):
         return {"data": self.src.fingerprint} if self.src.fingerprint else {}
 
-    def evaluated(self, model, step, log, out_dir):
-        """A quick grid at each evaluation, named by the step (not judged: that is the end's)."""
+    def preview(self, model, log, out_dir, step, final):
+        """A quick grid at each evaluation, named by the step (not judged); at the end the full grid,
+        judged."""
         if not self.cfg.sample_images:
             return
+        if final:
+            return self.final_grid(model, log, out_dir)
         path = os.path.join(out_dir, f"samples_step_{step:06d}.png")
         sample_grid(model, self.src, self.cfg.seed, path, min(self.cfg.sample_images, EVAL_GRID[0]),
                     steps=EVAL_GRID[1], judge=False)
@@ -309,9 +312,7 @@ class FluxDigits(Task):
         """The attention implementation may change across resumes: not recorded."""
         return {k: v for k, v in dataclasses.asdict(args).items() if k != "attn_impl"}
 
-    def preview(self, model, log, out_dir):
-        if not self.cfg.sample_images:
-            return
+    def final_grid(self, model, log, out_dir):
         path = os.path.join(out_dir, "samples.png")
         images, accuracy = sample_grid(model, self.src, self.cfg.seed, path, per_class=self.cfg.sample_images,
                                        judge=isinstance(self.src, DigitsSource))

@@ -80,8 +80,10 @@ def completion_logprobs(model, tokens_BxT, prompt_len, temperature=1.0):
     return logp_BxCxV.gather(-1, tokens_BxT[:, prompt_len:, None]).squeeze(-1)
 
 
-def policy_loss(logp_BxC, logp_engine_BxC, adv_B, mask_BxC, cfg, logp_ref_BxC=None, n_tokens=None, norm=None):
-    """The GRPO loss (a scalar to minimize) and statistics.
+def policy_loss(logp_BxC, logp_engine_BxC, adv_B, mask_BxC, cfg, logp_ref_BxC=None, n_tokens=None, norm=None,
+                with_stats=True):
+    """The GRPO loss (a scalar to minimize) and statistics ({} when with_stats is False: reading them
+    to Python would cut a traced graph, as graph mode traces this loss).
 
     logp_BxC: the policy's logprobs of the sampled tokens (with grad); logp_engine_BxC: the engine's
     (sampling) logprobs of the same tokens; adv_B: one advantage per sequence; mask_BxC: 1 for the
@@ -107,6 +109,8 @@ def policy_loss(logp_BxC, logp_engine_BxC, adv_B, mask_BxC, cfg, logp_ref_BxC=No
         loss = (per_token * mask).sum() / (mask.numel() if norm is None else norm)
     else:
         raise ValueError(f"unknown loss aggregation {cfg.aggregation!r}")
+    if not with_stats:
+        return loss, {}
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         is_clipped = clipped < unclipped  # min() took the clipped term: this token's gradient is 0

@@ -100,22 +100,31 @@ class RunDir:
                     self._tb.add_scalar(key, value, record["step"])
             self._tb.flush()
 
-    def plot(self):
+    def plot(self, extra=()):
         """loss.png beside metrics.jsonl: train and validation loss against step, learning rate on a
-        second axis (matplotlib, no display needed)."""
+        second axis (matplotlib, no display needed); the `extra` metric keys (a task's, e.g. reward
+        and held-out accuracy) in a second panel below."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         recs = read_metrics(self.path)
         series = {k: [(r["step"], r[k]) for r in recs if r.get(k) is not None and "step" in r]
-                  for k in ("loss", "val_loss", "lr")}
-        fig, ax = plt.subplots(figsize=(7, 4))
+                  for k in ("loss", "val_loss", "lr", *extra)}
+        shown = [k for k in extra if series[k]]
+        fig, axes = plt.subplots(1 + bool(shown), 1, figsize=(7, 4 + 3 * bool(shown)), squeeze=False)
+        ax = axes[0, 0]
+        if shown:
+            for key in shown:
+                axes[1, 0].plot(*zip(*series[key]), ".-", label=key.replace("_", " "))
+            axes[1, 0].set_xlabel("step")
+            axes[1, 0].legend(loc="lower right")
         for key, style in (("loss", "-"), ("val_loss", "o-")):
             if series[key]:
                 ax.plot(*zip(*series[key]), style, label=key.replace("_", " "))
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats per token)")
-        ax.legend(loc="upper right")
+        if series["loss"] or series["val_loss"]:
+            ax.legend(loc="upper right")
         if series["lr"]:
             lr_ax = ax.twinx()
             lr_ax.plot(*zip(*series["lr"]), color="grey", alpha=0.4)

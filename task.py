@@ -17,10 +17,19 @@ its own model, data and loss; its FluxTrainer overrides one step method, its RL 
     flops_per_step(args)    model FLOPs of one global step (forward + backward), for MFU
     meta()                  what a checkpoint records of the data, and a resume must match
     label(), model_record(args), param_count(args)   naming and sizing the model (defaults given)
-    evaluated(model, step, log, out_dir)   after each evaluation, something to look at (an image grid)
-    preview(model, log)     something to look at after the last step (a text sample, an image grid)
+    preview(model, log, out_dir, step, final)   something to look at: a quick one after each evaluation,
+                            the full one after the last step (a text sample, an image grid)
     plan_workload(args)     what the dry run (dryrun.py) needs at full scale: a dryrun.Workload (parameter
                             groups, FLOPs and tokens of a sample, its saved activations traced on meta)
+
+Four seams for a workload that keeps state beside the model (GRPO: a rollout engine it feeds with
+the live policy's weights); their defaults do nothing, so lm and flux do not see them:
+    attach(model)           the live model, once built, sharded, loaded or restored (before step 1)
+    step_metrics()          numbers of the last batch for the logged step (reward mean, sync seconds)
+    evaluate(model, step, log)  numbers for an evaluation's record (held-out accuracy); `evaluates`:
+                            evaluations run even without val_batches; `plotted`: keys drawn in the
+                            run's plot beside the loss
+    close()                 release what the task holds (an engine process), on every way out
 
 Adding a workload is one subclass and one entry in train.TASKS.
 """
@@ -41,6 +50,8 @@ class Task:
     unit = "samples"
     notes = ()           # one-line remarks printed at start by the writing process
     val_batches = ()
+    evaluates = False    # True: evaluate() runs at evaluations even with no val_batches
+    plotted = ()         # metric keys (step records) drawn in the run's plot beside the loss
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -101,16 +112,28 @@ class Task:
     def meta(self):
         return {}
 
-    def evaluated(self, model, step, log, out_dir):
-        """Called after each evaluation on one device (where the weights are whole), by the writing process."""
-
     def plan_workload(self, args):
         """dryrun.Workload for `args` at full scale (--dry-run, --plan); nothing is allocated."""
         raise NotImplementedError
 
-    def preview(self, model, log, out_dir):
-        """Called once after the last step, with the trainer's `log` and the run directory, where the
-        weights are whole (one device)."""
+    def preview(self, model, log, out_dir, step, final):
+        """Called by the writing process where the weights are whole (one device), with the trainer's
+        `log` and the run directory: after each evaluation (final=False: something quick), and once after
+        the last step (final=True)."""
+
+    def attach(self, model):
+        """The live (possibly sharded) model the trainer updates, before its first step."""
+
+    def step_metrics(self):
+        """{name: number} about the last step's batch, added to a logged step's record."""
+        return {}
+
+    def evaluate(self, model, step, log):
+        """{name: number} added to the evaluation record at `step` (called on every rank)."""
+        return {}
+
+    def close(self):
+        """Release what the task holds; called once however the run ends."""
 
 
 class LanguageModel(Task):
@@ -121,6 +144,8 @@ class LanguageModel(Task):
         super().__init__(cfg)
         self.notes = []
         self.args = self.model_args()
+        if cfg.seq_len > self.args.max_seq_len:
+            raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {self.args.max_seq_len}")
 
     def setup_data(self, dp_rank, dp_size):
         cfg = self.cfg
@@ -154,8 +179,6 @@ class LanguageModel(Task):
             check_args(args)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if cfg.seq_len > args.max_seq_len:
-            raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
         return args
 
     def build_model(self, args):
@@ -220,11 +243,11 @@ class LanguageModel(Task):
         return {"data": self.fingerprint,
                 "tokenizer": os.path.abspath(self.cfg.tokenizer) if self.cfg.tokenizer else None}
 
-    def preview(self, model, log, out_dir):
-        """A few bytes sampled from the trained model (not for stacked blocks, which take no KV cache,
-        nor for a vocabulary that is not bytes)."""
+    def preview(self, model, log, out_dir, step, final):
+        """At the end, a few bytes sampled from the trained model (not for stacked blocks, which take no
+        KV cache, nor for a vocabulary that is not bytes)."""
         n = self.cfg.sample_tokens
-        if not n or self.cfg.scan or self.cfg.tokenizer or model.args.vocab_size != data.BYTE_VOCAB:
+        if not final or not n or self.cfg.scan or self.cfg.tokenizer or model.args.vocab_size != data.BYTE_VOCAB:
             return
         import generate
         text, count = generate.byte_sample(model, n, self.cfg.seed)

@@ -5,7 +5,7 @@ loop by loop (RoPE, GQA attention, MoE per token), torch's own functional ops (t
 written out), torch.optim.AdamW and clip_grad_norm_, the uninterrupted run (resume), eager CPU
 (XLA:CPU), JAX's production Pallas kernels, one process and FSDP2 (data parallel), the unrolled loop
 (scan). A test that must run in a fresh process (XLA runtime first, torchrun) calls one of the
-`child_*` functions below through `python test_all.py child_NAME ARGS`. CPU only, ~16.5 min on 2 cores (197 tests).
+`child_*` functions below through `python test_all.py child_NAME ARGS`. CPU only, ~17.5 min on 2 cores (199 tests).
 """
 import dataclasses
 import json
@@ -3059,6 +3059,123 @@ def test_grpo_demo_bad_input_is_one_error_line_exit_2(capsys):
         assert grpo_demo.main(args) == 2, args
         err = capsys.readouterr().err
         assert err.startswith("error: ") and msg in err and err.count("\n") == 1, (args, err)
+
+
+# GRPO as a workload of the trainer (grpo_task.py): a tiny supervised warm start on the arithmetic text
+# (arithmetic.py write + train.py --task lm), then 4 GRPO steps, two per rollout batch. Oracles: the
+# eager single process (for graph mode and 2 SimpleFSDP ranks), the straight run (for resume).
+GRPO_WARM = ["--set", "dim=32", "--set", "n_layers=2", "--set", "n_heads=4", "--set", "n_kv_heads=2",
+             "--set", "ffn_dim=64", "--set", "max_seq_len=32", "--seq-len", "32", "--batch-size", "16",
+             "--lr", "1e-2", "--warmup", "5", "--eval-batches", "0", "--sample-tokens", "0", "--log-interval", "20"]
+
+
+@pytest.fixture(scope="session")
+def grpo_warm(tmp_path_factory):
+    """A run directory of 40 supervised steps on solved problems: digits and newlines, rarely right
+    (with --format-credit its groups' rewards differ, so the GRPO gradient is not zero)."""
+    import arithmetic
+    root = tmp_path_factory.mktemp("grpo_warm")
+    assert arithmetic.main(["write", str(root / "arith.txt"), "--problems", "20000"]) == 0
+    text = (root / "arith.txt").read_bytes()
+    assert text.count(b"\n") == 20000 and not list(root.glob("*.tmp*"))
+    assert _main(["--task", "lm", *GRPO_WARM, "--data", str(root / "arith.txt"), "--steps", "40",
+                  "--out-dir", str(root / "warm")]) == 0
+    return str(root / "warm")
+
+
+def _grpo_args(warm, out_dir, *extra):
+    return ["--task", "grpo", "--init-from", warm, "--steps", "4", "--updates-per-batch", "2",
+            "--prompts-per-step", "4", "--group-size", "4", "--format-credit", "0.1", "--kl-beta", "0.05", "--lr", "1e-3",
+            "--warmup", "0", "--eval-interval", "0", "--log-interval", "1", "--ckpt-interval", "0",
+            "--out-dir", out_dir, *extra]
+
+
+def _grpo_weights(run_dir):
+    import checkpoint
+    return checkpoint.load_run(run_dir).state_dict()
+
+
+def test_grpo_through_the_trainer_graph_mode_simplefsdp_and_resume_equal_one_eager_process(grpo_warm, tmp_path):
+    """The trainer path end to end: rollouts from the engine process every second step (policy version
+    = optimizer steps in the synced weights), reward per step and held-out accuracy at the first and
+    last evaluation in metrics.jsonl and the plot, completions in the log. Graph mode and 2 torchrun
+    ranks (SimpleFSDP, each its own rows, one engine) equal the eager process on the same global
+    batches (k3 KL to the warm start on: each rank scores its own rows against the reference): losses,
+    pre-clip gradient norms, rewards, final weights. Halted at step 2 and resumed
+    equals the straight run bit for bit."""
+    runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "part")}
+    assert _main(_grpo_args(grpo_warm, runs["eager"])) == 0
+    assert _main(_grpo_args(grpo_warm, runs["graph"], "--mode", "graph")) == 0
+    rc, _, err = torchrun(2, _grpo_args(grpo_warm, runs["fsdp"], "--mesh", "ici=2"))
+    assert rc == 0, err[-3000:]
+    assert _main(_grpo_args(grpo_warm, runs["part"], "--halt-at", "2")) == 0
+    assert _main(_grpo_args(grpo_warm, runs["part"], "--resume")) == 0
+
+    oracle = runs["eager"]
+    assert _records(oracle, "policy_version") == {1: 0, 2: 0, 3: 2, 4: 2}
+    assert sorted(_records(oracle, "held_out_accuracy")) == [0, 4]
+    assert all(g > 0 for g in _records(oracle, "grad_norm").values())  # the groups' rewards differ
+    with open(os.path.join(oracle, "metrics.jsonl")) as f:
+        shown = [json.loads(line) for line in f if '"completions"' in line]
+    assert [r["step"] for r in shown] == [0, 4] and all(len(r["text"]) == 4 for r in shown)
+    assert os.path.getsize(os.path.join(oracle, "loss.png")) > 0
+    for name in ("graph", "fsdp"):
+        for key in ("loss", "grad_norm", "reward"):
+            _near(_records(oracle, key), _records(runs[name], key), atol=1e-6, rtol=1e-5)
+        mine = _grpo_weights(runs[name])
+        for k, w in _grpo_weights(oracle).items():
+            torch.testing.assert_close(mine[k], w, rtol=1e-5, atol=1e-5, msg=f"{name} {k}")
+    for key in ("loss", "grad_norm", "reward"):
+        assert _records(runs["part"], key) == _records(oracle, key), key
+    assert all(torch.equal(a, b) for a, b in zip(_grpo_weights(runs["part"]).values(), _grpo_weights(oracle).values()))
+
+
+def test_grpo_bad_input_is_one_error_line_exit_2_and_a_dead_engine_exit_4(grpo_warm, tmp_path, capsys):
+    """G < 2, clip <= 0, an unknown aggregation or reward task, a step count off the rollout-batch
+    boundary: one `error:` line, exit 2, nothing written. The engine process killed mid-run: one
+    line naming it, exit 4, within seconds."""
+    import signal
+    import time
+    out = str(tmp_path / "bad")
+    for extra, msg in [(["--group-size", "1"], "group size G must be >= 2"),
+                       (["--clip-eps", "0"], "clip bounds must be > 0"),
+                       (["--aggregation", "bnpo"], "unknown loss aggregation 'bnpo'"),
+                       (["--reward-task", "gsm8k"], "unknown reward task 'gsm8k'"),
+                       (["--steps", "3"], "--steps 3 is not a multiple of --updates-per-batch 2"),
+                       (["--halt-at", "1"], "--halt-at 1 is not a multiple")]:
+        assert _main(_grpo_args(grpo_warm, out, *extra)) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1, (extra, err)
+        assert not os.path.exists(out)
+
+    run = str(tmp_path / "killed")
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"),
+                             *_grpo_args(grpo_warm, run, "--steps", "400")], cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (os.path.exists(os.path.join(run, "metrics.jsonl")) and _records(run, "reward")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        engines = []  # the trainer's children started by multiprocessing's spawn (not its resource tracker)
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if ppid == proc.pid and b"spawn_main" in cmd:
+                engines.append(int(pid))
+        assert len(engines) == 1, engines
+        os.kill(engines[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 4, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "rollout engine process died (exit code -9)" in lines[0] and "at step" in lines[0], err
 
 
 if __name__ == "__main__":  # child processes: python test_all.py <child function> [args...]

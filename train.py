@@ -7,9 +7,9 @@
 `--mode` is the optimization ladder: eager (plain loop) -> compile (each block torch.compile'd) ->
 graph (the whole step, optimizer included, as one traced graph: graph_trainer.py). Exit codes: 2 bad
 input (one `error:` line, nothing written); 3 a NaN/Inf loss, gradient norm or validation loss (before
-anything non-finite is saved); 4 a peer process died or stalled (rundir.Watchdog); 5 a failed write
-(disk full); 1 this process failed by itself (out of memory, named in one line); 130 / 143 interrupted
-(SIGINT / SIGTERM). The last good checkpoint always stays.
+anything non-finite is saved); 4 a peer process or the rollout engine died or stalled (rundir.Watchdog,
+rollout.EngineError); 5 a failed write (disk full); 1 this process failed by itself (out of memory,
+named in one line); 130 / 143 interrupted (SIGINT / SIGTERM). The last good checkpoint always stays.
 """
 import contextlib
 import faulthandler
@@ -29,16 +29,18 @@ import device as dev
 import flux_task
 import fsdp_passes
 import graph_trainer
+import grpo_task
 import hf
 import mesh
 import optim
+import rollout
 import rundir
 import task as tasks
 from cli import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED,  # noqa: F401
                  RESUME_CHECKED, ConfigError, error_line, parse_config)
 from parallel import Parallel
 
-TASKS = {"lm": tasks.LanguageModel, "flux": flux_task.FluxDigits}
+TASKS = {"lm": tasks.LanguageModel, "flux": flux_task.FluxDigits, "grpo": grpo_task.GRPOArithmetic}
 
 
 def model_args(cfg):
@@ -89,6 +91,8 @@ class Trainer:
         self.step = 0
         if self.resume_from:
             self.restore(self.resume_from)
+        self.task.attach(self.model)
+        self.evaluates = bool(self.task.val_batches) or self.task.evaluates
         self.flops_per_step = self.task.flops_per_step(self.model_args)
         self.peak, self.peak_label = dev.peak_flops(self.device)
         dev.sync(self.device)  # XLA: parameters and AdamW state become device data before step 1, so
@@ -224,6 +228,7 @@ class Trainer:
         try:
             return self.loop()
         finally:
+            self.task.close()
             self.watchdog.stop()
             self.run_dir.close()
 
@@ -231,7 +236,7 @@ class Trainer:
         """Start, then per step: train, log, evaluate, save, halt."""
         cfg = self.cfg
         self.start()
-        if self.step == 0 and self.task.val_batches:
+        if self.step == 0 and self.evaluates:
             self.evaluate_and_log()
         self.clock = (time.perf_counter(), self.step, time.perf_counter(), self.step)
         while self.step < cfg.steps:
@@ -243,7 +248,7 @@ class Trainer:
             last = self.step in (cfg.steps, cfg.halt_at)
             if self.step % cfg.log_interval == 0 or last:
                 self.log_step(loss, gnorm)
-            if self.task.val_batches and (cfg.eval_interval and self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
+            if self.evaluates and (cfg.eval_interval and self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
                 val = self.evaluate_and_log()
                 if not math.isfinite(val):
                     return self.stop_nonfinite("val_loss", val)
@@ -253,7 +258,7 @@ class Trainer:
             if self.step == cfg.halt_at:
                 return 0
         if self.parallel.mesh_spec is None and self.parallel.writes_files:  # (sharded weights: no preview)
-            self.task.preview(self.model, self.log, self.out_dir)
+            self.task.preview(self.model, self.log, self.out_dir, step=self.step, final=True)
         return 0
 
     def start(self):
@@ -303,20 +308,27 @@ class Trainer:
                "peak_flops": self.peak, "devices": p.n_devices, "mem_bytes": mem["peak_bytes"], "mem_kind": mem["kind"]}
         if unit == "tok":
             rec["tokens_per_s"] = rec.pop("tok_per_s")
+        extra = self.task.step_metrics()
+        rec.update(extra)
         self.log(rec, f"step {self.step:5d} | loss {loss:.4f} | gnorm {gnorm:.3f} | lr {self.lr:.2e}"
                  f" | {f'{per_s / 1e3:.1f}k' if per_s >= 1e3 else f'{per_s:.1f}'} {unit}/s | {flops / 1e12:.3f} TFLOP/s | MFU {100 * rec['mfu']:.1f}%"
                  f" of {self.peak_label} | mem {mem['peak_bytes'] / 2**30:.2f} GiB ({mem['kind']})"
-                 f" | eta {eta:.0f}s")
+                 f" | eta {eta:.0f}s" + "".join(f" | {k} {v:.4g}" for k, v in extra.items()))
         self.clock = (time.perf_counter(), self.step, t_start, first)
 
     def evaluate_and_log(self):
-        val = self.evaluate()
-        self.log({"step": self.step, "val_loss": val}, f"step {self.step:5d} | val loss {val:.4f}")
+        """The validation loss (if the task has validation batches) and the task's own evaluation
+        numbers in one record; NaN-free unless the validation loss is not finite."""
+        val = self.evaluate() if self.task.val_batches else None
+        extra = self.task.evaluate(self.model, self.step, self.log)
+        rec = {"step": self.step, **({"val_loss": val} if val is not None else {}), **extra}
+        parts = ([] if val is None else [f"val loss {val:.4f}"]) + [f"{k.replace('_', ' ')} {v:.4f}" for k, v in extra.items()]
+        self.log(rec, f"step {self.step:5d} | " + " | ".join(parts))
         if self.parallel.writes_files:
-            self.run_dir.plot()
+            self.run_dir.plot(self.task.plotted)
             if self.parallel.mesh_spec is None:  # (sharded weights: not drawn)
-                self.task.evaluated(self.model, self.step, self.log, self.out_dir)
-        return val
+                self.task.preview(self.model, self.log, self.out_dir, step=self.step, final=False)
+        return 0.0 if val is None else val
 
 
 # ------------------------------------------------------------------------------------------------
@@ -362,6 +374,9 @@ def main(argv=None):
             graph_trainer.GraphCaptureError, rundir.RunDirError, mesh.MeshError, hf.HFError) as e:
         error_line(e)
         return EXIT_BAD_INPUT
+    except rollout.EngineError as e:  # the engine process died or stalled: like a dead peer
+        error_line(f"{e} at step {trainer.step if trainer else 0}")
+        return EXIT_PEER_FAILED
     except (KeyboardInterrupt, Interrupted) as e:
         signum = getattr(e, "signum", signal.SIGINT)
         kept = checkpoint.newest_name(trainer.ckpt_dir) if trainer else None

@@ -1,0 +1,231 @@
+"""grpo_task.py: GRPO post-training as a workload of the shared trainer: the policy learns from its
+own samples, scored by a program (a verifiable reward), drawn by a separate rollout engine.
+
+    python arithmetic.py write arith.txt                                   # solved problems, as text
+    python train.py --task lm --data arith.txt --out-dir runs/warm ...     # warm start: supervised
+    python train.py --task grpo --init-from runs/warm --steps 100 ...      # then GRPO on its policy
+
+The trainer (train.py) runs it like any Task: the loop, AdamW, clipping, checkpoints, graph mode and
+the SimpleFSDP mesh are its. What is GRPO's own, after torchtitan's experiments/rl and TRL's
+GRPOTrainer (the pieces: grpo.py the algorithm, rollout.py the engine, weight_sync.py the pipe):
+
+  - a rollout batch r feeds optimizer steps r U + 1 .. r U + U (U = --updates-per-batch). At its
+    first step the live policy's weights go to the engine process as policy version r U (the number
+    of optimizer steps in them: every trainer rank gathers its shards in the same order, global rank 0
+    broadcasts to the engine), and the engine samples G completions of each of the P prompts of
+    rollout batch r, seeded by (seed, r), with their sampling logprobs;
+  - rank 0 scores them (arithmetic.py), and the completions, logprobs, masks and rewards reach every
+    rank in one broadcast on the default group; advantages per group (grpo.group_advantages); each
+    rank trains on its own P G / N rows. The DAPO normalizer is the global token count over N, so
+    the ranks' averaged gradients are one process's on the whole batch;
+  - the loss is grpo.policy_loss on the policy's logprobs of the completions (graph mode traces it
+    whole); --kl-beta > 0 adds k3 KL to a frozen copy of the warm start, scored on each rank's rows;
+  - the batch is a pure function of (seed, step) and the weights at the batch's first step, so a
+    checkpoint on a rollout-batch boundary (cli.py enforces it) resumes bit for bit;
+  - evaluations: greedy accuracy on the task's 500 held-out prompts, sampled by the engine from the
+    policy at that step; a few completions in the log at the first and last evaluation. The warm
+    start (--init-from) is a train.py run directory (checkpoint.load_run) or a HF directory.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+import arithmetic
+import checkpoint
+import grpo
+import rollout
+import weight_sync
+from cli import ConfigError
+from model import flops_per_token
+from task import LanguageModel, Task
+
+SHOWN = 4  # completions printed at the first and the last evaluation
+
+
+class GRPOArithmetic(LanguageModel):
+    """The policy is a language model (LanguageModel's building, sizing and records); batches are rollouts."""
+    unit, scannable, evaluates = "seq", False, True
+    plotted = ("reward", "held_out_accuracy")
+
+    def __init__(self, cfg):
+        Task.__init__(self, cfg)
+        self.notes = []
+        try:
+            self.algo = grpo.GRPOConfig(group_size=cfg.group_size, eps_low=cfg.clip_eps, eps_high=cfg.clip_eps,
+                                        aggregation=cfg.aggregation, beta=cfg.kl_beta,
+                                        temperature=cfg.temperature).check()
+            self.reward_task = arithmetic.get_task(cfg.reward_task, cfg.seed, cfg.format_credit)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.warm = None  # a train.py run's policy (full weights, CPU) to start from
+        if cfg.init_from and not os.path.isfile(os.path.join(cfg.init_from, "config.json")):
+            if cfg.set:
+                raise ConfigError("--set changes the model; the warm-start run at --init-from fixes it")
+            self.warm = checkpoint.load_run(cfg.init_from)
+            self.args = self.warm.args
+        else:
+            self.args = self.model_args()  # --flavor / --set, or a HF directory
+        self.prompt_len = len(self.reward_task.prompts(0, 1)[0])
+        if self.prompt_len + cfg.max_new_tokens > self.args.max_seq_len:
+            raise ConfigError(f"prompt ({self.prompt_len}) + --max-new-tokens ({cfg.max_new_tokens}) exceeds the "
+                              f"model's max_seq_len {self.args.max_seq_len}")
+        if self.args.vocab_size < 256:
+            raise ConfigError(f"the policy's vocab_size {self.args.vocab_size} cannot write the task's bytes")
+        self.rows = cfg.prompts_per_step * cfg.group_size  # rows of one rollout batch
+        self.model = self.engine = self.sender = self.ref = self.current = self.synced = None
+        self.stats = {}
+
+    def setup_data(self, dp_rank, dp_size):
+        if self.rows % dp_size:
+            raise ConfigError(f"--prompts-per-step x --group-size = {self.rows} rows do not split over "
+                              f"{dp_size} data-parallel ranks")
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.talks_to_engine = not dist.is_initialized() or dist.get_rank() == 0
+
+    def label(self):
+        return f"run:{os.path.abspath(self.cfg.init_from)}" if self.warm is not None else super().label()
+
+    @torch.no_grad()
+    def load_pretrained(self, model):
+        """The warm start's weights into the (maybe sharded) policy: each rank copies its own block."""
+        if self.warm is None:
+            return super().load_pretrained(model)
+        full = dict(self.warm.named_parameters())
+        for name, p in model.named_parameters():
+            src = full[name]
+            if isinstance(p, DTensor):
+                size, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                src, p = src[tuple(slice(o, o + n) for o, n in zip(offset, size))], p.to_local()
+            p.copy_(src)
+
+    def attach(self, model):
+        self.model = model
+
+    # ---------------------------------------------------------------------------------------------
+    def _sync(self, version):
+        """The live policy to the engine as `version` (skipped if it holds that version already). A
+        collective on the trainer's mesh: every rank gathers the full weights, in the same order."""
+        if self.synced == version:
+            return
+        named = list(self.model.named_parameters())
+        if self.talks_to_engine:
+            if self.engine is None:
+                dtype = torch.bfloat16 if self.cfg.engine_dtype == "bf16" else torch.float32
+                self.engine = rollout.EngineProcess(self.args, dtype=dtype, timeout_s=self.cfg.engine_timeout)
+            stats = self.engine.sync(named, version)
+        else:
+            self.sender = self.sender or weight_sync.Sender(None, named)
+            stats = self.sender.send(named, version)
+        self.synced = version
+        self.stats.update(sync_mib=stats["bytes"] / 2**20, sync_s=stats["seconds"])
+
+    def _generate(self, prompts, group_size, temperature, seed):
+        """Rank 0 asks the engine; every rank gets (completions, engine logprobs, mask, reward) (B, ...)."""
+        B, C = len(prompts) * group_size, self.cfg.max_new_tokens
+        buf_BxW = torch.zeros(B, 3 * C + 1, dtype=torch.float64)  # exact for byte ids and fp32 logprobs
+        if self.talks_to_engine:
+            ro = self.engine.generate(prompts, group_size, C, temperature=temperature, seed=seed,
+                                      eos_id=arithmetic.EOS, batch_size=B)
+            if ro.version != self.synced:  # the ratio would compare the wrong policies
+                raise rollout.EngineError(f"rollout carries policy version {ro.version}, expected {self.synced}")
+            rewards = [self.reward_task.reward(p, c) for p, c in zip(ro.prompts_BxP.tolist(), ro.completions_BxC.tolist())]
+            buf_BxW[:, :C], buf_BxW[:, C:2 * C], buf_BxW[:, 2 * C:3 * C] = ro.completions_BxC, ro.logprobs_BxC, ro.mask_BxC
+            buf_BxW[:, 3 * C] = torch.tensor(rewards, dtype=torch.float64)
+            self.stats["rollout_s"] = ro.seconds
+        if self.distributed:
+            dist.broadcast(buf_BxW, 0)
+        return (buf_BxW[:, :C].long(), buf_BxW[:, C:2 * C].float(), buf_BxW[:, 2 * C:3 * C].bool(),
+                buf_BxW[:, 3 * C].float())
+
+    def _rollout(self, r):
+        """Rollout batch r: sampled by the policy after r U optimizer steps; this rank's rows."""
+        cfg, G = self.cfg, self.algo.group_size
+        self._sync(r * cfg.updates_per_batch)
+        prompts = self.reward_task.prompts(r, cfg.prompts_per_step)
+        comp_BxC, logp_BxC, mask_BxC, reward_B = self._generate(prompts, G, self.algo.temperature,
+                                                                 cfg.seed * 1_000_003 + r)
+        adv_B = grpo.group_advantages(reward_B, G, self.algo.std_norm)
+        tokens_BxT = torch.cat([torch.tensor(prompts).repeat_interleave(G, 0), comp_BxC], 1)
+        n_tokens = mask_BxC.sum().float() / self.dp_size  # dapo: the global count, per rank's share
+        mine = slice(self.dp_rank * self.rows // self.dp_size, (self.dp_rank + 1) * self.rows // self.dp_size)
+        batch = (tokens_BxT[mine], mask_BxC[mine], logp_BxC[mine], adv_B[mine], n_tokens)
+        if self.algo.beta > 0:
+            with torch.no_grad():
+                batch += (grpo.completion_logprobs(self._reference(), tokens_BxT[mine], self.prompt_len,
+                                                   self.algo.temperature),)
+        self.current = (r, batch)
+        self.stats.update(reward=reward_B.mean().item(), policy_version=self.synced)
+
+    def _reference(self):
+        """The frozen warm start (or the seeded initial weights) on the host: the KL's reference."""
+        if self.ref is None:
+            with torch.random.fork_rng():
+                torch.manual_seed(self.cfg.seed)  # (as the trainer seeds before building the policy)
+                self.ref = self.build_model(self.args)
+            if self.warm is not None:
+                self.ref.load_state_dict(self.warm.state_dict())
+            else:
+                super().load_pretrained(self.ref)
+            self.ref.eval()
+        return self.ref
+
+    def batch(self, step):
+        """(tokens (B/N, T), mask (B/N, C), engine logprobs (B/N, C), advantages (B/N,), token normalizer
+        [, reference logprobs]) of rollout batch (step - 1) // U."""
+        r = (step - 1) // self.cfg.updates_per_batch
+        if self.current is None or self.current[0] != r:
+            self._rollout(r)
+        return self.current[1]
+
+    def loss(self, model, batch):
+        tokens_BxT, mask_BxC, logp_engine_BxC, adv_B, n_tokens, *ref = batch
+        logp_BxC = grpo.completion_logprobs(model, tokens_BxT, tokens_BxT.shape[1] - mask_BxC.shape[1],
+                                            self.algo.temperature)
+        loss, _ = grpo.policy_loss(logp_BxC, logp_engine_BxC, adv_B, mask_BxC, self.algo,
+                                   logp_ref_BxC=ref[0] if ref else None, n_tokens=n_tokens, with_stats=False)
+        return loss, loss
+
+    def step_metrics(self):
+        return dict(self.stats)
+
+    def evaluate(self, model, step, log):
+        """Greedy exact-answer rate on the held-out prompts, sampled by the engine from the policy at `step`."""
+        self._sync(step)
+        test = self.reward_task.test_set()
+        comp_BxC, _, _, reward_B = self._generate(test, 1, 0.0, 0)
+        if step in (0, self.cfg.steps):
+            shown = [bytes(p).decode() + repr(bytes(c).split(b"\n")[0].decode("utf-8", "replace"))
+                     for p, c in zip(test[:SHOWN], comp_BxC[:SHOWN].tolist())]
+            log({"event": "completions", "step": step, "text": shown},
+                f"held-out completions at step {step}: " + "  ".join(shown))
+        return {"held_out_accuracy": (reward_B == 1.0).float().mean().item()}
+
+    def close(self):
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    # ---------------------------------------------------------------------------------------------
+    @property
+    def units_per_step(self):
+        return self.rows
+
+    def flops_per_step(self, args):
+        T = self.prompt_len + self.cfg.max_new_tokens
+        return flops_per_token(args, T) * self.rows * T
+
+    def activation_bytes(self, args, local_batch, free_bytes):
+        return 0  # (a few short rows: LanguageModel's estimate is for --seq-len windows)
+
+    def meta(self):
+        keys = ("reward_task", "format_credit", "group_size", "prompts_per_step", "updates_per_batch", "clip_eps", "aggregation",
+                "kl_beta", "max_new_tokens", "temperature", "engine_dtype")
+        return {"grpo": {k: getattr(self.cfg, k) for k in keys},
+                "init_from": os.path.abspath(self.cfg.init_from) if self.cfg.init_from else None}
+
+    def preview(self, model, log, out_dir, step, final):
+        """(The last evaluation has shown completions already.)"""
