@@ -68,29 +68,33 @@ def _dense_attention(q, k, v):
     return torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v
 
 
-def _child_train(config, steps, extra=""):
-    """Tokens/s of the bench model for one configuration: `plain` (a torch.optim loop) or train.py
-    flags such as "--mode graph --backend inductor"."""
-    import device as dev
-    import optim
+def _bench_trainer(config, argv):
+    """(trainer, step(*batch, lr) -> (reported loss, pre-clip norm)) for one configuration: `plain` (a
+    torch.optim loop, what a nanoGPT user writes) or train.py flags such as "--mode graph --backend inductor"."""
     import train
-    flags = [] if config == "plain" else config.split()
-    cfg = train.parse_config(["--steps", str(steps), "--eval-batches", "0", "--data", _bench_data(),
-                                           "--ckpt-interval", "0", "--out-dir", "/tmp/minititan-bench",
-                                           *flags, *extra.split()])
+    cfg = train.parse_config(["--eval-batches", "0", "--ckpt-interval", "0", "--out-dir", "/tmp/minititan-bench",
+                              *argv, *([] if config == "plain" else config.split())])
     trainer = train.Trainer(cfg)  # (--device xla --mesh: one process over CPU_NUM_DEVICES XLA devices)
     params = trainer.params
     torch_opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
 
-    def plain_step(x, y, lr):  # what a nanoGPT user writes
-        ce, aux = trainer.model(x, y)
-        (ce + aux).backward()
+    def plain_step(*batch_and_lr):
+        reported, loss = trainer.task.loss(trainer.model, batch_and_lr[:-1])
+        loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         torch_opt.step()
         torch_opt.zero_grad(set_to_none=True)
-        return ce.detach(), norm
+        return reported.detach(), norm
 
-    step = plain_step if config == "plain" else trainer.step_fn
+    return trainer, plain_step if config == "plain" else trainer.step_fn
+
+
+def _child_train(config, steps, extra=""):
+    """Tokens/s of the bench model for one configuration (see _bench_trainer)."""
+    import device as dev
+    import optim
+    trainer, step = _bench_trainer(config, ["--steps", str(steps), "--data", _bench_data(), *extra.split()])
+    cfg = trainer.cfg
     times = []
     for i in range(1, steps + 1):
         t0 = time.perf_counter()
@@ -116,6 +120,56 @@ def _bench_data():
     Throughput does not depend on which text the random windows come from."""
     import data
     return data.stdlib_dir()
+
+
+# FLUX: flux_debug widened to 256 (8 heads, 2 + 2 blocks): 7.06M parameters (3.9x), 32 digits a step
+FLUX_FLAGS = ["--task", "flux", "--batch-size", "32", "--set", "hidden_size=256", "--set", "num_heads=8",
+              "--watchdog", "0"]  # (inductor compiling this step on a loaded 2-core machine took > 300 s)
+FLUX_CONFIGS = ["plain", "--mode graph --backend inductor", "--mode graph --device xla", "jax"]
+
+
+def _child_flux(config):
+    """Serve timed FLUX steps of one configuration: compile (2 warm-up steps), print {"ready"}, then for
+    each line N on stdin time N more steps and print their seconds. The parent keeps all configurations
+    warm and alternates them, so none pays a recompile per repeat. `jax`: flux_jax.py's jitted step from
+    the same init (the eager trainer's weights) on the same batches."""
+    import device as dev
+    import optim
+    import tempfile  # (a run directory each: the four run at once, and a run directory admits one run)
+    trainer, step = _bench_trainer("plain" if config == "jax" else config,
+                                   [*FLUX_FLAGS, "--out-dir", tempfile.mkdtemp(prefix="minititan-bench-")])
+    lr = lambda i: optim.lr_at(i, 1e-3, 5, 100)
+    if config == "jax":
+        import dataclasses
+        import jax.numpy as jnp
+        import flux_jax
+        state = [{k: jnp.array(v.detach().numpy()) for k, v in trainer.model.state_dict().items()}]
+        state.append(flux_jax.init_opt(state[0]))
+        jstep = flux_jax.make_train_step(dataclasses.asdict(trainer.model_args), weight_decay=trainer.cfg.weight_decay,
+                                         clip=trainer.cfg.clip)
+
+        def run(i):
+            batch = tuple(jnp.asarray(x.numpy()) for x in trainer.task.batch(i))
+            state[0], state[1], loss, _ = jstep(state[0], state[1], batch, jnp.float32(lr(i)), jnp.float32(i))
+            float(loss)  # waits for the step
+    else:
+        def run(i):
+            loss, _ = step(*trainer.parallel.place_batch(trainer.task.batch(i)), dev.scalar(lr(i), trainer.device))
+            dev.sync(trainer.device)
+            loss.item()
+    t0 = time.perf_counter()
+    run(1), run(2)
+    print(json.dumps({"ready": True, "warmup_s": time.perf_counter() - t0, "flops_per_step": trainer.flops_per_step,
+                      "units_per_step": trainer.task.units_per_step}), flush=True)
+    i = 2
+    for line in sys.stdin:
+        times = []
+        for _ in range(int(line)):
+            i += 1
+            t0 = time.perf_counter()
+            run(i)
+            times.append(time.perf_counter() - t0)
+        print(json.dumps({"times": times}), flush=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -173,6 +227,68 @@ FULL_CONFIGS = ["--mode graph", "--mode eager --device xla", "--mode graph --bac
                 "--mode graph --backend inductor --scan", "--mode eager --kernels pallas",
                 "--mode graph --backend inductor --split 4", "--mode graph --device xla --scan",
                 "--mode graph --device xla --mesh ici=4"]
+
+
+def flux_table(repeats=3, steps=4):
+    """FLUX training steps (FLUX_FLAGS), every configuration a warm process (_child_flux), timed in turn
+    A B C D A B C D; ms/step is the median of all timed steps; MFU from flux.py's FLOP formula over
+    the CPU's measured GEMM peak; `x_jax`: throughput over the pure-JAX step's (1.0 = as fast)."""
+    import tempfile
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    logs = {c: tempfile.TemporaryFile("w+") for c in FLUX_CONFIGS}
+    procs = {c: subprocess.Popen([sys.executable, __file__, "--child", "flux", c], cwd=HERE, env=env, text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[c]) for c in FLUX_CONFIGS}
+
+    def reply(c):  # the child's next JSON line (its stdout may also carry the trainer's log lines)
+        for line in procs[c].stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        return None
+
+    ready = {c: reply(c) for c in FLUX_CONFIGS}  # (all four compile at once)
+    times = {c: [] for c in FLUX_CONFIGS}
+    for _ in range(repeats):
+        for c in FLUX_CONFIGS:
+            if ready[c]:
+                procs[c].stdin.write(f"{steps}\n")
+                procs[c].stdin.flush()
+                got = reply(c)
+                times[c] += got["times"] if got else []
+                ready[c] = ready[c] if got else None
+    for c in FLUX_CONFIGS:
+        procs[c].stdin.close()
+        procs[c].wait(timeout=120)
+    peak = _spawn("peak")["flops"]
+    rows = []
+    for c in FLUX_CONFIGS:
+        if not times[c]:
+            logs[c].seek(0)
+            said = [line for line in logs[c].read().splitlines() if "Error" in line or line.startswith("error")]
+            rows.append({"mode": c, "error": (said or ["failed"])[-1]})
+            continue
+        med = statistics.median(times[c])
+        rows.append({"mode": c, "ms_per_step": 1000 * med, "images_per_s": ready[c]["units_per_step"] / med,
+                     "tflops": ready[c]["flops_per_step"] / med / 1e12, "mfu": ready[c]["flops_per_step"] / med / peak,
+                     "warmup_s": ready[c]["warmup_s"], "timed_steps": len(times[c])})
+    jax_ms = next((r["ms_per_step"] for r in rows if r["mode"] == "jax" and "error" not in r), None)
+    for r in rows:
+        if jax_ms and "error" not in r:
+            r["x_jax"] = jax_ms / r["ms_per_step"]
+    return rows
+
+
+def flux_markdown(rows):
+    lines = [f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; FLUX "
+             f"`{' '.join(FLUX_FLAGS[:8])}` (hidden 256, 8 heads, 2 double + 2 single blocks, 32 images x 20 tokens)", "",
+             "| FLUX step | ms/step | images/s | x JAX step (throughput) | TFLOP/s | MFU (vs measured fp32 GEMM peak) "
+             "| warm-up s (2 steps, compiling alongside the others) |", "| --- " * 7 + "|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['mode']} | failed: {r['error'][:80]} | | | | | |")
+            continue
+        lines.append(f"| {r['mode']} | {r['ms_per_step']:.1f} | {r['images_per_s']:.0f} | {r.get('x_jax', float('nan')):.2f} | "
+                     f"{r['tflops']:.3f} | {100 * r['mfu']:.0f}% | {r['warmup_s']:.1f} |")
+    return "\n".join(lines)
 
 
 def compile_vs_depth():
@@ -275,6 +391,8 @@ def main():
         if kind == "peak":
             import device
             result = {"flops": device.measure_cpu_matmul_peak(repeats=20)}
+        elif kind == "flux":
+            result = _child_flux(sys.argv[3])
         else:
             result = (_child_memory(sys.argv[3], int(sys.argv[4])) if kind == "mem"
                       else _child_train(sys.argv[3], int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else ""))
@@ -282,18 +400,31 @@ def main():
         os._exit(0)  # skip interpreter teardown: JAX/XLA threads sometimes abort it after the work is done
     p = argparse.ArgumentParser(description="minititan measurements")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (< 5 min on 2 cores)")
+    p.add_argument("--flux", action="store_true", help="only the FLUX training-step rows (< 2 min on 2 cores)")
     args = p.parse_args()
+    if args.flux:  # just the FLUX rows (also part of the full run)
+        rows = flux_table()
+        _write("flux", flux_markdown(rows), {"flux": rows})
+        return
     modes = QUICK_CONFIGS if args.quick else QUICK_CONFIGS + FULL_CONFIGS
     speed = speed_table(modes, repeats=1 if args.quick else 2, steps=10 if args.quick else 20)
     depth = [] if args.quick else compile_vs_depth()
+    flux_rows = [] if args.quick else flux_table()
     memory = memory_tables(args.quick)
     dist_rows = dist_table(repeats=1 if args.quick else 2, steps=6 if args.quick else 20)
-    md = to_markdown(speed, memory, dist_rows, depth)
+    md = to_markdown(speed, memory, dist_rows, depth) + ("\n\n" + flux_markdown(flux_rows) if flux_rows else "")
+    _write("latest", md, {"speed": speed, "memory": memory, "data_parallel": dist_rows, "compile_vs_depth": depth,
+                          "flux": flux_rows})
+
+
+def _write(name, md, obj):
+    """bench_results/NAME.md and .json, each written whole (tmp + rename) or not at all; md printed."""
     os.makedirs(os.path.join(HERE, "bench_results"), exist_ok=True)
-    with open(os.path.join(HERE, "bench_results", "latest.md"), "w") as f:
-        f.write(md + "\n")
-    with open(os.path.join(HERE, "bench_results", "latest.json"), "w") as f:
-        json.dump({"speed": speed, "memory": memory, "data_parallel": dist_rows, "compile_vs_depth": depth}, f, indent=1)
+    for ext, text in (("md", md + "\n"), ("json", json.dumps(obj, indent=1))):
+        path = os.path.join(HERE, "bench_results", f"{name}.{ext}")
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
     print(md)
 
 

@@ -2869,6 +2869,73 @@ def test_digits_split_is_seeded_disjoint_stratified_and_the_judge_is_accurate():
 
 
 
+def test_flux_jax_forward_and_adamw_steps_equal_torch():
+    """flux_jax.py (pure JAX from BFL's layers, the competitor bench.py races) against flux.py and
+    torch.optim.AdamW + clip_grad_norm_, on one set of random weights (every modulation and gate
+    non-zero, so every path carries signal): the forward (with flux-dev's guidance embedder) to 1e-5;
+    the digits workload's rectified-flow loss (t < 0.01, see below), pre-clip gradient norm and the weights after 2
+    clipped AdamW steps (decay on matrices that are not norms or biases) to 1e-5."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import flux
+    import flux_jax
+    import flux_task
+
+    def randomized(module):
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        return module
+
+    to_jax = lambda module: {k: jnp.array(v.detach().numpy()) for k, v in module.state_dict().items()}
+    torch.manual_seed(0)
+    a = dataclasses.replace(flux.FLAVORS["flux_debug"], guidance_embed=True)
+    model = randomized(flux.Flux(a))
+    B = 3
+    # Times are embedded as sin / cos of 1000 t x freq: a 1-ulp difference between JAX's and torch's
+    # fp32 exp in the frequency table (14 of 128 entries) moves the angle by ~1000 t ulps. So 1e-5 is
+    # asserted for t, guidance < 0.01, and the whole range t < 1, guidance < 4 to 5e-4 (measured: 9e-5).
+    forward = jax.jit(lambda p, *x: flux_jax.forward(p, dataclasses.asdict(a), *x))  # one compile, not one per op
+    for scale, tol in ((0.01, 1e-5), (1.0, 5e-4)):
+        inputs = (torch.randn(B, 16, 4), flux.image_ids(B, 8, 8), torch.randn(B, 4, 32), flux.text_ids(B, 4),
+                  scale * torch.rand(B), torch.randn(B, 32), scale * 4 * torch.rand(B))
+        with torch.no_grad():
+            want = model(*inputs).numpy()
+        got = forward(to_jax(model), *(jnp.asarray(x.numpy()) for x in inputs))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=tol)
+
+    a = flux.FLAVORS["flux_debug"]
+    model = randomized(flux_task.FluxOnDigits(a))
+    params = to_jax(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(names) == sorted(params)  # every trained tensor is a parameter on both sides
+    decay = lambda n, p: p.dim() >= 2 and "norm" not in n and not n.endswith("bias")
+    # lr: the FLUX run's. eps 1e-6: Adam's g / (sqrt(v) + eps) turns an fp32 rounding difference dg in a
+    # near-zero gradient element into lr dg / eps (at eps 1e-8, 1 of 98304 elements moved by 1.6e-5)
+    hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-6)
+    opt = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if decay(n, p)], "weight_decay": 0.1},
+                             {"params": [p for n, p in model.named_parameters() if not decay(n, p)], "weight_decay": 0.0}],
+                            **hyper, foreach=False)
+    step = flux_jax.make_train_step(dataclasses.asdict(a), betas=hyper["betas"], eps=hyper["eps"], weight_decay=0.1, clip=1.0)
+    state = flux_jax.init_opt(params)
+    for i in range(1, 3):
+        x0, eps, t, cls = torch.randn(8, 16, 4), torch.randn(8, 16, 4), 0.01 * torch.rand(8), torch.randint(0, 11, (8,))
+        x_t = (1 - t)[:, None, None] * x0 + t[:, None, None] * eps
+        loss = F.mse_loss(model(x_t, t, cls), eps - x0)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        params, state, jloss, jnorm = step(params, state, tuple(jnp.asarray(x.numpy()) for x in (x0, eps, t, cls)),
+                                           jnp.float32(hyper["lr"]), jnp.float32(i))
+        assert abs(float(jloss) - loss.item()) < 1e-5 * loss.item() and abs(float(jnorm) - norm.item()) < 1e-5 * norm.item()
+        assert norm.item() > 1.0  # clipping was active
+    for n, p in model.named_parameters():
+        np.testing.assert_allclose(np.asarray(params[n]), p.detach().numpy(), rtol=1e-5, atol=1e-5, err_msg=n)
+
+
+
 # ------------------------------------------------------------------------------------------------
 # arithmetic.py + grpo.py + weight_sync.py + rollout.py (GRPO's pieces). Oracles: Python arithmetic on the
 # prompt text, the per-group formula (statistics.stdev), a per-token loop of the loss and its
