@@ -1,19 +1,19 @@
-"""kernels_pallas.py: three Pallas kernels that never write their big intermediates to memory.
+"""kernels_pallas.py: Pallas kernels that never write their big intermediates to memory, and the
+Pallas plumbing they share with kernels_gmm.py (the grouped matmul for MoE).
 
 1. splash attention: block-sparse flash attention (FlashAttention, arXiv 2205.14135; JAX's
    splash_attention). The static mask (causal, sliding window, or none: FLUX's full attention) is
    turned on the host into, per query block, the list of kv blocks to visit and whether each is
-   FULL (no mask work) or PARTIAL (mask evaluated in the kernel); EMPTY blocks are never visited. Packed documents (segment ids) are data,
-   so they are checked inside every visited block. Online softmax; the log-sum-exp is kept for the
-   backward, whose dq and dk/dv kernels recompute probabilities block by block. Never S x S.
+   FULL (no mask work) or PARTIAL (mask evaluated in the kernel); EMPTY blocks are never visited.
+   Packed documents (segment ids) are data, so they are checked inside every visited block. Online
+   softmax; the log-sum-exp is kept for the backward, whose dq and dk/dv kernels recompute
+   probabilities block by block. Never S x S.
 2. fused final projection + cross-entropy: running log-sum-exp over vocabulary tiles; the backward
    recomputes each logits tile to form dh and dW. Never tokens x vocab.
-3. grouped matmul (MoE; JAX's megablox): rows sorted by expert, tiles of rows visited once per
-   (tile, group) pair they touch; `tgmm` is the transposed product for the weight gradient.
 
 Each is a JAX function with a jax.custom_vjp (Pallas forward and backward kernels), registered as a
-PyTorch op by jax_op.py and named in model.py's tables as "splash", "fused" and "gmm". Mosaic compiles
-them on TPU; everywhere else they run in Pallas interpret mode (one switch: INTERPRET).
+PyTorch op by jax_op.py and named in model.py's / flux.py's tables ("splash", "fused"). Mosaic
+compiles them on TPU; everywhere else they run in Pallas interpret mode (one switch: INTERPRET).
 """
 import functools
 
@@ -39,12 +39,19 @@ def round_up(x, multiple):
     return -(-x // multiple) * multiple
 
 
-def _dot(a, b, trans_b=False):
+def pad_to(x, size, axis, value=0):
+    """x padded with `value` along `axis` to `size` (sizes rounded up to whole blocks)."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def dot_f32(a, b, trans_b=False):
     dims = (((1,), (1,)), ((), ())) if trans_b else (((1,), (0,)), ((), ()))
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _call(kernel, *, out_shape, grid, in_specs, out_specs, num_scalar_prefetch=0):
+def pallas_call_prefetch(kernel, *, out_shape, grid, in_specs, out_specs, num_scalar_prefetch=0):
     """pl.pallas_call with scalar prefetch: the first `num_scalar_prefetch` operands are small int
     arrays (block lists, visit metadata) placed in SMEM and passed to every index map; in_specs
     describe the remaining operands, in order."""
@@ -106,12 +113,12 @@ def _splash_fwd_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, segq_ref, segk_ref, 
         m, l, acc = carry
         j = idx[i, t]
         k, v = k_ref[pl.ds(j * block, block), :], v_ref[pl.ds(j * block, block), :]
-        s = _mask(_dot(q, k, trans_b=True) * scale, i, j, block, kind[i, t], window,
+        s = _mask(dot_f32(q, k, trans_b=True) * scale, i, j, block, kind[i, t], window,
                   segq_ref[...], segk_ref[pl.ds(j * block, block)], causal)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[:, None])
         corr = jnp.exp(m - m_new)
-        return m_new, l * corr + p.sum(-1), acc * corr[:, None] + _dot(p.astype(v.dtype), v)
+        return m_new, l * corr + p.sum(-1), acc * corr[:, None] + dot_f32(p.astype(v.dtype), v)
 
     init = (jnp.full((block,), NEG_INF, jnp.float32), jnp.zeros((block,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
@@ -128,11 +135,11 @@ def _splash_dq_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
     def body(t, dq):
         j = idx[i, t]
         k, v = k_ref[pl.ds(j * block, block), :], v_ref[pl.ds(j * block, block), :]
-        s = _mask(_dot(q, k, trans_b=True) * scale, i, j, block, kind[i, t], window,
+        s = _mask(dot_f32(q, k, trans_b=True) * scale, i, j, block, kind[i, t], window,
                   segq_ref[...], segk_ref[pl.ds(j * block, block)], causal)
         p = jnp.exp(s - lse[:, None])
-        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k)
+        ds = p * (dot_f32(do, v, trans_b=True) - delta[:, None])
+        return dq + dot_f32(ds.astype(k.dtype), k)
 
     dq = jax.lax.fori_loop(0, cnt[i], body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
@@ -149,12 +156,12 @@ def _splash_dkv_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, do_ref, lse_ref, del
         i = idx[j, r]
         rows = pl.ds(i * block, block)
         q, do = q_ref[g, rows, :], do_ref[g, rows, :]
-        s = _mask(_dot(q, k, trans_b=True) * scale, i, j, block, kind[j, r], window,
+        s = _mask(dot_f32(q, k, trans_b=True) * scale, i, j, block, kind[j, r], window,
                   segq_ref[rows], segk, causal)
         p = jnp.exp(s - lse_ref[g, rows][:, None])
-        dv = dv + _dot(p.T.astype(do.dtype), do)
-        ds = p * (_dot(do, v, trans_b=True) - delta_ref[g, rows][:, None])
-        return dk + _dot(ds.T.astype(q.dtype), q), dv
+        dv = dv + dot_f32(p.T.astype(do.dtype), do)
+        ds = p * (dot_f32(do, v, trans_b=True) - delta_ref[g, rows][:, None])
+        return dk + dot_f32(ds.T.astype(q.dtype), q), dv
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = jax.lax.fori_loop(0, group * cnt[j], body, (zeros, zeros))
@@ -171,19 +178,13 @@ def _splash_specs(B, H, Hkv, S, D, block, group):
     return q_blk, kv_all, row_blk, segq, segk
 
 
-def _pad_seq(x, S_pad, axis, value=0):
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, S_pad - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
-
-
 def _splash_forward(q, k, v, seg, window, block, segments, causal):
     B, H, S, D = q.shape
     Hkv, n = k.shape[1], q.shape[2] // block
     cnt, idx, kind, *_ = map(jnp.asarray, block_layout(n, block, window, segments, causal))
     q_blk, kv_all, row_blk, segq, segk = _splash_specs(B, H, Hkv, S, D, block, H // Hkv)
     kern = functools.partial(_splash_fwd_kernel, block=block, window=window, scale=D ** -0.5, causal=causal)
-    call = _call(kern, grid=(B, H, n),
+    call = pallas_call_prefetch(kern, grid=(B, H, n),
                  out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),             # o
                             jax.ShapeDtypeStruct((B, H, S), jnp.float32)),       # lse
                  num_scalar_prefetch=3,                                          # cnt, idx, kind
@@ -209,7 +210,7 @@ def _splash_bwd_rule(window, block, segments, causal, res, do):
     delta = (o.astype(jnp.float32) * do.astype(jnp.float32)).sum(-1)  # (B, H, S)
     cnt, idx, kind, cnt_t, idx_t, kind_t = map(jnp.asarray, block_layout(n, block, window, segments, causal))
     q_blk, kv_all, row_blk, segq, segk = _splash_specs(B, H, Hkv, S, D, block, group)
-    dq = _call(functools.partial(_splash_dq_kernel, block=block, window=window, scale=D ** -0.5, causal=causal),
+    dq = pallas_call_prefetch(functools.partial(_splash_dq_kernel, block=block, window=window, scale=D ** -0.5, causal=causal),
                grid=(B, H, n), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), num_scalar_prefetch=3,
                in_specs=[q_blk, kv_all, kv_all, q_blk, row_blk, row_blk, segq, segk],  # q k v do lse delta seg seg
                out_specs=q_blk)(cnt, idx, kind, q, k, v, do, lse, delta, seg, seg)
@@ -220,7 +221,7 @@ def _splash_bwd_rule(window, block, segments, causal, res, do):
     kv_blk = pl.BlockSpec((None, None, block, D), lambda b, h, j, *_: (b, h, j, 0))
     seg_all = pl.BlockSpec((None, S), lambda b, h, j, *_: (b, 0))
     seg_blk = pl.BlockSpec((None, block), lambda b, h, j, *_: (b, j))
-    dk, dv = _call(functools.partial(_splash_dkv_kernel, block=block, window=window, scale=D ** -0.5, group=group,
+    dk, dv = pallas_call_prefetch(functools.partial(_splash_dkv_kernel, block=block, window=window, scale=D ** -0.5, group=group,
                                      causal=causal),
                    grid=(B, Hkv, n), num_scalar_prefetch=3,  # the transposed block lists: q blocks per kv block
                    out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
@@ -240,8 +241,8 @@ def splash_jax(q, k, v, segment_ids, *, window, block, segments, causal=1):
     then the segment check must be on, `segments` 1)."""
     S = q.shape[2]
     S_pad = round_up(S, block)
-    out = _splash_padded(_pad_seq(q, S_pad, 2), _pad_seq(k, S_pad, 2), _pad_seq(v, S_pad, 2),
-                         _pad_seq(segment_ids, S_pad, 1, -1), window, block, segments, causal)
+    out = _splash_padded(pad_to(q, S_pad, 2), pad_to(k, S_pad, 2), pad_to(v, S_pad, 2),
+                         pad_to(segment_ids, S_pad, 1, -1), window, block, segments, causal)
     return out[:, :, :S]
 
 
@@ -265,7 +266,7 @@ def splash_full_attention(q_BxHxSxD, k_BxHkvxSxD, v_BxHkvxSxD, block=128):
 # 2. Fused final projection + cross-entropy
 
 def _logits_tile(h_ref, w_ref, j, block_v, vocab):
-    s = _dot(h_ref[...], w_ref[...], trans_b=True)                        # (bn, bv) fp32
+    s = dot_f32(h_ref[...], w_ref[...], trans_b=True)                        # (bn, bv) fp32
     col = j * block_v + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
     return jnp.where(col < vocab, s, NEG_INF), col                        # padded vocab -> -inf
 
@@ -301,7 +302,7 @@ def _ce_dh_kernel(h_ref, w_ref, t_ref, lse_ref, g_ref, dh_ref, *, block_v, vocab
         dh_ref[...] = jnp.zeros(dh_ref.shape, dh_ref.dtype)
 
     d = _ce_dlogits(h_ref, w_ref, t_ref, lse_ref, g_ref, j, block_v, vocab)
-    dh_ref[...] += _dot(d.astype(w_ref.dtype), w_ref[...])
+    dh_ref[...] += dot_f32(d.astype(w_ref.dtype), w_ref[...])
 
 
 def _ce_dw_kernel(h_ref, w_ref, t_ref, lse_ref, g_ref, dw_ref, *, block_v, vocab):
@@ -312,7 +313,7 @@ def _ce_dw_kernel(h_ref, w_ref, t_ref, lse_ref, g_ref, dw_ref, *, block_v, vocab
         dw_ref[...] = jnp.zeros(dw_ref.shape, dw_ref.dtype)
 
     d = _ce_dlogits(h_ref, w_ref, t_ref, lse_ref, g_ref, j, block_v, vocab)
-    dw_ref[...] += _dot(d.T.astype(h_ref.dtype), h_ref[...])
+    dw_ref[...] += dot_f32(d.T.astype(h_ref.dtype), h_ref[...])
 
 
 def _ce_specs(D, bn, bv, vocab_major):
@@ -328,7 +329,7 @@ def _ce_lse(h, w, t, vocab, bn, bv):
     N, D = h.shape
     h_s, w_s, r_s = _ce_specs(D, bn, bv, False)
     row = jax.ShapeDtypeStruct((N,), jnp.float32)
-    m, l, tl = _call(functools.partial(_ce_fwd_kernel, block_v=bv, vocab=vocab), grid=(N // bn, w.shape[0] // bv),
+    m, l, tl = pallas_call_prefetch(functools.partial(_ce_fwd_kernel, block_v=bv, vocab=vocab), grid=(N // bn, w.shape[0] // bv),
                      out_shape=(row, row, row),                 # running max, running sum, target logit
                      in_specs=[h_s, w_s, r_s], out_specs=[r_s, r_s, r_s])(h, w, t)
     return m + jnp.log(l), tl
@@ -352,11 +353,11 @@ def _ce_bwd_rule(vocab, ignore, bn, bv, res, g):
     g_rows = jnp.where(valid, g / valid.sum(), 0.0).astype(jnp.float32)
     kw = dict(block_v=bv, vocab=vocab)
     h_s, w_s, r_s = _ce_specs(D, bn, bv, False)
-    dh = _call(functools.partial(_ce_dh_kernel, **kw), grid=(N // bn, V // bv),   # rows outer, vocab inner
+    dh = pallas_call_prefetch(functools.partial(_ce_dh_kernel, **kw), grid=(N // bn, V // bv),   # rows outer, vocab inner
                out_shape=jax.ShapeDtypeStruct(h.shape, jnp.float32),
                in_specs=[h_s, w_s, r_s, r_s, r_s], out_specs=h_s)(h, w, t, lse, g_rows)
     h_s, w_s, r_s = _ce_specs(D, bn, bv, True)
-    dw = _call(functools.partial(_ce_dw_kernel, **kw), grid=(V // bv, N // bn),   # vocab outer, rows inner
+    dw = pallas_call_prefetch(functools.partial(_ce_dw_kernel, **kw), grid=(V // bv, N // bn),   # vocab outer, rows inner
                out_shape=jax.ShapeDtypeStruct(w.shape, jnp.float32),
                in_specs=[h_s, w_s, r_s, r_s, r_s], out_specs=w_s)(h, w, t, lse, g_rows)
     return dh.astype(h.dtype), dw.astype(w.dtype), None
@@ -370,8 +371,8 @@ def fused_ce_jax(h, w, targets, *, ignore_index, block_n, block_v):
     """mean over non-ignored rows of cross_entropy(h @ w.T, targets); h (N, D), w (V, D)."""
     (N, _), V = h.shape, w.shape[0]
     N_pad, V_pad = round_up(N, block_n), round_up(V, block_v)
-    return _ce_padded(_pad_seq(h, N_pad, 0), _pad_seq(w, V_pad, 0),
-                      _pad_seq(targets, N_pad, 0, ignore_index), V, ignore_index, block_n, block_v)
+    return _ce_padded(pad_to(h, N_pad, 0), pad_to(w, V_pad, 0),
+                      pad_to(targets, N_pad, 0, ignore_index), V, ignore_index, block_n, block_v)
 
 
 def fused_linear_cross_entropy(h_NxD, w_VxD, targets_N, ignore_index=-100, block_n=256, block_v=512):
@@ -379,127 +380,3 @@ def fused_linear_cross_entropy(h_NxD, w_VxD, targets_N, ignore_index=-100, block
     block_n = min(block_n, round_up(h_NxD.shape[0], NUM_SUBLANES))  # rows: the sublane dim of a logits tile
     block_v = min(block_v, round_up(w_VxD.shape[0], NUM_LANES))     # vocab: its lane dim
     return fused_ce_jax(h_NxD, w_VxD, targets_N, ignore_index=ignore_index, block_n=block_n, block_v=block_v)
-
-
-# ================================================================================================
-# 3. Grouped matmul (MoE)
-
-def group_metadata(group_sizes, m_tiles, block_m):
-    """The (row tile, group) pairs the grid visits, in group order, as traceable arrays.
-
-    Args:
-      group_sizes: (G,) int, rows per group; the M = sum(group_sizes) rows are sorted by group.
-      m_tiles: M_pad // block_m, the number of row tiles.
-      block_m: rows per tile.
-    Returns:
-      meta: (4, m_tiles + G) int32, per visit v: [row tile, group, first row, end row (exclusive)].
-      n_visits: m_tiles + G, the static grid size.
-
-    Example, block_m=4, group_sizes=[3, 0, 6] (rows 0-2 in group 0, rows 3-8 in group 2, 3 tiles):
-    visits (tile, group) = (0, 0), (0, 1) with no rows, (0, 2), (1, 2), (2, 2), then one padding visit.
-    """
-    G = group_sizes.shape[0]
-    # 1. Each group's row range [start, end).
-    ends = jnp.cumsum(group_sizes)                                           # (G,)  [3, 3, 9]
-    starts = ends - group_sizes                                              # (G,)  [0, 3, 3]
-    # 2. The tiles each group touches: first..last. An empty group still gets one visit (of its
-    #    start tile, with no rows), so tgmm writes its all-zero weight gradient.
-    first = jnp.minimum(starts // block_m, m_tiles - 1)                     # (G,)  [0, 0, 0]
-    last = jnp.where(group_sizes > 0, (ends - 1) // block_m, first)         # (G,)  [0, 0, 2]
-    visits = last - first + 1                                                # (G,)  [1, 1, 3]
-    offsets = jnp.cumsum(visits) - visits                                    # (G,)  [0, 1, 2]: group's first visit
-    # 3. Visit v belongs to the group whose visit range [offset, offset + visits) holds v. A tile is
-    #    split between at most two groups at each of the G - 1 boundaries, so m_tiles + G visits
-    #    always suffice: a static grid size.
-    v = jnp.arange(m_tiles + G)
-    group = jnp.minimum(jnp.searchsorted(jnp.cumsum(visits), v, side="right"), G - 1)
-    # 4. Visits past the real ones are padding: they revisit the last tile with an empty row range.
-    real = v < visits.sum()
-    tile = jnp.where(real, first[group] + v - offsets[group], m_tiles - 1)
-    group = jnp.where(real, group, G - 1)
-    lo = jnp.where(real, starts[group], 0)
-    hi = jnp.where(real, ends[group], 0)
-    meta = jnp.stack([tile, group, lo, hi]).astype(jnp.int32)               # (4, m_tiles + G)
-    return meta, m_tiles + G
-
-
-def _rows_in_group(meta, v, shape, block_m):
-    row = meta[0, v] * block_m + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-    return (row >= meta[2, v]) & (row < meta[3, v])
-
-
-def _zero_on_first_visit(meta, v, key, out_ref):
-    """Zero the output block when visit v is the first to write it (meta row `key`: 0 = the
-    visit's row tile, for gmm; 1 = its group, for tgmm); later visits accumulate into it."""
-    @pl.when((v == 0) | (meta[key, v] != meta[key, jnp.maximum(v - 1, 0)]))
-    def _():
-        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
-
-
-def _gmm_kernel(meta, x_ref, w_ref, o_ref, *, block_m):
-    v = pl.program_id(0)
-    _zero_on_first_visit(meta, v, 0, o_ref)
-    x = jnp.where(_rows_in_group(meta, v, x_ref.shape, block_m), x_ref[...], 0)
-    o_ref[...] += _dot(x, w_ref[...]).astype(o_ref.dtype)
-
-
-def _tgmm_kernel(meta, x_ref, dy_ref, dw_ref, *, block_m):
-    v = pl.program_id(0)
-    _zero_on_first_visit(meta, v, 1, dw_ref)
-    x = jnp.where(_rows_in_group(meta, v, x_ref.shape, block_m), x_ref[...], 0)
-    dw_ref[...] += _dot(x.T, dy_ref[...]).astype(dw_ref.dtype)
-
-
-# Block specs indexed by the visit metadata: rows of the visit's tile, or the visit's group.
-_ROWS = lambda bm, cols: pl.BlockSpec((bm, cols), lambda v, m: (m[0, v], 0))
-_GROUP = lambda K, N: pl.BlockSpec((None, K, N), lambda v, m: (m[1, v], 0, 0))
-
-
-def _gmm_call(x, w, group_sizes, block_m):
-    (M, K), N = x.shape, w.shape[2]
-    meta, n_visits = group_metadata(group_sizes, M // block_m, block_m)
-    return _call(functools.partial(_gmm_kernel, block_m=block_m), grid=(n_visits,), num_scalar_prefetch=1,
-                 out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32),
-                 in_specs=[_ROWS(block_m, K), _GROUP(K, N)], out_specs=_ROWS(block_m, N))(meta, x, w)
-
-
-def tgmm_call(x, dy, group_sizes, block_m):
-    (M, K), N, G = x.shape, dy.shape[1], group_sizes.shape[0]
-    meta, n_visits = group_metadata(group_sizes, M // block_m, block_m)
-    return _call(functools.partial(_tgmm_kernel, block_m=block_m), grid=(n_visits,), num_scalar_prefetch=1,
-                 out_shape=jax.ShapeDtypeStruct((G, K, N), jnp.float32),
-                 in_specs=[_ROWS(block_m, K), _ROWS(block_m, N)], out_specs=_GROUP(K, N))(meta, x, dy)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gmm_padded(x, w, group_sizes, block_m):
-    return _gmm_call(x, w, group_sizes, block_m).astype(x.dtype)
-
-
-def _gmm_fwd_rule(x, w, group_sizes, block_m):
-    return _gmm_call(x, w, group_sizes, block_m).astype(x.dtype), (x, w, group_sizes)
-
-
-def _gmm_bwd_rule(block_m, res, dy):
-    x, w, group_sizes = res
-    dx = _gmm_call(dy, jnp.swapaxes(w, 1, 2), group_sizes, block_m).astype(x.dtype)
-    dw = tgmm_call(x, dy, group_sizes, block_m).astype(w.dtype)
-    return dx, dw, None
-
-
-_gmm_padded.defvjp(_gmm_fwd_rule, _gmm_bwd_rule)
-
-
-@jax_op("gmm", static=("block_m",))
-def gmm_jax(x, w, group_sizes, *, block_m):
-    """x (M, K) rows sorted by group, w (G, K, N), group_sizes (G,) summing to M -> (M, N)."""
-    M = x.shape[0]
-    M_pad = round_up(M, block_m)
-    return _gmm_padded(_pad_seq(x, M_pad, 0), w, group_sizes, block_m)[:M]
-
-
-def gmm(x_MxK, w_GxKxN, group_sizes_G, block_m=128):
-    """PyTorch entry point, same contract as model.gmm_reference."""
-    return gmm_jax(x_MxK, w_GxKxN, group_sizes_G, block_m=min(block_m, round_up(x_MxK.shape[0], NUM_SUBLANES)))
-
-

@@ -169,7 +169,7 @@ def gmm_reference(x_MxK, w_GxKxN, group_sizes_G):
 ATTENTION_IMPLS = {"sdpa": sdpa_attention, "splash": "kernels_pallas:splash_attention"}
 LOSS_IMPLS = {"plain": plain_cross_entropy, "fused": "kernels_pallas:fused_linear_cross_entropy",
               "vocab_parallel": "tensor_parallel:vocab_parallel_cross_entropy"}
-GMM_IMPLS = {"reference": gmm_reference, "gmm": "kernels_pallas:gmm"}
+GMM_IMPLS = {"reference": gmm_reference, "gmm": "kernels_gmm:gmm"}
 
 
 def lookup_impl(registry, name, kind):

@@ -1089,14 +1089,14 @@ def test_fused_linear_cross_entropy_matches_reference(dtype, N, D, V):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sizes", [[3, 0, 10, 7], [0, 0, 20, 0], [5, 5, 5, 5], [1, 17, 0, 2]])
 def test_grouped_matmul_matches_reference(dtype, sizes):
-    import kernels_pallas as kp
+    import kernels_gmm
     from model import gmm_reference
     torch.manual_seed(0)
     gs = torch.tensor(sizes)
     x = torch.randn(int(gs.sum()), 6, dtype=dtype, requires_grad=True)
     w = torch.randn(4, 6, 5, dtype=dtype, requires_grad=True)
     cot = torch.randn(x.shape[0], 5, dtype=dtype)
-    out, grads = _grads(lambda x, w: kp.gmm(x, w, gs, block_m=8), (x, w), cot)
+    out, grads = _grads(lambda x, w: kernels_gmm.gmm(x, w, gs, block_m=8), (x, w), cot)
     ref = [t.detach().float().requires_grad_() for t in (x, w)]
     want, want_grads = _grads(lambda x, w: gmm_reference(x, w, gs), ref, cot.float())
     torch.testing.assert_close(out.float(), want, **TOL[dtype])
@@ -1134,14 +1134,14 @@ def test_gmm_matches_jax_megablox():
     import jax.numpy as jnp
     import numpy as np
     from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as mb_gmm, tgmm as mb_tgmm
-    import kernels_pallas as kp
+    import kernels_gmm
     rng = np.random.default_rng(0)
     gs = jnp.array([100, 0, 156, 0], jnp.int32)
     x, dy = (jnp.asarray(rng.standard_normal((256, 128)), jnp.float32) for _ in range(2))
     w = jnp.asarray(rng.standard_normal((4, 128, 128)), jnp.float32)
-    np.testing.assert_allclose(np.asarray(kp.gmm_jax.jax_fn(x, w, gs, block_m=128)),
+    np.testing.assert_allclose(np.asarray(kernels_gmm.gmm_jax.jax_fn(x, w, gs, block_m=128)),
                                np.asarray(mb_gmm(x, w, gs, tiling=(128, 128, 128), interpret=True)), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(kp.tgmm_call(x, dy, gs, 128)),
+    np.testing.assert_allclose(np.asarray(kernels_gmm.tgmm_call(x, dy, gs, 128)),
                                np.asarray(mb_tgmm(x.T, dy, gs, tiling=(128, 128, 128), interpret=True)), rtol=1e-5, atol=1e-5)
 
 
@@ -1197,6 +1197,7 @@ def child_xla_kernels():
     """(child process) The three kernels on XLA:CPU through call_jax and on CPU: fwd + grads."""
     import torch_xla
     import kernels_pallas as kp
+    import kernels_gmm
     torch.manual_seed(0)
     xla = torch_xla.device()  # the XLA runtime starts before any CPU backward (see README)
     q, k, v = torch.randn(1, 2, 24, 8), torch.randn(1, 1, 24, 8), torch.randn(1, 1, 24, 8)
@@ -1207,7 +1208,7 @@ def child_xla_kernels():
         qq, kk, vv, hh, ww, xx, wgw = (z.to(d).requires_grad_() for z in (q, k, v, h, w, x, wg))
         a = kp.splash_attention(qq, kk, vv, window=5)
         l = kp.fused_linear_cross_entropy(hh, ww, t.to(d))
-        m = kp.gmm(xx, wgw, gs.to(d))
+        m = kernels_gmm.gmm(xx, wgw, gs.to(d))
         total = a.square().sum() + l + m.square().sum()
         grads = torch.autograd.grad(total, (qq, kk, vv, hh, ww, xx, wgw))
         return [z.detach().cpu() for z in (a, l, m, *grads)]
