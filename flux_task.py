@@ -163,7 +163,7 @@ class FluxDigits(Task):
         if not cfg.data and a.in_channels != 4:
             raise ConfigError(f"the digits are 1 channel packed 2x2 (4 channels a token), the model takes "
                               f"{a.in_channels}: train it on a latent file (--data FILE.safetensors)"
-                              f"{' or plan it (--dry-run)' if published else ''}")
+                              f"{' (the published flavors: --dry-run)' if published else ''}")
         if cfg.image_size and (cfg.data or cfg.image_size != SIDE):
             raise ConfigError(f"--image-size {cfg.image_size}: training takes its data's size (the digits are "
                               f"{SIDE} x {SIDE}, a latent file has its own); other sizes: --dry-run")
