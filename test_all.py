@@ -2970,6 +2970,47 @@ def test_engine_process_sync_in_place_bit_equal_logprobs_and_failures_in_one_lin
 
 
 
+def test_sft_loss_is_the_cross_entropy_of_the_answer_bytes_only_and_ranks_split_it_exactly():
+    """sft_task.py (GRPO's warm start): the batch is the problems GRPO's prompts(step) draws, and its
+    loss equals F.cross_entropy over the answer positions only, sliced by hand from the unpadded
+    `ab+cd=` + the sum computed here + newline (the prompt bytes and padding carry no loss). Two
+    ranks' slices: their losses average to the one-process loss, and so do their gradients."""
+    import arithmetic
+    import train
+    tiny = [x for kv in ("dim=32", "n_layers=2", "n_heads=4", "n_kv_heads=2", "ffn_dim=64", "max_seq_len=16")
+            for x in ("--set", kv)]
+    cfg = train.parse_config(["--task", "sft", *tiny, "--batch-size", "6", "--seed", "3"])
+    one = train.TASKS["sft"](cfg)
+    one.setup_data(0, 1)
+    torch.manual_seed(0)
+    model = Transformer(one.args)
+    inputs_BxS, _, _ = batch = one.batch(5)
+    prompts = [bytes(r[:6].tolist()) for r in inputs_BxS]
+    assert prompts == [bytes(p) for p in arithmetic.get_task("arith", 3).prompts(5, 6)]
+    logits, targets = [], []
+    for p in prompts:
+        a, b = (int(x) for x in p[:-1].split(b"+"))
+        row = list(p + f"{a + b}\n".encode())
+        out_SxV = model(torch.tensor([row]))[0]
+        logits.append(out_SxV[len(p) - 1:len(row) - 1])  # the positions that predict the answer's bytes
+        targets += row[len(p):]
+    want = F.cross_entropy(torch.cat(logits), torch.tensor(targets))
+    loss, _ = one.loss(model, batch)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    want.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ranks = []
+    for rank in range(2):
+        t = train.TASKS["sft"](cfg)
+        t.setup_data(rank, 2)
+        ranks.append(t.loss(model, t.batch(5))[0] / 2)
+    sum(ranks).backward()
+    torch.testing.assert_close(sum(ranks), want, rtol=1e-6, atol=1e-6)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+
+
 def test_grpo_demo_bad_input_is_one_error_line_exit_2(capsys):
     import grpo_demo
     for args, msg in [(["--group-size", "1"], "group size G must be >= 2"), (["--clip", "0"], "clip bounds must be > 0"),
