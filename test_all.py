@@ -3021,25 +3021,26 @@ def test_grpo_demo_bad_input_is_one_error_line_exit_2(capsys):
         assert err.startswith("error: ") and msg in err and err.count("\n") == 1, (args, err)
 
 
-# GRPO as a workload of the trainer (grpo_task.py): a tiny supervised warm start on the arithmetic text
-# (arithmetic.py write + train.py --task lm), then 4 GRPO steps, two per rollout batch. Oracles: the
-# eager single process (for graph mode and 2 SimpleFSDP ranks), the straight run (for resume).
+# GRPO as a workload of the trainer (grpo_task.py): a tiny supervised warm start on solved problems
+# (train.py --task sft, sft_task.py), then 4 GRPO steps, two per rollout batch. Oracles: the eager
+# single process (for graph mode and 2 SimpleFSDP ranks), the straight run (for resume).
 GRPO_WARM = ["--set", "dim=32", "--set", "n_layers=2", "--set", "n_heads=4", "--set", "n_kv_heads=2",
-             "--set", "ffn_dim=64", "--set", "max_seq_len=32", "--seq-len", "32", "--batch-size", "16",
-             "--lr", "1e-2", "--warmup", "5", "--eval-batches", "0", "--sample-tokens", "0", "--log-interval", "20"]
+             "--set", "ffn_dim=64", "--set", "max_seq_len=32", "--batch-size", "16",
+             "--lr", "1e-2", "--warmup", "5", "--eval-interval", "0", "--log-interval", "20"]
 
 
 @pytest.fixture(scope="session")
 def grpo_warm(tmp_path_factory):
-    """A run directory of 40 supervised steps on solved problems: digits and newlines, rarely right
-    (with --format-credit its groups' rewards differ, so the GRPO gradient is not zero)."""
+    """A run directory of 40 supervised steps on the answers of solved problems: digits and newlines,
+    rarely right (with --format-credit its groups' rewards differ, so the GRPO gradient is not zero).
+    Its held-out accuracy is recorded at steps 0 and 40. (arithmetic.py's text writer checked here too.)"""
     import arithmetic
     root = tmp_path_factory.mktemp("grpo_warm")
-    assert arithmetic.main(["write", str(root / "arith.txt"), "--problems", "20000"]) == 0
+    assert arithmetic.main(["write", str(root / "arith.txt"), "--problems", "2000"]) == 0
     text = (root / "arith.txt").read_bytes()
-    assert text.count(b"\n") == 20000 and not list(root.glob("*.tmp*"))
-    assert _main(["--task", "lm", *GRPO_WARM, "--data", str(root / "arith.txt"), "--steps", "40",
-                  "--out-dir", str(root / "warm")]) == 0
+    assert text.count(b"\n") == 2000 and not list(root.glob("*.tmp*"))
+    assert _main(["--task", "sft", *GRPO_WARM, "--steps", "40", "--out-dir", str(root / "warm")]) == 0
+    assert sorted(_records(str(root / "warm"), "held_out_accuracy")) == [0, 40]
     return str(root / "warm")
 
 
