@@ -1,9 +1,8 @@
 """grpo_task.py: GRPO post-training as a workload of the shared trainer: the policy learns from its
 own samples, scored by a program (a verifiable reward), drawn by a separate rollout engine.
 
-    python arithmetic.py write arith.txt                                   # solved problems, as text
-    python train.py --task lm --data arith.txt --out-dir runs/warm ...     # warm start: supervised
-    python train.py --task grpo --init-from runs/warm --steps 100 ...      # then GRPO on its policy
+    python train.py --task sft --out-dir runs/sft ...                      # warm start: sft_task.py
+    python train.py --task grpo --init-from runs/sft --steps 100 ...       # then GRPO on its policy
 
 The trainer (train.py) runs it like any Task: the loop, AdamW, clipping, checkpoints, graph mode and
 the SimpleFSDP mesh are its. What is GRPO's own, after torchtitan's experiments/rl and TRL's
@@ -25,6 +24,8 @@ GRPOTrainer (the pieces: grpo.py the algorithm, rollout.py the engine, weight_sy
   - evaluations: greedy accuracy on the task's 500 held-out prompts, sampled by the engine from the
     policy at that step; a few completions in the log at the first and last evaluation. The warm
     start (--init-from) is a train.py run directory (checkpoint.load_run) or a HF directory.
+    (ArithmeticPolicy, GRPOArithmetic's base, holds what the supervised warm start shares with it: the
+    policy, the engine and this evaluation.)
 """
 import os
 

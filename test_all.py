@@ -2970,11 +2970,12 @@ def test_engine_process_sync_in_place_bit_equal_logprobs_and_failures_in_one_lin
 
 
 
-def test_sft_loss_is_the_cross_entropy_of_the_answer_bytes_only_and_ranks_split_it_exactly():
+def test_sft_loss_is_the_cross_entropy_of_the_answer_bytes_only_and_ranks_split_it_exactly(tmp_path, capsys):
     """sft_task.py (GRPO's warm start): the batch is the problems GRPO's prompts(step) draws, and its
     loss equals F.cross_entropy over the answer positions only, sliced by hand from the unpadded
     `ab+cd=` + the sum computed here + newline (the prompt bytes and padding carry no loss). Two
-    ranks' slices: their losses average to the one-process loss, and so do their gradients."""
+    ranks' slices: their losses average to the one-process loss, and so do their gradients. Bad
+    input: one `error:` line, exit 2, nothing written."""
     import arithmetic
     import train
     tiny = [x for kv in ("dim=32", "n_layers=2", "n_heads=4", "n_kv_heads=2", "ffn_dim=64", "max_seq_len=16")
@@ -3009,6 +3010,14 @@ def test_sft_loss_is_the_cross_entropy_of_the_answer_bytes_only_and_ranks_split_
     torch.testing.assert_close(sum(ranks), want, rtol=1e-6, atol=1e-6)
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+    out = str(tmp_path / "bad")
+    for extra, msg in [(["--reward-task", "gsm8k"], "unknown reward task 'gsm8k'"),
+                       (["--set", "max_seq_len=8"], "exceeds the model's max_seq_len 8"),
+                       (["--scan"], "--task sft trains a byte-level policy unstacked")]:
+        assert _main(["--task", "sft", "--out-dir", out, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1, (extra, err)
+        assert not os.path.exists(out)
 
 
 def test_grpo_demo_bad_input_is_one_error_line_exit_2(capsys):
