@@ -7,6 +7,7 @@ the end-of-sequence byte). Nothing is downloaded.
 
     task = get_task("arith", seed=0)
     task.prompts(step=3, n=32)             # a pure function of (seed, step): resuming replays the stream
+    task.solved(step=3, n=32)              # the same problems with their answers (supervised warm start)
     task.test_set()                        # 500 held-out problems, never drawn by prompts()
     task.reward(prompt, completion_bytes)  # 1.0 exact answer; format_credit for a well-formed wrong one
 
@@ -58,9 +59,15 @@ class Arithmetic:
     def prompts(self, step, n):
         """n training prompts (byte lists, all the same length) for `step`: a pure function of
         (seed, step), so a resumed run draws exactly the prompts the uninterrupted one would."""
+        return [self.prompt_bytes(a, b) for a, b in self._draw(step, n)]
+
+    def solved(self, step, n):
+        """The same n training problems as prompts(step, n), each as (prompt bytes, answer bytes)."""
+        return [(self.prompt_bytes(a, b), self.answer_bytes(a, b)) for a, b in self._draw(step, n)]
+
+    def _draw(self, step, n):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        idx = torch.randint(len(self._train), (n,), generator=g).tolist()
-        return [self.prompt_bytes(*self._train[i]) for i in idx]
+        return [self._train[i] for i in torch.randint(len(self._train), (n,), generator=g).tolist()]
 
     def test_set(self):
         """The held-out prompts, in a fixed order."""

@@ -65,7 +65,7 @@ def with_overrides(args, items):
     return args
 
 
-DEFAULT_FLAVOR = {"lm": "llama3_debug", "flux": "flux_debug", "grpo": "llama3_debug"}  # per task (train.TASKS)
+DEFAULT_FLAVOR = {"lm": "llama3_debug", "flux": "flux_debug", "grpo": "llama3_debug", "sft": "llama3_debug"}  # per task (train.TASKS)
 
 
 def flag(default, help, **argparse_kw):
@@ -76,7 +76,8 @@ def flag(default, help, **argparse_kw):
 class TrainConfig:
     # what to train
     task: str = flag("lm", "workload: lm (language-model pretraining), flux (FLUX.1 diffusion on the digits or a "
-                     "latent file), grpo (GRPO post-training on a verifiable task)", choices=list(DEFAULT_FLAVOR))
+                     "latent file), grpo (GRPO post-training on a verifiable task), sft (its warm start: the "
+                     "answers' bytes only)", choices=list(DEFAULT_FLAVOR))
     flavor: Optional[str] = flag(None, "model flavor (model.FLAVORS, flux.FLAVORS; default: the task's debug flavor)")
     init_from: Optional[str] = flag(None, "start from a Hugging Face checkpoint (config.json + safetensors) "
                                     "instead of --flavor: fine-tuning; grpo: also a train.py run directory "
@@ -224,7 +225,7 @@ def validate(cfg):
         fsdp_passes.chosen(cfg.fsdp_passes)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg.task == "grpo":
+    if cfg.task in ("grpo", "sft"):
         _validate_grpo(cfg)
     if cfg.scan and cfg.mode == "compile":
         raise ConfigError("--scan has no per-block modules for --mode compile to compile: use eager or graph")
@@ -253,7 +254,7 @@ def _validate_grpo(cfg):
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is not a multiple of "
                               f"--updates-per-batch {u} (checkpoints fall on rollout-batch boundaries)")
     if cfg.scan or cfg.dry_run or cfg.tokenizer:
-        raise ConfigError("--task grpo trains a byte-level policy unstacked: --scan, --dry-run, --tokenizer are not built for it")
+        raise ConfigError(f"--task {cfg.task} trains a byte-level policy unstacked: --scan, --dry-run, --tokenizer are not built for it")
 
 
 def _validate_mesh(cfg):

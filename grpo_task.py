@@ -1,9 +1,8 @@
 """grpo_task.py: GRPO post-training as a workload of the shared trainer: the policy learns from its
 own samples, scored by a program (a verifiable reward), drawn by a separate rollout engine.
 
-    python arithmetic.py write arith.txt                                   # solved problems, as text
-    python train.py --task lm --data arith.txt --out-dir runs/warm ...     # warm start: supervised
-    python train.py --task grpo --init-from runs/warm --steps 100 ...      # then GRPO on its policy
+    python train.py --task sft --out-dir runs/sft ...                      # warm start: sft_task.py
+    python train.py --task grpo --init-from runs/sft --steps 100 ...       # then GRPO on its policy
 
 The trainer (train.py) runs it like any Task: the loop, AdamW, clipping, checkpoints, graph mode and
 the SimpleFSDP mesh are its. What is GRPO's own, after torchtitan's experiments/rl and TRL's
@@ -25,6 +24,8 @@ GRPOTrainer (the pieces: grpo.py the algorithm, rollout.py the engine, weight_sy
   - evaluations: greedy accuracy on the task's 500 held-out prompts, sampled by the engine from the
     policy at that step; a few completions in the log at the first and last evaluation. The warm
     start (--init-from) is a train.py run directory (checkpoint.load_run) or a HF directory.
+    (ArithmeticPolicy, GRPOArithmetic's base, holds what the supervised warm start shares with it: the
+    policy, the engine and this evaluation.)
 """
 import os
 
@@ -45,18 +46,16 @@ from task import LanguageModel, Task
 SHOWN = 4  # completions printed at the first and the last evaluation
 
 
-class GRPOArithmetic(LanguageModel):
-    """The policy is a language model (LanguageModel's building, sizing and records); batches are rollouts."""
+class ArithmeticPolicy(LanguageModel):
+    """What GRPO and its supervised warm start (sft_task.py) share: a byte-level language model as the
+    policy (LanguageModel's building, sizing and records, or a train.py run's weights), the verifiable
+    task, the rollout engine fed with the live weights, and greedy accuracy on the held-out prompts."""
     unit, scannable, evaluates = "seq", False, True
-    plotted = ("reward", "held_out_accuracy")
 
     def __init__(self, cfg):
         Task.__init__(self, cfg)
         self.notes = []
         try:
-            self.algo = grpo.GRPOConfig(group_size=cfg.group_size, eps_low=cfg.clip_eps, eps_high=cfg.clip_eps,
-                                        aggregation=cfg.aggregation, beta=cfg.kl_beta,
-                                        temperature=cfg.temperature).check()
             self.reward_task = arithmetic.get_task(cfg.reward_task, cfg.seed, cfg.format_credit)
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -74,14 +73,10 @@ class GRPOArithmetic(LanguageModel):
                               f"model's max_seq_len {self.args.max_seq_len}")
         if self.args.vocab_size < 256:
             raise ConfigError(f"the policy's vocab_size {self.args.vocab_size} cannot write the task's bytes")
-        self.rows = cfg.prompts_per_step * cfg.group_size  # rows of one rollout batch
-        self.model = self.engine = self.sender = self.ref = self.current = self.synced = None
+        self.model = self.engine = self.sender = self.synced = None
         self.stats = {}
 
     def setup_data(self, dp_rank, dp_size):
-        if self.rows % dp_size:
-            raise ConfigError(f"--prompts-per-step x --group-size = {self.rows} rows do not split over "
-                              f"{dp_size} data-parallel ranks")
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.talks_to_engine = not dist.is_initialized() or dist.get_rank() == 0
@@ -141,6 +136,51 @@ class GRPOArithmetic(LanguageModel):
         return (buf_BxW[:, :C].long(), buf_BxW[:, C:2 * C].float(), buf_BxW[:, 2 * C:3 * C].bool(),
                 buf_BxW[:, 3 * C].float())
 
+    def evaluate(self, model, step, log):
+        """Greedy exact-answer rate on the held-out prompts, sampled by the engine from the policy at `step`."""
+        self._sync(step)
+        test = self.reward_task.test_set()
+        comp_BxC, _, _, reward_B = self._generate(test, 1, 0.0, 0)
+        if step in (0, self.cfg.steps):
+            shown = [bytes(p).decode() + repr(bytes(c).split(b"\n")[0].decode("utf-8", "replace"))
+                     for p, c in zip(test[:SHOWN], comp_BxC[:SHOWN].tolist())]
+            log({"event": "completions", "step": step, "text": shown},
+                f"held-out completions at step {step}: " + "  ".join(shown))
+        return {"held_out_accuracy": (reward_B == 1.0).float().mean().item()}
+
+    def close(self):
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def activation_bytes(self, args, local_batch, free_bytes):
+        return 0  # (a few short rows: LanguageModel's estimate is for --seq-len windows)
+
+    def preview(self, model, log, out_dir, step, final):
+        """(The last evaluation has shown completions already.)"""
+
+
+class GRPOArithmetic(ArithmeticPolicy):
+    """The policy learns from its own samples: batches are rollouts, the loss is the clipped surrogate."""
+    plotted = ("reward", "held_out_accuracy")
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        try:
+            self.algo = grpo.GRPOConfig(group_size=cfg.group_size, eps_low=cfg.clip_eps, eps_high=cfg.clip_eps,
+                                        aggregation=cfg.aggregation, beta=cfg.kl_beta,
+                                        temperature=cfg.temperature).check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.rows = cfg.prompts_per_step * cfg.group_size  # rows of one rollout batch
+        self.ref = self.current = None
+
+    def setup_data(self, dp_rank, dp_size):
+        if self.rows % dp_size:
+            raise ConfigError(f"--prompts-per-step x --group-size = {self.rows} rows do not split over "
+                              f"{dp_size} data-parallel ranks")
+        super().setup_data(dp_rank, dp_size)
+
     def _rollout(self, r):
         """Rollout batch r: sampled by the policy after r U optimizer steps; this rank's rows."""
         cfg, G = self.cfg, self.algo.group_size
@@ -192,23 +232,6 @@ class GRPOArithmetic(LanguageModel):
     def step_metrics(self):
         return dict(self.stats)
 
-    def evaluate(self, model, step, log):
-        """Greedy exact-answer rate on the held-out prompts, sampled by the engine from the policy at `step`."""
-        self._sync(step)
-        test = self.reward_task.test_set()
-        comp_BxC, _, _, reward_B = self._generate(test, 1, 0.0, 0)
-        if step in (0, self.cfg.steps):
-            shown = [bytes(p).decode() + repr(bytes(c).split(b"\n")[0].decode("utf-8", "replace"))
-                     for p, c in zip(test[:SHOWN], comp_BxC[:SHOWN].tolist())]
-            log({"event": "completions", "step": step, "text": shown},
-                f"held-out completions at step {step}: " + "  ".join(shown))
-        return {"held_out_accuracy": (reward_B == 1.0).float().mean().item()}
-
-    def close(self):
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-
     # ---------------------------------------------------------------------------------------------
     @property
     def units_per_step(self):
@@ -218,14 +241,8 @@ class GRPOArithmetic(LanguageModel):
         T = self.prompt_len + self.cfg.max_new_tokens
         return flops_per_token(args, T) * self.rows * T
 
-    def activation_bytes(self, args, local_batch, free_bytes):
-        return 0  # (a few short rows: LanguageModel's estimate is for --seq-len windows)
-
     def meta(self):
         keys = ("reward_task", "format_credit", "group_size", "prompts_per_step", "updates_per_batch", "clip_eps", "aggregation",
                 "kl_beta", "max_new_tokens", "temperature", "engine_dtype")
         return {"grpo": {k: getattr(self.cfg, k) for k in keys},
                 "init_from": os.path.abspath(self.cfg.init_from) if self.cfg.init_from else None}
-
-    def preview(self, model, log, out_dir, step, final):
-        """(The last evaluation has shown completions already.)"""

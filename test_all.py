@@ -3119,35 +3119,76 @@ def test_engine_process_sync_in_place_bit_equal_logprobs_and_failures_in_one_lin
 
 
 
-def test_grpo_demo_bad_input_is_one_error_line_exit_2(capsys):
-    import grpo_demo
-    for args, msg in [(["--group-size", "1"], "group size G must be >= 2"), (["--clip", "0"], "clip bounds must be > 0"),
-                      (["--aggregation", "bnpo"], "unknown loss aggregation 'bnpo'"),
-                      (["--task", "gsm8k"], "unknown reward task 'gsm8k'"), (["--steps", "0"], "need --steps")]:
-        assert grpo_demo.main(args) == 2, args
+def test_sft_loss_is_the_cross_entropy_of_the_answer_bytes_only_and_ranks_split_it_exactly(tmp_path, capsys):
+    """sft_task.py (GRPO's warm start): the batch is the problems GRPO's prompts(step) draws, and its
+    loss equals F.cross_entropy over the answer positions only, sliced by hand from the unpadded
+    `ab+cd=` + the sum computed here + newline (the prompt bytes and padding carry no loss). Two
+    ranks' slices: their losses average to the one-process loss, and so do their gradients. Bad
+    input: one `error:` line, exit 2, nothing written."""
+    import arithmetic
+    import train
+    tiny = [x for kv in ("dim=32", "n_layers=2", "n_heads=4", "n_kv_heads=2", "ffn_dim=64", "max_seq_len=16")
+            for x in ("--set", kv)]
+    cfg = train.parse_config(["--task", "sft", *tiny, "--batch-size", "6", "--seed", "3"])
+    one = train.TASKS["sft"](cfg)
+    one.setup_data(0, 1)
+    torch.manual_seed(0)
+    model = Transformer(one.args)
+    inputs_BxS, _, _ = batch = one.batch(5)
+    prompts = [bytes(r[:6].tolist()) for r in inputs_BxS]
+    assert prompts == [bytes(p) for p in arithmetic.get_task("arith", 3).prompts(5, 6)]
+    logits, targets = [], []
+    for p in prompts:
+        a, b = (int(x) for x in p[:-1].split(b"+"))
+        row = list(p + f"{a + b}\n".encode())
+        out_SxV = model(torch.tensor([row]))[0]
+        logits.append(out_SxV[len(p) - 1:len(row) - 1])  # the positions that predict the answer's bytes
+        targets += row[len(p):]
+    want = F.cross_entropy(torch.cat(logits), torch.tensor(targets))
+    loss, _ = one.loss(model, batch)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    want.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ranks = []
+    for rank in range(2):
+        t = train.TASKS["sft"](cfg)
+        t.setup_data(rank, 2)
+        ranks.append(t.loss(model, t.batch(5))[0] / 2)
+    sum(ranks).backward()
+    torch.testing.assert_close(sum(ranks), want, rtol=1e-6, atol=1e-6)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+    out = str(tmp_path / "bad")
+    for extra, msg in [(["--reward-task", "gsm8k"], "unknown reward task 'gsm8k'"),
+                       (["--set", "max_seq_len=8"], "exceeds the model's max_seq_len 8"),
+                       (["--scan"], "--task sft trains a byte-level policy unstacked")]:
+        assert _main(["--task", "sft", "--out-dir", out, *extra]) == 2, extra
         err = capsys.readouterr().err
-        assert err.startswith("error: ") and msg in err and err.count("\n") == 1, (args, err)
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1, (extra, err)
+        assert not os.path.exists(out)
 
 
-# GRPO as a workload of the trainer (grpo_task.py): a tiny supervised warm start on the arithmetic text
-# (arithmetic.py write + train.py --task lm), then 4 GRPO steps, two per rollout batch. Oracles: the
-# eager single process (for graph mode and 2 SimpleFSDP ranks), the straight run (for resume).
+# GRPO as a workload of the trainer (grpo_task.py): a tiny supervised warm start on solved problems
+# (train.py --task sft, sft_task.py), then 4 GRPO steps, two per rollout batch. Oracles: the eager
+# single process (for graph mode and 2 SimpleFSDP ranks), the straight run (for resume).
 GRPO_WARM = ["--set", "dim=32", "--set", "n_layers=2", "--set", "n_heads=4", "--set", "n_kv_heads=2",
-             "--set", "ffn_dim=64", "--set", "max_seq_len=32", "--seq-len", "32", "--batch-size", "16",
-             "--lr", "1e-2", "--warmup", "5", "--eval-batches", "0", "--sample-tokens", "0", "--log-interval", "20"]
+             "--set", "ffn_dim=64", "--set", "max_seq_len=32", "--batch-size", "16",
+             "--lr", "1e-2", "--warmup", "5", "--eval-interval", "0", "--log-interval", "20"]
 
 
 @pytest.fixture(scope="session")
 def grpo_warm(tmp_path_factory):
-    """A run directory of 40 supervised steps on solved problems: digits and newlines, rarely right
-    (with --format-credit its groups' rewards differ, so the GRPO gradient is not zero)."""
+    """A run directory of 40 supervised steps on the answers of solved problems: digits and newlines,
+    rarely right (with --format-credit its groups' rewards differ, so the GRPO gradient is not zero).
+    Its held-out accuracy is recorded at steps 0 and 40. (arithmetic.py's text writer checked here too.)"""
     import arithmetic
     root = tmp_path_factory.mktemp("grpo_warm")
-    assert arithmetic.main(["write", str(root / "arith.txt"), "--problems", "20000"]) == 0
+    assert arithmetic.main(["write", str(root / "arith.txt"), "--problems", "2000"]) == 0
     text = (root / "arith.txt").read_bytes()
-    assert text.count(b"\n") == 20000 and not list(root.glob("*.tmp*"))
-    assert _main(["--task", "lm", *GRPO_WARM, "--data", str(root / "arith.txt"), "--steps", "40",
-                  "--out-dir", str(root / "warm")]) == 0
+    assert text.count(b"\n") == 2000 and not list(root.glob("*.tmp*"))
+    assert _main(["--task", "sft", *GRPO_WARM, "--steps", "40", "--out-dir", str(root / "warm")]) == 0
+    assert sorted(_records(str(root / "warm"), "held_out_accuracy")) == [0, 40]
     return str(root / "warm")
 
 

@@ -35,12 +35,14 @@ import mesh
 import optim
 import rollout
 import rundir
+import sft_task
 import task as tasks
 from cli import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED,  # noqa: F401
                  RESUME_CHECKED, ConfigError, error_line, parse_config)
 from parallel import Parallel
 
-TASKS = {"lm": tasks.LanguageModel, "flux": flux_task.FluxDigits, "grpo": grpo_task.GRPOArithmetic}
+TASKS = {"lm": tasks.LanguageModel, "flux": flux_task.FluxDigits, "grpo": grpo_task.GRPOArithmetic,
+         "sft": sft_task.SFTArithmetic}
 
 
 def model_args(cfg):
