@@ -2907,7 +2907,7 @@ def test_flux_jax_forward_and_adamw_steps_equal_torch():
         np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=tol)
 
     a = flux.FLAVORS["flux_debug"]
-    model = randomized(flux_task.FluxOnDigits(a))
+    model = randomized(flux_task.ConditionedFlux(a))
     params = to_jax(model)
     names = [n for n, _ in model.named_parameters()]
     assert sorted(names) == sorted(params)  # every trained tensor is a parameter on both sides
