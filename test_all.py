@@ -1303,8 +1303,10 @@ def test_mesh_that_does_not_match_world_size_fails_fast(corpus, tmp_path):
                                  ("ici=2,ep=2", [], "n_experts")]:
         rc, _, err = torchrun(2, [*TINY, "--data", corpus, "--steps", "2", "--mesh", mesh, *extra,
                                   "--out-dir", str(tmp_path / "r")], timeout=120)
-        lines = [l for l in err.splitlines() if l.startswith("error:")]  # (one per rank, each one write)
-        assert rc != 0 and len(lines) == 2 and all(message in l and l.count("error:") == 1 for l in lines), err[-2000:]
+        # One line per rank that gets to say it, each one write (torchrun ends the other rank with SIGTERM
+        # once the first exits: on a loaded machine that can be before the second has printed its line).
+        lines = [l for l in err.splitlines() if l.startswith("error:")]
+        assert rc != 0 and len(lines) in (1, 2) and all(message in l and l.count("error:") == 1 for l in lines), err[-2000:]
         assert not os.path.exists(tmp_path / "r")
 
 
