@@ -3312,7 +3312,7 @@ def _flux_weights(run_dir, task=None, scan=False):
 
 def test_flux_trains_through_the_shared_trainer_eager_graph_and_simplefsdp_alike(tmp_path, monkeypatch):
     """FLUX as a Task (flux_task.py) on the one trainer: graph mode (one traced step with AdamW) and
-    SimpleFSDP on 2 processes (graph mode, its passes on) equal the eager single process on the same
+    HSDP on 4 processes (SimpleFSDP, dcn=2 x ici=2, graph mode, its passes on) equal the eager single process on the same
     global batches: losses, pre-clip gradient norms, validation MSE at the fixed times, final weights.
     So does --scan (each block stack one scan over stacked weights; the weights compared unstacked).
     The SimpleFSDP passes bucket by FLUX's blocks (the Task's `blocks`): one all-gather per double /
@@ -3344,7 +3344,7 @@ def test_flux_trains_through_the_shared_trainer_eager_graph_and_simplefsdp_alike
     _near(_records(runs["eager"], "loss"), dict(zip(range(1, 5), res["losses"])), atol=1e-4)
     assert _main([*common, "--mode", "graph", "--out-dir", runs["graph"]]) == 0
     assert _main([*common, "--scan", "--out-dir", runs["scan"]]) == 0
-    rc, _, err = torchrun(2, [*common, "--mode", "graph", "--mesh", "ici=2", "--out-dir", runs["fsdp"]])
+    rc, _, err = torchrun(4, [*common, "--mode", "graph", "--mesh", "dcn=2,ici=2", "--out-dir", runs["fsdp"]])  # HSDP
     assert rc == 0, err[-3000:]
     assert _main([*common, "--halt-at", "2", "--out-dir", runs["part"]]) == 0
     assert _main([*common, "--resume", "--out-dir", runs["part"]]) == 0
