@@ -690,7 +690,7 @@ BAD_INPUTS = [
     (["--scan", "--mesh", "ici=2,tp=2"], "--scan with tp or ep is not built"),  # (checked before any launch)
     (["--task", "flux", "--mesh", "ici=1,tp=2"], "the flux task runs data parallel (dcn / ici) only"),
     (["--task", "flux", "--image-size", "16"], "the digits are 8 x 8"),  # (other sizes: the dry run only)
-    (["--task", "flux", "--flavor", "flux_dev"], "(the published flavors: --dry-run)"),
+    (["--task", "flux", "--flavor", "flux_dev", "--data", ""], "(the published flavors: --dry-run)"),  # (on the digits)
 ]
 
 @pytest.mark.parametrize("args,message", BAD_INPUTS)
