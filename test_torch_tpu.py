@@ -144,7 +144,7 @@ def _gmm_loop(x, w, sizes):
 
 def test_our_gmm_kernel_through_torch_tpus_jax_op_schema_fake_and_values():
     import jax_op
-    import kernels_pallas as kp
+    import kernels_gmm as kp  # (the grouped matmul)
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(40, 16, generator=gen), torch.randn(3, 16, 8, generator=gen)
     sizes = torch.tensor([12, 0, 28], dtype=torch.int32)
