@@ -174,6 +174,11 @@ class EngineProcess:
         try:
             stats = self.sender.send(named_params, version)
         except weight_sync.SyncError as e:
+            # A killed engine resets the socket before the OS reaps it: give it a moment to show as
+            # dead so that the line names the cause (the process), not the symptom (the socket).
+            self.proc.join(2.0)
+            if not self.proc.is_alive():
+                raise EngineError(f"rollout engine process died (exit code {self.proc.exitcode}) during sync") from None
             self._kill()
             raise EngineError(str(e)) from None
         got = self._reply("sync")
