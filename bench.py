@@ -277,18 +277,23 @@ def flux_table(repeats=3, steps=4):
     return rows
 
 
-def flux_markdown(rows):
-    lines = [f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; FLUX "
-             f"`{' '.join(FLUX_FLAGS[:8])}` (hidden 256, 8 heads, 2 double + 2 single blocks, 32 images x 20 tokens)", "",
-             "| FLUX step | ms/step | images/s | x JAX step (throughput) | TFLOP/s | MFU (vs measured fp32 GEMM peak) "
-             "| warm-up s (2 steps, compiling alongside the others) |", "| --- " * 7 + "|"]
+def _table(header, rows, cells):
+    """Markdown lines: the header, its rule, then `cells(r)` per row (a row with an "error" says it)."""
+    lines = ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|"]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['mode']} | failed: {r['error'][:80]} | | | | | |")
-            continue
-        lines.append(f"| {r['mode']} | {r['ms_per_step']:.1f} | {r['images_per_s']:.0f} | {r.get('x_jax', float('nan')):.2f} | "
-                     f"{r['tflops']:.3f} | {100 * r['mfu']:.0f}% | {r['warmup_s']:.1f} |")
-    return "\n".join(lines)
+        row = ([r["mode"], f"failed: {r['error'][:80]}"] + [""] * (len(header) - 2)) if "error" in r else cells(r)
+        lines.append("| " + " | ".join(map(str, row)) + " |")
+    return lines
+
+
+def flux_markdown(rows):
+    return "\n".join([f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; FLUX "
+                      f"`{' '.join(FLUX_FLAGS[:8])}` (hidden 256, 8 heads, 2 double + 2 single blocks, 32 images x 20 tokens)",
+                      ""] + _table(
+        ["FLUX step", "ms/step", "images/s", "x JAX step (throughput)", "TFLOP/s", "MFU (vs measured fp32 GEMM peak)",
+         "warm-up s (2 steps, compiling alongside the others)"], rows,
+        lambda r: [r["mode"], f"{r['ms_per_step']:.1f}", f"{r['images_per_s']:.0f}", f"{r.get('x_jax', float('nan')):.2f}",
+                   f"{r['tflops']:.3f}", f"{100 * r['mfu']:.0f}%", f"{r['warmup_s']:.1f}"]))
 
 
 def compile_vs_depth():
@@ -351,36 +356,30 @@ def dist_table(repeats, steps, only=None):
 
 def to_markdown(speed, memory, dist_rows=(), depth=()):
     lines = [f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}; "
-             f"{time.strftime('%Y-%m-%d')}", "",
-             "| mode | tokens/s | x plain loop | TFLOP/s | MFU (vs measured fp32 GEMM peak) | first step s | peak RSS MiB |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in speed:
-        if "error" in r:
-            lines.append(f"| {r['mode']} | failed: {r['error'][:80]} | | | | | |")
-            continue
-        lines.append(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r.get('ratio_to_plain', float('nan')):.2f} | "
-                     f"{r['tflops']:.3f} | {100 * r['mfu']:.0f}% | {r['first_step_s']:.1f} | {r['peak_rss_mib']:.0f} |")
-    lines += ["", "| kernel | size (vocab / seq len) | plain peak growth MiB | Pallas peak growth MiB | ratio |",
-              "| --- | --- | --- | --- | --- |"]
-    for kind, size, plain, pallas in memory:
-        ratio = f"{plain / pallas:.1f}x" if plain and pallas else "n/a"
-        lines.append(f"| {kind} | {size} | {plain if plain is None else round(plain)} | "
-                     f"{pallas if pallas is None else round(pallas)} | {ratio} |")
+             f"{time.strftime('%Y-%m-%d')}", ""]
+    lines += _table(["mode", "tokens/s", "x plain loop", "TFLOP/s", "MFU (vs measured fp32 GEMM peak)", "first step s",
+                     "peak RSS MiB"], speed,
+                    lambda r: [r["mode"], f"{r['tokens_per_s']:.0f}", f"{r.get('ratio_to_plain', float('nan')):.2f}",
+                               f"{r['tflops']:.3f}", f"{100 * r['mfu']:.0f}%", f"{r['first_step_s']:.1f}",
+                               f"{r['peak_rss_mib']:.0f}"])
+    rounded = lambda x: x if x is None else round(x)  # noqa: E731
+    lines += [""] + _table(["kernel", "size (vocab / seq len)", "plain peak growth MiB", "Pallas peak growth MiB", "ratio"],
+                           memory, lambda m: [m[0], m[1], rounded(m[2]), rounded(m[3]),
+                                              f"{m[2] / m[3]:.1f}x" if m[2] and m[3] else "n/a"])
     if depth:
         keys = ("inductor", "inductor+scan", "xla", "xla+scan", "xla compile", "xla+scan compile")
-        lines += ["", "| layers | first step s: graph+inductor | graph+inductor+scan | graph on XLA | graph on XLA+scan "
-                  "| XLA compile s: graph | graph+scan |", "| --- " * 7 + "|"]
-        for r in depth:
-            lines.append("| " + " | ".join([str(r["layers"])] + [f"{r[k]:.1f}" if r.get(k) else "failed" for k in keys]) + " |")
+        lines += [""] + _table(["layers", "first step s: graph+inductor", "graph+inductor+scan", "graph on XLA",
+                                "graph on XLA+scan", "XLA compile s: graph", "graph+scan"], depth,
+                               lambda r: [r["layers"]] + [f"{r[k]:.1f}" if r.get(k) else "failed" for k in keys])
     if dist_rows:
-        lines += ["", "| parallel (llama3_debug; MoE: qwen3_moe_debug; global batch 32 x 128) | tokens/s (all ranks) | "
-                  "x 1 process | params MiB / rank | AdamW state MiB / rank | peak RSS MiB (rank 0, training) |",
-                  "| --- | --- | --- | --- | --- | --- |"]
-        for r in dist_rows:
-            base = next(b for b in dist_rows if b["config"].endswith("1 process") and
+        def base(r):  # the one-process row of the same family (dense or MoE)
+            return next(b for b in dist_rows if b["config"].endswith("1 process") and
                         b["config"].startswith("MoE") == r["config"].startswith("MoE"))["tokens_per_s"]
-            lines.append(f"| {r['config']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f} | {r['param_mib']:.2f} | "
-                         f"{r['optim_mib']:.2f} | {r['rss_mib']:.0f} |")
+        lines += [""] + _table(["parallel (llama3_debug; MoE: qwen3_moe_debug; global batch 32 x 128)",
+                                "tokens/s (all ranks)", "x 1 process", "params MiB / rank", "AdamW state MiB / rank",
+                                "peak RSS MiB (rank 0, training)"], dist_rows,
+                               lambda r: [r["config"], f"{r['tokens_per_s']:.0f}", f"{r['tokens_per_s'] / base(r):.2f}",
+                                          f"{r['param_mib']:.2f}", f"{r['optim_mib']:.2f}", f"{r['rss_mib']:.0f}"])
     return "\n".join(lines)
 
 
