@@ -48,6 +48,21 @@ def run_train(args, env=None, timeout=300):
     return proc.returncode, proc.stdout, proc.stderr
 
 
+_ONE_PROCESS_RUNS = {}
+
+
+def one_process_run(args, tmp_path_factory):
+    """The one-process oracle run of `args` (read only by its callers), run once per distinct args:
+    several parametrizations of the multi-process tests compare against the same one."""
+    key = tuple(args)
+    if key not in _ONE_PROCESS_RUNS:
+        out = str(tmp_path_factory.mktemp("one_process"))
+        rc, _, err = run_train([*args, "--out-dir", out])
+        assert rc == 0, err[-3000:]
+        _ONE_PROCESS_RUNS[key] = out
+    return _ONE_PROCESS_RUNS[key]
+
+
 def _records(out_dir, key):
     """{step: value of `key`} from a run's metrics.jsonl."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -1246,13 +1261,12 @@ def test_training_with_pallas_kernels_matches_reference(flavor, corpus, tmp_path
                                                     (4, "dcn=2,ici=2", "simple", "llama3_debug"),
                                                     (2, "ici=2", "fsdp2", "llama3_debug"),
                                                     (2, "ici=2", "simple", "qwen3_moe_debug")])
-def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus, tmp_path):
+def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus, tmp_path, tmp_path_factory):
     common = [*DIST_TINY, "--flavor", flavor, "--data", corpus, "--steps", "10", "--ckpt-interval", "0",
               "--eval-batches", "1", *(["--set", "moe_ffn_dim=32", "--set", "aux_loss_coef=0"] if "moe" in flavor else [])]
     # (MoE: the load-balancing loss E * sum_e f_e * P_e is computed per rank, as is usual, and is not
     # linear in the batch, so only with it off is N ranks' step exactly one process's step.)
-    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
-    assert run_train([*common, "--out-dir", single])[0] == 0
+    single, multi = one_process_run(common, tmp_path_factory), str(tmp_path / "multi")
     rc, out, err = torchrun(nproc, [*common, "--out-dir", multi, "--mesh", mesh, "--dp-impl", impl])
     assert rc == 0, err[-3000:]
     # (Partial("sum") for Partial("avg") doubles every gradient and still trains the same: the pre-clip
@@ -1579,15 +1593,14 @@ MOE_EXACT = ["--set", "moe_ffn_dim=32", "--set", "aux_loss_coef=0"]  # (aux loss
     (4, "ici=2,tp=2", "llama3_debug", []), (4, "dcn=2,ici=1,tp=2", "qwen3_debug", []),
     (2, "ici=2,ep=2", "qwen3_moe_debug", MOE_EXACT), (4, "dcn=2,ici=2,ep=2", "qwen3_moe_debug", MOE_EXACT),
     (2, "ici=2,ep=2", "qwen3_moe_debug", [*MOE_EXACT, "--mode", "graph", "--kernels", "pallas"])])
-def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, extra, corpus, tmp_path):
+def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, extra, corpus, tmp_path, tmp_path_factory):
     """Tensor + sequence parallelism (tensor_parallel.py) and expert parallelism (expert_parallel.py),
     under SimpleFSDP's 2-D placements, vs one process on the same global batch: losses, gradient
     norms, validation and final weights to 1e-5; per-rank parameter and AdamW bytes: 1/(ici x tp) of
     the split matmuls, 1/(ep x its FSDP size) of the experts, 1/ici of the rest; in graph mode the
     TP collectives / EP all-to-alls are nodes of the one step graph (EP traced: static buffers)."""
     common = [*TINY, "--flavor", flavor, "--data", corpus, "--steps", "10", "--ckpt-interval", "0", "--eval-batches", "1"]
-    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
-    assert run_train([*common, *[a for a in extra if a in MOE_EXACT], "--out-dir", single])[0] == 0
+    single, multi = one_process_run([*common, *[a for a in extra if a in MOE_EXACT]], tmp_path_factory), str(tmp_path / "multi")
     rc, out, err = torchrun(nproc, [*common, *extra, "--out-dir", multi, "--mesh", mesh])
     assert rc == 0, err[-3000:]
     p_single = _ranks_equal_one_process(single, multi, 10, [*common, *extra])
