@@ -82,7 +82,8 @@ class TrainConfig:
     init_from: Optional[str] = flag(None, "start from a Hugging Face checkpoint (config.json + safetensors) "
                                     "instead of --flavor: fine-tuning; grpo: also a train.py run directory "
                                     "(its newest checkpoint: the warm start)", metavar="DIR")
-    set: list = flag((), "override a ModelArgs field, e.g. --set n_layers=2 (repeatable)", metavar="FIELD=VALUE")
+    set: list = flag((), "override a model config field (ModelArgs, flux.FluxArgs), e.g. --set n_layers=2 "
+                     "(repeatable)", metavar="FIELD=VALUE")
     data: Optional[str] = flag(None, "lm: text file or directory (default: this Python's stdlib sources); flux: a "
                                ".safetensors file of latents + text embeddings (flux_latents.py; default: the digits)")
     tokenizer: Optional[str] = flag(None, "train on the ids of a HF tokenizer.json (default: bytes)", metavar="HF_DIR")

@@ -50,7 +50,7 @@ class ArithmeticPolicy(LanguageModel):
     """What GRPO and its supervised warm start (sft_task.py) share: a byte-level language model as the
     policy (LanguageModel's building, sizing and records, or a train.py run's weights), the verifiable
     task, the rollout engine fed with the live weights, and greedy accuracy on the held-out prompts."""
-    unit, scannable, evaluates = "seq", False, True
+    unit, evaluates = "seq", True
 
     def __init__(self, cfg):
         Task.__init__(self, cfg)
