@@ -75,14 +75,12 @@ def latent_geometry(args, image_size):
     return image_size // down, text
 
 
-
 def flow_matching_loss(model, batch):
     """(x0, eps, t, *conditioning): rectified flow's MSE, as (loss to report, loss to differentiate)."""
     x0, eps, t, *cond = batch
     x_t, _ = flux_sample.flow_pair(x0, eps, t)
     mse = flux_sample.flow_loss(model(x_t, t, *cond), x0, eps)
     return mse, mse
-
 
 
 class ClassPrompt(nn.Module):
