@@ -1,0 +1,244 @@
+# flux_task.py + flux_latents.py through the shared trainer. Oracles: the eager single process (graph
+# mode, --scan, compile + Pallas, XLA:CPU, HSDP on 4 processes), the straight run (resume), the
+# rectified-flow MSE written in the test, flux_hf.load and diffusers' stored outputs (--init-from)
+"""Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.common import HERE, _main, _near, _records, losses, torchrun
+from tests.check_flux import FLUX_FIXTURES, _flux_expected
+from tests.check_graph import _gathers
+
+
+def _flux_weights(run_dir, task=None, scan=False):
+    """The final weights; a --scan run's (L, ...) stacks unstacked into the plain model's names."""
+    import checkpoint
+    import flux
+    import flux_task
+    import layer_scan
+    model = task.build_model(task.args) if task else flux_task.ConditionedFlux(flux.FLAVORS["flux_debug"])
+    if scan:
+        layer_scan.stack_layers(model, model.flux.pack_for_scan(flux_task.PROMPT_TOKENS))
+    path, _ = checkpoint.find_resumable(os.path.join(run_dir, "checkpoints"))
+    state, plain = checkpoint.load(path, {"model": model.state_dict()})["model"], {}
+    for name, w in state.items():
+        stack = re.fullmatch(r"(flux\.(?:double|single)_blocks)\.block__(.+)", name)
+        plain.update({f"{stack[1]}.{i}.{stack[2].replace('__', '.')}": w[i] for i in range(len(w))} if stack else {name: w})
+    return plain
+
+
+def test_flux_trains_through_the_shared_trainer_eager_graph_and_simplefsdp_alike(tmp_path, monkeypatch):
+    """FLUX as a Task (flux_task.py) on the one trainer: graph mode (one traced step with AdamW) and
+    HSDP on 4 processes (SimpleFSDP, dcn=2 x ici=2, graph mode, its passes on) equal the eager single process on the same
+    global batches: losses, pre-clip gradient norms, validation MSE at the fixed times, final weights.
+    So does --scan (each block stack one scan over stacked weights; the weights compared unstacked).
+    The SimpleFSDP passes bucket by FLUX's blocks (the Task's `blocks`): one all-gather per double /
+    single block (+ one for the rest) each way, each issued before the previous one's wait.
+    So do --mode compile with --kernels pallas (one run: inductor-compiled blocks around the non-causal
+    splash kernel; losses and norms to 1e-4) and graph mode on XLA:CPU (a child process: the step
+    compiled once). A halted run resumed equals the uninterrupted one bit for bit; the end writes a
+    sample grid."""
+    common = ["--task", "flux", "--steps", "4", "--batch-size", "8", "--log-interval", "1", "--eval-batches", "2",
+              "--eval-interval", "2", "--ckpt-interval", "0", "--sample-images", "0"]
+    runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "part", "compiled", "xla", "scan")}
+    # (XLA in its own process, started first: it runs while this one trains)
+    xla = subprocess.Popen([sys.executable, "test_all.py", "child_xla_graph_steps", *common, "--eval-batches", "0",
+                            "--mode", "graph", "--device", "xla", "--out-dir", runs["xla"]], cwd=HERE, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert _main([*common, "--out-dir", runs["eager"], "--sample-images", "2"]) == 0
+    import kernels_pallas  # the table names "kernels_pallas:splash_full_attention": count that it is what runs
+    splash_calls, splash = [], kernels_pallas.splash_full_attention
+    monkeypatch.setattr(kernels_pallas, "splash_full_attention", lambda *a: splash_calls.append(1) or splash(*a))
+    assert _main([*common, "--mode", "compile", "--kernels", "pallas", "--eval-batches", "0",
+                  "--out-dir", runs["compiled"]]) == 0
+    assert splash_calls
+    for key in ("loss", "grad_norm"):
+        _near(_records(runs["eager"], key), _records(runs["compiled"], key), atol=1e-4)
+    out, err = xla.communicate(timeout=300)
+    assert xla.returncode == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["compiles"][0] == res["compiles"][-1] == 2, res["compiles"]  # (as the LM's XLA graph test)
+    _near(_records(runs["eager"], "loss"), dict(zip(range(1, 5), res["losses"])), atol=1e-4)
+    assert _main([*common, "--mode", "graph", "--out-dir", runs["graph"]]) == 0
+    assert _main([*common, "--scan", "--out-dir", runs["scan"]]) == 0
+    rc, _, err = torchrun(4, [*common, "--mode", "graph", "--mesh", "dcn=2,ici=2", "--out-dir", runs["fsdp"]])  # HSDP
+    assert rc == 0, err[-3000:]
+    assert _main([*common, "--halt-at", "2", "--out-dir", runs["part"]]) == 0
+    assert _main([*common, "--resume", "--out-dir", runs["part"]]) == 0
+    oracle = runs["eager"]
+    for name in ("graph", "fsdp", "scan"):
+        for key in ("loss", "grad_norm", "val_loss"):
+            mine, ref = _records(runs[name], key), _records(oracle, key)
+            assert mine.keys() == ref.keys() and len(ref) >= 3, (name, key)
+            torch.testing.assert_close(torch.tensor([mine[k] for k in sorted(mine)]),
+                                       torch.tensor([ref[k] for k in sorted(ref)]), rtol=1e-5, atol=1e-6)
+        mine = _flux_weights(runs[name], scan=name == "scan")
+        assert mine.keys() == _flux_weights(oracle).keys(), name
+        for k, w in _flux_weights(oracle).items():
+            torch.testing.assert_close(mine[k], w, rtol=1e-5, atol=1e-5, msg=k)  # (as the LM tests)
+    graph = next(json.loads(line) for line in open(os.path.join(runs["fsdp"], "metrics.jsonl")) if '"graph"' in line)
+    fwd, bwd, blocks = graph["collectives_by_side"]["forward"], graph["collectives_by_side"]["backward"], 2 + 2
+    assert _gathers(fwd) == _gathers(bwd) == bwd["reduce_scatter_tensor"] == blocks + 1, graph["collectives_by_side"]
+    assert graph["prefetched_gathers"] == blocks and graph["saved_gathered_bytes"] == 0
+    assert losses(runs["part"]) == losses(oracle)
+    assert all(torch.equal(a, b) for a, b in zip(_flux_weights(runs["part"]).values(), _flux_weights(oracle).values()))
+    with open(os.path.join(oracle, "metrics.jsonl")) as f:
+        judged = [json.loads(line) for line in f if '"samples"' in line]
+    assert os.path.getsize(os.path.join(oracle, "samples.png")) > 0 and 0 <= judged[0]["accuracy"] <= 1
+    assert all(os.path.getsize(os.path.join(oracle, f"samples_step_00000{i}.png")) > 0 for i in (0, 2, 4))  # per evaluation
+    import flux_task  # the sampling CLI on the run: a grid per scale; a run of another task refused in one line
+    assert flux_task.main([oracle, "--per-class", "1", "--guidance", "1,3"]) == 0
+    assert all(os.path.getsize(os.path.join(oracle, f"samples_g{g}.png")) > 0 for g in (1, 3))
+    assert flux_task.main([oracle, "--guidance", "nan"]) == 2
+
+
+def _latent_file(path, n=20, chw=(1, 4, 4), te=(3, 32), v=32, seed=0, **replace):
+    """A small precomputed-latents file (flux_latents.py's schema) of random tensors; `replace` swaps or
+    adds tensors (None drops one)."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    t = {"latents": torch.randn(n, *chw, generator=g), "txt": torch.randn(n, *te, generator=g),
+         "pooled": torch.randn(n, v, generator=g), "labels": torch.arange(n) % 3,
+         "empty_txt": torch.randn(*te, generator=g), "empty_pooled": torch.randn(v, generator=g)}
+    t.update(replace)
+    save_file({k: v.contiguous() for k, v in t.items() if v is not None}, str(path))
+    return str(path)
+
+
+def _pack_by_loop(lat_NxCxHxW):
+    """FLUX's 2x2 packing written out: token r * W/2 + c holds channels (ch, i, j) of patch (r, c)."""
+    N, C, H, W = lat_NxCxHxW.shape
+    out = torch.empty(N, (H // 2) * (W // 2), 4 * C)
+    for r in range(H // 2):
+        for c in range(W // 2):
+            for ch in range(C):
+                for i in range(2):
+                    for j in range(2):
+                        out[:, r * (W // 2) + c, ch * 4 + i * 2 + j] = lat_NxCxHxW[:, ch, 2 * r + i, 2 * c + j]
+    return out
+
+
+def test_flux_latent_file_batches_are_its_rows_loss_is_the_flow_mse_and_a_run_trains_with_grids(tmp_path):
+    """--data FILE.safetensors (cached latents + T5 / CLIP outputs): a batch's rows are the file's training
+    rows (packed as the loop above packs them) with their own embeddings or the empty prompt's; the
+    task's loss equals the rectified-flow MSE computed here from those tensors; validation holds out the
+    last tenth, unconditional; a 2-step run trains and draws a grid per evaluation, named by step."""
+    import cli
+    import flux_task
+    path = _latent_file(tmp_path / "cache.safetensors")
+    from safetensors.torch import load_file
+    f = load_file(path)
+    cfg = cli.parse_config(["--task", "flux", "--data", path, "--batch-size", "16", "--eval-batches", "2"])
+    task = flux_task.FluxDigits(cfg)
+    task.setup_data(0, 1)
+    packed = _pack_by_loop(f["latents"])
+    x0, eps, t, txt, y = task.batch(3)
+    dropped = 0
+    for b in range(16):  # each batch row is one of the 18 training rows (the last 2 of 20 are held out)
+        row = [n for n in range(18) if torch.equal(packed[n], x0[b])]
+        assert len(row) == 1, b
+        own = torch.equal(txt[b], f["txt"][row[0]]) and torch.equal(y[b], f["pooled"][row[0]])
+        empty = torch.equal(txt[b], f["empty_txt"]) and torch.equal(y[b], f["empty_pooled"])
+        assert own or empty, b
+        dropped += empty
+    assert dropped < 8 and 0 < t.min() and t.max() < 1
+    torch.manual_seed(0)
+    model = task.build_model(task.args)
+    with torch.no_grad():  # (random weights everywhere: the zero-initialised last layer would predict 0 for any x_t)
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    with torch.no_grad():  # the flow written out: x_t = (1 - t) x0 + t eps, target eps - x0, mean of squares
+        tt = t[:, None, None]
+        want = ((model(((1 - tt) * x0 + tt * eps), t, txt, y) - (eps - x0)) ** 2).mean()
+        got, _ = task.loss(model, (x0, eps, t, txt, y))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    vx0, _, vt, vtxt, vy = task.val_batches[1]
+    assert torch.equal(vx0, packed[18:]) and (vt == 0.1875).all()
+    assert torch.equal(vtxt, f["empty_txt"].expand(2, -1, -1)) and torch.equal(vy, f["empty_pooled"].expand(2, -1))
+    out = str(tmp_path / "run")
+    assert _main(["--task", "flux", "--data", path, "--steps", "2", "--batch-size", "8", "--eval-interval", "2",
+                  "--eval-batches", "1", "--log-interval", "1", "--sample-images", "1", "--out-dir", out]) == 0
+    assert len(losses(out)) == 2 and all(math.isfinite(v) for v in losses(out).values())
+    assert sorted(p for p in os.listdir(out) if p.startswith("samples")) == [
+        "samples.png", "samples_step_000000.png", "samples_step_000002.png"]
+    trained = _flux_weights(out, task)
+    torch.manual_seed(0)
+    init = task.build_model(task.args).state_dict()
+    assert trained.keys() == init.keys() and not torch.equal(trained["flux.img_in.weight"], init["flux.img_in.weight"])
+    assert flux_task.main([out]) == 2  # the sampling CLI is for digits runs: refused in one line
+
+
+def test_flux_init_from_a_diffusers_directory_fills_the_transformer(tmp_path):
+    """--init-from (fine-tuning) on a latent file: the trainer's transformer holds the fixture's weights
+    bit for bit, and its output with --distilled-guidance 3.5, through the task's own conditioning
+    (image ids from the file's 8x6 latents), equals diffusers' stored output for that sample. Under
+    SimpleFSDP on 2 processes (each rank loads its own shard) the first step's loss, gradient norm
+    and validation MSE equal the one-process run's."""
+    import flux_hf
+    import train
+    fixture = os.path.join(FLUX_FIXTURES, "guidance")
+    want = _flux_expected("guidance")
+    path = _latent_file(tmp_path / "cache.safetensors", n=20, chw=(2, 8, 6), te=(5, 24), v=12)
+    common = ["--task", "flux", "--data", path, "--init-from", fixture, "--distilled-guidance", "3.5", "--steps", "1",
+              "--batch-size", "4", "--eval-batches", "1", "--sample-images", "0", "--ckpt-interval", "0"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    trainer = train.Trainer(train.parse_config([*common, "--out-dir", one]))
+    ref = flux_hf.load(fixture)
+    mine = dict(trainer.model.flux.named_parameters())
+    assert mine.keys() == dict(ref.named_parameters()).keys()
+    assert all(torch.equal(mine[n], p) for n, p in ref.named_parameters())
+    with torch.no_grad():
+        got = trainer.model(want["hidden_states"][:1], want["timestep"][:1], want["encoder_hidden_states"][:1],
+                            want["pooled_projections"][:1])
+    assert want["guidance"][0] == 3.5
+    torch.testing.assert_close(got, want["sample"][:1], rtol=1e-4, atol=1e-4 * want["sample"].abs().max().item())
+    assert trainer.meta["flavor"] == f"hf:{os.path.abspath(fixture)}" and not os.path.exists(one)
+    assert trainer.run() == 0
+    rc, _, err = torchrun(2, [*common, "--mesh", "ici=2", "--out-dir", two])
+    assert rc == 0, err[-3000:]
+    for key in ("loss", "grad_norm", "val_loss"):
+        mine, ref = _records(two, key), _records(one, key)
+        assert mine.keys() == ref.keys() and len(ref) >= 1, key
+        torch.testing.assert_close(torch.tensor(list(mine.values())), torch.tensor(list(ref.values())), rtol=1e-5, atol=0)
+
+
+def _flux_bad_inputs(tmp_path):
+    """(argv, message) per bad input of the flux task; the files they name are written here."""
+    import shutil
+    lat = lambda name, **kw: _latent_file(tmp_path / f"{name}.safetensors", **kw)
+    patch2 = tmp_path / "patch2"
+    shutil.copytree(os.path.join(FLUX_FIXTURES, "guidance"), patch2)
+    c = json.loads((patch2 / "config.json").read_text())
+    (patch2 / "config.json").write_text(json.dumps({**c, "patch_size": 2}))
+    return {
+        "image_shape": (["--data", lat("shape", chw=(2, 4, 4))], "latents has shape (20, 2, 4, 4)"),
+        "odd_side": (["--data", lat("odd", chw=(1, 5, 4))], "H, W even"),
+        "label_range": (["--data", lat("label", labels=torch.tensor([0] * 19 + [12]))], "labels must be classes 0..9 (a grid row each), got 12"),
+        "txt_width": (["--data", lat("width", te=(3, 16))], "txt has shape (20, 3, 16)"),
+        "no_txt": (["--data", lat("notxt", txt=None)], "no tensor 'txt'"),
+        "nan": (["--data", lat("nan", pooled=torch.full((20, 32), float("nan")))], "finite"),
+        "guidance": (["--distilled-guidance", "3.5"], "has no guidance embedding"),
+        "diffusers_config": (["--init-from", str(patch2)], "patch_size=2 is not implemented"),
+        "out_channels": (["--init-from", os.path.join(FLUX_FIXTURES, "plain"), "--data", lat("plain", chw=(2, 4, 4),
+                          te=(3, 24), v=12)], "predicts 4 channels a token from 8"),
+        "missing_file": (["--data", str(tmp_path / "nowhere.safetensors")], "no such file"),
+        "not_safetensors": (["--data", str(patch2 / "config.json")], "not a readable safetensors file"),
+    }
+
+
+@pytest.mark.parametrize("case", ["image_shape", "odd_side", "label_range", "txt_width", "no_txt", "nan", "guidance",
+                                  "diffusers_config", "out_channels", "missing_file", "not_safetensors"])
+def test_flux_bad_input_one_line_exit_2_nothing_written(case, tmp_path, capsys):
+    args, message = _flux_bad_inputs(tmp_path)[case]
+    out_dir = str(tmp_path / "run")
+    rc = _main(["--task", "flux", "--steps", "1", "--batch-size", "4", "--sample-images", "0", "--out-dir", out_dir, *args])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
+    assert not os.path.exists(out_dir)

@@ -1,0 +1,363 @@
+# arithmetic.py + grpo.py + weight_sync.py + rollout.py (GRPO's pieces). Oracles: Python arithmetic on the
+# prompt text, the per-group formula (statistics.stdev), a per-token loop of the loss and its
+# analytic gradient, generate.generate (one sequence at a time), the trainer's own forward, the
+# in-process engine (vs the engine process), the trainer's weights (bit for bit)
+"""Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import torch.nn.functional as F
+import pytest
+import torch
+
+from model import ModelArgs, Transformer
+
+from tests.common import HERE, _main, _near, _records, torchrun
+
+
+GRPO_TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+
+
+def test_arith_task_prompts_held_out_split_and_a_reward_that_survives_junk():
+    import arithmetic
+    task = arithmetic.get_task("arith", seed=3, format_credit=0.1)
+    assert task.prompts(7, 32) == arithmetic.get_task("arith", seed=3).prompts(7, 32)   # (seed, step) -> prompts
+    assert task.prompts(7, 32) != task.prompts(8, 32) != arithmetic.get_task("arith", seed=4).prompts(8, 32)
+
+    def pair(prompt):  # the oracle reads the numbers off the text
+        m = re.fullmatch(rb"(\d\d)\+(\d\d)=", bytes(prompt))
+        assert m, prompt
+        return int(m[1]), int(m[2])
+    test = {pair(p) for p in task.test_set()}
+    drawn = {pair(p) for step in range(200) for p in task.prompts(step, 32)}
+    assert len(test) == 500 and not test & drawn and len(drawn) > 3000
+    for line in task.train_text(50, seed=1).decode().splitlines():
+        lhs, rhs = line.split("=")
+        assert sum(int(x) for x in lhs.split("+")) == int(rhs) and pair(lhs.encode() + b"=") not in test
+    p = list(b"12+34=")
+    cases = {b"46\n": 1.0, b"46\n\xff junk after the end": 1.0, b"046\n": 0.1, b"47\n": 0.1, b"46": 0.0,
+             b"": 0.0, b"\n": 0.0, b"4a\n": 0.0, b"\xff\xfe\n": 0.0, b"\x00\n": 0.0, b"9" * 1000 + b"\n": 0.0,
+             b"1000\n": 0.0, b" 46\n": 0.0, b"-46\n": 0.0}
+    for completion, want in cases.items():
+        assert task.reward(p, list(completion)) == want, completion
+        assert arithmetic.get_task("arith").reward(p, completion) == (1.0 if want == 1.0 else 0.0), completion
+    with pytest.raises(ValueError, match="unknown reward task 'gsm8k'; known: arith"):
+        arithmetic.get_task("gsm8k")
+
+
+def test_group_advantages_equal_the_per_group_formula():
+    import statistics
+    import grpo
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randint(0, 3, (5 * 4,), generator=g).float() / 2
+    rewards[4:8] = 1.0  # one group all the same: advantage 0, not NaN
+    for std_norm in (True, False):
+        got = grpo.group_advantages(rewards, 4, std_norm=std_norm).tolist()
+        for i in range(5):
+            r = rewards[4 * i:4 * i + 4].tolist()
+            for j in range(4):
+                want = r[j] - statistics.mean(r)
+                if std_norm:
+                    want /= statistics.stdev(r) + 1e-6
+                assert abs(got[4 * i + j] - want) < 1e-5, (std_norm, i, j)
+    with pytest.raises(ValueError, match="do not split into groups of 3"):
+        grpo.group_advantages(rewards, 3)
+    for bad, msg in [(dict(group_size=1), "G must be >= 2"), (dict(eps_low=0.0), "clip bounds must be > 0"),
+                     (dict(eps_high=-0.1), "clip bounds must be > 0"), (dict(aggregation="bnpo"), "unknown loss aggregation 'bnpo'")]:
+        with pytest.raises(ValueError, match=msg):
+            grpo.GRPOConfig(**bad).check()
+
+
+@pytest.mark.parametrize("aggregation", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_grpo_loss_and_gradient_equal_a_per_token_loop(aggregation, beta):
+    """min(rho A, clip(rho) A) per token, k3 KL, the aggregation's weights, and the gradient worked out
+    by hand (d rho / d logp = rho; a clipped token has none; d k3 / d logp = 1 - exp(ref - logp))."""
+    import grpo
+    cfg = grpo.GRPOConfig(eps_low=0.2, eps_high=0.28, aggregation=aggregation, beta=beta).check()
+    g = torch.Generator().manual_seed(1)
+    B, C = 6, 5
+    logp = (-torch.rand(B, C, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    engine = logp.detach() + torch.randn(B, C, generator=g, dtype=torch.float64) * 0.4
+    ref = logp.detach() + torch.randn(B, C, generator=g, dtype=torch.float64) * 0.3
+    engine[1, :2] = logp.detach()[1, :2] + torch.tensor([0.7, -0.7], dtype=torch.float64)  # rho 0.50, 2.01 at A < 0
+    adv = torch.tensor([1.5, -0.7, 0.0, 0.9, -1.2, 0.4], dtype=torch.float64)
+    lengths = [5, 3, 1, 4, 2, 5]
+    mask = torch.tensor([[t < n for t in range(C)] for n in lengths])
+    loss, stats = grpo.policy_loss(logp, engine, adv, mask, cfg, logp_ref_BxC=ref)
+    loss.backward()
+
+    n_all = sum(lengths)
+    want_loss, want_grad, kinds = 0.0, [[0.0] * C for _ in range(B)], set()
+    for b in range(B):
+        for t in range(lengths[b]):
+            lp, le, lr, A = float(logp.detach()[b, t]), float(engine[b, t]), float(ref[b, t]), float(adv[b])
+            rho = math.exp(lp - le)
+            clipped_rho = min(max(rho, 1 - 0.2), 1 + 0.28)
+            term = -min(rho * A, clipped_rho * A)
+            d_term = 0.0 if clipped_rho * A < rho * A else -rho * A
+            kinds.add(("clipped" if clipped_rho * A < rho * A else "free", A > 0, rho != clipped_rho))
+            if beta:
+                term += beta * (math.exp(lr - lp) - (lr - lp) - 1)
+                d_term += beta * (1 - math.exp(lr - lp))
+            w = {"grpo": 1 / (lengths[b] * B), "dapo": 1 / n_all, "dr_grpo": 1 / (B * C)}[aggregation]
+            want_loss += w * term
+            want_grad[b][t] = w * d_term
+    # the case list: clipped tokens of both signs, and tokens outside the clip range min() keeps
+    assert {("clipped", True, True), ("clipped", False, True), ("free", True, True), ("free", False, True),
+            ("free", True, False)} <= kinds, kinds
+    assert abs(float(loss.detach()) - want_loss) < 1e-12
+    assert torch.allclose(logp.grad, torch.tensor(want_grad, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert 0 < stats["clip_frac"] < 1 and ("kl" in stats) == (beta > 0)
+
+
+def test_batched_sampling_equals_one_sequence_decoding_and_bf16_mismatch_is_measured():
+    """Greedy rows of one batch equal generate.generate() prompt by prompt; the mask ends at the first
+    eos; a bf16 engine's logprobs vs the fp32 trainer's: ratio statistics printed (the RL mismatch)."""
+    import copy
+    import generate
+    import grpo
+    import rollout
+    import arithmetic
+    torch.manual_seed(0)
+    model = Transformer(GRPO_TINY)
+    prompts = arithmetic.get_task("arith").prompts(0, 6)
+    want = [generate.generate(model, p, 8) for p in prompts]
+    eos = want[0][2]  # row 0 ends by its third token
+    got, logp, mask = rollout.sample_batch(model, torch.tensor(prompts), 8, 0.0, None, eos_id=eos)
+    for i, w in enumerate(want):
+        end = w.index(eos) + 1 if eos in w else 8
+        assert got[i, :end].tolist() == w[:end] and mask[i].tolist() == [t < end for t in range(8)], i
+    assert mask[0].sum() <= 3 and not mask.all()
+
+    engine = rollout.Engine(copy.deepcopy(model).to(torch.bfloat16))
+    ro = engine.generate(arithmetic.get_task("arith").prompts(1, 16), 4, 6, temperature=1.0, seed=0)
+    full = torch.cat([ro.prompts_BxP, ro.completions_BxC], 1)
+    with torch.no_grad():
+        log_ratio = (grpo.completion_logprobs(model, full, 6, 1.0) - ro.logprobs_BxC)[ro.mask_BxC]
+    ratio = log_ratio.exp()
+    print(f"\nbf16 engine vs fp32 trainer over {ratio.numel()} tokens: ratio mean {ratio.mean():.5f} "
+          f"std {ratio.std():.5f} min {ratio.min():.4f} max {ratio.max():.4f} mean|log ratio| {log_ratio.abs().mean():.5f}")
+    assert 0 < log_ratio.abs().mean() < 0.05 and ro.completions_BxC.shape == (64, 6)
+
+
+def test_engine_process_sync_in_place_bit_equal_logprobs_and_failures_in_one_line():
+    """One engine process: weights bit-equal to the trainer's after each sync, copied into the same
+    buffers (data_ptr unchanged), rollouts carry the version, equal the in-process engine, and their
+    logprobs equal the trainer's forward (fp32: ratio 1 within 1e-5); a stalled and then a dead engine
+    raise one-line EngineErrors within the timeout."""
+    import copy
+    import signal
+    import time
+    import grpo
+    import rollout
+    import arithmetic
+    torch.manual_seed(0)
+    trainer = Transformer(GRPO_TINY)
+    engine = rollout.EngineProcess(GRPO_TINY, timeout_s=30)
+    try:
+        before = engine.state()
+        with pytest.raises(rollout.EngineError, match="no weights synced yet"):
+            engine.generate([[1, 2]], 2, 2)
+        prompts = arithmetic.get_task("arith").prompts(0, 4)
+        for version in (1, 2):
+            stats = engine.sync(trainer.named_parameters(), version)
+            print(f"\nsync v{version}: {stats['bytes']} bytes in {stats['seconds'] * 1e3:.2f} ms")
+            assert stats["bytes"] == 4 * sum(p.numel() for p in trainer.parameters())
+            state = engine.state()
+            assert state["version"] == version and state["ptrs"] == before["ptrs"]
+            assert all(torch.equal(state["weights"][n], p) for n, p in trainer.named_parameters())
+            ro = engine.generate(prompts, 3, 5, temperature=0.8, seed=version, eos_id=10)
+            local = rollout.Engine(copy.deepcopy(trainer)).generate(prompts, 3, 5, temperature=0.8, seed=version, eos_id=10)
+            assert ro.version == version and torch.equal(ro.completions_BxC, local.completions_BxC)
+            full = torch.cat([ro.prompts_BxP, ro.completions_BxC], 1)
+            with torch.no_grad():
+                oracle = F.log_softmax(trainer(full)[:, 5:-1] / 0.8, -1).gather(-1, full[:, 6:, None])[..., 0]
+                assert torch.equal(grpo.completion_logprobs(trainer, full, 6, 0.8), oracle)
+            assert (oracle - ro.logprobs_BxC)[ro.mask_BxC].exp().sub(1).abs().max() < 1e-5
+            with torch.no_grad():  # an "update": the next sync must carry it
+                for p in trainer.parameters():
+                    p.add_(torch.randn_like(p) * 0.01)
+        engine.timeout_s = 1.0
+        os.kill(engine.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(rollout.EngineError, match=r"^rollout engine stalled: no reply to generate within 1 s$"):
+            engine.generate(prompts, 3, 5, eos_id=10)
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(rollout.EngineError, match=r"^rollout engine process died \(exit code -9\)"):
+            engine.sync(trainer.named_parameters(), 3)
+    finally:
+        engine.close()
+
+
+
+def test_sft_loss_is_the_cross_entropy_of_the_answer_bytes_only_and_ranks_split_it_exactly(tmp_path, capsys):
+    """sft_task.py (GRPO's warm start): the batch is the problems GRPO's prompts(step) draws, and its
+    loss equals F.cross_entropy over the answer positions only, sliced by hand from the unpadded
+    `ab+cd=` + the sum computed here + newline (the prompt bytes and padding carry no loss). Two
+    ranks' slices: their losses average to the one-process loss, and so do their gradients. Bad
+    input: one `error:` line, exit 2, nothing written."""
+    import arithmetic
+    import train
+    tiny = [x for kv in ("dim=32", "n_layers=2", "n_heads=4", "n_kv_heads=2", "ffn_dim=64", "max_seq_len=16")
+            for x in ("--set", kv)]
+    cfg = train.parse_config(["--task", "sft", *tiny, "--batch-size", "6", "--seed", "3"])
+    one = train.TASKS["sft"](cfg)
+    one.setup_data(0, 1)
+    torch.manual_seed(0)
+    model = Transformer(one.args)
+    inputs_BxS, _, _ = batch = one.batch(5)
+    prompts = [bytes(r[:6].tolist()) for r in inputs_BxS]
+    assert prompts == [bytes(p) for p in arithmetic.get_task("arith", 3).prompts(5, 6)]
+    logits, targets = [], []
+    for p in prompts:
+        a, b = (int(x) for x in p[:-1].split(b"+"))
+        row = list(p + f"{a + b}\n".encode())
+        out_SxV = model(torch.tensor([row]))[0]
+        logits.append(out_SxV[len(p) - 1:len(row) - 1])  # the positions that predict the answer's bytes
+        targets += row[len(p):]
+    want = F.cross_entropy(torch.cat(logits), torch.tensor(targets))
+    loss, _ = one.loss(model, batch)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    want.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ranks = []
+    for rank in range(2):
+        t = train.TASKS["sft"](cfg)
+        t.setup_data(rank, 2)
+        ranks.append(t.loss(model, t.batch(5))[0] / 2)
+    sum(ranks).backward()
+    torch.testing.assert_close(sum(ranks), want, rtol=1e-6, atol=1e-6)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+    out = str(tmp_path / "bad")
+    for extra, msg in [(["--reward-task", "gsm8k"], "unknown reward task 'gsm8k'"),
+                       (["--set", "max_seq_len=8"], "exceeds the model's max_seq_len 8"),
+                       (["--scan"], "--task sft trains a byte-level policy unstacked")]:
+        assert _main(["--task", "sft", "--out-dir", out, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1, (extra, err)
+        assert not os.path.exists(out)
+
+
+# GRPO as a workload of the trainer (grpo_task.py): a tiny supervised warm start on solved problems
+# (train.py --task sft, sft_task.py), then 4 GRPO steps, two per rollout batch. Oracles: the eager
+# single process (for graph mode and 2 SimpleFSDP ranks), the straight run (for resume).
+GRPO_WARM = ["--set", "dim=32", "--set", "n_layers=2", "--set", "n_heads=4", "--set", "n_kv_heads=2",
+             "--set", "ffn_dim=64", "--set", "max_seq_len=32", "--batch-size", "16",
+             "--lr", "1e-2", "--warmup", "5", "--eval-interval", "0", "--log-interval", "20"]
+
+
+@pytest.fixture(scope="session")
+def grpo_warm(tmp_path_factory):
+    """A run directory of 40 supervised steps on the answers of solved problems: digits and newlines,
+    rarely right (with --format-credit its groups' rewards differ, so the GRPO gradient is not zero).
+    Its held-out accuracy is recorded at steps 0 and 40. (arithmetic.py's text writer checked here too.)"""
+    import arithmetic
+    root = tmp_path_factory.mktemp("grpo_warm")
+    assert arithmetic.main(["write", str(root / "arith.txt"), "--problems", "2000"]) == 0
+    text = (root / "arith.txt").read_bytes()
+    assert text.count(b"\n") == 2000 and not list(root.glob("*.tmp*"))
+    assert _main(["--task", "sft", *GRPO_WARM, "--steps", "40", "--out-dir", str(root / "warm")]) == 0
+    assert sorted(_records(str(root / "warm"), "held_out_accuracy")) == [0, 40]
+    return str(root / "warm")
+
+
+def _grpo_args(warm, out_dir, *extra):
+    return ["--task", "grpo", "--init-from", warm, "--steps", "4", "--updates-per-batch", "2",
+            "--prompts-per-step", "4", "--group-size", "4", "--format-credit", "0.1", "--kl-beta", "0.05", "--lr", "1e-3",
+            "--warmup", "0", "--eval-interval", "0", "--log-interval", "1", "--ckpt-interval", "0",
+            "--out-dir", out_dir, *extra]
+
+
+def _grpo_weights(run_dir):
+    import checkpoint
+    return checkpoint.load_run(run_dir).state_dict()
+
+
+def test_grpo_through_the_trainer_graph_mode_simplefsdp_and_resume_equal_one_eager_process(grpo_warm, tmp_path):
+    """The trainer path end to end: rollouts from the engine process every second step (policy version
+    = optimizer steps in the synced weights), reward per step and held-out accuracy at the first and
+    last evaluation in metrics.jsonl and the plot, completions in the log. Graph mode and 2 torchrun
+    ranks (SimpleFSDP, each its own rows, one engine) equal the eager process on the same global
+    batches (k3 KL to the warm start on: each rank scores its own rows against the reference): losses,
+    pre-clip gradient norms, rewards, final weights. Halted at step 2 and resumed
+    equals the straight run bit for bit."""
+    runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "part")}
+    assert _main(_grpo_args(grpo_warm, runs["eager"])) == 0
+    assert _main(_grpo_args(grpo_warm, runs["graph"], "--mode", "graph")) == 0
+    rc, _, err = torchrun(2, _grpo_args(grpo_warm, runs["fsdp"], "--mesh", "ici=2"))
+    assert rc == 0, err[-3000:]
+    assert _main(_grpo_args(grpo_warm, runs["part"], "--halt-at", "2")) == 0
+    assert _main(_grpo_args(grpo_warm, runs["part"], "--resume")) == 0
+
+    oracle = runs["eager"]
+    assert _records(oracle, "policy_version") == {1: 0, 2: 0, 3: 2, 4: 2}
+    assert sorted(_records(oracle, "held_out_accuracy")) == [0, 4]
+    assert all(g > 0 for g in _records(oracle, "grad_norm").values())  # the groups' rewards differ
+    with open(os.path.join(oracle, "metrics.jsonl")) as f:
+        shown = [json.loads(line) for line in f if '"completions"' in line]
+    assert [r["step"] for r in shown] == [0, 4] and all(len(r["text"]) == 4 for r in shown)
+    assert os.path.getsize(os.path.join(oracle, "loss.png")) > 0
+    for name in ("graph", "fsdp"):
+        for key in ("loss", "grad_norm", "reward"):
+            _near(_records(oracle, key), _records(runs[name], key), atol=1e-6, rtol=1e-5)
+        mine = _grpo_weights(runs[name])
+        for k, w in _grpo_weights(oracle).items():
+            torch.testing.assert_close(mine[k], w, rtol=1e-5, atol=1e-5, msg=f"{name} {k}")
+    for key in ("loss", "grad_norm", "reward"):
+        assert _records(runs["part"], key) == _records(oracle, key), key
+    assert all(torch.equal(a, b) for a, b in zip(_grpo_weights(runs["part"]).values(), _grpo_weights(oracle).values()))
+
+
+def test_grpo_bad_input_is_one_error_line_exit_2_and_a_dead_engine_exit_4(grpo_warm, tmp_path, capsys):
+    """G < 2, clip <= 0, an unknown aggregation or reward task, a step count off the rollout-batch
+    boundary: one `error:` line, exit 2, nothing written. The engine process killed mid-run: one
+    line naming it, exit 4, within seconds."""
+    import signal
+    import time
+    out = str(tmp_path / "bad")
+    for extra, msg in [(["--group-size", "1"], "group size G must be >= 2"),
+                       (["--clip-eps", "0"], "clip bounds must be > 0"),
+                       (["--aggregation", "bnpo"], "unknown loss aggregation 'bnpo'"),
+                       (["--reward-task", "gsm8k"], "unknown reward task 'gsm8k'"),
+                       (["--steps", "3"], "--steps 3 is not a multiple of --updates-per-batch 2"),
+                       (["--halt-at", "1"], "--halt-at 1 is not a multiple")]:
+        assert _main(_grpo_args(grpo_warm, out, *extra)) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1, (extra, err)
+        assert not os.path.exists(out)
+
+    run = str(tmp_path / "killed")
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"),
+                             *_grpo_args(grpo_warm, run, "--steps", "400")], cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (os.path.exists(os.path.join(run, "metrics.jsonl")) and _records(run, "reward")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        engines = []  # the trainer's children started by multiprocessing's spawn (not its resource tracker)
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if ppid == proc.pid and b"spawn_main" in cmd:
+                engines.append(int(pid))
+        assert len(engines) == 1, engines
+        os.kill(engines[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 4, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "rollout engine process died (exit code -9)" in lines[0] and "at step" in lines[0], err

@@ -1,0 +1,198 @@
+"""The suite's shared helpers: the tiny configurations, the corpus fixture, train.py in this process
+or a subprocess, torchrun, a trainer driven step by step, the comparisons."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data
+from model import ModelArgs, Transformer
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+TINY = ["--set", "n_layers=2", "--set", "dim=64", "--set", "n_heads=4", "--set", "n_kv_heads=2",
+        "--set", "ffn_dim=128", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2",
+        "--log-interval", "1", "--warmup", "2"]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A small real-text corpus made from stdlib sources (no ../shared needed)."""
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    with open(os.path.join(data.stdlib_dir(), "argparse.py"), "rb") as f:
+        path.write_bytes(f.read())
+    return str(path)
+
+
+def run_train(args, env=None, timeout=300):
+    """train.py in a subprocess: (returncode, stdout, stderr)."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args], cwd=HERE,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+_ONE_PROCESS_RUNS = {}
+
+
+def one_process_run(args, tmp_path_factory):
+    """The one-process oracle run of `args` (read only by its callers), run once per distinct args:
+    several parametrizations of the multi-process tests compare against the same one."""
+    key = tuple(args)
+    if key not in _ONE_PROCESS_RUNS:
+        out = str(tmp_path_factory.mktemp("one_process"))
+        rc, _, err = run_train([*args, "--out-dir", out])
+        assert rc == 0, err[-3000:]
+        _ONE_PROCESS_RUNS[key] = out
+    return _ONE_PROCESS_RUNS[key]
+
+
+def _records(out_dir, key):
+    """{step: value of `key`} from a run's metrics.jsonl."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    return {r["step"]: r[key] for r in recs if key in r and "step" in r}
+
+
+def losses(out_dir):
+    return _records(out_dir, "loss")
+
+
+def tiny_args(**kw):
+    return dataclasses.replace(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128), **kw)
+
+
+def _near(want, got, atol, rtol=0.0):
+    """Every |got - want| <= atol + rtol |want|, and a NaN or Inf fails (torch.testing.assert_close):
+    Python's max() over differences skips a NaN (max(0.0, nan) is 0.0). Lists compare in order,
+    {step: value} dicts by step, with the same steps."""
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), (sorted(want), sorted(got))
+        want, got = [want[k] for k in sorted(want)], [got[k] for k in sorted(want)]
+    assert len(got) == len(want), (want, got)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                               rtol=rtol, atol=atol)
+
+
+# Shared helpers: train.py in this process or a subprocess, torchrun, a trainer driven step by step
+
+def _main(argv):
+    import train
+    try:
+        return train.main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+def _trainer(corpus, tmp_path, *extra):
+    import train
+    cfg = train.parse_config([*TINY, "--data", corpus, "--steps", "20", "--ckpt-interval", "0",
+                                           "--eval-batches", "0", "--out-dir", str(tmp_path / "r"), *extra])
+    return train.Trainer(cfg)
+
+
+def _train_losses(trainer, steps=20, norms=None):
+    """Losses of `steps` steps (and their pre-clip gradient norms appended to `norms`, if given)."""
+    import optim as o
+    out = []
+    for i in range(1, steps + 1):
+        x, y = trainer.task.batch(i)
+        ce, norm = trainer.step_fn(x, y, torch.tensor(o.lr_at(i, trainer.cfg.lr, trainer.cfg.warmup, steps)))
+        out.append(ce.item())
+        if norms is not None:
+            norms.append(norm.item())
+    return out
+
+
+def _ops_of_one_more_step(trainer):
+    """The names torch.profiler (a public hook) records during one more step: which code ran, e.g.
+    dynamo's "Torch-Compiled Region", inductor's "## Call CompiledFxGraph", our "minititan::" ops."""
+    from torch.profiler import ProfilerActivity, profile
+    x, y = trainer.task.batch(1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer.step_fn(x, y, torch.tensor(1e-4))
+    return {e.key for e in prof.key_averages()}
+
+
+DIST_TINY = [*TINY, "--set", "ffn_dim=131"]  # 131: an uneven first dimension for the shards
+
+def torchrun(nproc, args, timeout=300):
+    """Launch train.py on `nproc` gloo ranks. A rank that dies of SIGSEGV (seen once in ~50 CI runs of the
+    4-process tests: a crash inside gloo, every rank's own line otherwise correct) is reported as a
+    warning (with the crashed rank's Python stack, train.py enables faulthandler) and the run is repeated
+    once from the same starting files; a second crash fails the test."""
+    out_dir = args[args.index("--out-dir") + 1] if "--out-dir" in args else None
+    before = _snapshot(out_dir)
+    for attempt in (1, 2):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               str(nproc), os.path.join(HERE, "train.py"), *args], cwd=HERE, capture_output=True,
+                              text=True, timeout=timeout)
+        if attempt == 2 or "Signal 11 (SIGSEGV)" not in proc.stderr:
+            return proc.returncode, proc.stdout, proc.stderr
+        import warnings
+        warnings.warn(f"torchrun {' '.join(args)}: a rank died of SIGSEGV; repeating once:\n{proc.stderr[-4000:]}")
+        _restore(out_dir, before)
+
+
+def _snapshot(path):
+    """A copy of directory `path` as it is (None if there is none), for _restore."""
+    import shutil
+    import tempfile
+    if not path or not os.path.exists(path):
+        return None
+    copy = os.path.join(tempfile.mkdtemp(), "copy")
+    shutil.copytree(path, copy, symlinks=True)
+    return copy
+
+
+def _restore(path, copy):
+    import shutil
+    if path and os.path.exists(path):
+        shutil.rmtree(path)
+    if copy:
+        shutil.copytree(copy, path, symlinks=True)
+
+
+def _full_params(ckpt_dir, args, name=None):
+    """Load a (possibly sharded) checkpoint into full, plain tensors in this process."""
+    import checkpoint
+    import train
+    cfg = train.parse_config(args)
+    model = Transformer(train.model_args(cfg))
+    if cfg.scan:  # stacked (L, ...) block weights, as --scan saves them
+        import layer_scan
+        model = layer_scan.stack_layers(model)
+    state = {"model": model.state_dict()}
+    path = os.path.join(ckpt_dir, name) if name else checkpoint.find_resumable(ckpt_dir)[0]
+    return checkpoint.load(path, state)["model"]
+
+
+def _ranks_equal_one_process(single, multi, steps, args, keys=("grad_norm", "val_loss")):
+    """The oracle of every data-parallel test: N ranks' run equals one process's on the same global
+    batch. Losses at every step; pre-clip gradient norms (a gradient scale, a sum for a mean over ranks,
+    hides behind clipping and Adam in the losses) and validation; final weights gathered whole.
+    Returns the one process's full parameters."""
+    want, got = losses(single), losses(multi)
+    assert sorted(got) == list(range(1, steps + 1))
+    _near(want, got, atol=1e-5)
+    for key in keys:
+        want, got = _records(single, key), _records(multi, key)
+        assert sorted(got) == sorted(want) and len(want) >= 2, key
+        _near(want, got, atol=0, rtol=1e-5)
+    p_single = _full_params(os.path.join(single, "checkpoints"), args)
+    p_multi = _full_params(os.path.join(multi, "checkpoints"), args)
+    assert sorted(p_single) == sorted(p_multi)
+    for name in p_single:
+        torch.testing.assert_close(p_multi[name], p_single[name], rtol=0, atol=1e-5, msg=name)
+    return p_single
+
+
+def _files(run_dir):
+    """{relative path: sha256} of everything under run_dir/checkpoints: 'nothing lost' = unchanged."""
+    import checkpoint
+    root = os.path.join(run_dir, "checkpoints")
+    return {os.path.relpath(os.path.join(d, f), root): checkpoint.sha256_of(os.path.join(d, f))
+            for d, _, fs in os.walk(root) for f in fs}
