@@ -142,7 +142,7 @@ def _child_flux(config):
     if config == "jax":
         import dataclasses
         import jax.numpy as jnp
-        import flux_jax
+        from flux import jax_step as flux_jax
         state = [{k: jnp.array(v.detach().numpy()) for k, v in trainer.model.state_dict().items()}]
         state.append(flux_jax.init_opt(state[0]))
         jstep = flux_jax.make_train_step(dataclasses.asdict(trainer.model_args), weight_decay=trainer.cfg.weight_decay,

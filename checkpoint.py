@@ -26,15 +26,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import layer_scan
+from errors import BadInput, WriteFailed
 from mesh import peer_failure
 from model import ModelArgs, Transformer
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInput):
     """A checkpoint that cannot be used (broken, another model, another config): one line, exit 2."""
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(WriteFailed):
     """Writing a checkpoint failed (disk full, size limit): partial files removed, previous kept."""
 
 

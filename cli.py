@@ -1,8 +1,11 @@
-"""cli.py: the training configuration as one typed dataclass, its command line, and the one place
-where it is validated: bad input becomes one `error:` line and exit code 2 before anything is touched.
+"""cli.py: the training configuration as one typed dataclass, its command line, and its validation:
+bad input becomes one `error:` line and exit code 2 before anything is touched.
 
-Each field of `TrainConfig` is a flag (`batch_size` -> `--batch-size`), with its type, default and
-help declared once, here; `build_parser()` is made from the fields, so `--help` is complete.
+Each field of `TrainConfig` is a shared flag (`batch_size` -> `--batch-size`), with its type, default
+and help declared once, here. Each workload declares its own flags beside it (its `Flags` dataclass,
+task.py) with its own checks (`check_flags`); `build_parser()` shows them as the workload's group, and
+a flag of another workload than --task's is refused. Checks of one layer's flags live with that layer
+(mesh.mesh_dims, fsdp_passes.chosen, parallel.layout_kind); this module calls them all, in one place.
 """
 import argparse
 import dataclasses
@@ -14,22 +17,12 @@ from typing import Optional
 
 import fsdp_passes
 import mesh
+import parallel
+import task as workloads
+from errors import EXIT_BAD_INPUT, ConfigError, error_line
 
-EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED = 2, 3, 4, 5
-EXIT_OWN_FAILURE = 1  # this process failed by itself (out of memory, a bug): named in one line
 # What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
 RESUME_CHECKED = ("seed", "batch_size", "seq_len", "lr", "warmup", "clip", "weight_decay", "dtype", "steps")
-
-
-def error_line(message):
-    """One `error:` line in ONE write: print() writes text and newline separately, and the ranks of a
-    run share stderr, so their lines would interleave."""
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
-
-
-class ConfigError(ValueError):
-    pass
 
 
 # `--set FIELD=VALUE`: a model config (model.ModelArgs, flux.FluxArgs) with fields replaced by name
@@ -65,9 +58,6 @@ def with_overrides(args, items):
     return args
 
 
-DEFAULT_FLAVOR = {"lm": "llama3_debug", "flux": "flux_debug", "grpo": "llama3_debug", "sft": "llama3_debug"}  # per task (train.TASKS)
-
-
 def flag(default, help, **argparse_kw):
     return dataclasses.field(default=default, metadata={"help": help, **argparse_kw})
 
@@ -77,22 +67,17 @@ class TrainConfig:
     # what to train
     task: str = flag("lm", "workload: lm (language-model pretraining), flux (FLUX.1 diffusion on the digits or a "
                      "latent file), grpo (GRPO post-training on a verifiable task), sft (its warm start: the "
-                     "answers' bytes only)", choices=list(DEFAULT_FLAVOR))
+                     "answers' bytes only)", choices=list(workloads.WORKLOADS))
     flavor: Optional[str] = flag(None, "model flavor (model.FLAVORS, flux.FLAVORS; default: the task's debug flavor)")
     init_from: Optional[str] = flag(None, "start from a Hugging Face checkpoint (config.json + safetensors) "
                                     "instead of --flavor: fine-tuning; grpo: also a train.py run directory "
                                     "(its newest checkpoint: the warm start)", metavar="DIR")
     set: list = flag((), "override a model config field (ModelArgs, flux.FluxArgs), e.g. --set n_layers=2 "
                      "(repeatable)", metavar="FIELD=VALUE")
-    data: Optional[str] = flag(None, "lm: text file or directory (default: this Python's stdlib sources); flux: a "
-                               ".safetensors file of latents + text embeddings (flux_latents.py; default: the digits)")
-    tokenizer: Optional[str] = flag(None, "train on the ids of a HF tokenizer.json (default: bytes)", metavar="HF_DIR")
     # the optimization
     steps: int = flag(400, "optimizer steps")
     batch_size: int = flag(32, "global batch size, sequences")
     seq_len: int = flag(128, "tokens (bytes) per sequence")
-    image_size: int = flag(0, "flux: image side in pixels (0: the task's, 8 for the digits, 1024 for the "
-                           "published flavors' --dry-run)")
     lr: float = flag(3e-3, "peak learning rate")
     warmup: int = flag(30, "linear warmup steps, then cosine decay to lr/10")
     clip: float = flag(1.0, "global gradient-norm clip (0: off)")
@@ -130,31 +115,20 @@ class TrainConfig:
     watchdog: float = flag(300.0, "end the run (exit 4) after this many seconds without progress, e.g. a stalled "
                            "peer (0: off; raise it for long first-step compiles)")
     halt_at: int = flag(0, "stop after this step as if preempted (tests resume)")
-    sample_tokens: int = flag(64, "lm: at the end, print this many sampled bytes (0: off)")
-    sample_images: int = flag(10, "flux: at the end, sample this many images per class into samples.png, "
-                              "judged by a classifier; at each evaluation a quick grid samples_step_N.png (0: off)")
-    distilled_guidance: Optional[float] = flag(None, "flux: the guidance value given to a model with a guidance "
-                                               "embedding (flux-dev's distilled scale; default 1)")
     tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars (out-dir/tensorboard)")
-    # grpo (--task grpo): rollouts from an engine process, the clipped loss (grpo.py), a reward (arithmetic.py)
-    reward_task: str = flag("arith", "grpo: the verifiable task that draws prompts and scores completions")
-    format_credit: float = flag(0.0, "grpo: reward of a well-formed wrong answer (the exact answer scores 1)")
-    group_size: int = flag(8, "grpo: G, completions sampled per prompt (>= 2)")
-    prompts_per_step: int = flag(32, "grpo: prompts per rollout batch (G x this rows; divisible over ranks)")
-    updates_per_batch: int = flag(1, "grpo: optimizer steps on each rollout batch (--steps, --ckpt-interval, "
-                                  "--halt-at must be multiples)")
-    clip_eps: float = flag(0.2, "grpo: the ratio's clip range, clip(rho, 1 - eps, 1 + eps)")
-    aggregation: str = flag("dapo", "grpo: loss aggregation, grpo | dapo | dr_grpo")
-    kl_beta: float = flag(0.0, "grpo: k3 KL coefficient to the frozen warm-start policy (0: none)")
-    max_new_tokens: int = flag(4, "grpo: tokens sampled per completion")
-    temperature: float = flag(1.0, "grpo: sampling temperature")
-    engine_dtype: str = flag("fp32", "grpo: the rollout engine's weights", choices=["fp32", "bf16"])
-    engine_timeout: float = flag(120.0, "grpo: seconds without a reply before the engine counts as stalled (exit 4)")
     # planning without running
     dry_run: bool = flag(False, "trace at full scale on meta tensors; print memory/FLOPs/step-time estimates")
     chip: str = flag("tpu_v5p", "TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")
     plan: bool = flag(False, "with --dry-run: rank every mesh layout of --chips N (dcn x ici x tp, ep; remat)")
     chips: int = flag(0, "chips for --plan")
+    # the chosen workload's own flags (its `Flags` dataclass), read as cfg.NAME like the fields above
+    workload_flags: object = dataclasses.field(default=None, repr=False, metadata={"cli": False})
+
+    def __getattr__(self, name):  # (only called for names that are not fields: a workload's flag)
+        flags = self.__dict__.get("workload_flags")
+        if flags is not None and name in {f.name for f in dataclasses.fields(flags)}:
+            return getattr(flags, name)
+        raise AttributeError(f"{type(self).__name__} has no flag {name!r} (for --task {self.__dict__.get('task')})")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -170,37 +144,77 @@ def _kind(annotation):
     return annotation
 
 
+def _add_flag(parser, field, **extra):
+    name, kw = "--" + field.name.replace("_", "-"), {**field.metadata, **extra}
+    kind = _kind(field.type)
+    if kind is bool:
+        parser.add_argument(name, action="store_true", **kw)
+    elif kind is list:
+        parser.add_argument(name, action="append", **{"default": [], **kw})
+    else:
+        parser.add_argument(name, type=kind, **{"default": field.default, **kw})
+
+
+def workload_flags():
+    """{flag name: [(workload, its dataclass field), ...]} over the registry."""
+    owners = {}
+    for name in workloads.WORKLOADS:
+        for f in dataclasses.fields(workloads.workload_class(name).Flags):
+            owners.setdefault(f.name, []).append((name, f))
+    return owners
+
+
 def build_parser():
+    """The shared flags, then one group per workload with the flags it declares (a flag several
+    workloads declare is shown once, in the first one's group, with each one's help). Workload flags
+    default to 'not given', so a flag of another workload can be told from a default."""
     p = _Parser(description="train.py: " + __doc__.split("\n")[0].split(": ", 1)[1],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
-        name, kw = "--" + f.name.replace("_", "-"), dict(f.metadata)
-        kind = _kind(f.type)
-        if kind is bool:
-            p.add_argument(name, action="store_true", **kw)
-        elif kind is list:
-            p.add_argument(name, action="append", default=[], **kw)
-        else:
-            p.add_argument(name, type=kind, default=f.default, **kw)
+        if f.metadata.get("cli", True):
+            _add_flag(p, f)
+    owners, shown = workload_flags(), set()
+    for name in workloads.WORKLOADS:
+        cls = workloads.workload_class(name)
+        group = p.add_argument_group(f"--task {name}", (cls.__doc__ or "").strip().split("\n")[0])
+        for f in dataclasses.fields(cls.Flags):
+            if f.name in shown:
+                continue
+            shown.add(f.name)
+            helps = dict.fromkeys(g.metadata["help"] for _, g in owners[f.name])
+            users = ", ".join(w for w, _ in owners[f.name])
+            _add_flag(group, f, default=argparse.SUPPRESS,
+                      help=f"{'; '.join(helps)} (--task {users}; default: {f.default})")
     return p
 
 
 def parse_config(argv=None):
     """The command line -> a validated TrainConfig (ConfigError: one line, exit 2)."""
-    cfg = TrainConfig(**vars(build_parser().parse_args(argv)))
+    given = vars(build_parser().parse_args(argv))
+    owners = workload_flags()
+    core = {k: v for k, v in given.items() if k not in owners}
+    cfg = TrainConfig(**core)
+    cls = workloads.workload_class(cfg.task)
+    own = {f.name for f in dataclasses.fields(cls.Flags)}
+    foreign = [k for k in given if k in owners and k not in own]
+    if foreign:
+        k = foreign[0]
+        raise ConfigError(f"--{k.replace('_', '-')} is a flag of --task {', '.join(w for w, _ in owners[k])}, "
+                          f"not of --task {cfg.task}")
+    cfg.workload_flags = cls.Flags(**{k: v for k, v in given.items() if k in own})
     validate(cfg)
     return cfg
 
 
 def validate(cfg):
-    """Every check on the flags and their combinations, before anything is read or written; fills
-    the task's default flavor."""
-    cfg.flavor = cfg.flavor or DEFAULT_FLAVOR[cfg.task]
+    """Every check on the shared flags and their combinations, then the workload's own
+    (Workload.check_flags), before anything is read or written; fills the workload's default flavor."""
+    cls = workloads.workload_class(cfg.task)
+    cfg.flavor = cfg.flavor or cls.default_flavor
     for name in ("steps", "batch_size", "seq_len", "log_interval"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    for name in ("warmup", "eval_interval", "eval_batches", "ckpt_interval", "halt_at", "seed", "split", "image_size",
-                 "sample_tokens", "sample_images"):
+    for name in ("warmup", "eval_interval", "eval_batches", "ckpt_interval", "halt_at", "seed", "split"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
@@ -209,13 +223,10 @@ def validate(cfg):
         if not (getattr(cfg, name) >= 0 and math.isfinite(getattr(cfg, name))):
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0{' seconds' if name == 'watchdog' else ''}, "
                               f"got {getattr(cfg, name)}")
-    g = cfg.distilled_guidance
-    if g is not None and (cfg.task != "flux" or not (g >= 0 and math.isfinite(g))):
-        raise ConfigError(f"--distilled-guidance {g}: a finite value >= 0, for --task flux only")
-    unknown = set(filter(None, cfg.allow_change.split(","))) - set(RESUME_CHECKED) - {"data"}
+    unknown = set(filter(None, cfg.allow_change.split(","))) - set(RESUME_CHECKED) - set(cls.resume_changeable)
     if unknown:
         raise ConfigError(f"--allow-change {cfg.allow_change!r}: unknown {sorted(unknown)}; choose from "
-                          f"{', '.join(RESUME_CHECKED)}, data")
+                          f"{', '.join(RESUME_CHECKED + tuple(cls.resume_changeable))}")
     graph_only = [f for f, on in (("--remat", cfg.remat), ("--offload", cfg.offload), ("--split", cfg.split),
                                   ("--backend", cfg.backend)) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:
@@ -226,53 +237,28 @@ def validate(cfg):
         fsdp_passes.chosen(cfg.fsdp_passes)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg.task in ("grpo", "sft"):
-        _validate_grpo(cfg)
     if cfg.scan and cfg.mode == "compile":
         raise ConfigError("--scan has no per-block modules for --mode compile to compile: use eager or graph")
-    _validate_mesh(cfg)
+    _validate_mesh(cfg, cls.family_class.model_parallel)
+    cls.check_flags(cfg)
 
 
-def _validate_grpo(cfg):
-    """GRPO's flags: the algorithm's (grpo.GRPOConfig.check), the reward task's name, and checkpoints
-    on rollout-batch boundaries (a resume then starts a fresh batch: no rollout needs replaying)."""
-    import arithmetic
-    import grpo
-    try:
-        grpo.GRPOConfig(group_size=cfg.group_size, eps_low=cfg.clip_eps, eps_high=cfg.clip_eps,
-                        aggregation=cfg.aggregation, beta=cfg.kl_beta, temperature=cfg.temperature).check()
-        arithmetic.get_task(cfg.reward_task, format_credit=cfg.format_credit)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    for name in ("prompts_per_step", "updates_per_batch", "max_new_tokens"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    if not (cfg.engine_timeout > 0 and math.isfinite(cfg.engine_timeout)):
-        raise ConfigError(f"--engine-timeout must be a positive number of seconds, got {cfg.engine_timeout}")
-    u = cfg.updates_per_batch
-    for name in ("steps", "ckpt_interval", "halt_at"):
-        if getattr(cfg, name) % u:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is not a multiple of "
-                              f"--updates-per-batch {u} (checkpoints fall on rollout-batch boundaries)")
-    if cfg.scan or cfg.dry_run or cfg.tokenizer:
-        raise ConfigError(f"--task {cfg.task} trains a byte-level policy unstacked: --scan, --dry-run, --tokenizer are not built for it")
-
-
-def _validate_mesh(cfg):
-    """The layout's flags: the mesh spec itself, and what each runtime (XLA SPMD, torchrun) supports."""
+def _validate_mesh(cfg, model_parallel):
+    """The layout's flags: the mesh spec itself, and what the layout (parallel.layout_kind: the one
+    decision, the trainer's too) and the model family support."""
     if not cfg.mesh:
         return
     sizes = mesh.mesh_dims(cfg.mesh)  # (MeshError: a one-line refusal too)
-    if cfg.task != "lm" and (sizes["tp"] > 1 or sizes["ep"] > 1):
-        raise ConfigError(f"--mesh {cfg.mesh!r}: tp and ep split language models' heads and experts; the "
-                          f"{cfg.task} task runs data parallel (dcn / ici) only")
-    spmd = not mesh.launched_by_torchrun() and cfg.device == "xla"
-    if spmd:
+    split = [d for d in ("tp", "ep") if sizes[d] > 1 and d not in model_parallel]
+    if split:
+        raise ConfigError(f"--mesh {cfg.mesh!r}: the {cfg.task} workload's model splits over "
+                          f"{', '.join(model_parallel) or 'data-parallel dims (dcn / ici) only'}, not {', '.join(split)}")
+    if parallel.layout_kind(cfg.mesh, cfg.device) == "spmd":
         if sizes["tp"] > 1 or sizes["ep"] > 1:
             raise ConfigError(f"--mesh {cfg.mesh!r}: tp and ep are built for torchrun meshes, not XLA SPMD")
         if cfg.kernels == "pallas" or cfg.dp_impl != "simple":
             raise ConfigError("XLA SPMD (--device xla --mesh) runs the reference kernels and its own sharding: "
-                              "drop --kernels pallas / --dp-impl (README, Known limits)")
+                              "drop --kernels pallas / --dp-impl (docs/limits.md)")
         return
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--mesh with --device {cfg.device} is not supported (use cpu or cuda)")

@@ -22,13 +22,15 @@ import sys
 import sysconfig
 
 import numpy as np
+
+from errors import BadInput
 import torch
 
 
 BYTE_VOCAB = 256  # one token per byte value
 
 
-class DataError(ValueError):
+class DataError(BadInput):
     pass
 
 

@@ -24,10 +24,12 @@ import resource
 import time
 
 import numpy as np
+
+from errors import BadInput
 import torch
 
 
-class DeviceUnavailable(RuntimeError):
+class DeviceUnavailable(BadInput, RuntimeError):
     """The requested device is not present; train.py turns this into one line and exit code 2."""
 
 

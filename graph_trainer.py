@@ -18,13 +18,14 @@ import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import device as dev
+from errors import BadInput
 import fsdp_passes
 import graph_passes
 import optim
 from parallel import Parallel
 
 
-class GraphCaptureError(ValueError):
+class GraphCaptureError(BadInput):
     pass
 
 

@@ -28,10 +28,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import checkpoint
+from errors import BadInput
+from parallel import local_box, local_tensor
 from model import ModelArgs, Transformer, check_args
 
 
-class HFError(ValueError):
+class HFError(BadInput):
     """An HF directory we cannot load exactly: one line, exit 2."""
 
 
@@ -286,19 +288,12 @@ def load_into(model, path):
     weights at `path`. A sharded parameter reads only its own block, an offset and a size in every
     dim: tensor parallelism splits columns, and under FSDP x TP a weight is split in two dims. Every
     tensor of the files is used and every one the config implies is there. Dtypes convert."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     reader = Reader(path)
     params = dict(model.named_parameters())
     _check_tensors(reader, _expected_tensors(params), model.args.tie_embeddings)
     for name, p in params.items():
-        if isinstance(p, DTensor):
-            size, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            target = p.to_local()
-        else:
-            size, offset, target = p.shape, [0] * p.dim(), p
-        box = [(o, o + n) for o, n in zip(offset, size)]
-        target.copy_(read_param(reader, name, tuple(p.shape), box).to(target.dtype))
+        target = local_tensor(p)
+        target.copy_(read_param(reader, name, tuple(p.shape), local_box(p)).to(target.dtype))
     return model
 
 

@@ -27,15 +27,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 import device as dev
+from errors import BadInput
 import expert_parallel
 import fsdp_passes
 import simplefsdp
 import tensor_parallel
-from layer_scan import StackedLayers
-from parallel import Parallel
+from parallel import Parallel, launched_by_torchrun
 
 
-class MeshError(ValueError):
+class MeshError(BadInput):
     pass
 
 
@@ -77,10 +77,6 @@ def peer_failure(e):
         return True
     text = str(e)
     return any(sign in text for sign in PEER_FAILURE_SIGNS)
-
-
-def launched_by_torchrun():
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 class TorchrunMesh(Parallel):
@@ -127,8 +123,9 @@ class TorchrunMesh(Parallel):
                 raise MeshError(f"--mesh {self.mesh_spec!r}: {refusal}")
         return tensor_parallel.config(args) if self.tp > 1 else args
 
-    def parallelize(self, model):
-        """Tensor parallel, then expert parallel, then data parallel (SimpleFSDP, or FSDP2: the oracle)."""
+    def parallelize(self, model, units=()):
+        """Tensor parallel, then expert parallel, then data parallel (SimpleFSDP, or FSDP2: the oracle,
+        one fully_shard unit per block of `units`, then the rest)."""
         model = model.to(self.device)
         tp_mesh = self.mesh["tp"] if self.tp > 1 else None
         if tp_mesh is not None:
@@ -139,7 +136,7 @@ class TorchrunMesh(Parallel):
             expert_parallel.parallelize(model, ep_mesh)
         dp_mesh = self.mesh["dcn", "ici"] if self.dcn > 1 else self.mesh["ici"]  # 1-D: nothing to replicate
         if self.dp_impl == "fsdp2":
-            return self._fsdp2(model, dp_mesh)
+            return self._fsdp2(model, dp_mesh, units)
         if tp_mesh is not None:
             dp_mesh = self.mesh["dcn", "ici", "tp"] if self.dcn > 1 else self.mesh["ici", "tp"]
         model = simplefsdp.data_parallel(model, dp_mesh, param_dtype=self.param_dtype, tp_mesh=tp_mesh,
@@ -147,11 +144,12 @@ class TorchrunMesh(Parallel):
         self.sq_weights = [1.0 / _copies(p) for p in model.parameters()]
         return model
 
-    def _fsdp2(self, model, dp_mesh):
+    def _fsdp2(self, model, dp_mesh, units):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
-        for block in ([model.layers] if isinstance(model.layers, StackedLayers) else model.layers):
-            fully_shard(block, mesh=dp_mesh, mp_policy=mp)  # (with --scan: all blocks are one unit)
+        for unit in units:
+            if unit is not model:  # (with --scan: a stack of all the blocks is one unit)
+                fully_shard(unit, mesh=dp_mesh, mp_policy=mp)
         # (FSDP2 re-points uneven local shards at each reshard: take fresh `local()` views per step.)
         return fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 

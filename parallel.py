@@ -1,6 +1,7 @@
 """parallel.py: the one interface between the trainer and how a model is spread over devices.
 
-The trainer never asks "am I under a mesh?": it holds a `Parallel` and calls its methods. Three
+The trainer holds a `Parallel` and calls its methods (it asks `mesh_spec` only to skip what needs
+the whole weights in one process: the end-of-run preview, the evaluation's pictures). Three
 implementations, one per way of running:
 
     Parallel      one process, one device (this class: every method is the identity / a local sum)
@@ -14,15 +15,62 @@ What a layout must answer, and nothing more:
   - who: `dp_rank` / `dp_size` (which slice of each global batch this process reads) and
     `writes_files` (the ONE process that writes notes, metrics and renames: global rank 0);
   - the model: `model_args(args)` (a config rewrite the layout needs, e.g. TP's split loss) and
-    `parallelize(model)` (tensor parallel, then expert parallel, then data parallel, in that order);
+    `parallelize(model, units)` (tensor parallel, then expert parallel, then data parallel, in that
+    order; `units` are the model's repeated modules as the trainer gets them from the workload);
   - the step: `local(params)` (what the elementwise optimizer updates), `like(shards, params)` (back
     to the parameters' form for checkpoints and the traced step), `place_state`, `place_batch`,
     `grads(loss, params)`, `global_sq_norm(sq_N)` (clipping), `mean_over_dp(x)` (logged losses);
   - bookkeeping: `local_bytes(tensors)`, `traceable` (None, or why graph mode cannot trace it),
     `graph_passes` (the passes graph mode applies by default), `close()`.
-train.choose_parallel(cfg) picks the implementation: the one place that looks at --mesh and the launcher.
+`layout_kind(mesh, device)` is the one decision of which implementation a command line gets: cli.py
+validates the flags against it and train.choose_parallel builds it.
 """
+import os
+
 import torch
+
+import device as dev
+
+
+def launched_by_torchrun():
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def layout_kind(mesh_spec, device):
+    """"spmd": --mesh on XLA (--device xla, or PJRT_DEVICE=TPU) without torchrun: one process drives
+    every device; "torchrun": --mesh, or any torchrun launch; "one": one device."""
+    if mesh_spec and not launched_by_torchrun() and (device == "xla" or dev.pjrt_is_tpu()):
+        return "spmd"
+    return "torchrun" if mesh_spec or launched_by_torchrun() else "one"
+
+
+def local_tensor(t):
+    """What this rank holds of `t`: a DTensor's local shard (sharing its storage), else `t` itself."""
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_block(full, like):
+    """This rank's block of the whole tensor `full`, placed as the (maybe DTensor) parameter `like` is:
+    how a checkpoint read whole (Hugging Face, diffusers, a warm-start run) fills sharded weights, each
+    rank copying only its own block. DTensor's own split rule (public API; src_data_rank=None: every
+    rank splits its own copy, no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def local_box(like):
+    """[(start, stop)] per dim of the block of a whole tensor that this rank holds for parameter `like`
+    (all of it for a plain tensor): what a reader that reads only a block from disk (hf.py) needs. No
+    public API gives a DTensor's offset, so this is the one place that asks torch's own helper."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(like, DTensor):
+        return [(0, n) for n in like.shape]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    size, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return [(o, o + n) for o, n in zip(offset, size)]
 
 
 class Parallel:
@@ -42,7 +90,9 @@ class Parallel:
     def model_args(self, args):
         return args
 
-    def parallelize(self, model):
+    def parallelize(self, model, units=()):
+        """`units`: the model's repeated modules (the workload's blocks, or --scan's stacks), which a
+        layout may shard one by one; the layout never looks into the model for them itself."""
         return model.to(self.device)
 
     @staticmethod

@@ -20,8 +20,10 @@ import sys
 import threading
 import time
 
+from errors import BadInput
 
-class RunDirError(ValueError):
+
+class RunDirError(BadInput):
     """The run directory cannot be used (a file, not writable, in use): one line, exit 2."""
 
 

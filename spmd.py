@@ -60,12 +60,13 @@ class XlaSpmd(Parallel):
         dim = next((d for d in dims if t.shape[d] % self.ici == 0), dims[0])
         return tuple("ici" if d == dim else None for d in range(t.dim()))
 
-    def parallelize(self, model):
+    def parallelize(self, model, units=()):
+        """Every parameter gets a partition spec; a parameter of a --scan stack (a StackedLayers unit)
+        keeps its layer axis whole."""
         model = model.to(self.device)
-        stack = model.layers if isinstance(model.layers, StackedLayers) else None
+        stacked = {id(p) for u in units if isinstance(u, StackedLayers) for p in u.parameters()}
         params = list(model.parameters())
-        self.specs = [self.spec(p, stacked=stack is not None and any(p is q for q in stack.parameters()))
-                      for p in params]
+        self.specs = [self.spec(p, stacked=id(p) in stacked) for p in params]
         self.mark(params)
         return model
 

@@ -24,39 +24,37 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 import checkpoint
-import data
 import device as dev
-import flux_task
 import fsdp_passes
 import graph_trainer
-import grpo_task
-import hf
 import mesh
 import optim
-import rollout
 import rundir
-import sft_task
-import task as tasks
-from cli import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED,  # noqa: F401
-                 RESUME_CHECKED, ConfigError, error_line, parse_config)
-from parallel import Parallel
+from cli import RESUME_CHECKED, parse_config
+from errors import (EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, ConfigError,
+                    MinititanError, PeerGone, error_line)
+from parallel import Parallel, layout_kind
+from task import workload_class
 
-TASKS = {"lm": tasks.LanguageModel, "flux": flux_task.FluxDigits, "grpo": grpo_task.GRPOArithmetic,
-         "sft": sft_task.SFTArithmetic}
+
+def make_workload(cfg):
+    """The workload --task names (task.WORKLOADS), built for `cfg`."""
+    return workload_class(cfg.task)(cfg)
 
 
 def model_args(cfg):
-    """The model config the task builds for `cfg` (before any layout's rewrite)."""
-    return TASKS[cfg.task](cfg).args
+    """The model config the workload builds for `cfg` (before any layout's rewrite)."""
+    return make_workload(cfg).args
 
 
 def choose_parallel(cfg):
-    """The layout the command line asks for: XLA SPMD for --mesh on XLA without torchrun (one process
-    drives every device), a torchrun mesh under torchrun, else one device."""
-    if cfg.mesh and not mesh.launched_by_torchrun() and (cfg.device == "xla" or dev.pjrt_is_tpu()):
+    """The layout parallel.layout_kind decides for the command line: XLA SPMD (one process drives every
+    XLA device), a torchrun mesh, or one device."""
+    kind = layout_kind(cfg.mesh, cfg.device)
+    if kind == "spmd":
         import spmd
         return spmd.XlaSpmd(cfg.mesh)
-    if cfg.mesh or mesh.launched_by_torchrun():
+    if kind == "torchrun":
         return mesh.TorchrunMesh.from_cli(cfg.mesh, cfg.device, cfg.dp_impl,
                                           torch.bfloat16 if cfg.dtype == "bf16" else None)
     return Parallel(dev.pick_device(cfg.device))
@@ -74,7 +72,8 @@ class Trainer:
             raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {dp} data-parallel ranks")
         self.out_dir = cfg.out_dir or os.path.join("runs", f"{cfg.flavor}-{time.strftime('%Y%m%d-%H%M%S')}")
         rundir.check_writable(self.out_dir)
-        self.task = task or TASKS[cfg.task](cfg)
+        self.task = task or make_workload(cfg)
+        self.family = self.task.family
         self.task.setup_data(self.parallel.dp_rank, dp)
         self.model_args = self.parallel.model_args(self.task.args)
         self.notes = list(self.task.notes)
@@ -103,7 +102,7 @@ class Trainer:
     def run_meta(self):
         """What a checkpoint records of the run, and a resume must match (checkpoint.check_compatible)."""
         cfg = self.cfg
-        meta = {"flavor": self.task.label(), "task": cfg.task, "model_args": self.task.model_record(self.model_args),
+        meta = {"flavor": self.family.label(), "task": cfg.task, "model_args": self.family.record(self.model_args),
                 "mesh": self.parallel.mesh_spec,
                 "train": {**{k: getattr(cfg, k) for k in RESUME_CHECKED}, **self.task.meta()}}
         meta["tokenizer"] = meta["train"].pop("tokenizer", None)  # (recorded for generate.py, not compared)
@@ -114,34 +113,45 @@ class Trainer:
     def check_memory(self):
         """Weights, gradients, AdamW state and the batch's activations must fit: refused before
         anything is allocated or written (what the dry run estimates at full scale)."""
-        local_batch = self.cfg.batch_size // self.parallel.dp_size
-        weights = 16 * self.task.param_count(self.model_args) / self.parallel.n_devices  # fp32 w, grad, 2 moments
-        acts = self.task.activation_bytes(self.model_args, local_batch, dev.free_memory_bytes(self.device))
+        cfg = self.cfg
+        local_batch = cfg.batch_size // self.parallel.dp_size
+        weights = 16 * self.family.param_count(self.model_args) / self.parallel.n_devices  # fp32 w, grad, 2 moments
+        acts = self.family.activation_bytes(self.model_args, local_batch, cfg.seq_len, dev.free_memory_bytes(self.device))
         dev.check_fits(weights + acts, self.device, "the model's weights, gradients and AdamW state (16 bytes a "
                        f"parameter) and the activations of {local_batch} sequences")
 
     def build_model(self):
         """The model, initialized (seeded, or --init-from), maybe stacked (--scan), then parallelized."""
         cfg = self.cfg
-        dynamic = self.task.dynamic_shapes_reason(self.model_args)
+        family = self.family
+        dynamic = family.dynamic_shapes_reason(self.model_args)
         if dynamic and (cfg.mode == "graph" or cfg.scan):
             raise ConfigError(f"{'--scan' if cfg.scan else 'graph mode'} traces ahead of time; {dynamic}")
         dev.seed_all(cfg.seed)
-        model = self.task.build_model(self.model_args)
+        model = family.build(self.model_args)
         pretrained = not self.resume_from
-        stacks = self.task.scan_stacks(model) if cfg.scan else []
+        stacks = family.scan_stacks(model) if cfg.scan else []
         if cfg.scan and not stacks:
             raise ConfigError(f"--scan stacks a model's identical blocks; the {cfg.task} task's model has none")
         if cfg.scan:
             if pretrained:  # (stacking renames the weights: load them first)
-                self.task.load_pretrained(model)
+                family.load_pretrained(model)
             import layer_scan
             model = layer_scan.stack_layers(model, stacks)
-        model = self.parallel.parallelize(model)
+        # the layout's units: the stacks (each one scan over all its blocks), else the family's blocks
+        model = self.parallel.parallelize(model, self.units(model))
         if pretrained and not cfg.scan:  # under a mesh each rank reads only its own pieces
-            self.task.load_pretrained(model)
+            family.load_pretrained(model)
             self.parallel.place_state({"params": list(model.parameters())})
         return model
+
+    def units(self, model):
+        """The model's repeated units as the layout and the step see them: under --scan the stacks
+        (layer_scan.StackedLayers), else the family's blocks."""
+        if self.cfg.scan:
+            import layer_scan
+            return [m for m in model.modules() if isinstance(m, layer_scan.StackedLayers)]
+        return self.family.blocks(model)
 
     # ---------------------------------------------------------------------------------------------
     def autocast(self):
@@ -156,9 +166,9 @@ class Trainer:
                                            autocast=self.autocast, parallel=self.parallel, backend=cfg.backend,
                                            remat=cfg.remat, offload=cfg.offload, split=cfg.split,
                                            fsdp_passes=fsdp_passes.chosen(cfg.fsdp_passes, self.parallel.graph_passes),
-                                           blocks=() if cfg.scan else self.task.blocks(self.model))
+                                           blocks=() if cfg.scan else self.family.blocks(self.model))
         if cfg.mode == "compile":
-            for block in self.task.blocks(self.model):
+            for block in self.family.blocks(self.model):
                 block.compile(backend=dev.compile_backend(self.device))
         return self.eager_step
 
@@ -350,7 +360,7 @@ def _raise_interrupted(signum, frame):
 
 def _describe_os_error(e):
     """A failed write in words, naming the file (OSError's fields are None for some writers)."""
-    if isinstance(e, checkpoint.CheckpointWriteError) or not (e.strerror or e.filename):
+    if isinstance(e, MinititanError) or not (e.strerror or e.filename):
         return str(e) or type(e).__name__
     return f"{e.strerror or type(e).__name__}: {e.filename or 'a file'}"
 
@@ -362,9 +372,10 @@ def main(argv=None):
         cfg = parse_config(argv)
         if cfg.dry_run:
             import dryrun
-            task = TASKS[cfg.task](cfg)
+            workload = make_workload(cfg)
             try:
-                return dryrun.main(task.plan_workload(task.args), cfg)
+                plan = workload.family.plan(workload.args, cfg)
+                return dryrun.main(plan, cfg)
             except ValueError as e:  # a mesh, batch or chip the plan cannot use
                 raise ConfigError(str(e)) from None
         parallel = choose_parallel(cfg)
@@ -372,13 +383,10 @@ def main(argv=None):
         rc = trainer.run()
         parallel.close()  # only on the happy path: after a peer failure it could wait on the dead
         return rc
-    except (ConfigError, data.DataError, checkpoint.CheckpointError, dev.DeviceUnavailable,
-            graph_trainer.GraphCaptureError, rundir.RunDirError, mesh.MeshError, hf.HFError) as e:
-        error_line(e)
-        return EXIT_BAD_INPUT
-    except rollout.EngineError as e:  # the engine process died or stalled: like a dead peer
-        error_line(f"{e} at step {trainer.step if trainer else 0}")
-        return EXIT_PEER_FAILED
+    except MinititanError as e:  # bad input (2), a peer or engine gone (4), a failed write (5): by kind
+        where = f" at step {trainer.step if trainer else 0}" if isinstance(e, PeerGone) else ""
+        error_line(f"a write failed: {_describe_os_error(e)}" if e.exit_code == EXIT_WRITE_FAILED else f"{e}{where}")
+        return e.exit_code
     except (KeyboardInterrupt, Interrupted) as e:
         signum = getattr(e, "signum", signal.SIGINT)
         kept = checkpoint.newest_name(trainer.ckpt_dir) if trainer else None

@@ -24,7 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from flux import Flux, FluxArgs, check_args
+from errors import BadInput
+from flux.model import Flux, FluxArgs, check_args
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 CONFIG_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "patch_size", "in_channels", "out_channels",
@@ -32,7 +33,7 @@ CONFIG_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "patch_size
                "joint_attention_dim", "pooled_projection_dim", "guidance_embeds", "axes_dims_rope"}
 
 
-class FluxHFError(ValueError):
+class FluxHFError(BadInput):
     """A diffusers directory we cannot load (or a model we cannot write) exactly: one line, exit 2."""
 
 

@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from flux import image_ids, patchify, text_ids, unpatchify
+from flux.model import image_ids, patchify, text_ids, unpatchify
 
 
 # ------------------------------------------------------------------------------------------------

@@ -36,17 +36,21 @@ run ahead of training, as the MLPerf reference caches them), an --image-size ima
 64 channels, beside 512 T5 tokens; FLOPs from flux.flops_per_sample (torchtitan's formula).
 """
 import dataclasses
+import math
 import os
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-import digits
-import flux
-import flux_latents
-import flux_sample
-from cli import ConfigError, with_overrides
-from task import Task
+from flux import digits
+from flux import model as flux
+from flux import latents as flux_latents
+from flux import sample as flux_sample
+from cli import flag, with_overrides
+from errors import ConfigError
+from parallel import local_block, local_tensor
+from task import ModelFamily, Workload
 
 N_CLASSES, PROMPT_TOKENS = 10, 4
 DROP_PROMPT = 0.1     # classifier-free guidance: train the empty prompt on this share of samples
@@ -127,34 +131,110 @@ class DigitsSource:
         self.empty = (torch.tensor([N_CLASSES]),)
 
 
-class FluxDigits(Task):
-    unit = "img"
+class FluxFamily(ModelFamily):
+    """flux.Flux behind its conditioning (ConditionedFlux): from a flavor or a diffusers directory's
+    config, --set applied; the data source fixes the image grid and whether prompts are learned
+    classes (`configure`, before the model is built)."""
 
     def __init__(self, cfg):
-        super().__init__(cfg)
-        if cfg.tokenizer:
-            raise ConfigError("--task flux trains on images or latents (--tokenizer is not built for it)")
+        self.cfg = cfg
         try:
             if cfg.init_from:
-                import flux_hf
+                from flux import hf as flux_hf
                 args = flux_hf.read_args(cfg.init_from)
             elif cfg.flavor not in flux.FLAVORS:
                 raise ConfigError(f"unknown FLUX flavor {cfg.flavor!r}; choose one of {', '.join(flux.FLAVORS)}")
             else:
                 args = flux.FLAVORS[cfg.flavor]
-            self.args = with_overrides(args, cfg.set)
-            flux.check_args(self.args)
+            args = with_overrides(args, cfg.set)
+            flux.check_args(args)
         except ValueError as e:  # (flux_hf.FluxHFError too: a config flux.py does not implement)
             raise ConfigError(str(e)) from None
-        a = self.args
-        if a.out_channels != a.in_channels:
-            raise ConfigError(f"the model predicts {a.out_channels} channels a token from {a.in_channels}: "
+        if args.out_channels != args.in_channels:
+            raise ConfigError(f"the model predicts {args.out_channels} channels a token from {args.in_channels}: "
                               f"a velocity has its input's channels")
+        if cfg.kernels == "pallas":  # the joint attention as the Pallas splash kernel, every block live
+            args = dataclasses.replace(args, attn_impl="splash")
+        super().__init__(args)
+        self.hw, self.classes, self.guidance, self.text_tokens = (SIDE, SIDE), True, 1.0, PROMPT_TOKENS
+
+    def configure(self, hw, classes, guidance, text_tokens):
+        self.hw, self.classes, self.guidance, self.text_tokens = tuple(hw), classes, guidance, text_tokens
+
+    def build(self, args):
+        return ConditionedFlux(args, self.hw, classes=self.classes, guidance=self.guidance)
+
+    def param_count(self, args):
+        prompt = (N_CLASSES + 1) * (PROMPT_TOKENS * args.context_in_dim + args.vec_in_dim)
+        return flux.param_count(args) + (prompt if self.classes else 0)
+
+    def scan_stacks(self, model):
+        return model.flux.pack_for_scan(self.text_tokens)
+
+    def blocks(self, model):
+        return [*model.flux.double_blocks, *model.flux.single_blocks]
+
+    def label(self):
+        return f"hf:{os.path.abspath(self.cfg.init_from)}" if self.cfg.init_from else self.cfg.flavor
+
+    def record(self, args):
+        """The attention implementation may change across resumes: not recorded."""
+        return {k: v for k, v in dataclasses.asdict(args).items() if k != "attn_impl"}
+
+    @torch.no_grad()
+    def load_pretrained(self, model):
+        """--init-from: the diffusers transformer's weights into model.flux (each rank its own block of a
+        sharded parameter); the prompt stand-in, if any, keeps its fresh init."""
+        if not self.cfg.init_from:
+            return
+        from flux import hf as flux_hf
+        try:
+            state = flux_hf.read_state(self.cfg.init_from, self.args)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for name, p in model.flux.named_parameters():
+            local_tensor(p).copy_(local_block(state[name], p))
+
+    def plan(self, args, cfg):
+        return plan_workload(args, cfg)
+
+
+@dataclasses.dataclass
+class FluxFlags:
+    data: Optional[str] = flag(None, "flux: a .safetensors file of latents + text embeddings (flux/latents.py; "
+                               "default: the digits)")
+    image_size: int = flag(0, "flux: image side in pixels (0: the data's, 8 for the digits; 1024 for the "
+                           "published flavors' --dry-run)")
+    sample_images: int = flag(10, "flux: at the end, sample this many images per class into samples.png, judged "
+                              "by a classifier; at each evaluation a quick grid samples_step_N.png (0: off)")
+    distilled_guidance: Optional[float] = flag(None, "flux: the guidance value given to a model with a guidance "
+                                               "embedding (flux-dev's distilled scale; default 1)")
+
+
+class FluxDigits(Workload):
+    """Rectified flow on the digits (or a latent file): the batches, the flow-matching loss, the grids."""
+    name, default_flavor, Flags, unit = "flux", "flux_debug", FluxFlags, "img"
+    family_class, resume_changeable = FluxFamily, ("data",)
+
+    @classmethod
+    def check_flags(cls, cfg):
+        for name in ("image_size", "sample_images"):
+            if getattr(cfg, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+        g = cfg.distilled_guidance
+        if g is not None and not (g >= 0 and math.isfinite(g)):
+            raise ConfigError(f"--distilled-guidance {g}: a finite value >= 0")
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.family = FluxFamily(cfg)
+        a = self.args
         published = a.in_channels == 4 * VAE_CHANNELS
         self.image_size = cfg.image_size or (PUBLISHED_SIZE if published else SIDE)
+        self.guidance = 1.0 if cfg.distilled_guidance is None else cfg.distilled_guidance
         if cfg.dry_run:  # planned at full scale on cached latents (plan_workload): no data involved
             try:
-                self.latent_side, self.text_tokens = latent_geometry(a, self.image_size)
+                latent_geometry(a, self.image_size)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             return
@@ -168,13 +248,11 @@ class FluxDigits(Task):
         if cfg.distilled_guidance is not None and not a.guidance_embed:
             raise ConfigError(f"--distilled-guidance {cfg.distilled_guidance}: this model has no guidance "
                               f"embedding (flux-dev's; guidance_embed=False)")
-        self.guidance = 1.0 if cfg.distilled_guidance is None else cfg.distilled_guidance
-        if cfg.kernels == "pallas":  # the joint attention as the Pallas splash kernel, every block live
-            self.args = dataclasses.replace(self.args, attn_impl="splash")
 
     def setup_data(self, dp_rank, dp_size):
         cfg = self.cfg
         self.src = flux_latents.LatentFile(cfg.data, self.args) if cfg.data else DigitsSource(cfg.seed)
+        self.family.configure(self.src.hw, self.src.cond_keys == ("labels",), self.guidance, self._text_tokens())
         self.rank, self.size = dp_rank, dp_size
         held, n = self.src.held, min(len(self.src.held["latents"]), cfg.batch_size) // dp_size * dp_size
         if cfg.eval_batches and not n:  # (a small file's held-out tenth: fewer rows than ranks)
@@ -195,29 +273,6 @@ class FluxDigits(Task):
     def _mine(self, n):
         per = n // self.size
         return slice(self.rank * per, (self.rank + 1) * per)
-
-    def build_model(self, args):
-        return ConditionedFlux(args, self.src.hw, classes=self.src.cond_keys == ("labels",), guidance=self.guidance)
-
-    def load_pretrained(self, model):
-        """--init-from: the diffusers transformer's weights into model.flux (each rank its own block of a
-        sharded parameter); the prompt stand-in, if any, keeps its fresh init."""
-        if not self.cfg.init_from:
-            return
-        import flux_hf
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        try:
-            state = flux_hf.read_state(self.cfg.init_from, self.args)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        with torch.no_grad():
-            for name, p in model.flux.named_parameters():
-                full, target = state[name], p
-                if isinstance(p, DTensor):
-                    size, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                    full, target = full[tuple(slice(o, o + n) for o, n in zip(offset, size))], p.to_local()
-                target.copy_(full)
 
     def batch(self, step):
         """This rank's rows of global batch `step`: (x0 (B, S, C), eps, t (B,), *conditioning)."""
@@ -246,19 +301,6 @@ class FluxDigits(Task):
     def _text_tokens(self):
         return self.src.train["txt"].shape[1] if "txt" in self.src.train else PROMPT_TOKENS
 
-    def param_count(self, args):
-        prompt = (N_CLASSES + 1) * (PROMPT_TOKENS * args.context_in_dim + args.vec_in_dim)
-        return flux.param_count(args) + (prompt if self.src.cond_keys == ("labels",) else 0)
-
-    def scan_stacks(self, model):
-        return model.flux.pack_for_scan(self._text_tokens())
-
-    def blocks(self, model):
-        return [*model.flux.double_blocks, *model.flux.single_blocks]
-
-    def label(self):
-        return f"hf:{os.path.abspath(self.cfg.init_from)}" if self.cfg.init_from else self.cfg.flavor
-
     def meta(self):
         return {"data": self.src.fingerprint} if self.src.fingerprint else {}
 
@@ -274,42 +316,6 @@ class FluxDigits(Task):
                     steps=EVAL_GRID[1], judge=False)
         log({"event": "grid", "step": step, "path": path}, f"step {step:5d} | grid {path}")
 
-    def plan_workload(self, args):
-        """The dry run's FLUX (dryrun.Workload): ConditionedFlux on cached latents at --image-size, one sample traced on
-        meta at one double and one single block, then one more of each, extrapolated to the depths.
-        All of it is data parallel (no tp / ep); FSDP gathers one block at a time, the double one
-        the larger."""
-        import dryrun
-        side, T = self.latent_side, self.text_tokens
-        S = (side // 2) ** 2
-
-        def saved_at(depths, remat):
-            with torch.device("meta"):
-                model = ConditionedFlux(dataclasses.replace(args, attn_impl="flash", **depths), (side, side),
-                                        classes=False)  # (flash: never S x S, as splash on a TPU)
-                bf16 = dict(dtype=torch.bfloat16)
-                x0, eps = torch.empty(1, S, args.in_channels, **bf16), torch.empty(1, S, args.in_channels, **bf16)
-                batch = (x0, eps, torch.empty(1), torch.empty(1, T, args.context_in_dim, **bf16),
-                         torch.empty(1, args.vec_in_dim, **bf16))
-            return dryrun.step_saved_bytes(model, flow_matching_loss, batch, remat)
-
-        with torch.device("meta"):
-            one_of_each = flux.Flux(dataclasses.replace(args, depth=1, depth_single_blocks=1))
-        largest = max(sum(p.numel() for p in blocks[0].parameters())
-                      for blocks in (one_of_each.double_blocks, one_of_each.single_blocks))
-        no_tp = lambda dims: (None if dims["tp"] == dims["ep"] == 1 else f"--task flux runs data parallel "
-                              f"only (dcn / ici): tp={dims['tp']}, ep={dims['ep']} refused")
-        depths = {"depth": args.depth, "depth_single_blocks": args.depth_single_blocks}
-        return dryrun.Workload(
-            self.cfg.flavor, {"tp": 0, "experts": 0, "rest": flux.param_count(args)},
-            {"tp": 0, "experts": 0, "rest": largest}, flux.flops_per_sample(args, S, T), S + T,
-            lambda remat: dryrun.extrapolate(lambda d: saved_at(d, remat), depths), no_tp,
-            dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks)
-
-    def model_record(self, args):
-        """The attention implementation may change across resumes: not recorded."""
-        return {k: v for k, v in dataclasses.asdict(args).items() if k != "attn_impl"}
-
     def final_grid(self, model, log, out_dir):
         path = os.path.join(out_dir, "samples.png")
         images, accuracy = sample_grid(model, self.src, self.cfg.seed, path, per_class=self.cfg.sample_images,
@@ -319,6 +325,40 @@ class FluxDigits(Task):
                                               f"{len(images)} samples as their prompt's class")
         log({"event": "samples", "accuracy": accuracy, "guidance": guidance},
             f"samples: {path}{judged} (guidance {guidance})")
+
+
+def plan_workload(args, cfg):
+    """The dry run's FLUX (dryrun.Workload): ConditionedFlux on cached latents at --image-size, one sample traced on
+    meta at one double and one single block, then one more of each, extrapolated to the depths.
+    All of it is data parallel (no tp / ep); FSDP gathers one block at a time, the double one
+    the larger."""
+    import dryrun
+    side, T = latent_geometry(args, cfg.image_size or (PUBLISHED_SIZE if args.in_channels == 4 * VAE_CHANNELS else SIDE))
+    S = (side // 2) ** 2
+
+    def saved_at(depths, remat):
+        with torch.device("meta"):
+            model = ConditionedFlux(dataclasses.replace(args, attn_impl="flash", **depths), (side, side),
+                                    classes=False)  # (flash: never S x S, as splash on a TPU)
+            bf16 = dict(dtype=torch.bfloat16)
+            x0, eps = torch.empty(1, S, args.in_channels, **bf16), torch.empty(1, S, args.in_channels, **bf16)
+            batch = (x0, eps, torch.empty(1), torch.empty(1, T, args.context_in_dim, **bf16),
+                     torch.empty(1, args.vec_in_dim, **bf16))
+        return dryrun.step_saved_bytes(model, flow_matching_loss, batch, remat)
+
+    with torch.device("meta"):
+        one_of_each = flux.Flux(dataclasses.replace(args, depth=1, depth_single_blocks=1))
+    largest = max(sum(p.numel() for p in blocks[0].parameters())
+                  for blocks in (one_of_each.double_blocks, one_of_each.single_blocks))
+    no_tp = lambda dims: (None if dims["tp"] == dims["ep"] == 1 else f"--task flux runs data parallel "
+                          f"only (dcn / ici): tp={dims['tp']}, ep={dims['ep']} refused")
+    depths = {"depth": args.depth, "depth_single_blocks": args.depth_single_blocks}
+    return dryrun.Workload(
+        cfg.flavor, {"tp": 0, "experts": 0, "rest": flux.param_count(args)},
+        {"tp": 0, "experts": 0, "rest": largest}, flux.flops_per_sample(args, S, T), S + T,
+        lambda remat: dryrun.extrapolate(lambda d: saved_at(d, remat), depths), no_tp,
+        dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks)
+
 
 
 def grid_prompts(src):

@@ -27,46 +27,95 @@ GRPOTrainer (the pieces: grpo.py the algorithm, rollout.py the engine, weight_sy
     (ArithmeticPolicy, GRPOArithmetic's base, holds what the supervised warm start shares with it: the
     policy, the engine and this evaluation.)
 """
+import dataclasses
+import math
 import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-import arithmetic
 import checkpoint
-import grpo
-import rollout
-import weight_sync
-from cli import ConfigError
+from cli import flag
+from errors import ConfigError
+from lm_task import LanguageModelFamily
 from model import flops_per_token
-from task import LanguageModel, Task
+from parallel import local_block, local_tensor
+from rl import arithmetic, grpo, rollout, weight_sync
+from task import Workload
 
 SHOWN = 4  # completions printed at the first and the last evaluation
 
 
-class ArithmeticPolicy(LanguageModel):
-    """What GRPO and its supervised warm start (sft_task.py) share: a byte-level language model as the
-    policy (LanguageModel's building, sizing and records, or a train.py run's weights), the verifiable
-    task, the rollout engine fed with the live weights, and greedy accuracy on the held-out prompts."""
-    unit, evaluates = "seq", True
+class PolicyFamily(LanguageModelFamily):
+    """The LM family, also startable from a train.py run (--init-from RUN_DIR: its newest checkpoint,
+    the warm start) besides a flavor or a Hugging Face directory."""
 
     def __init__(self, cfg):
-        Task.__init__(self, cfg)
-        self.notes = []
-        try:
-            self.reward_task = arithmetic.get_task(cfg.reward_task, cfg.seed, cfg.format_credit)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
         self.warm = None  # a train.py run's policy (full weights, CPU) to start from
         if cfg.init_from and not os.path.isfile(os.path.join(cfg.init_from, "config.json")):
             if cfg.set:
                 raise ConfigError("--set changes the model; the warm-start run at --init-from fixes it")
             self.warm = checkpoint.load_run(cfg.init_from)
-            self.args = self.warm.args
+            super().__init__(cfg, args=self.warm.args)
         else:
-            self.args = self.model_args()  # --flavor / --set, or a HF directory
+            super().__init__(cfg)  # --flavor / --set, or a HF directory
+
+    def label(self):
+        return f"run:{os.path.abspath(self.cfg.init_from)}" if self.warm is not None else super().label()
+
+    @torch.no_grad()
+    def load_pretrained(self, model):
+        """The warm start's weights into the (maybe sharded) policy: each rank copies its own block."""
+        if self.warm is None:
+            return super().load_pretrained(model)
+        full = dict(self.warm.named_parameters())
+        for name, p in model.named_parameters():
+            local_tensor(p).copy_(local_block(full[name], p))
+
+    def activation_bytes(self, args, local_batch, seq_len, free_bytes):
+        return 0  # (a few short rows: the LM family's estimate is for --seq-len windows)
+
+
+@dataclasses.dataclass
+class PolicyFlags:
+    """What the warm start (sft) and GRPO share: the verifiable task and the engine."""
+    reward_task: str = flag("arith", "the verifiable task that draws prompts and scores completions")
+    format_credit: float = flag(0.0, "reward of a well-formed wrong answer (the exact answer scores 1)")
+    max_new_tokens: int = flag(4, "tokens sampled per completion")
+    engine_dtype: str = flag("fp32", "the rollout engine's weights", choices=["fp32", "bf16"])
+    engine_timeout: float = flag(120.0, "seconds without a reply before the engine counts as stalled (exit 4)")
+
+
+class ArithmeticPolicy(Workload):
+    """What GRPO and its supervised warm start (sft_task.py) share: a byte-level language model as the
+    policy (PolicyFamily), the verifiable task, the rollout engine fed with the live weights, and greedy
+    accuracy on the held-out prompts."""
+    unit, evaluates, default_flavor = "seq", True, "llama3_debug"
+    Flags, family_class = PolicyFlags, PolicyFamily
+
+    @classmethod
+    def check_flags(cls, cfg):
+        try:
+            arithmetic.get_task(cfg.reward_task, format_credit=cfg.format_credit)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if cfg.max_new_tokens <= 0:
+            raise ConfigError(f"--max-new-tokens must be positive, got {cfg.max_new_tokens}")
+        if not (cfg.engine_timeout > 0 and math.isfinite(cfg.engine_timeout)):
+            raise ConfigError(f"--engine-timeout must be a positive number of seconds, got {cfg.engine_timeout}")
+        if cfg.scan or cfg.dry_run:
+            raise ConfigError(f"--task {cfg.task} trains a byte-level policy unstacked: --scan and --dry-run are "
+                              f"not built for it")
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.notes = []
+        try:
+            self.reward_task = arithmetic.get_task(cfg.reward_task, cfg.seed, cfg.format_credit)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.family = PolicyFamily(cfg)
+        self.warm = self.family.warm
         self.prompt_len = len(self.reward_task.prompts(0, 1)[0])
         if self.prompt_len + cfg.max_new_tokens > self.args.max_seq_len:
             raise ConfigError(f"prompt ({self.prompt_len}) + --max-new-tokens ({cfg.max_new_tokens}) exceeds the "
@@ -80,22 +129,6 @@ class ArithmeticPolicy(LanguageModel):
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.talks_to_engine = not dist.is_initialized() or dist.get_rank() == 0
-
-    def label(self):
-        return f"run:{os.path.abspath(self.cfg.init_from)}" if self.warm is not None else super().label()
-
-    @torch.no_grad()
-    def load_pretrained(self, model):
-        """The warm start's weights into the (maybe sharded) policy: each rank copies its own block."""
-        if self.warm is None:
-            return super().load_pretrained(model)
-        full = dict(self.warm.named_parameters())
-        for name, p in model.named_parameters():
-            src = full[name]
-            if isinstance(p, DTensor):
-                size, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                src, p = src[tuple(slice(o, o + n) for o, n in zip(offset, size))], p.to_local()
-            p.copy_(src)
 
     def attach(self, model):
         self.model = model
@@ -153,25 +186,53 @@ class ArithmeticPolicy(LanguageModel):
             self.engine.close()
             self.engine = None
 
-    def activation_bytes(self, args, local_batch, free_bytes):
-        return 0  # (a few short rows: LanguageModel's estimate is for --seq-len windows)
-
     def preview(self, model, log, out_dir, step, final):
         """(The last evaluation has shown completions already.)"""
 
 
+@dataclasses.dataclass
+class GRPOFlags(PolicyFlags):
+    group_size: int = flag(8, "G, completions sampled per prompt (>= 2)")
+    prompts_per_step: int = flag(32, "prompts per rollout batch (G x this rows; divisible over ranks)")
+    updates_per_batch: int = flag(1, "optimizer steps on each rollout batch (--steps, --ckpt-interval, --halt-at "
+                                  "must be multiples)")
+    clip_eps: float = flag(0.2, "the ratio's clip range, clip(rho, 1 - eps, 1 + eps)")
+    aggregation: str = flag("dapo", "loss aggregation, grpo | dapo | dr_grpo")
+    kl_beta: float = flag(0.0, "k3 KL coefficient to the frozen warm-start policy (0: none)")
+    temperature: float = flag(1.0, "sampling temperature")
+
+
 class GRPOArithmetic(ArithmeticPolicy):
     """The policy learns from its own samples: batches are rollouts, the loss is the clipped surrogate."""
-    plotted = ("reward", "held_out_accuracy")
+    name, Flags, plotted = "grpo", GRPOFlags, ("reward", "held_out_accuracy")
+
+    @staticmethod
+    def algorithm(cfg):
+        """grpo.GRPOConfig from the flags, checked (ConfigError: one line)."""
+        try:
+            return grpo.GRPOConfig(group_size=cfg.group_size, eps_low=cfg.clip_eps, eps_high=cfg.clip_eps,
+                                   aggregation=cfg.aggregation, beta=cfg.kl_beta, temperature=cfg.temperature).check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    @classmethod
+    def check_flags(cls, cfg):
+        """The algorithm's flags, and checkpoints on rollout-batch boundaries (a resume then starts a
+        fresh batch: no rollout needs replaying)."""
+        super().check_flags(cfg)
+        cls.algorithm(cfg)
+        for name in ("prompts_per_step", "updates_per_batch"):
+            if getattr(cfg, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+        u = cfg.updates_per_batch
+        for name in ("steps", "ckpt_interval", "halt_at"):
+            if getattr(cfg, name) % u:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is not a multiple of "
+                                  f"--updates-per-batch {u} (checkpoints fall on rollout-batch boundaries)")
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        try:
-            self.algo = grpo.GRPOConfig(group_size=cfg.group_size, eps_low=cfg.clip_eps, eps_high=cfg.clip_eps,
-                                        aggregation=cfg.aggregation, beta=cfg.kl_beta,
-                                        temperature=cfg.temperature).check()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        self.algo = self.algorithm(cfg)
         self.rows = cfg.prompts_per_step * cfg.group_size  # rows of one rollout batch
         self.ref = self.current = None
 
@@ -205,11 +266,8 @@ class GRPOArithmetic(ArithmeticPolicy):
         if self.ref is None:
             with torch.random.fork_rng():
                 torch.manual_seed(self.cfg.seed)  # (as the trainer seeds before building the policy)
-                self.ref = self.build_model(self.args)
-            if self.warm is not None:
-                self.ref.load_state_dict(self.warm.state_dict())
-            else:
-                super().load_pretrained(self.ref)
+                self.ref = self.family.build(self.args)
+            self.family.load_pretrained(self.ref)  # (the warm start, a HF directory, or nothing)
             self.ref.eval()
         return self.ref
 

@@ -29,12 +29,13 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import device as dev
-import weight_sync
+from errors import PeerGone
+from rl import weight_sync
 from generate import KVCache
 from model import Transformer
 
 
-class EngineError(RuntimeError):
+class EngineError(PeerGone):
     pass
 
 

@@ -22,28 +22,23 @@ import os
 import torch
 import torch.nn.functional as F
 
-import arithmetic
-from cli import ConfigError
-from grpo_task import ArithmeticPolicy
+from errors import ConfigError
 from model import flops_per_token
+from rl import arithmetic
+from rl.grpo_task import ArithmeticPolicy
 
 IGNORE = -100  # F.cross_entropy's ignore_index: positions that are not an answer byte
 
 
 class SFTArithmetic(ArithmeticPolicy):
     """Batches of solved problems; the loss is the cross-entropy of the answer bytes."""
-    plotted = ("held_out_accuracy",)
+    name, plotted = "sft", ("held_out_accuracy",)
 
     def __init__(self, cfg):
         super().__init__(cfg)
         self.width = self.prompt_len + self.reward_task.max_answer_bytes  # a whole row: prompt + longest answer
         if self.width > self.args.max_seq_len:
             raise ConfigError(f"a solved problem ({self.width} bytes) exceeds the model's max_seq_len {self.args.max_seq_len}")
-
-    def setup_data(self, dp_rank, dp_size):
-        if self.cfg.batch_size % dp_size:
-            raise ConfigError(f"--batch-size {self.cfg.batch_size} does not split over {dp_size} data-parallel ranks")
-        super().setup_data(dp_rank, dp_size)
 
     def batch(self, step):
         """(inputs (B/N, W-1), targets (B/N, W-1), global answer bytes / N) of global batch `step`."""

@@ -92,7 +92,7 @@ def test_flux_dry_run_at_1024_through_the_task_seam_flops_shards_plan_and_a_bad_
     data-parallel layouts only (dcn x ici = 8, no tp / ep), its row for ici=8 equals the dry run.
     An image size the VAE (8x) and 2 x 2 packing cannot divide is one error line, exit 2."""
     import dryrun
-    import flux
+    from flux import model as flux
     import train
     flags = ["--task", "flux", "--flavor", "flux_dev", "--dry-run", "--image-size", "1024", "--batch-size", "16"]
     assert train.main([*flags, "--mesh", "ici=8"]) == 0

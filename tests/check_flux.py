@@ -37,7 +37,7 @@ def _flux_call(model, e):
 def test_flux_output_equals_diffusers_and_export_import_is_bit_for_bit(name, tmp_path):
     """Every module (embedders, 3-axis RoPE, joint attention, q/k RMSNorm, modulation order, fused
     single-block linear1, the final adaLN's swapped halves) against diffusers' own forward."""
-    import flux_hf
+    from flux import hf as flux_hf
     from safetensors.torch import load_file
     want = _flux_expected(name)
     model = flux_hf.load(os.path.join(FLUX_FIXTURES, name))
@@ -60,8 +60,8 @@ def test_flux_published_sizes_parameter_count_and_flops():
     """flux-dev / flux-schnell on the meta device: the parameter count equals the published config's
     tensors counted one by one (11,901,408,320 for dev: "12B"); torchtitan's FLOP formula is within 1%
     of torch's FlopCounterMode over a real forward + backward at 1024x1024 (4096 image + 512 text tokens)."""
-    import flux
-    import flux_hf
+    from flux import model as flux
+    from flux import hf as flux_hf
     from torch.utils.flop_counter import FlopCounterMode
     c = FLUX_DEV_CONFIG
     h = c["num_attention_heads"] * c["attention_head_dim"]
@@ -87,8 +87,8 @@ def test_flux_published_sizes_parameter_count_and_flops():
 
 
 def test_flux_rectified_flow_targets_loss_timesteps_schedule_and_packing():
-    import flux
-    import flux_sample
+    from flux import model as flux
+    from flux import sample as flux_sample
     g = torch.Generator().manual_seed(0)
     x0, eps, t = torch.randn(3, 1, 8, 8, generator=g), torch.randn(3, 1, 8, 8, generator=g), torch.tensor([0.0, 0.25, 1.0])
     xt, target = flux_sample.flow_pair(x0, eps, t)
@@ -122,8 +122,8 @@ def test_flux_euler_sampler_with_guidance_equals_a_direct_loop():
     """sample() (shifted schedule, classifier-free guidance u + s (c - u), seeded noise)
     against the Euler loop written out; a fresh model is zero-initialised at its modulation and
     final layer (predicts 0), so the weights are randomised first."""
-    import flux
-    import flux_sample
+    from flux import model as flux
+    from flux import sample as flux_sample
     torch.manual_seed(0)
     model = flux.Flux(flux.FLAVORS["flux_debug"])
     assert all((p == 0).all() for n, p in model.named_parameters() if "mod" in n or n.startswith("final_layer"))
@@ -150,9 +150,9 @@ def test_flux_euler_sampler_with_guidance_equals_a_direct_loop():
 
 
 def test_flux_refuses_unimplemented_diffusers_configs_and_bad_calls_in_one_line(tmp_path):
-    import flux
-    import flux_hf
-    import flux_sample
+    from flux import model as flux
+    from flux import hf as flux_hf
+    from flux import sample as flux_sample
     from safetensors.torch import load_file, save_file
     src = os.path.join(FLUX_FIXTURES, "plain")
     cfg = json.load(open(os.path.join(src, "config.json")))
@@ -200,7 +200,7 @@ def test_digits_split_is_seeded_disjoint_stratified_and_the_judge_is_accurate():
     train / held-out: disjoint, complete, every class in proportion, scaled 0..16 -> [-1, 1]; the
     independent SVC judge scores >= 97% on held-out digits it never saw."""
     import collections
-    import digits
+    from flux import digits
     from sklearn.datasets import load_digits
     raw = load_digits()
     (tx, ty), (hx, hy) = digits.load("train"), digits.load("held_out")
@@ -229,9 +229,9 @@ def test_flux_jax_forward_and_adamw_steps_equal_torch():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import flux
-    import flux_jax
-    import flux_task
+    from flux import model as flux
+    from flux import jax_step as flux_jax
+    from flux import task as flux_task
 
     def randomized(module):
         with torch.no_grad():

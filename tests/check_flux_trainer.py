@@ -20,8 +20,8 @@ from tests.check_graph import _gathers
 def _flux_weights(run_dir, task=None, scan=False):
     """The final weights; a --scan run's (L, ...) stacks unstacked into the plain model's names."""
     import checkpoint
-    import flux
-    import flux_task
+    from flux import model as flux
+    from flux import task as flux_task
     import layer_scan
     model = task.build_model(task.args) if task else flux_task.ConditionedFlux(flux.FLAVORS["flux_debug"])
     if scan:
@@ -131,7 +131,7 @@ def test_flux_latent_file_batches_are_its_rows_loss_is_the_flow_mse_and_a_run_tr
     task's loss equals the rectified-flow MSE computed here from those tensors; validation holds out the
     last tenth, unconditional; a 2-step run trains and draws a grid per evaluation, named by step."""
     import cli
-    import flux_task
+    from flux import task as flux_task
     path = _latent_file(tmp_path / "cache.safetensors")
     from safetensors.torch import load_file
     f = load_file(path)
@@ -181,7 +181,7 @@ def test_flux_init_from_a_diffusers_directory_fills_the_transformer(tmp_path):
     (image ids from the file's 8x6 latents), equals diffusers' stored output for that sample. Under
     SimpleFSDP on 2 processes (each rank loads its own shard) the first step's loss, gradient norm
     and validation MSE equal the one-process run's."""
-    import flux_hf
+    from flux import hf as flux_hf
     import train
     fixture = os.path.join(FLUX_FIXTURES, "guidance")
     want = _flux_expected("guidance")

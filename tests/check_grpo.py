@@ -23,7 +23,7 @@ GRPO_TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, m
 
 
 def test_arith_task_prompts_held_out_split_and_a_reward_that_survives_junk():
-    import arithmetic
+    from rl import arithmetic
     task = arithmetic.get_task("arith", seed=3, format_credit=0.1)
     assert task.prompts(7, 32) == arithmetic.get_task("arith", seed=3).prompts(7, 32)   # (seed, step) -> prompts
     assert task.prompts(7, 32) != task.prompts(8, 32) != arithmetic.get_task("arith", seed=4).prompts(8, 32)
@@ -51,7 +51,7 @@ def test_arith_task_prompts_held_out_split_and_a_reward_that_survives_junk():
 
 def test_group_advantages_equal_the_per_group_formula():
     import statistics
-    import grpo
+    from rl import grpo
     g = torch.Generator().manual_seed(0)
     rewards = torch.randint(0, 3, (5 * 4,), generator=g).float() / 2
     rewards[4:8] = 1.0  # one group all the same: advantage 0, not NaN
@@ -77,7 +77,7 @@ def test_group_advantages_equal_the_per_group_formula():
 def test_grpo_loss_and_gradient_equal_a_per_token_loop(aggregation, beta):
     """min(rho A, clip(rho) A) per token, k3 KL, the aggregation's weights, and the gradient worked out
     by hand (d rho / d logp = rho; a clipped token has none; d k3 / d logp = 1 - exp(ref - logp))."""
-    import grpo
+    from rl import grpo
     cfg = grpo.GRPOConfig(eps_low=0.2, eps_high=0.28, aggregation=aggregation, beta=beta).check()
     g = torch.Generator().manual_seed(1)
     B, C = 6, 5
@@ -120,9 +120,9 @@ def test_batched_sampling_equals_one_sequence_decoding_and_bf16_mismatch_is_meas
     eos; a bf16 engine's logprobs vs the fp32 trainer's: ratio statistics printed (the RL mismatch)."""
     import copy
     import generate
-    import grpo
-    import rollout
-    import arithmetic
+    from rl import grpo
+    from rl import rollout
+    from rl import arithmetic
     torch.manual_seed(0)
     model = Transformer(GRPO_TINY)
     prompts = arithmetic.get_task("arith").prompts(0, 6)
@@ -153,9 +153,9 @@ def test_engine_process_sync_in_place_bit_equal_logprobs_and_failures_in_one_lin
     import copy
     import signal
     import time
-    import grpo
-    import rollout
-    import arithmetic
+    from rl import grpo
+    from rl import rollout
+    from rl import arithmetic
     torch.manual_seed(0)
     trainer = Transformer(GRPO_TINY)
     engine = rollout.EngineProcess(GRPO_TINY, timeout_s=30)
@@ -201,7 +201,7 @@ def test_sft_loss_is_the_cross_entropy_of_the_answer_bytes_only_and_ranks_split_
     `ab+cd=` + the sum computed here + newline (the prompt bytes and padding carry no loss). Two
     ranks' slices: their losses average to the one-process loss, and so do their gradients. Bad
     input: one `error:` line, exit 2, nothing written."""
-    import arithmetic
+    from rl import arithmetic
     import train
     tiny = [x for kv in ("dim=32", "n_layers=2", "n_heads=4", "n_kv_heads=2", "ffn_dim=64", "max_seq_len=16")
             for x in ("--set", kv)]
@@ -258,7 +258,7 @@ def grpo_warm(tmp_path_factory):
     """A run directory of 40 supervised steps on the answers of solved problems: digits and newlines,
     rarely right (with --format-credit its groups' rewards differ, so the GRPO gradient is not zero).
     Its held-out accuracy is recorded at steps 0 and 40. (arithmetic.py's text writer checked here too.)"""
-    import arithmetic
+    from rl import arithmetic
     root = tmp_path_factory.mktemp("grpo_warm")
     assert arithmetic.main(["write", str(root / "arith.txt"), "--problems", "2000"]) == 0
     text = (root / "arith.txt").read_bytes()

@@ -1,0 +1,47 @@
+"""errors.py: every way a run can fail that is not a bug, as a kind with the exit code it ends in.
+
+Every module's own errors subclass one of these kinds, so train.main catches by kind and prints one
+`error:` line, importing no workload to do it (a rollout engine's death is a PeerGone like a dead
+torchrun rank). The lowest layer: it imports nothing.
+
+    exit 1  OwnFailure   this process failed by itself (out of memory: named in one line)
+    exit 2  BadInput     a flag, file, checkpoint or mesh that cannot work; nothing was written
+    exit 3  (NonFinite)  a NaN / Inf loss, gradient norm or validation loss: the trainer's own return
+    exit 4  PeerGone     another process the run needs died or stalled (a torchrun rank, an engine)
+    exit 5  WriteFailed  a write failed (disk full, file-size limit); the last good checkpoint stays
+    130 / 143            interrupted by SIGINT / SIGTERM (128 + the signal's number)
+"""
+import sys
+
+EXIT_OWN_FAILURE, EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED = 1, 2, 3, 4, 5
+
+
+class MinititanError(Exception):
+    """A failure the user can act on, said in one line; `exit_code` is how the run ends."""
+    exit_code = EXIT_OWN_FAILURE
+
+
+class BadInput(MinititanError, ValueError):
+    """Input that cannot work (a ValueError too, so code that validates with ValueError catches it)."""
+    exit_code = EXIT_BAD_INPUT
+
+
+class PeerGone(MinititanError, RuntimeError):
+    """A process the run depends on died or stopped answering."""
+    exit_code = EXIT_PEER_FAILED
+
+
+class WriteFailed(MinititanError, OSError):
+    """A file could not be written; what was on disk before is intact."""
+    exit_code = EXIT_WRITE_FAILED
+
+
+class ConfigError(BadInput):
+    """A flag or a combination of flags (cli.py, a workload's own flags, a model config)."""
+
+
+def error_line(message):
+    """One `error:` line in ONE write: print() writes text and newline separately, and the ranks of a
+    run share stderr, so their lines would interleave."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
