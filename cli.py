@@ -67,7 +67,7 @@ class TrainConfig:
     # what to train
     task: str = flag("lm", "workload: lm (language-model pretraining), flux (FLUX.1 diffusion on the digits or a "
                      "latent file), grpo (GRPO post-training on a verifiable task), sft (its warm start: the "
-                     "answers' bytes only)", choices=list(workloads.WORKLOADS))
+                     "answers' bytes only); the choices are task.WORKLOADS")
     flavor: Optional[str] = flag(None, "model flavor (model.FLAVORS, flux.FLAVORS; default: the task's debug flavor)")
     init_from: Optional[str] = flag(None, "start from a Hugging Face checkpoint (config.json + safetensors) "
                                     "instead of --flavor: fine-tuning; grpo: also a train.py run directory "
@@ -168,11 +168,11 @@ def build_parser():
     """The shared flags, then one group per workload with the flags it declares (a flag several
     workloads declare is shown once, in the first one's group, with each one's help). Workload flags
     default to 'not given', so a flag of another workload can be told from a default."""
-    p = _Parser(description="train.py: " + __doc__.split("\n")[0].split(": ", 1)[1],
+    p = _Parser(description="train.py: the one trainer, for every workload (--task) on every layout (--mesh)",
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
         if f.metadata.get("cli", True):
-            _add_flag(p, f)
+            _add_flag(p, f, **({"choices": list(workloads.WORKLOADS)} if f.name == "task" else {}))
     owners, shown = workload_flags(), set()
     for name in workloads.WORKLOADS:
         cls = workloads.workload_class(name)

@@ -345,11 +345,11 @@ def test_own_failures_and_peer_failures_are_told_apart(corpus, tmp_path, monkeyp
     a failed write (exit 5); a cut last line in metrics.jsonl (a crash mid-write) does not stop a
     --resume; a loss.png that cannot be written is named."""
     import checkpoint
-    import task
+    import lm_task
     out = str(tmp_path / "run")
     common = [*TINY, "--data", corpus, "--steps", "4", "--ckpt-interval", "2", "--eval-batches", "1",
               "--eval-interval", "2", "--sample-tokens", "0", "--out-dir", out]
-    real_loss = task.LanguageModel.loss
+    real_loss = lm_task.Pretraining.loss
 
     def oom_at_step_3(model, batch):  # (training calls run with grad enabled, evaluations without)
         oom_at_step_3.calls += torch.is_grad_enabled()
@@ -357,11 +357,11 @@ def test_own_failures_and_peer_failures_are_told_apart(corpus, tmp_path, monkeyp
             raise torch.OutOfMemoryError("CPU out of memory: tried to allocate 64.00 GiB")
         return real_loss(model, batch)
     oom_at_step_3.calls = 0
-    monkeypatch.setattr(task.LanguageModel, "loss", staticmethod(oom_at_step_3))
+    monkeypatch.setattr(lm_task.Pretraining, "loss", staticmethod(oom_at_step_3))
     assert _main(common) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: out of memory at step 3 (CPU out of memory") and "checkpoint step_000002 is intact" in err, err
-    monkeypatch.setattr(task.LanguageModel, "loss", staticmethod(real_loss))
+    monkeypatch.setattr(lm_task.Pretraining, "loss", staticmethod(real_loss))
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
         f.write('{"step": 3, "lo')  # the crash cut this record
     real_write = checkpoint.write_shards

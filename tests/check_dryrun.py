@@ -111,9 +111,9 @@ def test_flux_dry_run_at_1024_through_the_task_seam_flops_shards_plan_and_a_bad_
     # (flash attention traced: a sample's S x S probabilities, 24 heads x 4608^2 fp32 = 2 GB a block,
     # are not saved; the 57 blocks together keep less than that of 57 blocks)
     assert 0 < mem["saved activations (bf16)"] / local < 57 * 24 * 4608**2 * 4
-    task = train.TASKS["flux"](train.parse_config([*flags, "--plan", "--chips", "8"]))
+    task = train.make_workload(train.parse_config([*flags, "--plan", "--chips", "8"]))
     per_sample = mem["saved activations (bf16)"] / local
-    workload = dataclasses.replace(task.plan_workload(task.args), saved_bytes=lambda remat: per_sample)
+    workload = dataclasses.replace(task.family.plan(task.args, task.cfg), saved_bytes=lambda remat: per_sample)
     rows = dryrun.plan(workload, 8, 16, "tpu_v5p")
     assert sorted(r["mesh"] for r in rows if not r["remat"]) == ["dcn=2,ici=4", "dcn=4,ici=2", "dcn=8,ici=1", "ici=8"]
     assert len(rows) == 8 and next(r for r in rows if r["mesh"] == "ici=8" and not r["remat"]) == report

@@ -23,7 +23,7 @@ def _flux_weights(run_dir, task=None, scan=False):
     from flux import model as flux
     from flux import task as flux_task
     import layer_scan
-    model = task.build_model(task.args) if task else flux_task.ConditionedFlux(flux.FLAVORS["flux_debug"])
+    model = task.family.build(task.args) if task else flux_task.ConditionedFlux(flux.FLAVORS["flux_debug"])
     if scan:
         layer_scan.stack_layers(model, model.flux.pack_for_scan(flux_task.PROMPT_TOKENS))
     path, _ = checkpoint.find_resumable(os.path.join(run_dir, "checkpoints"))
@@ -150,7 +150,7 @@ def test_flux_latent_file_batches_are_its_rows_loss_is_the_flow_mse_and_a_run_tr
         dropped += empty
     assert dropped < 8 and 0 < t.min() and t.max() < 1
     torch.manual_seed(0)
-    model = task.build_model(task.args)
+    model = task.family.build(task.args)
     with torch.no_grad():  # (random weights everywhere: the zero-initialised last layer would predict 0 for any x_t)
         for p in model.parameters():
             p.normal_(0, 0.2)
@@ -170,7 +170,7 @@ def test_flux_latent_file_batches_are_its_rows_loss_is_the_flow_mse_and_a_run_tr
         "samples.png", "samples_step_000000.png", "samples_step_000002.png"]
     trained = _flux_weights(out, task)
     torch.manual_seed(0)
-    init = task.build_model(task.args).state_dict()
+    init = task.family.build(task.args).state_dict()
     assert trained.keys() == init.keys() and not torch.equal(trained["flux.img_in.weight"], init["flux.img_in.weight"])
     assert flux_task.main([out]) == 2  # the sampling CLI is for digits runs: refused in one line
 

@@ -206,7 +206,7 @@ def test_sft_loss_is_the_cross_entropy_of_the_answer_bytes_only_and_ranks_split_
     tiny = [x for kv in ("dim=32", "n_layers=2", "n_heads=4", "n_kv_heads=2", "ffn_dim=64", "max_seq_len=16")
             for x in ("--set", kv)]
     cfg = train.parse_config(["--task", "sft", *tiny, "--batch-size", "6", "--seed", "3"])
-    one = train.TASKS["sft"](cfg)
+    one = train.make_workload(cfg)
     one.setup_data(0, 1)
     torch.manual_seed(0)
     model = Transformer(one.args)
@@ -228,7 +228,7 @@ def test_sft_loss_is_the_cross_entropy_of_the_answer_bytes_only_and_ranks_split_
     model.zero_grad()
     ranks = []
     for rank in range(2):
-        t = train.TASKS["sft"](cfg)
+        t = train.make_workload(cfg)
         t.setup_data(rank, 2)
         ranks.append(t.loss(model, t.batch(5))[0] / 2)
     sum(ranks).backward()
