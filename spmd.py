@@ -86,7 +86,8 @@ class XlaSpmd(Parallel):
         """The global batch split over every data-parallel device (dcn x ici), the rest whole."""
         batch = tuple(t.to(self.device) for t in batch)
         for t in batch:
-            self.xs.mark_sharding(t, self.mesh, (("dcn", "ici"),) + (None,) * (t.dim() - 1))
+            if t.dim():  # (a 0-d entry, e.g. a workload's token normalizer, is one value: replicated)
+                self.xs.mark_sharding(t, self.mesh, (("dcn", "ici"),) + (None,) * (t.dim() - 1))
         return batch
 
     def local_bytes(self, tensors):
