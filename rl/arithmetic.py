@@ -11,7 +11,7 @@ the end-of-sequence byte). Nothing is downloaded.
     task.test_set()                        # 500 held-out problems, never drawn by prompts()
     task.reward(prompt, completion_bytes)  # 1.0 exact answer; format_credit for a well-formed wrong one
 
-    python arithmetic.py write arith.txt --problems 100000   # the warm start's corpus: solved training
+    python -m rl.arithmetic write arith.txt --problems 100000   # the warm start's corpus: solved training
                                                              # problems, one a line (train.py --task lm --data)
 
 All 90 x 90 = 8100 problems are split once by a fixed permutation (not by the run's seed), so every

@@ -39,7 +39,6 @@ def test_every_config_field_is_a_flag_with_its_type_and_help():
     (["--task", "sft", "--temperature", "2"], "--temperature is a flag of --task grpo, not of --task sft"),
     (["--task", "grpo", "--tokenizer", "x"], "--tokenizer is a flag of --task lm, not of --task grpo"),
     (["--task", "grpo", "--aggregation", "bogus"], "aggregation"),
-    (["--task", "flux", "--mesh", "ici=1,tp=2"], "splits over data-parallel dims (dcn / ici) only, not tp"),
 ])
 def test_a_flag_of_another_workload_or_a_bad_own_flag_is_one_line_exit_2(argv, message, capsys):
     """Flags that do not apply to the chosen workload are refused (they were ignored in silence)."""

@@ -1,0 +1,20 @@
+"""rl/: GRPO post-training (`--task grpo`) and its supervised warm start (`--task sft`), as workloads
+of the shared trainer, after torchtitan's experiments/rl and TRL's GRPOTrainer.
+
+Read in this order (each file imports only those above it, and the core at the repository root):
+
+    arithmetic.py   a verifiable task: `ab+cd=` prompts as a pure function of (seed, step), 500 held-out
+                    problems, a reward that compares bytes
+    grpo.py         the algorithm: group advantages, the clipped surrogate against the engine's sampling
+                    logprobs, aggregations grpo / dapo / dr_grpo, k3 KL to a reference
+    weight_sync.py  the trainer's weights to the engine: one gloo broadcast, copied in place, versioned
+    rollout.py      the rollout engine in its own process: G samples per prompt on a static KV cache,
+                    logprobs and the policy version; a dead or stalled engine is one line, exit 4
+    grpo_task.py    PolicyFamily (the LM family, also started from a train.py run), the policy workloads'
+                    shared part (engine, held-out accuracy) and GRPOArithmetic (--task grpo)
+    sft_task.py     SFTArithmetic (--task sft): the loss on the answers' bytes only
+
+    python train.py --task sft ... --out-dir runs/sft
+    python train.py --task grpo --init-from runs/sft ... --out-dir runs/grpo
+    python -m rl.arithmetic write FILE        # solved problems as text (a corpus for --task lm)
+"""
