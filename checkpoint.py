@@ -13,7 +13,6 @@ The write protocol, in order (a crash between any two steps leaves the previous 
 `step_N` and verifies it, so a missing or garbage `latest` cannot hide the checkpoints.
 """
 import copy
-import dataclasses
 import hashlib
 import json
 import os
@@ -26,9 +25,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import layer_scan
-from errors import BadInput, WriteFailed
-from mesh import peer_failure
-from model import ModelArgs, Transformer
+import task
+from errors import BadInput, WriteFailed, peer_failure
 
 
 class CheckpointError(BadInput):
@@ -319,36 +317,34 @@ def run_checkpoint(path):
     return chosen, read_meta(chosen)
 
 
-def load_model(path, meta, device="cpu"):
-    """The model saved in checkpoint `path` (also one saved sharded, or stacked by --scan), built from
-    the ModelArgs its meta.json records; a config this version cannot build is refused in one line."""
-    saved = meta.get("model_args")
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"{os.path.join(path, 'meta.json')} records no model_args")
-    unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(ModelArgs)})
-    if unknown:
-        raise CheckpointError(f"{os.path.join(path, 'meta.json')}: model_args {', '.join(unknown)} "
-                                         f"unknown to this version (a checkpoint written by another version)")
+def load_run(path, device="cpu", kind=None):
+    """(model, meta) of a run's newest verified checkpoint, or of the checkpoint directory `path`, built
+    by the model family of the workload that trained it (task.WORKLOADS; its `from_record`), also one
+    saved sharded or stacked by --scan. `kind`: the kind of model the caller can use (ModelFamily.kind,
+    e.g. "a language model"); a run of another kind is refused in one line that names what it is."""
+    chosen, meta = run_checkpoint(path)
+    name = meta.get("task", "lm")
+    if name not in task.WORKLOADS:
+        raise CheckpointError(f"{chosen} was trained by --task {name!r}, unknown to this version")
+    cls = task.workload_class(name).family_class
+    if kind is not None and cls.kind != kind:
+        raise CheckpointError(f"{path} is a --task {name} run, {cls.kind}: not {kind}")
+    where = os.path.join(chosen, "meta.json")
+    made = cls.from_record(meta, where)
     try:
-        model = Transformer(ModelArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}))
+        model = made.build(made.args)
     except (TypeError, ValueError) as e:  # a value of the wrong type or out of range
-        raise CheckpointError(f"{os.path.join(path, 'meta.json')}: model_args describe no model "
-                                         f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
-    target = model
-    if meta.get("layers") == "stacked":  # saved with --scan: load the stacked layout, then unstack
-        target = layer_scan.stack_layers(copy.deepcopy(model))
-    state = load(path, {"model": target.state_dict()})["model"]
-    if target is not model:
-        state = {**{k: v for k, v in state.items() if not k.startswith("layers.")},
-                 **{f"layers.{i}.{k[len('layers.'):].replace('__', '.')}": v[i]
-                    for k, v in state.items() if k.startswith("layers.") for i in range(v.shape[0])}}
-    model.load_state_dict(state)
-    return model.to(device)
-
-
-def load_run(path, device="cpu"):
-    """The model of a run's newest verified checkpoint, or of the checkpoint directory `path`."""
-    return load_model(*run_checkpoint(path), device)
+        raise CheckpointError(f"{where}: model_args describe no model "
+                              f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+    if meta.get("layers") != "stacked":
+        model.load_state_dict(load(chosen, {"model": model.state_dict()})["model"])
+        return model.to(device), meta
+    stacked = copy.deepcopy(model)  # saved with --scan: load the stacked layout, then copy it out
+    stacked_pairs, plain_pairs = made.scan_stacks(stacked), made.scan_stacks(model)
+    layer_scan.stack_layers(stacked, stacked_pairs)
+    stacked.load_state_dict(load(chosen, {"model": stacked.state_dict()})["model"])
+    layer_scan.unstack_into(stacked_pairs, plain_pairs)
+    return model.to(device), meta
 
 
 def to_cpu(tree):

@@ -45,3 +45,19 @@ def error_line(message):
     run share stderr, so their lines would interleave."""
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
+
+
+# What a collective raises when the process at the other end died or stalled (gloo / NCCL / the
+# store), as opposed to this process's own failure (out of memory, a shape error): told apart so
+# that a rank's own error is not reported as a peer's.
+PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+                      "Timed out", "timed out", "NCCL", "Gloo", "gloo", "ProcessGroup", "recvBytes", "sendBytes")
+
+
+def peer_failure(e):
+    """True if exception `e` (or what DCP wrapped into it) says a peer process died or stalled."""
+    import torch.distributed as dist  # (torch's, not ours: this module imports nothing of ours)
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return any(sign in text for sign in PEER_FAILURE_SIGNS)

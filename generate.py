@@ -23,6 +23,7 @@ import torch
 
 import checkpoint
 import device as dev
+from model import KIND
 
 
 class KVCache:
@@ -206,8 +207,8 @@ def main(argv=None):
             raise ValueError("need --max-new-tokens > 0, 0 < --top-p <= 1, a finite --temperature >= 0, --top-k >= 0")
         device = dev.pick_device(cfg.device)
         if cfg.run:
-            path, meta = checkpoint.run_checkpoint(cfg.run)
-            tok, model = run_tokenizer(meta), checkpoint.load_model(path, meta, device)
+            model, meta = checkpoint.load_run(cfg.run, device, kind=KIND)
+            tok = run_tokenizer(meta)
         else:
             import hf
             config = hf.read_config(cfg.hf)

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 import checkpoint
 from errors import BadInput
 from parallel import local_box, local_tensor
-from model import ModelArgs, Transformer, check_args
+from model import KIND, ModelArgs, Transformer, check_args
 
 
 class HFError(BadInput):
@@ -406,7 +406,7 @@ def main(argv):
     cfg = p.parse_args(argv)
     try:
         check_target(cfg.out_dir, cfg.overwrite)  # before the (maybe large) checkpoint is read
-        model = checkpoint.load_run(cfg.run_dir)
+        model, _ = checkpoint.load_run(cfg.run_dir, kind=KIND)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

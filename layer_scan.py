@@ -234,3 +234,16 @@ def stack_layers(model, stacks=None):
     for owner, name in stacks or [(model, "layers")]:
         setattr(owner, name, StackedLayers(list(getattr(owner, name))))
     return model
+
+
+@torch.no_grad()
+def unstack_into(stacked_pairs, plain_pairs):
+    """Copy the weights of stacks (StackedLayers, at each (owner, attribute) of `stacked_pairs`) into the
+    blocks of a model prepared the same way but not stacked (`plain_pairs`): layer i of every stacked
+    parameter into block i's parameter of the same name. How a run trained with --scan is loaded as a
+    plain model (checkpoint.load_run)."""
+    for (owner_s, attr_s), (owner_p, attr_p) in zip(stacked_pairs, plain_pairs):
+        stack, blocks = getattr(owner_s, attr_s), getattr(owner_p, attr_p)
+        for i, block in enumerate(blocks):
+            for name in stack.names:
+                block.get_parameter(name).copy_(getattr(stack, name.replace(".", "__"))[i])

@@ -14,21 +14,39 @@ from typing import Optional
 
 import data
 import hf
+from checkpoint import CheckpointError
 from cli import flag, with_overrides
 from errors import ConfigError
-from model import (FLAVORS, Transformer, check_args, dynamic_shapes_reason, flops_per_token, next_token_loss,
-                   param_counts, tpu_config)
+from model import (FLAVORS, KIND, ModelArgs, Transformer, check_args, dynamic_shapes_reason, flops_per_token,
+                   next_token_loss, param_counts, tpu_config)
 from task import ModelFamily, Workload
 
 
 class LanguageModelFamily(ModelFamily):
     """model.Transformer from a flavor (or a Hugging Face directory's config) with --set applied and,
     for --kernels pallas, the TPU kernels swapped in by a config rewrite."""
-    model_parallel = ("tp", "ep")
+    model_parallel, kind = ("tp", "ep"), KIND
 
     def __init__(self, cfg, args=None, byte_vocab=True):
-        self.cfg = cfg
+        self.cfg = cfg  # (None for a family made from a checkpoint's record)
         super().__init__(args if args is not None else self.args_from_cli(cfg, byte_vocab))
+
+    @classmethod
+    def from_record(cls, meta, where):
+        saved = meta.get("model_args")
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{where} records no model_args")
+        unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(ModelArgs)})
+        if unknown:
+            raise CheckpointError(f"{where}: model_args {', '.join(unknown)} unknown to this version (a checkpoint "
+                                  f"written by another version)")
+        try:
+            args = ModelArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+            check_args(args)
+        except (TypeError, ValueError) as e:  # a value of the wrong type or out of range
+            raise CheckpointError(f"{where}: model_args describe no model "
+                                  f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+        return cls(None, args)
 
     @staticmethod
     def args_from_cli(cfg, byte_vocab):

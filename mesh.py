@@ -64,21 +64,6 @@ def parse_mesh(spec):
     return sizes["dcn"], sizes["ici"]
 
 
-# What a collective raises when the process at the other end died or stalled (gloo / NCCL / the
-# store), as opposed to this process's own failure (out of memory, a shape error): told apart so
-# that a rank's own error is not reported as a peer's.
-PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
-                      "Timed out", "timed out", "NCCL", "Gloo", "gloo", "ProcessGroup", "recvBytes", "sendBytes")
-
-
-def peer_failure(e):
-    """True if exception `e` (or what DCP wrapped into it) says a peer process died or stalled."""
-    if isinstance(e, dist.DistError):
-        return True
-    text = str(e)
-    return any(sign in text for sign in PEER_FAILURE_SIGNS)
-
-
 class TorchrunMesh(Parallel):
     """One process per device under torchrun; parameters become DTensor shards on the mesh."""
 

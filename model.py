@@ -22,6 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+KIND = "a language model"  # ModelFamily.kind of this file's models (checkpoint.load_run refuses other runs)
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     dim: int = 192

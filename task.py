@@ -13,9 +13,11 @@ model, parallelize function and loss beside the shared trainer):
     blocks(model)               the repeated modules: FSDP2's units, --mode compile's units, the bucket
                                 pass's buckets (default: the whole model as one)
     scan_stacks(model)          (owner, attribute) of each ModuleList --scan stacks (none: refused)
-    param_count(args), label(), record(args), dynamic_shapes_reason(args),
+    param_count(args), label(), record(args), from_record(meta) (a run's family: how generate, export,
+    --init-from RUN and the samplers load a run, checkpoint.load_run), dynamic_shapes_reason(args),
     activation_bytes(args, local_batch, seq_len, free_bytes), plan(args, cfg) (dryrun.Workload)
     model_parallel              the layout dims beyond data parallel it can be split over ("tp", "ep")
+    kind                        what its models are, in words (a run of another kind is refused by name)
 
   Workload: the data, the loss and what a run of it does besides the loop
     name, default_flavor        registered in WORKLOADS below; `Flags`: a dataclass of its own flags
@@ -31,8 +33,6 @@ model, parallelize function and loss beside the shared trainer):
     preview(model, log, out_dir, step, final)   something to look at (one device only)
     attach(model), step_metrics(), evaluate(model, step, log), evaluates, plotted, close()
                                 for a workload with state beside the model (GRPO's rollout engine)
-    load_run(path)              a run directory of this workload as (model, meta): generate, export,
-                                --init-from and the samplers load runs through it
 
 A new workload is one file (a Workload subclass and, if the model is new, a ModelFamily) and one line
 in WORKLOADS. This file imports nothing of ours: the registry names classes by "module:Class" and
@@ -60,6 +60,7 @@ def workload_class(name):
 class ModelFamily:
     """A kind of model (see the module docstring); subclasses implement what raises here."""
     model_parallel = ()
+    kind = "model"  # what its models are, in words ("a language model"): how a run of it is named
 
     def __init__(self, args):
         self.args = args
@@ -98,6 +99,12 @@ class ModelFamily:
         """Activation memory of one step (refusing a batch that cannot fit before anything is
         allocated); 0 where the family does not estimate it."""
         return 0
+
+    @classmethod
+    def from_record(cls, meta, where):
+        """The family of a checkpoint's model, from its meta.json (`where`, for messages): what
+        checkpoint.load_run builds a run's model with. BadInput where the record describes no model."""
+        raise NotImplementedError
 
     def plan(self, args, cfg):
         """dryrun.Workload for `args` at full scale (--dry-run, --plan)."""

@@ -32,7 +32,7 @@ import optim
 import rundir
 from cli import RESUME_CHECKED, parse_config
 from errors import (EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, ConfigError,
-                    MinititanError, PeerGone, error_line)
+                    MinititanError, PeerGone, error_line, peer_failure)
 from parallel import Parallel, layout_kind
 from task import workload_class
 
@@ -405,7 +405,7 @@ def _runtime_failure(e, trainer, parallel):
     rank = f"rank {parallel.global_rank}: " if parallel is not None and parallel.mesh_spec else ""
     where = f" at step {trainer.step}" if trainer else ""
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    if mesh.peer_failure(e):
+    if peer_failure(e):
         error_line(f"{rank}a collective failed{where}: a peer process died or stalled ({first})")
         return EXIT_PEER_FAILED
     if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e).lower():

@@ -135,6 +135,7 @@ class FluxFamily(ModelFamily):
     """flux.Flux behind its conditioning (ConditionedFlux): from a flavor or a diffusers directory's
     config, --set applied; the data source fixes the image grid and whether prompts are learned
     classes (`configure`, before the model is built)."""
+    kind = "a FLUX diffusion model"
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -157,6 +158,25 @@ class FluxFamily(ModelFamily):
             args = dataclasses.replace(args, attn_impl="splash")
         super().__init__(args)
         self.hw, self.classes, self.guidance, self.text_tokens = (SIDE, SIDE), True, 1.0, PROMPT_TOKENS
+
+    @classmethod
+    def from_record(cls, meta, where):
+        """A FLUX run's model: the recorded FluxArgs; learned class prompts unless it trained on a file."""
+        saved = meta.get("model_args")
+        known = {f.name for f in dataclasses.fields(flux.FluxArgs)}
+        if not isinstance(saved, dict) or set(saved) - known:
+            raise ConfigError(f"{where}: model_args {sorted(set(saved or {}) - known) or '(none)'} describe no "
+                              f"FLUX model of this version")
+        try:
+            args = flux.FluxArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+            flux.check_args(args)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: model_args describe no FLUX model ({str(e).splitlines()[0]})") from None
+        family = cls.__new__(cls)
+        ModelFamily.__init__(family, args)
+        family.cfg = None
+        family.hw, family.classes, family.guidance, family.text_tokens = (SIDE, SIDE), not meta["train"].get("data"), 1.0, PROMPT_TOKENS
+        return family
 
     def configure(self, hw, classes, guidance, text_tokens):
         self.hw, self.classes, self.guidance, self.text_tokens = tuple(hw), classes, guidance, text_tokens
@@ -433,9 +453,7 @@ def main(argv=None):
         if meta["train"].get("data"):
             raise ValueError(f"{path} trained on a latent file: its prompts are the file's (the run's grids "
                              f"are written at each evaluation); this CLI samples digits runs")
-        model = ConditionedFlux(flux.FluxArgs(**{k: tuple(v) if isinstance(v, list) else v
-                                                 for k, v in meta["model_args"].items()}))
-        model.load_state_dict(checkpoint.load(path, {"model": model.state_dict()})["model"])
+        model, _ = checkpoint.load_run(path, kind=FluxFamily.kind)
     except (ValueError, TypeError, OSError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 2

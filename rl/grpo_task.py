@@ -55,7 +55,7 @@ class PolicyFamily(LanguageModelFamily):
         if cfg.init_from and not os.path.isfile(os.path.join(cfg.init_from, "config.json")):
             if cfg.set:
                 raise ConfigError("--set changes the model; the warm-start run at --init-from fixes it")
-            self.warm = checkpoint.load_run(cfg.init_from)
+            self.warm, _ = checkpoint.load_run(cfg.init_from, kind=self.kind)
             super().__init__(cfg, args=self.warm.args)
         else:
             super().__init__(cfg)  # --flavor / --set, or a HF directory

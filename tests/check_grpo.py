@@ -277,7 +277,7 @@ def _grpo_args(warm, out_dir, *extra):
 
 def _grpo_weights(run_dir):
     import checkpoint
-    return checkpoint.load_run(run_dir).state_dict()
+    return checkpoint.load_run(run_dir)[0].state_dict()
 
 
 def test_grpo_through_the_trainer_graph_mode_simplefsdp_and_resume_equal_one_eager_process(grpo_warm, tmp_path):

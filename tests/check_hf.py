@@ -359,7 +359,7 @@ def test_export_never_clobbers_and_a_failed_write_keeps_the_old_files(corpus, tm
     run = str(tmp_path / "run")
     assert _main([*TINY, "--data", corpus, "--steps", "1", "--eval-batches", "0", "--sample-tokens", "0",
                   "--out-dir", run]) == 0
-    model = checkpoint.load_run(run)
+    model, _ = checkpoint.load_run(run)
     hf.save(Transformer(model.args), str(tmp_path / "out"), max_shard_bytes=100_000)  # an older export: other
     # weights, sharded with an index that a loader would prefer to a new model.safetensors beside it
     user = tmp_path / "user"
