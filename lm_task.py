@@ -46,7 +46,7 @@ class LanguageModelFamily(ModelFamily):
         except (TypeError, ValueError) as e:  # a value of the wrong type or out of range
             raise CheckpointError(f"{where}: model_args describe no model "
                                   f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
-        return cls(None, args)
+        return LanguageModelFamily(None, args)  # (a policy run too: its model is this family's)
 
     @staticmethod
     def args_from_cli(cfg, byte_vocab):
