@@ -298,7 +298,14 @@ def load_into(model, path):
         else:
             size, offset, target = p.shape, [0] * p.dim(), p
         box = [(o, o + n) for o, n in zip(offset, size)]
-        target.copy_(read_param(reader, name, tuple(p.shape), box).to(target.dtype))
+        block = read_param(reader, name, tuple(p.shape), box)
+        if not torch.isfinite(block).all():  # NaN weights would log a NaN loss only after a step trained
+            keys = _hf_keys(name, p.shape[0])
+            raise HFError(f"{path}: {keys[0] if len(keys) == 1 else name} holds non-finite values (NaN or Inf): "
+                          f"these weights cannot be trained from")
+        target.copy_(block.to(target.dtype))
+        if not torch.isfinite(target).all():  # (finite in float64, beyond the parameter's dtype)
+            raise HFError(f"{path}: {name}'s values overflow {target.dtype} (its largest is {block.abs().max().item():g})")
     return model
 
 

@@ -242,3 +242,23 @@ def test_flux_bad_input_one_line_exit_2_nothing_written(case, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
     assert not os.path.exists(out_dir)
+
+
+def test_flux_init_from_nan_weights_stops_before_training_naming_them(tmp_path, capsys):
+    """--init-from a diffusers directory holding a NaN: one line naming the tensor, exit 2, before a step
+    is trained or anything is written (it used to log val loss nan at step 0, train a step, then exit 3)."""
+    import flux
+    import flux_hf
+    from safetensors.torch import load_file, save_file
+    d = str(tmp_path / "nan_dir")
+    flux_hf.save(flux.Flux(flux.FLAVORS["flux_debug"]), d)
+    weights = load_file(os.path.join(d, flux_hf.WEIGHTS))
+    key = "transformer_blocks.1.ff.net.2.weight"
+    weights[key][0, 0] = float("nan")
+    save_file(weights, os.path.join(d, flux_hf.WEIGHTS))
+    out = str(tmp_path / "run")
+    rc = _main(["--task", "flux", "--init-from", d, "--steps", "2", "--batch-size", "4", "--eval-batches", "1",
+                "--sample-images", "0", "--out-dir", out])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error:") and key in err and "non-finite" in err and len(err.splitlines()) == 1, err
+    assert not os.path.exists(out)

@@ -361,3 +361,22 @@ def test_grpo_bad_input_is_one_error_line_exit_2_and_a_dead_engine_exit_4(grpo_w
     assert proc.returncode == 4, err[-2000:]
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "rollout engine process died (exit code -9)" in lines[0] and "at step" in lines[0], err
+
+
+def test_grpo_init_from_a_hf_directory_of_nan_weights_stops_before_training_naming_them(tmp_path, capsys):
+    """--task grpo --init-from a HF directory whose weights hold a NaN: one line naming the tensor, exit 2,
+    nothing written (not a NaN held-out evaluation, a trained step and exit 3)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    d = tmp_path / "llama_nan"
+    shutil.copytree(os.path.join(HERE, "fixtures", "hf", "llama"), d)
+    weights = load_file(str(d / "model.safetensors"))
+    key = "model.layers.1.mlp.down_proj.weight"
+    weights[key][2, 3] = float("inf")
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    out = str(tmp_path / "run")
+    rc = _main(["--task", "grpo", "--init-from", str(d), "--steps", "2", "--prompts-per-step", "2",
+                "--group-size", "2", "--out-dir", out])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error:") and key in err and "non-finite" in err and len(err.splitlines()) == 1, err
+    assert not os.path.exists(out)
