@@ -19,6 +19,10 @@ EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED = 2, 3, 4, 5
 EXIT_OWN_FAILURE = 1  # this process failed by itself (out of memory, a bug): named in one line
 # What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
 RESUME_CHECKED = ("seed", "batch_size", "seq_len", "lr", "warmup", "clip", "weight_decay", "dtype", "steps")
+# ...and what a task records beside them that may change deliberately too (grpo_task / sft_task / flux_task's
+# meta(); a grpo run's --updates-per-batch may not: checkpoint.FIXED_ON_RESUME)
+RESUME_ALSO = ("data", "init_from", "reward_task", "format_credit", "group_size", "prompts_per_step", "clip_eps",
+               "aggregation", "kl_beta", "max_new_tokens", "temperature", "engine_dtype")
 
 
 def error_line(message):
@@ -126,7 +130,7 @@ class TrainConfig:
     resume_from: Optional[str] = flag(None, "continue from this checkpoint (e.g. step_000010; newer ones are set "
                                       "aside as *.superseded)", metavar="STEP_DIR")
     allow_change: str = flag("", f"on resume, accept these changed settings (comma list of "
-                             f"{', '.join(RESUME_CHECKED)}, data)", metavar="NAMES")
+                             f"{', '.join(RESUME_CHECKED + RESUME_ALSO)})", metavar="NAMES")
     watchdog: float = flag(300.0, "end the run (exit 4) after this many seconds without progress, e.g. a stalled "
                            "peer (0: off; raise it for long first-step compiles)")
     halt_at: int = flag(0, "stop after this step as if preempted (tests resume)")
@@ -212,10 +216,10 @@ def validate(cfg):
     g = cfg.distilled_guidance
     if g is not None and (cfg.task != "flux" or not (g >= 0 and math.isfinite(g))):
         raise ConfigError(f"--distilled-guidance {g}: a finite value >= 0, for --task flux only")
-    unknown = set(filter(None, cfg.allow_change.split(","))) - set(RESUME_CHECKED) - {"data"}
+    unknown = set(filter(None, cfg.allow_change.split(","))) - set(RESUME_CHECKED) - set(RESUME_ALSO)
     if unknown:
         raise ConfigError(f"--allow-change {cfg.allow_change!r}: unknown {sorted(unknown)}; choose from "
-                          f"{', '.join(RESUME_CHECKED)}, data")
+                          f"{', '.join(RESUME_CHECKED + RESUME_ALSO)}")
     graph_only = [f for f, on in (("--remat", cfg.remat), ("--offload", cfg.offload), ("--split", cfg.split),
                                   ("--backend", cfg.backend)) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:

@@ -260,7 +260,9 @@ class FluxDigits(Task):
         return f"hf:{os.path.abspath(self.cfg.init_from)}" if self.cfg.init_from else self.cfg.flavor
 
     def meta(self):
-        return {"data": self.src.fingerprint} if self.src.fingerprint else {}
+        """The data's content hash, None for the digits: always recorded, so that a resume that drops
+        --data (or adds it) is seen to change it (checkpoint.check_compatible compares this run's keys)."""
+        return {"data": self.src.fingerprint}
 
     def preview(self, model, log, out_dir, step, final):
         """A quick grid at each evaluation, named by the step (not judged); at the end the full grid,
@@ -371,6 +373,31 @@ def save_grid(images_Nx1xHxW, per_row, path):
     os.replace(tmp, path)
 
 
+def load_digits_model(path, meta):
+    """The ConditionedFlux of a digits run's checkpoint `path`, also one trained with --scan: its blocks
+    saved stacked (L, ...) are loaded into the model stacked as the run built it, then unstacked into
+    the plain blocks (an eager scan retraces each block at every call: slow to sample from)."""
+    import checkpoint
+    model = ConditionedFlux(flux.FluxArgs(**{k: tuple(v) if isinstance(v, list) else v
+                                             for k, v in meta["model_args"].items()}))
+    target = model
+    if meta.get("layers") == "stacked":
+        import copy
+        import layer_scan
+        target = copy.deepcopy(model)
+        layer_scan.stack_layers(target, target.flux.pack_for_scan(PROMPT_TOKENS))
+    state = checkpoint.load(path, {"model": target.state_dict()})["model"]
+    if target is not model:  # flux.double_blocks.block__img_attn__qkv__weight (L, ...) -> ....{i}.img_attn.qkv.weight
+        plain = {}
+        for name, w in state.items():
+            stack, sep, rest = name.partition("_blocks.block__")  # (PackedBlock holds the block as `block`)
+            plain.update({f"{stack}_blocks.{i}.{rest.replace('__', '.')}": w[i] for i in range(len(w))}
+                         if sep else {name: w})
+        state = plain
+    model.load_state_dict(state)
+    return model
+
+
 def main(argv=None):
     """python flux_task.py RUN_DIR [--per-class N] [--guidance 1,2,4]: sample a FLUX run's newest
     checkpoint, a grid per guidance scale (RUN_DIR/samples_g<scale>.png) and the judge's accuracy."""
@@ -393,9 +420,7 @@ def main(argv=None):
         if meta["train"].get("data"):
             raise ValueError(f"{path} trained on a latent file: its prompts are the file's (the run's grids "
                              f"are written at each evaluation); this CLI samples digits runs")
-        model = ConditionedFlux(flux.FluxArgs(**{k: tuple(v) if isinstance(v, list) else v
-                                                 for k, v in meta["model_args"].items()}))
-        model.load_state_dict(checkpoint.load(path, {"model": model.state_dict()})["model"])
+        model = load_digits_model(path, meta)
     except (ValueError, TypeError, OSError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
