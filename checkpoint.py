@@ -348,6 +348,9 @@ def load_model(path, meta, device="cpu"):
     """The model saved in checkpoint `path` (also one saved sharded, or stacked by --scan), built from
     the ModelArgs its meta.json records; a config this version cannot build is refused in one line."""
     saved = meta.get("model_args")
+    if meta.get("task") == "flux":  # (its model_args are flux.FluxArgs': not "another version")
+        raise CheckpointError(f"{path} is a FLUX run (--task flux), not a language model: sample it with "
+                              f"python flux_task.py RUN_DIR")
     if not isinstance(saved, dict):
         raise CheckpointError(f"{os.path.join(path, 'meta.json')} records no model_args")
     unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(ModelArgs)})

@@ -337,3 +337,27 @@ def test_flux_sampling_cli_samples_a_scan_run_and_a_dcp_failure_is_one_line(tmp_
     with pytest.raises(checkpoint.CheckpointError, match="could not be loaded") as e:
         checkpoint.load(path, {"model": {"flux.no_such_weight": torch.zeros(1)}})
     assert "\n" not in str(e.value)
+
+
+def test_a_flux_run_given_as_a_language_model_is_named_a_flux_run(tmp_path, capsys):
+    """generate.py --run, hf.py export and --task grpo --init-from on a FLUX run: one line saying it is a
+    FLUX run, not a language model (not "model_args ... unknown to this version"), exit 2, nothing
+    written. The run: a checkpoint directory whose meta.json is a flux_debug run's (no weight files:
+    it is refused before any is read)."""
+    import dataclasses
+    import flux
+    import generate
+    import hf
+    step = tmp_path / "flux_run" / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    args = {k: v for k, v in dataclasses.asdict(flux.FLAVORS["flux_debug"]).items() if k != "attn_impl"}
+    (step / "meta.json").write_text(json.dumps({"flavor": "flux_debug", "task": "flux", "model_args": args,
+                                                "mesh": None, "train": {"data": None}, "step": 2, "files": {}}))
+    run, out = str(tmp_path / "flux_run"), str(tmp_path / "out")
+    for call in (lambda: generate.main(["--run", run, "a", "--device", "cpu"]),
+                 lambda: hf.main(["export", run, out]),
+                 lambda: _main(["--task", "grpo", "--init-from", run, "--steps", "2", "--out-dir", out])):
+        assert call() == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and "is a FLUX run (--task flux), not a language model" in err, err
+        assert len(err.splitlines()) == 1 and not os.path.exists(out), err
