@@ -46,6 +46,41 @@ from task import LanguageModel, Task
 SHOWN = 4  # completions printed at the first and the last evaluation
 
 
+def warm_checkpoint(cfg):
+    """(checkpoint, its meta) of the --init-from run to start from: its newest verified checkpoint, or, on a
+    resume, the one this run started from (its meta.json records the path and a checksum of that
+    checkpoint's meta.json, which holds every file's sha256), even if the warm-start run has gained newer
+    checkpoints since: the KL reference must stay the policy the run started from. Gone or changed: one line."""
+    recorded = _recorded_warm_start(cfg)
+    given = os.path.abspath(cfg.init_from)
+    if recorded is None or given not in (recorded[0], os.path.dirname(os.path.dirname(recorded[0]))):
+        return checkpoint.run_checkpoint(cfg.init_from)  # (another warm start: the resume check names it)
+    path, digest = recorded
+    meta_json = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_json) or checkpoint.sha256_of(meta_json) != digest or checkpoint.verify(path):
+        raise ConfigError(f"--init-from {cfg.init_from}: this run started from {path}, which is "
+                          f"{'changed or broken' if os.path.isdir(path) else 'gone'} (it no longer matches the "
+                          f"checksum recorded at the start); the run cannot resume against another warm start")
+    return path, checkpoint.read_meta(path)
+
+
+def _recorded_warm_start(cfg):
+    """(path, sha256) of the warm-start checkpoint recorded by the checkpoint this run resumes from, or None."""
+    if not (cfg.resume or cfg.resume_from) or not cfg.out_dir:
+        return None
+    ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
+    found = checkpoint.step_dirs(ckpt_dir)
+    path = (cfg.resume_from if os.path.isdir(cfg.resume_from) else os.path.join(ckpt_dir, cfg.resume_from)) \
+        if cfg.resume_from else found[0][1] if found else None  # (as checkpoint.choose picks it)
+    try:
+        record = checkpoint.read_meta(path)["train"]["init_from"] if path else None
+    except (checkpoint.CheckpointError, KeyError, TypeError):
+        return None  # (broken or absent: the trainer's resume check says so)
+    if not isinstance(record, str) or " sha256:" not in record:
+        return None
+    return tuple(record.rsplit(" sha256:", 1))
+
+
 class ArithmeticPolicy(LanguageModel):
     """What GRPO and its supervised warm start (sft_task.py) share: a byte-level language model as the
     policy (LanguageModel's building, sizing and records, or a train.py run's weights), the verifiable
@@ -60,10 +95,14 @@ class ArithmeticPolicy(LanguageModel):
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.warm = None  # a train.py run's policy (full weights, CPU) to start from
+        # meta.json's record of the warm start: a HF directory's path, or the run checkpoint's path and checksum
+        self.warm_record = os.path.abspath(cfg.init_from) if cfg.init_from else None
         if cfg.init_from and not os.path.isfile(os.path.join(cfg.init_from, "config.json")):
             if cfg.set:
                 raise ConfigError("--set changes the model; the warm-start run at --init-from fixes it")
-            self.warm = checkpoint.load_run(cfg.init_from)
+            path, meta = warm_checkpoint(cfg)
+            self.warm = checkpoint.load_model(path, meta)
+            self.warm_record = f"{os.path.abspath(path)} sha256:{checkpoint.sha256_of(os.path.join(path, 'meta.json'))}"
             self.args = self.warm.args
         else:
             self.args = self.model_args()  # --flavor / --set, or a HF directory
@@ -245,4 +284,4 @@ class GRPOArithmetic(ArithmeticPolicy):
         keys = ("reward_task", "format_credit", "group_size", "prompts_per_step", "updates_per_batch", "clip_eps", "aggregation",
                 "kl_beta", "max_new_tokens", "temperature", "engine_dtype")
         return {"grpo": {k: getattr(self.cfg, k) for k in keys},
-                "init_from": os.path.abspath(self.cfg.init_from) if self.cfg.init_from else None}
+                "init_from": self.warm_record}

@@ -74,4 +74,4 @@ class SFTArithmetic(ArithmeticPolicy):
 
     def meta(self):
         return {"sft": {"reward_task": self.cfg.reward_task},
-                "init_from": os.path.abspath(self.cfg.init_from) if self.cfg.init_from else None}
+                "init_from": self.warm_record}

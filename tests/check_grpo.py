@@ -380,3 +380,49 @@ def test_grpo_init_from_a_hf_directory_of_nan_weights_stops_before_training_nami
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error:") and key in err and "non-finite" in err and len(err.splitlines()) == 1, err
     assert not os.path.exists(out)
+
+
+def test_grpo_resume_keeps_its_warm_start_checkpoint_and_offers_only_accepted_changes(grpo_warm, tmp_path, capsys):
+    """A GRPO run records the warm-start checkpoint it started from (path and a checksum of its meta.json,
+    which holds every file's sha256). Resumed after the warm-start run gained a newer checkpoint, it
+    takes the recorded one again (its KL reference; it used to take the newest silently); if that one
+    is gone, one line, exit 2. A changed --temperature names `temperature` and offers
+    --allow-change temperature, which cli.py accepts and the resume then takes (it used to offer
+    `grpo`, refused as unknown); --updates-per-batch cannot change on a resume (not offered)."""
+    import shutil
+    import checkpoint
+    import train
+    from tests.common import _files
+    warm = str(tmp_path / "warm")
+    shutil.copytree(grpo_warm, warm)
+    out = str(tmp_path / "grpo")
+    args = _grpo_args(warm, out, "--ckpt-interval", "2")
+    assert _main([*args, "--halt-at", "2"]) == 0
+    started, meta = checkpoint.run_checkpoint(warm)
+    want = checkpoint.load_model(started, meta).state_dict()
+    # the warm-start run gains a newer checkpoint (other weights), which --init-from RUN now resolves to
+    newer = {k: v + 0.01 for k, v in want.items()}
+    checkpoint.save(os.path.join(warm, "checkpoints"), 50, {"model": newer},
+                    {k: v for k, v in meta.items() if k not in ("files", "step")})
+    assert checkpoint.run_checkpoint(warm)[0].endswith("step_000050")
+    capsys.readouterr()
+
+    trainer = train.Trainer(train.parse_config([*args, "--resume"]))
+    assert trainer.step == 2 and trainer.meta["train"]["init_from"].startswith(os.path.abspath(started) + " sha256:")
+    for name, w in trainer.task._reference().state_dict().items():  # the KL reference: the warm start it began from
+        assert torch.equal(w, want[name]), name
+
+    before = _files(out)
+    for extra, needles in ((["--temperature", "0.7"], ["temperature: saved 1.0, now 0.7", "--allow-change temperature"]),
+                           (["--updates-per-batch", "1"], ["updates_per_batch: saved 2, now 1", "cannot change"])):
+        assert _main([*args, "--resume", *extra]) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and len(err.splitlines()) == 1 and all(n in err for n in needles), err
+        assert ("--allow-change" in err) == (extra[0] == "--temperature"), err
+    trainer = train.Trainer(train.parse_config([*args, "--resume", "--temperature", "0.7", "--allow-change", "temperature"]))
+    assert trainer.step == 2 and trainer.task.algo.temperature == 0.7
+    os.rename(started, started + ".moved")  # the recorded warm start is gone: refused, not replaced by step_50
+    assert _main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --init-from") and f"started from {os.path.abspath(started)}, which is gone" in err, err
+    assert len(err.splitlines()) == 1 and _files(out) == before
