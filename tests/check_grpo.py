@@ -426,3 +426,25 @@ def test_grpo_resume_keeps_its_warm_start_checkpoint_and_offers_only_accepted_ch
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --init-from") and f"started from {os.path.abspath(started)}, which is gone" in err, err
     assert len(err.splitlines()) == 1 and _files(out) == before
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "trainer gone"])
+def test_the_engine_process_ends_without_a_word_on_ctrl_c_or_when_its_trainer_is_gone(how, capfd):
+    """Ctrl-C reaches the whole process group: the trainer says it in one line (exit 130), the engine
+    process ends without a KeyboardInterrupt traceback; a trainer that is gone (SIGKILLed: its end of
+    the pipe closed) leaves an engine that ends without an EOFError traceback. (The engine process
+    writes to this process's stderr, which capfd captures at the file descriptor.)"""
+    import signal
+    import rollout
+    engine = rollout.EngineProcess(GRPO_TINY, timeout_s=60)
+    try:
+        if how == "SIGINT":
+            os.kill(engine.proc.pid, signal.SIGINT)
+        else:
+            engine.conn.close()  # what the engine sees of a SIGKILLed trainer
+        engine.proc.join(60)
+        assert engine.proc.exitcode == 0, engine.proc.exitcode
+    finally:
+        engine._kill()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Error" not in err, err
