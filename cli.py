@@ -134,6 +134,9 @@ class TrainConfig:
     watchdog: float = flag(300.0, "end the run (exit 4) after this many seconds without progress, e.g. a stalled "
                            "peer (0: off; raise it for long first-step compiles)")
     halt_at: int = flag(0, "stop after this step as if preempted (tests resume)")
+    halt_at_accuracy: float = flag(0.0, "sft / grpo: stop at the first evaluation after step 0 whose held-out "
+                                   "accuracy is >= this, saving that checkpoint (the newest: what --init-from RUN "
+                                   "takes); 0: off")
     sample_tokens: int = flag(64, "lm: at the end, print this many sampled bytes (0: off)")
     sample_images: int = flag(10, "flux: at the end, sample this many images per class into samples.png, "
                               "judged by a classifier; at each evaluation a quick grid samples_step_N.png (0: off)")
@@ -232,6 +235,9 @@ def validate(cfg):
         raise ConfigError(str(e)) from None
     if cfg.task in ("grpo", "sft"):
         _validate_grpo(cfg)
+    if cfg.halt_at_accuracy and not (cfg.task in ("grpo", "sft") and 0 < cfg.halt_at_accuracy <= 1):
+        raise ConfigError(f"--halt-at-accuracy {cfg.halt_at_accuracy}: a held-out accuracy in (0, 1], for --task "
+                          f"sft / grpo (the tasks that measure one)")
     if cfg.scan and cfg.mode == "compile":
         raise ConfigError("--scan has no per-block modules for --mode compile to compile: use eager or graph")
     _validate_mesh(cfg)

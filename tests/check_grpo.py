@@ -448,3 +448,38 @@ def test_the_engine_process_ends_without_a_word_on_ctrl_c_or_when_its_trainer_is
         engine._kill()
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Error" not in err, err
+
+
+def test_a_warm_start_halts_at_its_first_evaluation_meeting_the_accuracy_and_grpo_takes_that_checkpoint(
+        tmp_path, monkeypatch, capsys):
+    """--halt-at-accuracy A: the run ends (exit 0) at its first evaluation after step 0 whose held-out
+    accuracy is >= A, saving that checkpoint, whatever --ckpt-interval says; --init-from RUN (GRPO)
+    then starts from exactly it, and its meta.json records it. The held-out accuracies are scripted
+    here (the task's evaluation replaced: no engine, and the criterion is the thing tested): 0.9 at
+    step 0 (not a checkpoint: ignored), 0.2, 0.4 below, 0.5 meets 0.5 at step 6, 0.8 after it is never
+    reached. Bad values and tasks without a held-out accuracy: one line, exit 2."""
+    import checkpoint
+    import sft_task
+    import train
+    scripted = {0: 0.9, 2: 0.2, 4: 0.4, 6: 0.5, 8: 0.8}
+    monkeypatch.setattr(sft_task.SFTArithmetic, "evaluate",
+                        lambda self, model, step, log: {"held_out_accuracy": scripted[step]})
+    out = str(tmp_path / "sft")
+    warm = ["--task", "sft", *GRPO_WARM, "--steps", "20", "--eval-interval", "2", "--log-interval", "1"]
+    assert _main([*warm, "--halt-at-accuracy", "0.5", "--out-dir", out]) == 0
+    log = capsys.readouterr().out
+    assert "held-out accuracy 0.5000 >= --halt-at-accuracy 0.5: halted, checkpoint step_000006 saved" in log, log
+    assert sorted(_records(out, "held_out_accuracy")) == [0, 2, 4, 6] and max(_records(out, "loss")) == 6
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000006"]
+    task = train.TASKS["grpo"](train.parse_config(["--task", "grpo", "--init-from", out, "--steps", "2"]))
+    step6 = os.path.abspath(os.path.join(out, "checkpoints", "step_000006"))
+    assert task.warm_record.startswith(step6 + " sha256:")
+    assert all(torch.equal(w, v) for w, v in zip(task.warm.state_dict().values(),
+                                                  checkpoint.load_run(step6).state_dict().values()))
+    for extra, msg in ((["--halt-at-accuracy", "1.5"], "--halt-at-accuracy 1.5: a held-out accuracy in (0, 1]"),
+                       (["--halt-at-accuracy", "nan"], "--halt-at-accuracy nan"),
+                       (["--task", "lm", "--halt-at-accuracy", "0.5"], "for --task sft / grpo")):
+        bad = str(tmp_path / "bad")
+        assert _main([*warm, *extra, "--out-dir", bad]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1 and not os.path.exists(bad), err
