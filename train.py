@@ -262,7 +262,7 @@ class Trainer:
                 self.watchdog.beat(f"checkpoint at step {self.step}")
                 self.save()
             if reached is not None:  # a warm start that ends by a criterion, not at a step number
-                self.log({"event": "halted", "step": self.step, "held_out_accuracy": reached,
+                self.log({"event": "halted", "step": self.step, "accuracy": reached,  # (not a second held_out_accuracy point)
                           "halt_at_accuracy": cfg.halt_at_accuracy},
                          f"step {self.step:5d} | held-out accuracy {reached:.4f} >= --halt-at-accuracy "
                          f"{cfg.halt_at_accuracy:g}: halted, checkpoint step_{self.step:06d} saved (the newest)")

@@ -470,6 +470,7 @@ def test_a_warm_start_halts_at_its_first_evaluation_meeting_the_accuracy_and_grp
     log = capsys.readouterr().out
     assert "held-out accuracy 0.5000 >= --halt-at-accuracy 0.5: halted, checkpoint step_000006 saved" in log, log
     assert sorted(_records(out, "held_out_accuracy")) == [0, 2, 4, 6] and max(_records(out, "loss")) == 6
+    assert _records(out, "accuracy") == {6: 0.5}  # the "halted" record
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000006"]
     task = train.TASKS["grpo"](train.parse_config(["--task", "grpo", "--init-from", out, "--steps", "2"]))
     step6 = os.path.abspath(os.path.join(out, "checkpoints", "step_000006"))
