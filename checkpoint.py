@@ -276,19 +276,45 @@ def check_compatible(path, meta, allow_change=()):
     if saved.get("step", 0) >= new.get("steps", float("inf")):
         raise CheckpointError(f"{path} is at step {saved.get('step')}, --steps is {new['steps']}: nothing to "
                               f"train (raise --steps, with --allow-change steps)")
-    changed = [k for k in new if k not in allow_change and old.get(k) != new[k]]
+    diffs = []  # (name, saved, now); a record of settings (grpo's, sft's) differs setting by setting, each
+    for k in new:  # named as its flag, so that the --allow-change offered is one cli.py accepts
+        if old.get(k) == new[k]:
+            continue
+        if isinstance(old.get(k), dict) and isinstance(new[k], dict):
+            diffs += [(f, old[k].get(f), new[k].get(f)) for f in sorted({**old[k], **new[k]})
+                      if old[k].get(f) != new[k].get(f)]
+        else:
+            diffs.append((k, old.get(k), new[k]))
+    fixed = [d for d in diffs if d[0] in FIXED_ON_RESUME or (d[0] == "data" and (d[1] is None) != (d[2] is None))]
+    if fixed:  # not a deliberate change: the checkpoint would not fit the run (or not resume exactly)
+        what = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in fixed)
+        raise CheckpointError(f"--resume with a different training config ({what}): "
+                              f"{' and '.join(sorted({FIXED_ON_RESUME.get(k, DATA_SOURCE) for k, _, _ in fixed}))}; "
+                              f"it cannot change on a resume")
+    changed = [d for d in diffs if d[0] not in allow_change]
     if changed:
-        what = ", ".join(f"{k}: saved {old.get(k)!r}, now {new[k]!r}" for k in changed)
+        what = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in changed)
         raise CheckpointError(f"--resume with a different training config ({what}); pass "
-                              f"--allow-change {','.join(changed)} to continue with the new values")
+                              f"--allow-change {','.join(k for k, _, _ in changed)} to continue with the new values")
     return saved
+
+
+# Recorded settings that a resume cannot take as a deliberate change, and why
+FIXED_ON_RESUME = {"updates_per_batch": "a checkpoint falls on a rollout-batch boundary of the run's "
+                                        "--updates-per-batch (another one would split a rollout batch)"}
+DATA_SOURCE = ("the data source (the digits or a --data latent file) fixes the model's conditioning weights: "
+               "resume with the run's --data")
 
 
 def load(path, state):
     """Fill `state` (same structure as saved, tensors preallocated) in place from `path`."""
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # verified files that DCP still cannot read (e.g. written by another version)
+    except (Exception, dcp.api.CheckpointException) as e:  # verified files DCP still cannot read (written by
+        # another version, or a state of other names: a model of another layout). DCP's CheckpointException
+        # is a BaseException, which `except Exception` would let through as a traceback.
+        if isinstance(e, dist.DistError) or peer_failure(e) or _interrupted(e):
+            raise  # a dead peer, SIGINT / SIGTERM mid-load: train.py's own lines
         raise CheckpointError(f"checkpoint {path} could not be loaded ({str(e).strip().splitlines()[-1][:200]})") from None
     return state
 
@@ -328,7 +354,7 @@ def load_run(path, device="cpu", kind=None):
         raise CheckpointError(f"{chosen} was trained by --task {name!r}, unknown to this version")
     cls = task.workload_class(name).family_class
     if kind is not None and cls.kind != kind:
-        raise CheckpointError(f"{path} is a --task {name} run, {cls.kind}: not {kind}")
+        raise CheckpointError(f"{path} is a {name} run (--task {name}: {cls.kind}), not {kind}")
     where = os.path.join(chosen, "meta.json")
     made = cls.from_record(meta, where)
     try:

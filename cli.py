@@ -23,6 +23,7 @@ from errors import EXIT_BAD_INPUT, ConfigError, error_line
 
 # What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
 RESUME_CHECKED = ("seed", "batch_size", "seq_len", "lr", "warmup", "clip", "weight_decay", "dtype", "steps")
+# (and what a workload's meta() records beside them: its `resume_changeable`, task.py)
 
 
 # `--set FIELD=VALUE`: a model config (model.ModelArgs, flux.FluxArgs) with fields replaced by name
@@ -111,7 +112,8 @@ class TrainConfig:
     resume_from: Optional[str] = flag(None, "continue from this checkpoint (e.g. step_000010; newer ones are set "
                                       "aside as *.superseded)", metavar="STEP_DIR")
     allow_change: str = flag("", f"on resume, accept these changed settings (comma list of "
-                             f"{', '.join(RESUME_CHECKED)}, data)", metavar="NAMES")
+                             f"{', '.join(RESUME_CHECKED)}, and the workload's own: lm, flux: data; sft, grpo: "
+                             f"init_from and their flags but --updates-per-batch)", metavar="NAMES")
     watchdog: float = flag(300.0, "end the run (exit 4) after this many seconds without progress, e.g. a stalled "
                            "peer (0: off; raise it for long first-step compiles)")
     halt_at: int = flag(0, "stop after this step as if preempted (tests resume)")

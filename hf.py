@@ -293,7 +293,14 @@ def load_into(model, path):
     _check_tensors(reader, _expected_tensors(params), model.args.tie_embeddings)
     for name, p in params.items():
         target = local_tensor(p)
-        target.copy_(read_param(reader, name, tuple(p.shape), local_box(p)).to(target.dtype))
+        block = read_param(reader, name, tuple(p.shape), local_box(p))
+        if not torch.isfinite(block).all():  # NaN weights would log a NaN loss only after a step trained
+            keys = _hf_keys(name, p.shape[0])
+            raise HFError(f"{path}: {keys[0] if len(keys) == 1 else name} holds non-finite values (NaN or Inf): "
+                          f"these weights cannot be trained from")
+        target.copy_(block.to(target.dtype))
+        if not torch.isfinite(target).all():  # (finite in float64, beyond the parameter's dtype)
+            raise HFError(f"{path}: {name}'s values overflow {target.dtype} (its largest is {block.abs().max().item():g})")
     return model
 
 

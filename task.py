@@ -33,6 +33,7 @@ model, parallelize function and loss beside the shared trainer):
     preview(model, log, out_dir, step, final)   something to look at (one device only)
     attach(model), step_metrics(), evaluate(model, step, log), evaluates, plotted, close()
                                 for a workload with state beside the model (GRPO's rollout engine)
+    halt(record)                end the run after an evaluation (sft's --halt-at-accuracy)
 
 A new workload is one file (a Workload subclass and, if the model is new, a ModelFamily) and one line
 in WORKLOADS. This file imports nothing of ours: the registry names classes by "module:Class" and
@@ -168,6 +169,11 @@ class Workload:
     def evaluate(self, model, step, log):
         """{name: number} added to the evaluation record at `step` (called on every rank)."""
         return {}
+
+    def halt(self, record):
+        """After an evaluation (its `record`): None to go on, or (what to log, a line) to end the run
+        there, that step's checkpoint saved (a warm start that ends by a criterion, not a step)."""
+        return None
 
     def close(self):
         """Release what the workload holds; called once however the run ends."""

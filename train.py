@@ -260,13 +260,20 @@ class Trainer:
             last = self.step in (cfg.steps, cfg.halt_at)
             if self.step % cfg.log_interval == 0 or last:
                 self.log_step(loss, gnorm)
+            halt = None  # the workload's own end (e.g. --halt-at-accuracy): a message, after an evaluation
             if self.evaluates and (cfg.eval_interval and self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
                 val = self.evaluate_and_log()
                 if not math.isfinite(val):
                     return self.stop_nonfinite("val_loss", val)
-            if (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or last:
+                halt = self.task.halt(self.last_eval)
+            if (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or last or halt:
                 self.watchdog.beat(f"checkpoint at step {self.step}")
                 self.save()
+            if halt:
+                record, line = halt
+                self.log({"event": "halted", "step": self.step, **record},
+                         f"step {self.step:5d} | {line}: halted, checkpoint step_{self.step:06d} saved (the newest)")
+                return 0
             if self.step == cfg.halt_at:
                 return 0
         if self.parallel.mesh_spec is None and self.parallel.writes_files:  # (sharded weights: no preview)
@@ -334,6 +341,7 @@ class Trainer:
         val = self.evaluate() if self.task.val_batches else None
         extra = self.task.evaluate(self.model, self.step, self.log)
         rec = {"step": self.step, **({"val_loss": val} if val is not None else {}), **extra}
+        self.last_eval = rec
         parts = ([] if val is None else [f"val loss {val:.4f}"]) + [f"{k.replace('_', ' ')} {v:.4f}" for k, v in extra.items()]
         self.log(rec, f"step {self.step:5d} | " + " | ".join(parts))
         if self.parallel.writes_files:

@@ -40,24 +40,43 @@ class FluxHFError(BadInput):
 # ------------------------------------------------------------------------------------------------
 # config.json <-> FluxArgs
 
+# config.json's fields flux.py reads: (JSON type(s), diffusers' default); typed as hf.py types a
+# language model's ("false" is not a bool, 2.9 not a layer count: refused, never coerced)
+CONFIG_FIELDS = {"patch_size": (int, 1), "in_channels": (int, 64), "out_channels": ((int, None), None),
+                 "num_layers": (int, 19), "num_single_layers": (int, 38), "attention_head_dim": (int, 128),
+                 "num_attention_heads": (int, 24), "joint_attention_dim": (int, 4096),
+                 "pooled_projection_dim": (int, 768), "guidance_embeds": (bool, False),
+                 "axes_dims_rope": (list, [16, 56, 56])}
+
+
 def args_from_config(cfg):
+    import hf
+    if not isinstance(cfg, dict):
+        raise FluxHFError(f"config.json must be a JSON object, got {type(cfg).__name__}")
     if cfg.get("_class_name") != "FluxTransformer2DModel":
         raise FluxHFError(f"config.json: _class_name {cfg.get('_class_name')!r} is not FluxTransformer2DModel")
     unknown = sorted(set(cfg) - CONFIG_KEYS)
     if unknown:
         raise FluxHFError(f"config.json: {', '.join(unknown)} not implemented by flux.py")
-    if cfg.get("patch_size", 1) != 1:
+    try:
+        f = hf._typed(cfg, CONFIG_FIELDS)
+    except hf.HFError as e:
+        raise FluxHFError(str(e)) from None
+    if not all(hf._is(d, int) for d in f["axes_dims_rope"]):
+        raise FluxHFError(f"config.json: axes_dims_rope must be a list of integers, got {json.dumps(cfg['axes_dims_rope'])}")
+    if f["patch_size"] != 1:
         raise FluxHFError(f"config.json: patch_size={cfg['patch_size']} is not implemented (latents are packed "
                           f"2x2 outside the transformer; patch_size 1 only)")
+    heads, head_dim = f["num_attention_heads"], f["attention_head_dim"]
+    a = FluxArgs(in_channels=f["in_channels"],
+                 out_channels=f["in_channels"] if f["out_channels"] is None else f["out_channels"],
+                 vec_in_dim=f["pooled_projection_dim"], context_in_dim=f["joint_attention_dim"],
+                 hidden_size=heads * head_dim, num_heads=heads, depth=f["num_layers"],
+                 depth_single_blocks=f["num_single_layers"], axes_dim=tuple(f["axes_dims_rope"]),
+                 guidance_embed=f["guidance_embeds"])
     try:
-        heads, head_dim = int(cfg.get("num_attention_heads", 24)), int(cfg.get("attention_head_dim", 128))
-        a = FluxArgs(in_channels=int(cfg.get("in_channels", 64)), out_channels=int(cfg.get("out_channels") or
-                     cfg.get("in_channels", 64)), vec_in_dim=int(cfg.get("pooled_projection_dim", 768)),
-                     context_in_dim=int(cfg.get("joint_attention_dim", 4096)), hidden_size=heads * head_dim,
-                     num_heads=heads, depth=int(cfg.get("num_layers", 19)),
-                     depth_single_blocks=int(cfg.get("num_single_layers", 38)),
-                     axes_dim=tuple(int(d) for d in cfg.get("axes_dims_rope", (16, 56, 56))),
-                     guidance_embed=bool(cfg.get("guidance_embeds", False)))
+        if head_dim <= 0:
+            raise ValueError(f"attention_head_dim must be positive (got {head_dim})")
         check_args(a)
     except (TypeError, ValueError) as e:
         raise FluxHFError(f"config.json: {str(e).splitlines()[0]}") from None
@@ -189,17 +208,29 @@ def read_state(path, args):
         model = Flux(args)
     state, used = {}, set()
     for name, p in model.named_parameters():
-        keys, _ = _parts(name, args)
+        keys, rows = _parts(name, args)
         missing = [k for k in keys if k not in tensors]
         if missing:
             raise FluxHFError(f"{path}: the checkpoint has no tensor {missing[0]!r}")
-        t = torch.cat([tensors[k].get_tensor(k) for k in keys])  # a fused tensor's parts, in row order
+        parts = []
+        for k, n in zip(keys, rows or [p.shape[0]]):  # each part checked before a fused tensor is joined
+            t = tensors[k].get_tensor(k)
+            want = (n, *p.shape[1:]) if rows or name.startswith(SWAPPED) else tuple(p.shape)
+            if tuple(t.shape) != tuple(want):
+                raise FluxHFError(f"{path}: {k} has shape {tuple(t.shape)}, config.json implies {tuple(want)}")
+            if not t.dtype.is_floating_point:  # int weights would be cast to float as if they were values
+                raise FluxHFError(f"{path}: {k} is {t.dtype}: only floating-point weights load (a quantized "
+                                  f"checkpoint is not supported)")
+            if not torch.isfinite(t).all():  # would train on from a NaN loss (or sample NaN)
+                raise FluxHFError(f"{path}: {k} holds non-finite values (NaN or Inf): these weights cannot be "
+                                  f"trained from")
+            parts.append(t)
+        t = torch.cat(parts) if len(parts) > 1 else parts[0]  # a fused tensor's parts, in row order
         if name.startswith(SWAPPED):
             t = _swap_halves(t)
-        if tuple(t.shape) != tuple(p.shape):
-            raise FluxHFError(f"{path}: {' + '.join(keys)} has shape {tuple(t.shape)}, config.json implies "
-                              f"{tuple(p.shape)}")
         state[name] = t.float()
+        if not torch.isfinite(state[name]).all():  # (finite in float64, beyond float32's range)
+            raise FluxHFError(f"{path}: {' + '.join(keys)} overflows float32 (values beyond 3.4e38)")
         used.update(keys)
     unused = sorted(set(tensors) - used)
     if unused:

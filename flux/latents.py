@@ -22,6 +22,7 @@ Split: the last tenth of the rows (at least one) is held out for validation, the
 unreadable file, a missing or unknown tensor, a shape the model cannot take, a label out of range,
 values that are not finite.
 """
+import hashlib
 import math
 import os
 
@@ -51,7 +52,13 @@ class LatentFile:
         self.held = {k: v[-n_held:] for k, v in rows.items()}
         self.empty = (t["empty_txt"][None], t["empty_pooled"][None]) if "empty_txt" in t else None
         self.hw = tuple(t["latents"].shape[2:])
-        self.fingerprint = ", ".join(f"{k} {tuple(v.shape)}" for k, v in sorted(t.items()))
+        # What a resume must read again: the tensors' contents (a content hash, as the LM's corpus), not
+        # only their shapes (another file of the same shapes would be trained on without a word).
+        h = hashlib.blake2b(digest_size=8)
+        for k, v in sorted(t.items()):
+            h.update(f"{k} {tuple(v.shape)} {v.dtype};".encode())
+            h.update(v.contiguous().numpy().tobytes())
+        self.fingerprint = f"{h.hexdigest()} ({', '.join(f'{k} {tuple(v.shape)}' for k, v in sorted(t.items()))})"
 
     def _fail(self, message):
         raise DataError(f"--data {self.path}: {message}")
@@ -62,7 +69,7 @@ class LatentFile:
         if missing or unknown:
             self._fail(f"{'no tensor ' + repr(missing[0]) if missing else 'unknown tensor ' + repr(unknown[0])} "
                        f"(the file holds latents, txt, pooled; optionally labels, empty_txt, empty_pooled)")
-        x, txt = t["latents"], t["txt"]
+        x, txt, raw = t["latents"], t["txt"], dict(t)
         if x.dim() != 4 or 4 * x.shape[1] != a.in_channels or x.shape[2] % 2 or x.shape[3] % 2 or min(x.shape[2:]) < 2:
             self._fail(f"latents has shape {tuple(x.shape)}; the model takes (N, C, H, W) with 4 C = its in_channels "
                        f"{a.in_channels} (2x2 packing) and H, W even")
@@ -89,10 +96,13 @@ class LatentFile:
             self._fail(f"empty_txt / empty_pooled have shapes {tuple(t['empty_txt'].shape)} / "
                        f"{tuple(t['empty_pooled'].shape)}, want {tuple(txt.shape[1:])} / ({a.vec_in_dim},)")
         for k, v in t.items():
-            if k != "labels" and not (v.dtype.is_floating_point and torch.isfinite(v).all()):
+            if k != "labels" and not v.dtype.is_floating_point:
                 self._fail(f"{k} must hold finite floating-point values ({v.dtype})")
         for k in t:  # float32 from here on (bf16 / fp16 caches are common)
             t[k] = t[k].long() if k == "labels" else t[k].float()
+        for k, v in t.items():  # after the cast: a float64 1e300 is finite, its float32 is inf
+            if k != "labels" and not torch.isfinite(v).all():
+                self._fail(f"{k} must hold finite floating-point values (non-finite{' in float32' if torch.isfinite(raw[k]).all() else ''})")
 
 
 def _read(path):

@@ -67,8 +67,13 @@ def check_args(a):
     for f in ("in_channels", "out_channels", "vec_in_dim", "context_in_dim", "hidden_size", "num_heads", "theta"):
         if getattr(a, f) <= 0:
             raise ValueError(f"{f} must be positive (got {getattr(a, f)})")
-    if a.depth < 0 or a.depth_single_blocks < 0 or a.mlp_ratio <= 0:
-        raise ValueError("depth / depth_single_blocks must be >= 0 and mlp_ratio > 0")
+    if a.depth < 0 or a.depth_single_blocks < 0:
+        raise ValueError("depth / depth_single_blocks must be >= 0")
+    if not (math.isfinite(a.mlp_ratio) and a.mlp_ratio > 0):  # (NaN and inf pass a `<= 0` test)
+        raise ValueError(f"mlp_ratio must be a positive finite number (got {a.mlp_ratio})")
+    if int(a.hidden_size * a.mlp_ratio) < 1:  # the MLP's width is int(hidden_size x mlp_ratio)
+        raise ValueError(f"mlp_ratio {a.mlp_ratio} x hidden_size {a.hidden_size} rounds to an MLP of "
+                         f"{int(a.hidden_size * a.mlp_ratio)} hidden units")
     if a.hidden_size % a.num_heads:
         raise ValueError(f"hidden_size {a.hidden_size} is not divisible by num_heads {a.num_heads}")
     if len(a.axes_dim) != 3 or any(d % 2 for d in a.axes_dim) or sum(a.axes_dim) != a.hidden_size // a.num_heads:

@@ -322,7 +322,9 @@ class FluxDigits(Workload):
         return self.src.train["txt"].shape[1] if "txt" in self.src.train else PROMPT_TOKENS
 
     def meta(self):
-        return {"data": self.src.fingerprint} if self.src.fingerprint else {}
+        """The data's content hash, None for the digits: always recorded, so that a resume that drops
+        --data (or adds it) is seen to change it (checkpoint.check_compatible compares this run's keys)."""
+        return {"data": self.src.fingerprint}
 
     def preview(self, model, log, out_dir, step, final):
         """A quick grid at each evaluation, named by the step (not judged); at the end the full grid,

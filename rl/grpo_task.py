@@ -46,16 +46,55 @@ from task import Workload
 SHOWN = 4  # completions printed at the first and the last evaluation
 
 
+def warm_checkpoint(cfg):
+    """(checkpoint, its meta) of the --init-from run to start from: its newest verified checkpoint, or, on a
+    resume, the one this run started from (its meta.json records the path and a checksum of that
+    checkpoint's meta.json, which holds every file's sha256), even if the warm-start run has gained newer
+    checkpoints since: the KL reference must stay the policy the run started from. Gone or changed: one line."""
+    recorded = _recorded_warm_start(cfg)
+    given = os.path.abspath(cfg.init_from)
+    if recorded is None or given not in (recorded[0], os.path.dirname(os.path.dirname(recorded[0]))):
+        return checkpoint.run_checkpoint(cfg.init_from)  # (another warm start: the resume check names it)
+    path, digest = recorded
+    meta_json = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_json) or checkpoint.sha256_of(meta_json) != digest or checkpoint.verify(path):
+        raise ConfigError(f"--init-from {cfg.init_from}: this run started from {path}, which is "
+                          f"{'changed or broken' if os.path.isdir(path) else 'gone'} (it no longer matches the "
+                          f"checksum recorded at the start); the run cannot resume against another warm start")
+    return path, checkpoint.read_meta(path)
+
+
+def _recorded_warm_start(cfg):
+    """(path, sha256) of the warm-start checkpoint recorded by the checkpoint this run resumes from, or None."""
+    if not (cfg.resume or cfg.resume_from) or not cfg.out_dir:
+        return None
+    ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
+    found = checkpoint.step_dirs(ckpt_dir)
+    path = (cfg.resume_from if os.path.isdir(cfg.resume_from) else os.path.join(ckpt_dir, cfg.resume_from)) \
+        if cfg.resume_from else found[0][1] if found else None  # (as checkpoint.choose picks it)
+    try:
+        record = checkpoint.read_meta(path)["train"]["init_from"] if path else None
+    except (checkpoint.CheckpointError, KeyError, TypeError):
+        return None  # (broken or absent: the trainer's resume check says so)
+    if not isinstance(record, str) or " sha256:" not in record:
+        return None
+    return tuple(record.rsplit(" sha256:", 1))
+
+
 class PolicyFamily(LanguageModelFamily):
     """The LM family, also startable from a train.py run (--init-from RUN_DIR: its newest checkpoint,
     the warm start) besides a flavor or a Hugging Face directory."""
 
     def __init__(self, cfg):
         self.warm = None  # a train.py run's policy (full weights, CPU) to start from
+        # meta.json's record of the warm start: a HF directory's path, or the run checkpoint's path and checksum
+        self.warm_record = os.path.abspath(cfg.init_from) if cfg.init_from else None
         if cfg.init_from and not os.path.isfile(os.path.join(cfg.init_from, "config.json")):
             if cfg.set:
                 raise ConfigError("--set changes the model; the warm-start run at --init-from fixes it")
-            self.warm, _ = checkpoint.load_run(cfg.init_from, kind=self.kind)
+            path, _ = warm_checkpoint(cfg)
+            self.warm, _ = checkpoint.load_run(path, kind=self.kind)
+            self.warm_record = f"{os.path.abspath(path)} sha256:{checkpoint.sha256_of(os.path.join(path, 'meta.json'))}"
             super().__init__(cfg, args=self.warm.args)
         else:
             super().__init__(cfg)  # --flavor / --set, or a HF directory
@@ -84,6 +123,8 @@ class PolicyFlags:
     max_new_tokens: int = flag(4, "tokens sampled per completion")
     engine_dtype: str = flag("fp32", "the rollout engine's weights", choices=["fp32", "bf16"])
     engine_timeout: float = flag(120.0, "seconds without a reply before the engine counts as stalled (exit 4)")
+    halt_at_accuracy: float = flag(0.0, "stop at the first evaluation after step 0 whose held-out accuracy is >= "
+                                   "this, saving that checkpoint (the newest: what --init-from RUN takes); 0: off")
 
 
 class ArithmeticPolicy(Workload):
@@ -92,6 +133,7 @@ class ArithmeticPolicy(Workload):
     accuracy on the held-out prompts."""
     unit, evaluates, default_flavor = "seq", True, "llama3_debug"
     Flags, family_class = PolicyFlags, PolicyFamily
+    resume_changeable = ("init_from", "reward_task", "format_credit", "max_new_tokens", "engine_dtype")
 
     @classmethod
     def check_flags(cls, cfg):
@@ -106,6 +148,16 @@ class ArithmeticPolicy(Workload):
         if cfg.scan or cfg.dry_run:
             raise ConfigError(f"--task {cfg.task} trains a byte-level policy unstacked: --scan and --dry-run are "
                               f"not built for it")
+        if not (0 <= cfg.halt_at_accuracy <= 1):
+            raise ConfigError(f"--halt-at-accuracy {cfg.halt_at_accuracy}: a held-out accuracy in (0, 1], or 0: off")
+
+    def halt(self, record):
+        """--halt-at-accuracy: the warm start ends at its first evaluation (after step 0) that reaches it."""
+        accuracy, goal = record.get("held_out_accuracy"), self.cfg.halt_at_accuracy
+        if goal and record["step"] > 0 and accuracy is not None and accuracy >= goal:
+            return ({"accuracy": accuracy, "halt_at_accuracy": goal},  # (not a second held_out_accuracy point)
+                    f"held-out accuracy {accuracy:.4f} >= --halt-at-accuracy {goal:g}")
+        return None
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -115,7 +167,7 @@ class ArithmeticPolicy(Workload):
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.family = PolicyFamily(cfg)
-        self.warm = self.family.warm
+        self.warm, self.warm_record = self.family.warm, self.family.warm_record
         self.prompt_len = len(self.reward_task.prompts(0, 1)[0])
         if self.prompt_len + cfg.max_new_tokens > self.args.max_seq_len:
             raise ConfigError(f"prompt ({self.prompt_len}) + --max-new-tokens ({cfg.max_new_tokens}) exceeds the "
@@ -205,6 +257,8 @@ class GRPOFlags(PolicyFlags):
 class GRPOArithmetic(ArithmeticPolicy):
     """The policy learns from its own samples: batches are rollouts, the loss is the clipped surrogate."""
     name, Flags, plotted = "grpo", GRPOFlags, ("reward", "held_out_accuracy")
+    resume_changeable = ArithmeticPolicy.resume_changeable + ("group_size", "prompts_per_step", "clip_eps",
+                                                              "aggregation", "kl_beta", "temperature")
 
     @staticmethod
     def algorithm(cfg):
@@ -303,4 +357,4 @@ class GRPOArithmetic(ArithmeticPolicy):
         keys = ("reward_task", "format_credit", "group_size", "prompts_per_step", "updates_per_batch", "clip_eps", "aggregation",
                 "kl_beta", "max_new_tokens", "temperature", "engine_dtype")
         return {"grpo": {k: getattr(self.cfg, k) for k in keys},
-                "init_from": os.path.abspath(self.cfg.init_from) if self.cfg.init_from else None}
+                "init_from": self.warm_record}

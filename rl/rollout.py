@@ -21,6 +21,9 @@ grpo.completion_logprobs recomputes for the importance ratio.
 A dead or stalled engine must not hang the trainer: every reply is awaited with a deadline while
 watching the process; either failure raises EngineError with one line (the caller exits 4).
 """
+import os
+import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -116,8 +119,21 @@ class Engine:
 # ------------------------------------------------------------------------------------------------
 # The engine as a separate process: a server loop, and the trainer's handle on it
 
-def _serve(conn, model_args, dtype, port, timeout_s):
-    """The engine process: build the policy copy, join the sync group, answer commands until 'stop'."""
+def _serve(conn, model_args, dtype, port, timeout_s, sigint=None):
+    """The engine process: build the policy copy, join the sync group, answer commands until 'stop'.
+    It ends without a word when the trainer has already said what happened: Ctrl-C reaches the whole
+    process group (the trainer prints the line and exits 130), and a trainer that died (SIGKILL) leaves
+    a closed pipe (its caller reports the death; nobody reads a traceback from here)."""
+    if sigint is not None:  # started with Ctrl-C ignored (its bootstrap: the imports); now the trainer's disposition
+        signal.signal(signal.SIGINT, sigint)
+    try:
+        _serve_loop(conn, model_args, dtype, port, timeout_s)
+    except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
+        sys.stderr.flush()
+        os._exit(0)  # (no interpreter teardown: gloo's threads may wait on the trainer that is gone)
+
+
+def _serve_loop(conn, model_args, dtype, port, timeout_s):
     engine = Engine(Transformer(model_args).to(dtype))
     conn.send(("ok", "built"))
     receiver = weight_sync.Receiver(weight_sync.join(1, timeout_s, port=port), engine.model)
@@ -153,9 +169,21 @@ class EngineProcess:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no state inherited from the trainer
         store = weight_sync.host_store(timeout_s)
         self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child_conn, model_args, dtype, store.port, timeout_s),
+        # A Ctrl-C during the child's bootstrap (importing torch, before _serve can catch it) would print a
+        # traceback from multiprocessing's spawn_main: start it with SIGINT ignored, and let _serve take the
+        # trainer's disposition back (kept ignored where the trainer ignores it: a background job).
+        try:
+            sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # (not the main thread: dispositions cannot change here)
+            sigint = None
+        restore = signal.default_int_handler if callable(sigint) else sigint
+        self.proc = ctx.Process(target=_serve, args=(child_conn, model_args, dtype, store.port, timeout_s, restore),
                                 daemon=True)
-        self.proc.start()
+        try:
+            self.proc.start()
+        finally:
+            if sigint is not None:
+                signal.signal(signal.SIGINT, sigint)
         child_conn.close()
         self.sender = None
         self._reply("start")

@@ -17,8 +17,6 @@ batch's answer-byte count over N, so N ranks' averaged gradients are one process
 (answers are 3 or 4 bytes: per-rank means would weight them unequally). The policy, the engine that
 evaluates it (greedy accuracy on the 500 held-out prompts) and the warm start are grpo_task.py's.
 """
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -69,4 +67,4 @@ class SFTArithmetic(ArithmeticPolicy):
 
     def meta(self):
         return {"sft": {"reward_task": self.cfg.reward_task},
-                "init_from": os.path.abspath(self.cfg.init_from) if self.cfg.init_from else None}
+                "init_from": self.warm_record}

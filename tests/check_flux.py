@@ -284,3 +284,69 @@ def test_flux_jax_forward_and_adamw_steps_equal_torch():
         assert norm.item() > 1.0  # clipping was active
     for n, p in model.named_parameters():
         np.testing.assert_allclose(np.asarray(params[n]), p.detach().numpy(), rtol=1e-5, atol=1e-5, err_msg=n)
+
+
+def test_flux_hf_types_config_json_and_refuses_non_float_nonfinite_or_misshapen_tensors(tmp_path):
+    """config.json is read as hf.py reads a language model's: a list, the string "false" for a bool, 2.9 or
+    "4" for a size, out_channels 0 are refused, never coerced (bool("false") is True, int(2.9) is 2). Every
+    tensor is checked before it is used: an int32 / int8 / bool weight (cast to float it would be taken
+    for values), NaN or a float64 beyond float32's range (it would train from a NaN loss), a 0-d bias or
+    a to_q of the wrong width (the fused qkv is joined from its parts only once each part's shape is
+    right): one FluxHFError line naming the tensor."""
+    import flux_hf
+    from safetensors.torch import load_file, save_file
+    src = os.path.join(FLUX_FIXTURES, "plain")
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    weights = load_file(os.path.join(src, "diffusion_pytorch_model.safetensors"))
+    q, qb = "transformer_blocks.0.attn.to_q.weight", "single_transformer_blocks.0.attn.to_q.bias"
+    assert weights[q].shape == (32, 32) and weights[qb].shape == (32,)
+
+    def poked(key, value):
+        return {**weights, key: value}
+    cases = [([cfg], weights, "must be a JSON object, got list"),
+             ({**cfg, "guidance_embeds": "false"}, weights, 'guidance_embeds must be true or false, got "false"'),
+             ({**cfg, "num_layers": 2.9}, weights, "num_layers must be an integer, got 2.9"),
+             ({**cfg, "in_channels": "4"}, weights, 'in_channels must be an integer, got "4"'),
+             ({**cfg, "out_channels": 0}, weights, "out_channels must be positive"),
+             ({**cfg, "axes_dims_rope": [4, 6, "6"]}, weights, "axes_dims_rope must be a list of integers"),
+             (cfg, poked(q, weights[q].to(torch.int32)), f"{q} is torch.int32"),
+             (cfg, poked(q, weights[q].to(torch.int8)), f"{q} is torch.int8"),
+             (cfg, poked(qb, weights[qb] > 0), f"{qb} is torch.bool"),
+             (cfg, poked(qb, torch.tensor(0.5)), f"{qb} has shape (), config.json implies (32,)"),
+             (cfg, poked(q, weights[q][:, :31].contiguous()), f"{q} has shape (32, 31), config.json implies (32, 32)"),
+             (cfg, poked(q, weights[q].index_fill(0, torch.tensor([3]), float("nan"))), f"{q} holds non-finite"),
+             (cfg, poked(q, torch.full((32, 32), 1e300, dtype=torch.float64)), "to_q.weight + "),
+             ]
+    for i, (c, w, needle) in enumerate(cases):
+        d = tmp_path / f"case{i}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c))
+        save_file(w, str(d / "diffusion_pytorch_model.safetensors"))
+        with pytest.raises(flux_hf.FluxHFError) as e:
+            flux_hf.load(str(d))
+        assert needle in str(e.value) and "\n" not in str(e.value), (needle, str(e.value))
+    assert "overflows float32" in str(e.value)
+    # the fixture itself still loads as before, and a config without out_channels takes in_channels'
+    assert flux_hf.read_args(src).out_channels == 4
+    assert flux_hf.args_from_config({k: v for k, v in cfg.items() if k != "out_channels"}).out_channels == 8
+
+
+def test_flux_mlp_ratio_that_is_not_finite_or_rounds_to_no_mlp_is_refused(tmp_path, capsys):
+    """mlp_ratio NaN / inf (which pass a `<= 0` test, then int() raises) or so small that int(hidden x ratio)
+    is 0 (a model with no MLP at all): flux.check_args refuses it, and train.py in one line, exit 2,
+    nothing written; a ratio that leaves one hidden unit builds."""
+    import flux
+    from tests.common import _main
+    base = flux.FLAVORS["flux_debug"]
+    for ratio, needle in ((float("nan"), "mlp_ratio must be a positive finite number"),
+                          (float("inf"), "mlp_ratio must be a positive finite number"),
+                          (0.001, "rounds to an MLP of 0 hidden units")):
+        with pytest.raises(ValueError, match=needle):
+            flux.check_args(dataclasses.replace(base, mlp_ratio=ratio))
+        out = str(tmp_path / "run")
+        assert _main(["--task", "flux", "--set", f"mlp_ratio={ratio}", "--steps", "1", "--out-dir", out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and needle in err and err.count("\n") == 1, err
+        assert not os.path.exists(out)
+    flux.check_args(dataclasses.replace(base, mlp_ratio=1 / 128))
+    assert flux.Flux(dataclasses.replace(base, mlp_ratio=1 / 128)).single_blocks[0].mlp_dim == 1

@@ -245,3 +245,122 @@ def test_flux_bad_input_one_line_exit_2_nothing_written(case, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
     assert not os.path.exists(out_dir)
+
+
+def test_flux_init_from_nan_weights_stops_before_training_naming_them(tmp_path, capsys):
+    """--init-from a diffusers directory holding a NaN: one line naming the tensor, exit 2, before a step
+    is trained or anything is written (it used to log val loss nan at step 0, train a step, then exit 3)."""
+    import flux
+    import flux_hf
+    from safetensors.torch import load_file, save_file
+    d = str(tmp_path / "nan_dir")
+    flux_hf.save(flux.Flux(flux.FLAVORS["flux_debug"]), d)
+    weights = load_file(os.path.join(d, flux_hf.WEIGHTS))
+    key = "transformer_blocks.1.ff.net.2.weight"
+    weights[key][0, 0] = float("nan")
+    save_file(weights, os.path.join(d, flux_hf.WEIGHTS))
+    out = str(tmp_path / "run")
+    rc = _main(["--task", "flux", "--init-from", d, "--steps", "2", "--batch-size", "4", "--eval-batches", "1",
+                "--sample-images", "0", "--out-dir", out])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error:") and key in err and "non-finite" in err and len(err.splitlines()) == 1, err
+    assert not os.path.exists(out)
+
+
+def test_flux_resume_refuses_another_latent_file_of_the_same_shapes_or_a_dropped_data_in_one_line(tmp_path, capsys):
+    """A latent-file run records its data's content hash (not only the shapes): resumed on another file of
+    the same shapes it is refused naming `data` (--allow-change data continues, deliberately); resumed
+    without --data (the digits: another conditioning, other weights) it is refused naming `data`, and
+    --allow-change data is neither offered nor taken (it used to end in DCP's missing-key traceback).
+    The checkpoints stay as they were."""
+    from tests.common import _files
+    a = _latent_file(tmp_path / "a.safetensors", seed=0)
+    b = _latent_file(tmp_path / "b.safetensors", seed=1)
+    out = str(tmp_path / "run")
+    common = ["--task", "flux", "--steps", "4", "--batch-size", "4", "--eval-batches", "1", "--eval-interval", "0",
+              "--sample-images", "0", "--ckpt-interval", "2", "--log-interval", "1", "--out-dir", out]
+    assert _main([*common, "--data", a, "--halt-at", "2"]) == 0
+    capsys.readouterr()
+    before = _files(out)
+    for extra, needles in ((["--data", b], ["data: saved '", "pass --allow-change data"]),
+                           ([], ["data: saved '", "now None", "cannot change on a resume"]),
+                           (["--allow-change", "data"], ["data: saved '", "now None", "cannot change on a resume"])):
+        assert _main([*common, "--resume", *extra]) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and len(err.splitlines()) == 1 and all(n in err for n in needles), (extra, err)
+        assert "--allow-change" not in err or extra == ["--data", b], err
+        assert _files(out) == before
+    assert _main([*common, "--resume", "--data", b, "--allow-change", "data"]) == 0
+    assert sorted(losses(out)) == [1, 2, 3, 4]
+
+
+def test_flux_latents_beyond_float32_are_refused_before_anything_is_written(tmp_path, capsys):
+    """float64 latents holding 1e300 are finite until the float32 cast makes them inf: refused in one
+    line, exit 2, nothing written (not exit 3 "loss is nan at step 1" after loss.png and metrics.jsonl)."""
+    import flux_latents
+    import flux
+    big = _latent_file(tmp_path / "big.safetensors", latents=torch.full((20, 1, 4, 4), 1e300, dtype=torch.float64))
+    with pytest.raises(flux_latents.DataError, match="latents must hold finite floating-point values"):
+        flux_latents.LatentFile(big, flux.FLAVORS["flux_debug"])
+    out = str(tmp_path / "run")
+    assert _main(["--task", "flux", "--data", big, "--steps", "2", "--batch-size", "4", "--sample-images", "0",
+                  "--out-dir", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --data") and "latents must hold finite" in err and len(err.splitlines()) == 1, err
+    assert not os.path.exists(out)
+
+
+def test_flux_sampling_cli_samples_a_scan_run_and_a_dcp_failure_is_one_line(tmp_path, capsys):
+    """`python flux_task.py RUN_DIR` on a run trained with --scan (its blocks saved stacked) builds the
+    model stacked as the run did and samples it (it used to end in DCP's CheckpointException
+    traceback), unstacked into the plain blocks; its images equal the stacked model's. DCP's
+    exception is a BaseException: checkpoint.load turns it into one CheckpointError line."""
+    import checkpoint
+    import flux
+    import flux_task
+    import layer_scan
+    run = str(tmp_path / "scan")
+    assert _main(["--task", "flux", "--steps", "2", "--batch-size", "8", "--eval-batches", "0",  # (no evaluation:
+                  "--sample-images", "0", "--log-interval", "1", "--scan", "--out-dir", run]) == 0  # an eager scan is slow)
+    assert flux_task.main([run, "--per-class", "1", "--guidance", "2"]) == 0
+    assert os.path.getsize(os.path.join(run, "samples_g2.png")) > 0
+    # the oracle: the model stacked as the run built it, holding the checkpoint as DCP loads it, sampled
+    # as it is (slowly: 2 Euler steps)
+    stacked = flux_task.ConditionedFlux(flux.FLAVORS["flux_debug"])
+    layer_scan.stack_layers(stacked, stacked.flux.pack_for_scan(flux_task.PROMPT_TOKENS))
+    path, _ = checkpoint.run_checkpoint(run)
+    stacked.load_state_dict(checkpoint.load(path, {"model": stacked.state_dict()})["model"])
+    loaded = flux_task.load_digits_model(*checkpoint.run_checkpoint(run))
+    assert not any("block__" in n for n, _ in loaded.named_parameters())  # (unstacked: fast to sample)
+    images = [flux_task.sample_grid(m, flux_task.DigitsSource(0), 0, per_class=1, steps=2, judge=False)[0]
+              for m in (stacked, loaded)]
+    assert images[0].abs().max() > 0.1
+    torch.testing.assert_close(images[1], images[0], rtol=0, atol=1e-5)
+    path, _ = checkpoint.run_checkpoint(run)
+    with pytest.raises(checkpoint.CheckpointError, match="could not be loaded") as e:
+        checkpoint.load(path, {"model": {"flux.no_such_weight": torch.zeros(1)}})
+    assert "\n" not in str(e.value)
+
+
+def test_a_flux_run_given_as_a_language_model_is_named_a_flux_run(tmp_path, capsys):
+    """generate.py --run, hf.py export and --task grpo --init-from on a FLUX run: one line saying it is a
+    FLUX run, not a language model (not "model_args ... unknown to this version"), exit 2, nothing
+    written. The run: a checkpoint directory whose meta.json is a flux_debug run's (no weight files:
+    it is refused before any is read)."""
+    import dataclasses
+    import flux
+    import generate
+    import hf
+    step = tmp_path / "flux_run" / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    args = {k: v for k, v in dataclasses.asdict(flux.FLAVORS["flux_debug"]).items() if k != "attn_impl"}
+    (step / "meta.json").write_text(json.dumps({"flavor": "flux_debug", "task": "flux", "model_args": args,
+                                                "mesh": None, "train": {"data": None}, "step": 2, "files": {}}))
+    run, out = str(tmp_path / "flux_run"), str(tmp_path / "out")
+    for call in (lambda: generate.main(["--run", run, "a", "--device", "cpu"]),
+                 lambda: hf.main(["export", run, out]),
+                 lambda: _main(["--task", "grpo", "--init-from", run, "--steps", "2", "--out-dir", out])):
+        assert call() == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and "is a flux run (--task flux: a FLUX diffusion model), not a language model" in err, err
+        assert len(err.splitlines()) == 1 and not os.path.exists(out), err

@@ -394,3 +394,126 @@ def test_grpo_bad_input_is_one_error_line_exit_2_and_a_dead_engine_exit_4(grpo_w
     assert proc.returncode == 4, err[-2000:]
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "rollout engine process died (exit code -9)" in lines[0] and "at step" in lines[0], err
+
+
+def test_grpo_init_from_a_hf_directory_of_nan_weights_stops_before_training_naming_them(tmp_path, capsys):
+    """--task grpo --init-from a HF directory whose weights hold a NaN: one line naming the tensor, exit 2,
+    nothing written (not a NaN held-out evaluation, a trained step and exit 3)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    d = tmp_path / "llama_nan"
+    shutil.copytree(os.path.join(HERE, "fixtures", "hf", "llama"), d)
+    weights = load_file(str(d / "model.safetensors"))
+    key = "model.layers.1.mlp.down_proj.weight"
+    weights[key][2, 3] = float("inf")
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    out = str(tmp_path / "run")
+    rc = _main(["--task", "grpo", "--init-from", str(d), "--steps", "2", "--prompts-per-step", "2",
+                "--group-size", "2", "--out-dir", out])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error:") and key in err and "non-finite" in err and len(err.splitlines()) == 1, err
+    assert not os.path.exists(out)
+
+
+def test_grpo_resume_keeps_its_warm_start_checkpoint_and_offers_only_accepted_changes(grpo_warm, tmp_path, capsys):
+    """A GRPO run records the warm-start checkpoint it started from (path and a checksum of its meta.json,
+    which holds every file's sha256). Resumed after the warm-start run gained a newer checkpoint, it
+    takes the recorded one again (its KL reference; it used to take the newest silently); if that one
+    is gone, one line, exit 2. A changed --temperature names `temperature` and offers
+    --allow-change temperature, which cli.py accepts and the resume then takes (it used to offer
+    `grpo`, refused as unknown); --updates-per-batch cannot change on a resume (not offered)."""
+    import shutil
+    import checkpoint
+    import train
+    from tests.common import _files
+    warm = str(tmp_path / "warm")
+    shutil.copytree(grpo_warm, warm)
+    out = str(tmp_path / "grpo")
+    args = _grpo_args(warm, out, "--ckpt-interval", "2")
+    assert _main([*args, "--halt-at", "2"]) == 0
+    started, meta = checkpoint.run_checkpoint(warm)
+    want = checkpoint.load_model(started, meta).state_dict()
+    # the warm-start run gains a newer checkpoint (other weights), which --init-from RUN now resolves to
+    newer = {k: v + 0.01 for k, v in want.items()}
+    checkpoint.save(os.path.join(warm, "checkpoints"), 50, {"model": newer},
+                    {k: v for k, v in meta.items() if k not in ("files", "step")})
+    assert checkpoint.run_checkpoint(warm)[0].endswith("step_000050")
+    capsys.readouterr()
+
+    trainer = train.Trainer(train.parse_config([*args, "--resume"]))
+    assert trainer.step == 2 and trainer.meta["train"]["init_from"].startswith(os.path.abspath(started) + " sha256:")
+    for name, w in trainer.task._reference().state_dict().items():  # the KL reference: the warm start it began from
+        assert torch.equal(w, want[name]), name
+
+    before = _files(out)
+    for extra, needles in ((["--temperature", "0.7"], ["temperature: saved 1.0, now 0.7", "--allow-change temperature"]),
+                           (["--updates-per-batch", "1"], ["updates_per_batch: saved 2, now 1", "cannot change"])):
+        assert _main([*args, "--resume", *extra]) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and len(err.splitlines()) == 1 and all(n in err for n in needles), err
+        assert ("--allow-change" in err) == (extra[0] == "--temperature"), err
+    trainer = train.Trainer(train.parse_config([*args, "--resume", "--temperature", "0.7", "--allow-change", "temperature"]))
+    assert trainer.step == 2 and trainer.task.algo.temperature == 0.7
+    os.rename(started, started + ".moved")  # the recorded warm start is gone: refused, not replaced by step_50
+    assert _main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --init-from") and f"started from {os.path.abspath(started)}, which is gone" in err, err
+    assert len(err.splitlines()) == 1 and _files(out) == before
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "trainer gone"])
+def test_the_engine_process_ends_without_a_word_on_ctrl_c_or_when_its_trainer_is_gone(how, capfd):
+    """Ctrl-C reaches the whole process group: the trainer says it in one line (exit 130), the engine
+    process ends without a KeyboardInterrupt traceback; a trainer that is gone (SIGKILLed: its end of
+    the pipe closed) leaves an engine that ends without an EOFError traceback. (The engine process
+    writes to this process's stderr, which capfd captures at the file descriptor.)"""
+    import signal
+    import rollout
+    engine = rollout.EngineProcess(GRPO_TINY, timeout_s=60)
+    try:
+        if how == "SIGINT":
+            os.kill(engine.proc.pid, signal.SIGINT)
+        else:
+            engine.conn.close()  # what the engine sees of a SIGKILLed trainer
+        engine.proc.join(60)
+        assert engine.proc.exitcode == 0, engine.proc.exitcode
+    finally:
+        engine._kill()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Error" not in err, err
+
+
+def test_a_warm_start_halts_at_its_first_evaluation_meeting_the_accuracy_and_grpo_takes_that_checkpoint(
+        tmp_path, monkeypatch, capsys):
+    """--halt-at-accuracy A: the run ends (exit 0) at its first evaluation after step 0 whose held-out
+    accuracy is >= A, saving that checkpoint, whatever --ckpt-interval says; --init-from RUN (GRPO)
+    then starts from exactly it, and its meta.json records it. The held-out accuracies are scripted
+    here (the task's evaluation replaced: no engine, and the criterion is the thing tested): 0.9 at
+    step 0 (not a checkpoint: ignored), 0.2, 0.4 below, 0.5 meets 0.5 at step 6, 0.8 after it is never
+    reached. Bad values and tasks without a held-out accuracy: one line, exit 2."""
+    import checkpoint
+    import sft_task
+    import train
+    scripted = {0: 0.9, 2: 0.2, 4: 0.4, 6: 0.5, 8: 0.8}
+    monkeypatch.setattr(sft_task.SFTArithmetic, "evaluate",
+                        lambda self, model, step, log: {"held_out_accuracy": scripted[step]})
+    out = str(tmp_path / "sft")
+    warm = ["--task", "sft", *GRPO_WARM, "--steps", "20", "--eval-interval", "2", "--log-interval", "1"]
+    assert _main([*warm, "--halt-at-accuracy", "0.5", "--out-dir", out]) == 0
+    log = capsys.readouterr().out
+    assert "held-out accuracy 0.5000 >= --halt-at-accuracy 0.5: halted, checkpoint step_000006 saved" in log, log
+    assert sorted(_records(out, "held_out_accuracy")) == [0, 2, 4, 6] and max(_records(out, "loss")) == 6
+    assert _records(out, "accuracy") == {6: 0.5}  # the "halted" record
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000006"]
+    task = train.TASKS["grpo"](train.parse_config(["--task", "grpo", "--init-from", out, "--steps", "2"]))
+    step6 = os.path.abspath(os.path.join(out, "checkpoints", "step_000006"))
+    assert task.warm_record.startswith(step6 + " sha256:")
+    assert all(torch.equal(w, v) for w, v in zip(task.warm.state_dict().values(),
+                                                  checkpoint.load_run(step6).state_dict().values()))
+    for extra, msg in ((["--halt-at-accuracy", "1.5"], "--halt-at-accuracy 1.5: a held-out accuracy in (0, 1]"),
+                       (["--halt-at-accuracy", "nan"], "--halt-at-accuracy nan"),
+                       (["--task", "lm", "--halt-at-accuracy", "0.5"], "is a flag of --task sft, grpo, not of --task lm")):
+        bad = str(tmp_path / "bad")
+        assert _main([*warm, *extra, "--out-dir", bad]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1 and not os.path.exists(bad), err
