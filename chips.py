@@ -38,6 +38,7 @@ class Chip:
     dcn_bw: float = 25e9       # bytes/s a chip across slices (assumed: ~200 Gbps NIC a host of 8 chips)
     ici_latency_s: float = 2e-6    # per ring step of a collective (assumed; ~1-2 us a hop on TPU ICI)
     dcn_latency_s: float = 30e-6   # per DCN collective step (assumed)
+    host_overhead_s: float = 0.03  # a step's fixed host cost (assumed; see HOST_OVERHEAD_S)
 
 
 CHIPS = {
@@ -67,7 +68,7 @@ DEFAULT_EFFICIENCY = {"matmul_efficiency": 0.69, "moe_efficiency": 0.5}  # ~ the
 # step (dispatch, the input pipeline's hand-off, the loss's readback).
 OVERLAP = 0.85
 ATTENTION_RELATIVE_EFFICIENCY = 0.6
-HOST_OVERHEAD_S = 0.03
+HOST_OVERHEAD_S = 0.03   # (Chip.host_overhead_s's default)
 
 
 def efficiency(chip_name, constants=None):
@@ -79,6 +80,10 @@ def efficiency(chip_name, constants=None):
 
 def measured_chip(peak_flops, hbm_bw, hbm_bytes, name="cpu"):
     """A chip from measured numbers (the CPU anchor: this machine's GEMM peak and memory bandwidth).
-    One 'device', no interconnect; its matmul efficiency is 1 by construction (peak was measured on
-    a matmul) and there is no MXU tile to pad to."""
-    return Chip(name, peak_flops, hbm_bytes, hbm_bw, ici_bw=1e30, torus_dims=1, mxu_tile=1, host_bytes=0)
+    One 'device', no interconnect, no host overhead beyond what is measured; its matmul efficiency
+    is 1 by construction (peak was measured on a matmul). Its "tile" is 64: with stepmodel's
+    short-dim law (full rate from 4 tiles = 256 up) that matches this CPU's measured fp32 GEMM rates
+    at the debug model's shapes (4096 rows: k=192 n=512 0.75 of the 1024^3 rate, k=192 n=192 0.42,
+    k=192 n=64 0.21; the law says 0.75, 0.56, 0.19; README)."""
+    return Chip(name, peak_flops, hbm_bytes, hbm_bw, ici_bw=1e30, torus_dims=1, mxu_tile=64, host_bytes=0,
+                host_overhead_s=0.0)

@@ -280,6 +280,7 @@ class FluxDigits(Task):
         All of it is data parallel (no tp / ep); FSDP gathers one block at a time, the double one
         the larger."""
         import dryrun
+        import shapes
         side, T = self.latent_side, self.text_tokens
         S = (side // 2) ** 2
 
@@ -304,7 +305,8 @@ class FluxDigits(Task):
             self.cfg.flavor, {"tp": 0, "experts": 0, "rest": flux.param_count(args)},
             {"tp": 0, "experts": 0, "rest": largest}, flux.flops_per_sample(args, S, T), S + T,
             lambda remat: dryrun.extrapolate(lambda d: saved_at(d, remat), depths), no_tp,
-            dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks)
+            dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks,
+            shape=shapes.flux_shape(args, S, T, self.cfg.flavor))
 
     def model_record(self, args):
         """The attention implementation may change across resumes: not recorded."""

@@ -64,6 +64,7 @@ class Layout:
     dp_mode: str = "fsdp"
     dcn_mode: str = "replicate"
     attention_block: int = ATTENTION_BLOCK
+    act_bytes: int = BYTES_BF16   # bytes an activation element (bf16 on TPU; 4 for the fp32 CPU anchor)
 
 
 def shard_counts(shape, lay):
@@ -122,12 +123,12 @@ def hbm_terms(shape, lay, chip, shard, gathered, fsdp, any_recompute):
     """Seconds of HBM-bound work a chip a step: non-matmul ops, optimizer, gathered copies, logits."""
     tokens = shape.tokens * lay.local_batch / lay.tp
     passes = 3 + (1 if any_recompute else 0)       # forward 1, backward 2, recompute 1
-    elementwise = shape.elementwise * shape.layers * tokens * BYTES_BF16 * passes
+    elementwise = shape.elementwise * shape.layers * tokens * lay.act_bytes * passes
     pr = lay.precision
     optimizer = sum(shard.values()) * (2 * pr.weight + pr.grad + 2 * pr.optimizer)  # read w g m v, write w m v
     # gathered bf16 copies: written by the all-gather, read by the matmul; forward and backward
     copies = 2 * 2 * BYTES_BF16 * gathered * shape.layers if fsdp > 1 else 0.0
-    logits = tokens * shape.vocab * 12 if shape.vocab else 0.0   # bf16 write, fp32 softmax r/w, grad
+    logits = tokens * shape.vocab * (lay.act_bytes + 8 + 2) if shape.vocab else 0.0   # write, fp32 softmax r/w, grad
     bw = chip.hbm_bw
     return {"elementwise": elementwise / bw, "optimizer": optimizer / bw, "gathered copies": copies / bw,
             "logits": logits / bw}
@@ -164,7 +165,7 @@ def comm_terms(shape, lay, chip, shard, fsdp, expert_group, offload_bytes):
     else:
         dcn_s = 0.0
     offload_s = 2 * offload_bytes / chip.host_bw if offload_bytes else 0.0   # out forward, back backward
-    act = BYTES_BF16 * shape.tokens * lay.local_batch * shape.dim            # one (B, S, D) activation
+    act = lay.act_bytes * shape.tokens * lay.local_batch * shape.dim            # one (B, S, D) activation
     tp_s = (shape.layers * 8 * act * (lay.tp - 1) / lay.tp / chip.ici_bw
             + shape.layers * 8 * ring_steps(lay.tp, chip) * chip.ici_latency_s) if lay.tp > 1 else 0.0
     ep_s = (shape.layers * 4 * act * shape.top_k * (lay.ep - 1) / lay.ep * MOE_IMBALANCE / chip.ici_bw
@@ -176,9 +177,9 @@ def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems):
     """Bytes a chip: state at its dtypes, gathered block, saved activations, the transient peak."""
     pr, n = lay.precision, sum(shard.values())
     tokens = shape.tokens * lay.local_batch / lay.tp
-    saved = device_elems * BYTES_BF16 * tokens * shape.layers
-    layer_peak = all_elems * BYTES_BF16 * tokens                     # one layer, everything live
-    logits_peak = 2 * BYTES_BF16 * tokens * shape.vocab if shape.vocab else 0.0   # logits + their grad
+    saved = device_elems * lay.act_bytes * tokens * shape.layers
+    layer_peak = all_elems * lay.act_bytes * tokens                     # one layer, everything live
+    logits_peak = 2 * lay.act_bytes * tokens * shape.vocab if shape.vocab else 0.0   # logits + their grad
     return {"parameters": n * pr.weight, "gradients": n * pr.grad, "optimizer state": n * pr.optimizer,
             "gathered block (bf16, x2)": 2 * BYTES_BF16 * gathered if fsdp > 1 else 0.0,
             "saved activations": saved, "transient peak": max(layer_peak, logits_peak)}
@@ -191,18 +192,18 @@ def predict(shape, lay, chip, constants=None):
     shard, gathered, fsdp, expert_group = shard_counts(shape, lay)
     device_elems, offload_elems, _, recomputed = policy_split(shape, lay.remat)
     tokens = shape.tokens * lay.local_batch / lay.tp
-    offload_bytes = offload_elems * BYTES_BF16 * tokens * shape.layers
+    offload_bytes = offload_elems * lay.act_bytes * tokens * shape.layers
     compute = compute_terms(shape, lay, chip, eff, recomputed)
     compute.update(hbm_terms(shape, lay, chip, shard, gathered, fsdp, bool(recomputed)))
     comm = comm_terms(shape, lay, chip, shard, fsdp, expert_group, offload_bytes)
     compute_s = sum(compute.values())
     hideable = comm["ici"] + comm["dcn"] + comm["offload"]
     exposed = hideable - chips_lib.OVERLAP * min(hideable, compute_s)
-    step = chips_lib.HOST_OVERHEAD_S + compute_s + exposed + comm["tp"] + comm["ep"]
+    step = chip.host_overhead_s + compute_s + exposed + comm["tp"] + comm["ep"]
     mem = memory_terms(shape, lay, shard, gathered, fsdp, device_elems, sum(shape.acts.values()))
     total = sum(mem.values())
     fits = total <= chip.hbm_bytes and offload_bytes <= chip.host_bytes
     return {"step_s": step, "compute": compute, "comm": comm, "exposed_comm_s": exposed,
-            "host_overhead_s": chips_lib.HOST_OVERHEAD_S, "memory": mem, "total_bytes": total,
+            "host_overhead_s": chip.host_overhead_s, "memory": mem, "total_bytes": total,
             "offload_bytes": offload_bytes, "fits": fits,
             "mfu": shape.model_flops * lay.local_batch / lay.tp / (step * chip.peak_flops)}
