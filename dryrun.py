@@ -163,8 +163,9 @@ def dry_run(args, flavor, dims, batch_size, seq_len, chip, remat, per_sequence=N
 
 
 def estimate(w, dims, batch_size, chip, remat, per_sample=None):
-    """Memory per chip, traffic per link, roofline step time of Workload `w` on one layout (dims:
-    mesh.mesh_dims); ValueError (one line) for a layout the model or batch does not allow."""
+    """Memory per chip, traffic per link, predicted step time (stepmodel.py) of Workload `w` on one
+    layout (dims: mesh.mesh_dims) under `remat` (False, True = --remat, or a shapes policy);
+    ValueError (one line) for a layout the model or batch does not allow."""
     dcn, ici, tp, ep = dims["dcn"], dims["ici"], dims["tp"], dims["ep"]
     dp, devices = dcn * ici, dcn * ici * tp
     if batch_size % dp:
@@ -180,10 +181,9 @@ def estimate(w, dims, batch_size, chip, remat, per_sample=None):
     shard = math.ceil(whole["tp"] / (ici * tp)) + math.ceil(whole["experts"] / dp) + math.ceil(whole["rest"] / ici)
     gathered = layer["tp"] / tp + layer["experts"] / ep + layer["rest"]  # one block, after FSDP's gather
     # 2. saved activations: linear in the batch; sequence parallelism splits them over tp
-    if per_sample is None:
-        traced = {r: w.saved_bytes(r) for r in (False, True)} if isinstance(policy_name(remat), dict) or \
-            policy_name(remat) not in ("none", "save_matmul_outputs") else {bool(remat): w.saved_bytes(bool(remat))}
-        per_sample = saved_per_sample(w, remat, traced)
+    if per_sample is None:  # one trace: the policy's own (off / --remat), or --remat's for the others to scale
+        with_remat = policy_name(remat) != "none"
+        per_sample = saved_per_sample(w, remat, {with_remat: w.saved_bytes(with_remat)})
     mem = {"params (fp32 shard)": 4 * shard, "grads (fp32 shard)": 4 * shard, "AdamW state (fp32 shard)": 8 * shard,
            "gathered layer (bf16, x2 prefetch)": 2 * 2 * gathered,
            "saved activations (bf16)": per_sample * local_batch / tp}
@@ -236,7 +236,7 @@ def saved_per_sample(w, remat, traced):
     """Saved activation bytes a sample under `remat`: the trace where it was traced (off / --remat);
     another policy scales the traced --remat figure by the shape's device-kept elements under each."""
     name = policy_name(remat)
-    if name in ("none", "save_matmul_outputs"):
+    if isinstance(name, str) and name in ("none", "save_matmul_outputs"):
         return traced[name == "save_matmul_outputs"]
     shape = shape_of(w)
     kept = shapes.policy_split(shape, name)[0]

@@ -248,9 +248,9 @@ def test_planner_calibrate_table_is_the_data_file_every_run_within_25_percent_an
     assert math.isclose(by_id["torchtitan_qwen3_8b"]["published_s"], qwen)
     for r in rows:
         assert 0.75 <= r["ratio"] <= 1.25 and r["fits"], r
-    assert calibrate.fit(runs) == chips.FITTED
-    assert calibrate.main([]) == 0
+    assert calibrate.main([]) == 0         # (it fits: a refit differing from chips.FITTED is printed beside it)
     out = capsys.readouterr().out
+    assert "chips.FITTED has" not in out and all(f"  {chip}: matmul_efficiency" in out for chip in chips.FITTED)
     assert all(any(line.startswith(run["id"]) for line in out.splitlines()) for run in runs)
 
 
