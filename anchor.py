@@ -1,6 +1,9 @@
 """anchor.py: the planner's one prediction that can be checked here. This CPU becomes the chip (its
-measured fp32 GEMM peak and memory bandwidth), the default `llama3_debug` run (batch 32 x 128, eager,
-fp32) the workload; the planner's predicted step is set beside the step measured in the same process.
+measured fp32 GEMM rate, and the memory bandwidth eager PyTorch reaches on the layer's own
+non-matmul blocks), the default `llama3_debug` run (batch 32 x 128, eager, fp32) the workload; the
+planner's predicted step is set beside the step measured in the same process. Eager fuses nothing,
+so the non-matmul bytes are counted on the step as it runs (EagerBytes), not taken from the shape's
+fused table.
 
     python dryrun.py --anchor          # measure peak, bandwidth and the step; print predicted / measured
 
@@ -18,7 +21,7 @@ from shapes import lm_shape
 
 # One measurement (python dryrun.py --anchor on the 2-core development machine; see README), kept so
 # tests can hold the arithmetic to it without timing anything.
-RECORDED = {"peak_flops": 1.051e11, "mem_bw": 3.055e10, "measured_step_s": 2.132, "eager_bytes": 3405597636}
+RECORDED = {"peak_flops": 2.751e10, "mem_bw": 1.282e9, "measured_step_s": 6.907, "eager_bytes": 2329494464}
 
 
 def gemm_rate(n=1024):
@@ -30,51 +33,60 @@ def gemm_rate(n=1024):
     return 2 * n**3 / (time.perf_counter() - t0)
 
 
-def bandwidth(mib=8):
-    """Bytes/s of an fp32 add into a fresh output (reads 2 arrays, writes 1), as eager runs every
-    elementwise op: the allocation's first touch included."""
+def bandwidth(cfg):
+    """Bytes/s eager PyTorch moves through the layer's own non-matmul blocks, forward: the RMSNorm
+    (square, mean, add, rsqrt, two multiplies) of a (batch, seq, dim) fp32 activation and the SwiGLU
+    (silu(gate) * up) of a (batch, seq, ffn_dim) one, bytes counted as EagerBytes counts the step's
+    (each op's inputs and outputs). On this CPU that is several times below a large streaming add:
+    small inner dims, broadcasts and reductions, each op unfused."""
     import torch
-    n = mib * 2**20 // 4
-    a, b = torch.ones(n), torch.ones(n)
+    from model import FLAVORS
+    a = FLAVORS[cfg["flavor"]]
+    x, w = torch.randn(cfg["batch_size"], cfg["seq_len"], a.dim), torch.ones(a.dim)
+    gate, up = (torch.randn(cfg["batch_size"], cfg["seq_len"], a.ffn_dim) for _ in range(2))
+    blocks = lambda: (rms_norm(x, w), torch.nn.functional.silu(gate) * up)
+    counter = EagerBytes()
+    with counter:
+        blocks()
     t0 = time.perf_counter()
-    a + b
-    return 3 * 4 * n / (time.perf_counter() - t0)
+    blocks()
+    return counter.total / (time.perf_counter() - t0)
 
 
-MATMUL_OPS = ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten._scaled_dot_product", "aten.embedding")
-ZERO_COPY = ("view", "reshape", "transpose", "permute", "expand", "aten.t.", "alias", "slice", "select",
-             "unsqueeze", "squeeze", "detach", "split", "unbind", "as_strided", "getitem", "sym_", "_to_copy.default")
-
-
-def traced_eager_bytes(cfg):
-    """Bytes the eager step's non-matmul ops read and write, counted on its make_fx trace (fake
-    tensors, nothing run): each aten op other than a matmul, attention or a zero-copy view reads its
-    tensor inputs and writes its outputs to memory, unfused (eager PyTorch on a CPU fuses nothing,
-    where XLA on a TPU fuses most; so on the CPU this replaces the shape's fused count)."""
+def rms_norm(x, w):
+    """The model's RMSNorm written out in eager ops (model.py's norm, as the CPU step runs it)."""
     import torch
-    import graph_trainer
-    import optim
-    from model import FLAVORS, Transformer, next_token_loss
-    with torch.device("meta"):
-        model = Transformer(FLAVORS[cfg["flavor"]])
-    names = [n for n, _ in model.named_parameters()]
-    params = [p.detach() for p in model.parameters()]
-    state = [torch.zeros_like(p) for p in params]
-    step_fn = graph_trainer.build_step_fn(model, names, next_token_loss, 1.0, (0.9, 0.95), 1e-8, 0.1,
-                                          optim.decay_mask(names, params), lambda: torch.autocast("cpu", enabled=False))
-    one = torch.ones((), device="meta")
-    tokens = torch.zeros(cfg["batch_size"], cfg["seq_len"], dtype=torch.long, device="meta")
-    gm = graph_trainer.capture(step_fn, (params, list(model.buffers()), state, state, one, one, tokens, tokens))
-    nbytes = lambda v: v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
-    total = 0
-    for node in gm.graph.nodes:
-        target = str(node.target)
-        if node.op != "call_function" or any(m in target for m in MATMUL_OPS + ZERO_COPY):
-            continue
-        outs = node.meta.get("val")
-        total += sum(nbytes(v) for v in (outs if isinstance(outs, (tuple, list)) else [outs]))
-        total += sum(nbytes(a.meta.get("val")) for a in node.all_input_nodes)
-    return total
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+
+MATMUL_OPS = ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten._scaled_dot_product", "aten.embedding.")
+ZERO_COPY = ("view", "reshape", "transpose", "permute", "expand", "aten.t.", "alias", "slice", "select",
+             "unsqueeze", "squeeze", "detach", "split", "unbind", "as_strided", "_unsafe_view")
+
+
+def _eager_bytes_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class EagerBytesMode(TorchDispatchMode):
+        """Counts, for every aten op that runs (forward, autograd's backward, the optimizer), the bytes
+        of its tensor inputs and outputs, except matmuls, attention and zero-copy views: what eager
+        PyTorch, which fuses nothing, moves through memory outside the FLOP terms."""
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            import torch
+            from torch.utils._pytree import tree_leaves
+            out = func(*args, **(kwargs or {}))
+            name = str(func)
+            if not any(m in name for m in MATMUL_OPS + ZERO_COPY):
+                self.total += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                                  if isinstance(t, torch.Tensor))
+            return out
+    return EagerBytesMode
+
+
+def EagerBytes():
+    return _eager_bytes_mode()()
 
 
 def anchor_layout(cfg):
@@ -87,7 +99,8 @@ def anchor_layout(cfg):
 def predict_step(peak_flops, mem_bw, cfg, eager_bytes):
     """The planner's step for the default run on a chip with this peak and bandwidth: matmuls at the
     measured peak (it was measured on a matmul) less stepmodel's short-dim law, the non-matmul bytes
-    the eager trace moves (`eager_bytes`, counted in place of the fused count: elementwise term)."""
+    eager step moves (`eager_bytes`, counted as it ran: it replaces the shape's fused count, because
+    eager PyTorch fuses nothing) at the measured eager bandwidth."""
     import dataclasses
     from model import FLAVORS
     shape = lm_shape(FLAVORS[cfg["flavor"]], cfg["seq_len"], cfg["flavor"])
@@ -100,7 +113,8 @@ def predict_step(peak_flops, mem_bw, cfg, eager_bytes):
 
 def measure(cfg, steps=12):
     """Medians of the default eager training step and, between its steps (so under the same load),
-    of the GEMM rate and the memory bandwidth; 3 warm-up steps not counted."""
+    of the GEMM rate and the memory bandwidth (3 warm-up steps not counted); and the non-matmul
+    bytes of one more step, counted as it runs (EagerBytes)."""
     import data
     import device as dev
     import optim
@@ -117,8 +131,12 @@ def measure(cfg, steps=12):
         loss.item()
         times.append(time.perf_counter() - t0)
         peaks += [gemm_rate() for _ in range(3)]
-        bws += [bandwidth() for _ in range(3)]
-    return statistics.median(times[3:]), statistics.median(peaks[9:]), statistics.median(bws[9:])
+        bws += [bandwidth(cfg) for _ in range(3)]
+    counter = EagerBytes()
+    with counter:   # one more step, counted (not timed)
+        trainer.step_fn(*trainer.parallel.place_batch(trainer.task.batch(steps + 1)),
+                        dev.scalar(optim.lr_at(steps, 1e-3, 5, steps), trainer.device))[0].item()
+    return statistics.median(times[3:]), statistics.median(peaks[9:]), statistics.median(bws[9:]), counter.total
 
 
 DEFAULT_RUN = {"flavor": "llama3_debug", "batch_size": 32, "seq_len": 128}
@@ -127,10 +145,10 @@ DEFAULT_RUN = {"flavor": "llama3_debug", "batch_size": 32, "seq_len": 128}
 def main(argv=()):
     if argv:
         raise ValueError(f"--anchor takes no further flags, got {' '.join(argv)}")
-    measured, peak, bw = measure(DEFAULT_RUN)
-    eager_bytes = traced_eager_bytes(DEFAULT_RUN)
+    measured, peak, bw, eager_bytes = measure(DEFAULT_RUN)
     pred = predict_step(peak, bw, DEFAULT_RUN, eager_bytes)
-    print(f"CPU anchor: fp32 GEMM peak {peak / 1e9:.1f} GFLOP/s, memory bandwidth {bw / 1e9:.1f} GB/s (measured now)")
+    print(f"CPU anchor: fp32 GEMM {peak / 1e9:.1f} GFLOP/s, eager bandwidth (norm + SwiGLU) {bw / 1e9:.2f} GB/s, "
+          f"{eager_bytes / 1e9:.2f} GB of non-matmul traffic a step (measured now)")
     print(f"  {DEFAULT_RUN['flavor']} batch {DEFAULT_RUN['batch_size']} x {DEFAULT_RUN['seq_len']}, eager fp32: "
           f"measured {measured * 1e3:.1f} ms a step, predicted {pred['step_s'] * 1e3:.1f} ms, ratio "
           f"{pred['step_s'] / measured:.2f}")

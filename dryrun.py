@@ -375,7 +375,7 @@ if __name__ == "__main__":
         if argv[:1] == ["--anchor"]:
             import anchor
             sys.exit(anchor.main(argv[1:]))
-        raise ValueError(f"expected --calibrate [--breakdown] or --anchor [--flux], got {' '.join(argv) or 'nothing'} "
+        raise ValueError(f"expected --calibrate [--breakdown] or --anchor, got {' '.join(argv) or 'nothing'} "
                          f"(the dry run itself is train.py --dry-run)")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -278,8 +278,8 @@ def test_planner_ranks_fitting_layouts_first_and_names_the_cheapest_fix_when_non
 
 
 def test_planner_cpu_anchor_arithmetic_on_recorded_measurements():
-    """anchor.predict_step on the recorded CPU measurement: its elementwise term is the eager trace's
-    bytes over the measured bandwidth, its matmuls the shape's FLOPs (x3) at the measured peak under
+    """anchor.predict_step on the recorded CPU measurement: its elementwise term is the eager step's
+    counted non-matmul bytes over the measured eager bandwidth, its matmuls the shape's FLOPs (x3) at the measured peak under
     the short-dim law with a 64-wide tile; no collectives, no overhead. (The live measurement,
     python dryrun.py --anchor, is in the README: too noisy on a shared machine to assert here.)"""
     import anchor
@@ -297,3 +297,11 @@ def test_planner_cpu_anchor_arithmetic_on_recorded_measurements():
     assert p["exposed_comm_s"] == 0 and p["host_overhead_s"] == 0
     assert math.isclose(p["step_s"], sum(p["compute"].values()))
     assert isinstance(stepmodel.Layout().act_bytes, int)
+    # EagerBytes, by hand: a broadcast multiply of (4, 8) by (8,) fp32 reads 128 + 32 bytes and writes
+    # 128; a matmul and a view move nothing it counts
+    import torch
+    x, w = torch.ones(4, 8), torch.ones(8)
+    counter = anchor.EagerBytes()
+    with counter:
+        x * w, x @ x.t(), x.view(32)
+    assert counter.total == 128 + 32 + 128
