@@ -21,7 +21,8 @@ from shapes import lm_shape
 
 # One measurement (python dryrun.py --anchor on the 2-core development machine; see README), kept so
 # tests can hold the arithmetic to it without timing anything.
-RECORDED = {"peak_flops": 2.751e10, "mem_bw": 1.282e9, "measured_step_s": 6.907, "eager_bytes": 2329494464}
+RECORDED = {"measured_step_s": 9.103, "peak_flops": 2.316e10, "mem_bw": 1.019e9, "eager_bytes": 2329494464,
+            "host_s": 0.005283, "eager_ops": 1241}
 
 
 def gemm_rate(n=1024):
@@ -53,6 +54,17 @@ def bandwidth(cfg):
     return counter.total / (time.perf_counter() - t0)
 
 
+def dispatch_latency(repeats=200):
+    """Seconds the host spends on one eager op whose work is nothing (a 1-element add): PyTorch's
+    dispatch, allocation and Python overhead, paid by every op the step runs."""
+    import torch
+    a, b = torch.ones(1), torch.ones(1)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        torch.add(a, b)
+    return (time.perf_counter() - t0) / repeats
+
+
 def rms_norm(x, w):
     """The model's RMSNorm written out in eager ops (model.py's norm, as the CPU step runs it)."""
     import torch
@@ -72,11 +84,13 @@ def _eager_bytes_mode():
         of its tensor inputs and outputs, except matmuls, attention and zero-copy views: what eager
         PyTorch, which fuses nothing, moves through memory outside the FLOP terms."""
         total = 0
+        ops = 0      # every aten op dispatched, views and matmuls included: each pays the host's dispatch
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             import torch
             from torch.utils._pytree import tree_leaves
             out = func(*args, **(kwargs or {}))
+            self.ops += 1
             name = str(func)
             if not any(m in name for m in MATMUL_OPS + ZERO_COPY):
                 self.total += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
@@ -96,18 +110,19 @@ def anchor_layout(cfg):
                             act_bytes=4, attention_block=cfg["seq_len"])
 
 
-def predict_step(peak_flops, mem_bw, cfg, eager_bytes):
+def predict_step(peak_flops, mem_bw, cfg, eager_bytes, host_s=0.0):
     """The planner's step for the default run on a chip with this peak and bandwidth: matmuls at the
     measured peak (it was measured on a matmul) less stepmodel's short-dim law, the non-matmul bytes
     eager step moves (`eager_bytes`, counted as it ran: it replaces the shape's fused count, because
-    eager PyTorch fuses nothing) at the measured eager bandwidth."""
+    eager PyTorch fuses nothing) at the measured eager bandwidth; the host overhead `host_s`, the
+    step's op count times the measured dispatch latency of an empty op."""
     import dataclasses
     from model import FLAVORS
     shape = lm_shape(FLAVORS[cfg["flavor"]], cfg["seq_len"], cfg["flavor"])
     tokens_layers = shape.tokens * cfg["batch_size"] * shape.layers
     lay = anchor_layout(cfg)
     shape = dataclasses.replace(shape, elementwise=eager_bytes / (lay.act_bytes * 3 * tokens_layers), vocab=0)
-    chip = chips_lib.measured_chip(peak_flops, mem_bw, hbm_bytes=float("inf"))
+    chip = dataclasses.replace(chips_lib.measured_chip(peak_flops, mem_bw, hbm_bytes=float("inf")), host_overhead_s=host_s)
     return stepmodel.predict(shape, anchor_layout(cfg), chip, {"matmul_efficiency": 1.0, "moe_efficiency": 1.0})
 
 
@@ -123,7 +138,7 @@ def measure(cfg, steps=12):
                              str(cfg["seq_len"]), "--steps", str(steps), "--eval-batches", "0", "--ckpt-interval", "0",
                              "--out-dir", "/tmp/minititan-anchor", "--data", data.stdlib_dir()])
     trainer = train.Trainer(tc)
-    times, peaks, bws = [], [], []
+    times, peaks, bws, lats = [], [], [], []
     for i in range(1, steps + 1):
         t0 = time.perf_counter()
         loss, _ = trainer.step_fn(*trainer.parallel.place_batch(trainer.task.batch(i)),
@@ -132,11 +147,14 @@ def measure(cfg, steps=12):
         times.append(time.perf_counter() - t0)
         peaks += [gemm_rate() for _ in range(3)]
         bws += [bandwidth(cfg) for _ in range(3)]
+        lats.append(dispatch_latency())
     counter = EagerBytes()
     with counter:   # one more step, counted (not timed)
         trainer.step_fn(*trainer.parallel.place_batch(trainer.task.batch(steps + 1)),
                         dev.scalar(optim.lr_at(steps, 1e-3, 5, steps), trainer.device))[0].item()
-    return statistics.median(times[3:]), statistics.median(peaks[9:]), statistics.median(bws[9:]), counter.total
+    return {"measured_step_s": statistics.median(times[3:]), "peak_flops": statistics.median(peaks[9:]),
+            "mem_bw": statistics.median(bws[9:]), "eager_bytes": counter.total,
+            "host_s": counter.ops * statistics.median(lats[3:]), "eager_ops": counter.ops}
 
 
 DEFAULT_RUN = {"flavor": "llama3_debug", "batch_size": 32, "seq_len": 128}
@@ -145,16 +163,16 @@ DEFAULT_RUN = {"flavor": "llama3_debug", "batch_size": 32, "seq_len": 128}
 def main(argv=()):
     if argv:
         raise ValueError(f"--anchor takes no further flags, got {' '.join(argv)}")
-    measured, peak, bw, eager_bytes = measure(DEFAULT_RUN)
-    pred = predict_step(peak, bw, DEFAULT_RUN, eager_bytes)
-    print(f"CPU anchor: fp32 GEMM {peak / 1e9:.1f} GFLOP/s, eager bandwidth (norm + SwiGLU) {bw / 1e9:.2f} GB/s, "
-          f"{eager_bytes / 1e9:.2f} GB of non-matmul traffic a step (measured now)")
+    m = measure(DEFAULT_RUN)
+    pred = predict_step(m["peak_flops"], m["mem_bw"], DEFAULT_RUN, m["eager_bytes"], m["host_s"])
+    print(f"CPU anchor: fp32 GEMM {m['peak_flops'] / 1e9:.1f} GFLOP/s, eager bandwidth (norm + SwiGLU) "
+          f"{m['mem_bw'] / 1e9:.2f} GB/s, {m['eager_bytes'] / 1e9:.2f} GB of non-matmul traffic and {m['eager_ops']} ops "
+          f"a step (measured now)")
     print(f"  {DEFAULT_RUN['flavor']} batch {DEFAULT_RUN['batch_size']} x {DEFAULT_RUN['seq_len']}, eager fp32: "
-          f"measured {measured * 1e3:.1f} ms a step, predicted {pred['step_s'] * 1e3:.1f} ms, ratio "
-          f"{pred['step_s'] / measured:.2f}")
+          f"measured {m['measured_step_s'] * 1e3:.1f} ms a step, predicted {pred['step_s'] * 1e3:.1f} ms, ratio "
+          f"{pred['step_s'] / m['measured_step_s']:.2f}")
     for k, v in pred["compute"].items():
         print(f"    {k:<16} {v * 1e3:8.2f} ms")
-    print(f"    host overhead    {pred['host_overhead_s'] * 1e3:8.2f} ms")
-    print(f"  recorded inputs: {{'peak_flops': {peak:.4g}, 'mem_bw': {bw:.4g}, 'measured_step_s': {measured:.4g}, "
-          f"'eager_bytes': {eager_bytes}}}")
+    print(f"    host overhead    {pred['host_overhead_s'] * 1e3:8.2f} ms ({m['eager_ops']} ops x the dispatch of an empty op)")
+    print(f"  recorded inputs: {m}")
     return 0

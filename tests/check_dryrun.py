@@ -280,13 +280,13 @@ def test_planner_ranks_fitting_layouts_first_and_names_the_cheapest_fix_when_non
 def test_planner_cpu_anchor_arithmetic_on_recorded_measurements():
     """anchor.predict_step on the recorded CPU measurement: its elementwise term is the eager step's
     counted non-matmul bytes over the measured eager bandwidth, its matmuls the shape's FLOPs (x3) at the measured peak under
-    the short-dim law with a 64-wide tile; no collectives, no overhead. (The live measurement,
+    the short-dim law with a 64-wide tile; no collectives; the host overhead the recorded one. (The live measurement,
     python dryrun.py --anchor, is in the README: too noisy on a shared machine to assert here.)"""
     import anchor
     import stepmodel
     from chips import measured_chip
     rec = anchor.RECORDED
-    p = anchor.predict_step(rec["peak_flops"], rec["mem_bw"], anchor.DEFAULT_RUN, rec["eager_bytes"])
+    p = anchor.predict_step(rec["peak_flops"], rec["mem_bw"], anchor.DEFAULT_RUN, rec["eager_bytes"], rec["host_s"])
     assert math.isclose(p["compute"]["elementwise"], rec["eager_bytes"] / rec["mem_bw"])
     from shapes import lm_shape
     shape = lm_shape(FLAVORS["llama3_debug"], 128)
@@ -294,8 +294,8 @@ def test_planner_cpu_anchor_arithmetic_on_recorded_measurements():
     law = lambda d: min(1.0, d / 256)
     mm = sum(3 * m.flops * 32 / (rec["peak_flops"] * law(m.k) * law(m.n)) for m in shape.matmuls)
     assert math.isclose(p["compute"]["matmul"], mm) and chip.mxu_tile == 64
-    assert p["exposed_comm_s"] == 0 and p["host_overhead_s"] == 0
-    assert math.isclose(p["step_s"], sum(p["compute"].values()))
+    assert p["exposed_comm_s"] == 0 and p["host_overhead_s"] == rec["host_s"]   # ops x an empty op's dispatch
+    assert math.isclose(p["step_s"], rec["host_s"] + sum(p["compute"].values()))
     assert isinstance(stepmodel.Layout().act_bytes, int)
     # EagerBytes, by hand: a broadcast multiply of (4, 8) by (8,) fp32 reads 128 + 32 bytes and writes
     # 128; a matmul and a view move nothing it counts
@@ -304,4 +304,4 @@ def test_planner_cpu_anchor_arithmetic_on_recorded_measurements():
     counter = anchor.EagerBytes()
     with counter:
         x * w, x @ x.t(), x.view(32)
-    assert counter.total == 128 + 32 + 128
+    assert counter.total == 128 + 32 + 128 and counter.ops == 4   # mul, t, mm, view: each dispatched
