@@ -100,6 +100,8 @@ def _eager_bytes_mode():
 
 
 def EagerBytes():
+    """A fresh counting mode (`with EagerBytes() as c: ...; c.total, c.ops`); the class is built on
+    first use so importing anchor does not import torch."""
     return _eager_bytes_mode()()
 
 

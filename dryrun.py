@@ -338,8 +338,8 @@ def remat_label(remat):
 def format_plan(rows, cfg, top=15):
     lines = [f"plan: {rows[0]['flavor']} on {cfg.chips} x {cfg.chip}, global batch {cfg.batch_size} x "
              f"{rows[0]['seq_len']} tokens; "
-             f"{len(rows)} layouts, best {min(top, len(rows))}, fitting first (step: stepmodel.py's parts, fitted on "
-             f"published runs; not run on a TPU)",
+             f"{len(rows)} layouts, best {min(top, len(rows))}, fitting first (step: stepmodel.py's parts, "
+             f"{calibration_note(cfg.chip)}; not run on a TPU)",
              f"  {'mesh':<28} {'remat':<5} {'batch/dp':>8} {'HBM GiB':>8} {'fits':<4} {'step ms':>9} "
              f"{'TP/EP ms':>9} {'MFU':>6}  bound"]
     for r in rows[:top]:
@@ -347,6 +347,13 @@ def format_plan(rows, cfg, top=15):
                      f"{r['total_bytes'] / GiB:>8.1f} {'yes' if r['fits'] else 'NO':<4} {r['step_s'] * 1e3:>9.1f} "
                      f"{r['exposed_s'] * 1e3:>9.1f} {100 * r['mfu']:>5.1f}%  {r['bound']}")
     return "\n".join(lines)
+
+
+def calibration_note(chip):
+    """Whether `chip`'s efficiencies were fitted on published runs (calibration.json) or defaulted."""
+    if chip in chips_lib.FITTED:
+        return "calibrated on published runs"
+    return "UNCALIBRATED: no published run of this chip, default efficiencies"
 
 
 def format_report(r):
@@ -361,7 +368,7 @@ def format_report(r):
                  f"ICI {r['ici_bytes'] / GiB:.2f} GiB ({split or 'none'}), DCN {r['dcn_bytes'] / GiB:.2f} GiB")
     parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["step_parts_s"].items())
     lines.append(f"  predicted step time {r['step_s'] * 1e3:.1f} ms ({parts} ms; + host overhead), MFU "
-                 f"{100 * r['mfu']:.1f}% (stepmodel.py, calibrated on published runs; largest part: {r['bound']})")
+                 f"{100 * r['mfu']:.1f}% (stepmodel.py, {calibration_note(r['chip'])}; largest part: {r['bound']})")
     return "\n".join(lines)
 
 
