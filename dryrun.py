@@ -150,7 +150,7 @@ def shape_of(w):
     if w.shape is not None:
         return w.shape
     side = 4096
-    rows = w.flops_per_sample / 6 / (2 * side * side * max(w.n_layers, 1))
+    rows = w.flops_per_sample / 3 / (2 * side * side * max(w.n_layers, 1))   # the forward: a third
     return shapes.Shape(w.label, w.tokens, max(w.n_layers, 1), dict(w.whole), dict(w.layer),
                         (shapes.Matmul("all", rows, side, side, max(w.n_layers, 1), "none"),),
                         dict(heads=0, head_dim=0, seq=0, causal=False, layers=0), {"decoder_layer_input": 0},

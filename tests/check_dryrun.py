@@ -248,6 +248,8 @@ def test_planner_calibrate_table_is_the_data_file_every_run_within_25_percent_an
     assert math.isclose(by_id["torchtitan_qwen3_8b"]["published_s"], qwen)
     for r in rows:
         assert 0.75 <= r["ratio"] <= 1.25 and r["fits"], r
+    held_out = [r for r in runs if r["role"] == "held_out"]
+    assert held_out and calibrate.fit([r for r in runs if r["role"] == "fit"]) == calibrate.fit(runs)  # never fitted on
     assert calibrate.main([]) == 0         # (it fits: a refit differing from chips.FITTED is printed beside it)
     out = capsys.readouterr().out
     assert "chips.FITTED has" not in out and all(f"  {chip}: matmul_efficiency" in out for chip in chips.FITTED)
@@ -305,3 +307,17 @@ def test_planner_cpu_anchor_arithmetic_on_recorded_measurements():
     with counter:
         x * w, x @ x.t(), x.view(32)
     assert counter.total == 128 + 32 + 128 and counter.ops == 4   # mul, t, mm, view: each dispatched
+
+
+def test_planner_workload_without_a_shape_is_its_flops_at_the_matmul_efficiency():
+    """A task that hands dryrun no Shape (Workload.shape None) is planned as one matmul a layer
+    carrying all its FLOPs: on one chip the step is those FLOPs at the chip's fitted matmul
+    efficiency, the optimizer's and the host's terms, nothing else."""
+    import chips
+    import dryrun
+    w = dryrun.Workload("custom", {"tp": 0, "experts": 0, "rest": 10**6}, {"tp": 0, "experts": 0, "rest": 10**5},
+                        6e12, 1024, lambda remat: 2**20, lambda dims: None, dim=512, n_layers=10)
+    r = dryrun.estimate(w, {"dcn": 1, "ici": 1, "tp": 1, "ep": 1}, 2, "tpu_v5p", False)
+    chip, eff = chips.CHIPS["tpu_v5p"], chips.FITTED["tpu_v5p"]["matmul_efficiency"]
+    optimizer = 10**6 * 28 / chip.hbm_bw                   # read w g m v, write w m v: fp32
+    assert math.isclose(r["step_s"], 2 * 6e12 / (chip.peak_flops * eff) + optimizer + chip.host_overhead_s)
