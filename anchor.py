@@ -5,7 +5,7 @@ planner's predicted step is set beside the step measured in the same process. Ea
 so the non-matmul bytes are counted on the step as it runs (EagerBytes), not taken from the shape's
 fused table.
 
-    python dryrun.py --anchor          # measure peak, bandwidth and the step; print predicted / measured
+    python dryrun.py --anchor [--flux]   # measure rates and the step; print predicted / measured (--flux: FLUX too)
 
 Everything is measured in one process, one after the other, because the machine is shared and noisy:
 a ratio of numbers taken together means more than any one of them. The arithmetic (`predict_step`)
@@ -17,7 +17,7 @@ import time
 
 import chips as chips_lib
 import stepmodel
-from shapes import lm_shape
+from shapes import flux_shape, lm_shape
 
 # One measurement (python dryrun.py --anchor on the 2-core development machine; see README), kept so
 # tests can hold the arithmetic to it without timing anything.
@@ -41,10 +41,8 @@ def bandwidth(cfg):
     (each op's inputs and outputs). On this CPU that is several times below a large streaming add:
     small inner dims, broadcasts and reductions, each op unfused."""
     import torch
-    from model import FLAVORS
-    a = FLAVORS[cfg["flavor"]]
-    x, w = torch.randn(cfg["batch_size"], cfg["seq_len"], a.dim), torch.ones(a.dim)
-    gate, up = (torch.randn(cfg["batch_size"], cfg["seq_len"], a.ffn_dim) for _ in range(2))
+    x, w = torch.randn(cfg["batch_size"], cfg["tokens"], cfg["width"]), torch.ones(cfg["width"])
+    gate, up = (torch.randn(cfg["batch_size"], cfg["tokens"], cfg["ffn"]) for _ in range(2))
     blocks = lambda: (rms_norm(x, w), torch.nn.functional.silu(gate) * up)
     counter = EagerBytes()
     with counter:
@@ -106,40 +104,49 @@ def EagerBytes():
 
 
 def anchor_layout(cfg):
-    """The default run as the planner sees it: one device, fp32 everything, nothing recomputed, no
-    causal block skipping (the CPU's SDPA computes the whole S x S)."""
+    """A debug run as the planner sees it: one device, fp32 everything, nothing recomputed, no causal
+    block skipping (the CPU's SDPA computes the whole S x S)."""
     return stepmodel.Layout(ici=1, local_batch=cfg["batch_size"], remat="none", precision=stepmodel.PRECISIONS["fp32"],
-                            act_bytes=4, attention_block=cfg["seq_len"])
+                            act_bytes=4, attention_block=cfg["tokens"])
+
+
+def run_shape(cfg):
+    """The Shape of a debug run: llama3_debug at its sequence length, or flux_debug on 8 x 8 digits
+    (16 packed image tokens beside 4 learned prompt tokens)."""
+    if cfg["task"] == "flux":
+        import flux
+        return flux_shape(flux.FLAVORS[cfg["flavor"]], cfg["img_tokens"], cfg["tokens"] - cfg["img_tokens"], cfg["flavor"])
+    from model import FLAVORS
+    return lm_shape(FLAVORS[cfg["flavor"]], cfg["tokens"], cfg["flavor"])
 
 
 def predict_step(peak_flops, mem_bw, cfg, eager_bytes, host_s=0.0):
-    """The planner's step for the default run on a chip with this peak and bandwidth: matmuls at the
+    """The planner's step for a debug run on a chip with this peak and bandwidth: matmuls at the
     measured peak (it was measured on a matmul) less stepmodel's short-dim law, the non-matmul bytes
-    eager step moves (`eager_bytes`, counted as it ran: it replaces the shape's fused count, because
-    eager PyTorch fuses nothing) at the measured eager bandwidth; the host overhead `host_s`, the
-    step's op count times the measured dispatch latency of an empty op."""
+    the eager step moves (`eager_bytes`, counted as it ran: it replaces the shape's fused count,
+    because eager PyTorch fuses nothing) at the measured eager bandwidth; the host overhead `host_s`,
+    the step's op count times the measured dispatch latency of an empty op."""
     import dataclasses
-    from model import FLAVORS
-    shape = lm_shape(FLAVORS[cfg["flavor"]], cfg["seq_len"], cfg["flavor"])
+    shape = run_shape(cfg)
     tokens_layers = shape.tokens * cfg["batch_size"] * shape.layers
     lay = anchor_layout(cfg)
     shape = dataclasses.replace(shape, elementwise=eager_bytes / (lay.act_bytes * 3 * tokens_layers), vocab=0)
     chip = dataclasses.replace(chips_lib.measured_chip(peak_flops, mem_bw, hbm_bytes=float("inf")), host_overhead_s=host_s)
-    return stepmodel.predict(shape, anchor_layout(cfg), chip, {"matmul_efficiency": 1.0, "moe_efficiency": 1.0})
+    return stepmodel.predict(shape, lay, chip, {"matmul_efficiency": 1.0, "moe_efficiency": 1.0})
 
 
 def measure(cfg, steps=12):
-    """Medians of the default eager training step and, between its steps (so under the same load),
-    of the GEMM rate and the memory bandwidth (3 warm-up steps not counted); and the non-matmul
-    bytes of one more step, counted as it runs (EagerBytes)."""
+    """Medians of a debug run's eager training step and, between its steps (so under the same load),
+    of the GEMM rate, the eager bandwidth and the dispatch latency (3 warm-up steps not counted); and
+    the non-matmul bytes and the ops of one more step, counted as it runs (EagerBytes)."""
     import data
     import device as dev
     import optim
     import train
-    tc = train.parse_config(["--flavor", cfg["flavor"], "--batch-size", str(cfg["batch_size"]), "--seq-len",
-                             str(cfg["seq_len"]), "--steps", str(steps), "--eval-batches", "0", "--ckpt-interval", "0",
-                             "--out-dir", "/tmp/minititan-anchor", "--data", data.stdlib_dir()])
-    trainer = train.Trainer(tc)
+    flags = ["--task", cfg["task"], "--flavor", cfg["flavor"], "--batch-size", str(cfg["batch_size"]),
+             "--steps", str(steps), "--eval-batches", "0", "--ckpt-interval", "0", "--out-dir", "/tmp/minititan-anchor"]
+    flags += ["--seq-len", str(cfg["tokens"]), "--data", data.stdlib_dir()] if cfg["task"] == "lm" else ["--watchdog", "0"]
+    trainer = train.Trainer(train.parse_config(flags))
     times, peaks, bws, lats = [], [], [], []
     for i in range(1, steps + 1):
         t0 = time.perf_counter()
@@ -159,22 +166,30 @@ def measure(cfg, steps=12):
             "host_s": counter.ops * statistics.median(lats[3:]), "eager_ops": counter.ops}
 
 
-DEFAULT_RUN = {"flavor": "llama3_debug", "batch_size": 32, "seq_len": 128}
+# The default runs (train.py's defaults: batch 32; the LM at 128 tokens, FLUX on 8 x 8 digits), with
+# the widths the bandwidth probe uses: llama3_debug's dim / ffn_dim, flux_debug's hidden / 4 x hidden.
+RUNS = {
+    "llama3_debug": {"task": "lm", "flavor": "llama3_debug", "batch_size": 32, "tokens": 128, "width": 192, "ffn": 512},
+    "flux_debug": {"task": "flux", "flavor": "flux_debug", "batch_size": 32, "tokens": 20, "img_tokens": 16,
+                   "width": 128, "ffn": 512},
+}
+DEFAULT_RUN = RUNS["llama3_debug"]
 
 
 def main(argv=()):
-    if argv:
-        raise ValueError(f"--anchor takes no further flags, got {' '.join(argv)}")
-    m = measure(DEFAULT_RUN)
-    pred = predict_step(m["peak_flops"], m["mem_bw"], DEFAULT_RUN, m["eager_bytes"], m["host_s"])
-    print(f"CPU anchor: fp32 GEMM {m['peak_flops'] / 1e9:.1f} GFLOP/s, eager bandwidth (norm + SwiGLU) "
-          f"{m['mem_bw'] / 1e9:.2f} GB/s, {m['eager_bytes'] / 1e9:.2f} GB of non-matmul traffic and {m['eager_ops']} ops "
-          f"a step (measured now)")
-    print(f"  {DEFAULT_RUN['flavor']} batch {DEFAULT_RUN['batch_size']} x {DEFAULT_RUN['seq_len']}, eager fp32: "
-          f"measured {m['measured_step_s'] * 1e3:.1f} ms a step, predicted {pred['step_s'] * 1e3:.1f} ms, ratio "
-          f"{pred['step_s'] / m['measured_step_s']:.2f}")
-    for k, v in pred["compute"].items():
-        print(f"    {k:<16} {v * 1e3:8.2f} ms")
-    print(f"    host overhead    {pred['host_overhead_s'] * 1e3:8.2f} ms ({m['eager_ops']} ops x the dispatch of an empty op)")
-    print(f"  recorded inputs: {m}")
+    if set(argv) - {"--flux"}:
+        raise ValueError(f"--anchor takes only --flux (the FLUX debug step too), got {' '.join(argv)}")
+    for name in ["llama3_debug"] + (["flux_debug"] if "--flux" in argv else []):
+        cfg = RUNS[name]
+        m = measure(cfg)
+        pred = predict_step(m["peak_flops"], m["mem_bw"], cfg, m["eager_bytes"], m["host_s"])
+        print(f"CPU anchor, {name} (batch {cfg['batch_size']} x {cfg['tokens']} tokens, eager fp32): fp32 GEMM "
+              f"{m['peak_flops'] / 1e9:.1f} GFLOP/s, eager bandwidth (norm + gated activation) {m['mem_bw'] / 1e9:.2f} GB/s, "
+              f"{m['eager_bytes'] / 1e9:.3f} GB of non-matmul traffic and {m['eager_ops']} ops a step (measured now)")
+        print(f"  measured {m['measured_step_s'] * 1e3:.1f} ms a step, predicted {pred['step_s'] * 1e3:.1f} ms, "
+              f"ratio {pred['step_s'] / m['measured_step_s']:.2f}")
+        for k, v in pred["compute"].items():
+            print(f"    {k:<16} {v * 1e3:8.2f} ms")
+        print(f"    host overhead    {pred['host_overhead_s'] * 1e3:8.2f} ms ({m['eager_ops']} ops x the dispatch of an empty op)")
+        print(f"  recorded inputs: {m}")
     return 0

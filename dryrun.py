@@ -19,7 +19,7 @@ DCN collectives hidden up to an overlap fraction, TP / EP exposed, a host overhe
 free constants fitted on published TPU runs (calibration.json, calibrate.py):
 
     python dryrun.py --calibrate [--breakdown]   # predicted vs published for every run, and the fit
-    python dryrun.py --anchor                    # this CPU as the chip: predicted vs measured step (anchor.py)
+    python dryrun.py --anchor [--flux]           # this CPU as the chip: predicted vs measured step (anchor.py)
 
 Layouts (mesh dims dcn, ici, tp, ep as in train.py): tensor parallelism splits the attention and
 dense-MLP matmuls, the compute and (sequence parallel) the saved activations tp ways and adds its
@@ -382,7 +382,7 @@ if __name__ == "__main__":
         if argv[:1] == ["--anchor"]:
             import anchor
             sys.exit(anchor.main(argv[1:]))
-        raise ValueError(f"expected --calibrate [--breakdown] or --anchor, got {' '.join(argv) or 'nothing'} "
+        raise ValueError(f"expected --calibrate [--breakdown] or --anchor [--flux], got {' '.join(argv) or 'nothing'} "
                          f"(the dry run itself is train.py --dry-run)")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -292,6 +292,7 @@ def test_planner_cpu_anchor_arithmetic_on_recorded_measurements():
     assert math.isclose(p["compute"]["elementwise"], rec["eager_bytes"] / rec["mem_bw"])
     from shapes import lm_shape
     shape = lm_shape(FLAVORS["llama3_debug"], 128)
+    assert anchor.DEFAULT_RUN["tokens"] == 128 and anchor.DEFAULT_RUN["batch_size"] == 32
     chip = measured_chip(rec["peak_flops"], rec["mem_bw"], float("inf"))
     law = lambda d: min(1.0, d / 256)
     mm = sum(3 * m.flops * 32 / (rec["peak_flops"] * law(m.k) * law(m.n)) for m in shape.matmuls)
