@@ -159,9 +159,11 @@ def comm_terms(shape, lay, chip, shard, fsdp, expert_group, offload_bytes):
     if lay.dcn > 1:
         if lay.dcn_mode == "fsdp":   # each slice fetches the other slices' share of every gather
             dcn_bytes = per_coll * sum(p.values()) / (lay.ici * lay.tp) * (lay.dcn - 1) / lay.dcn
-        else:                        # HSDP: all-reduce of the shard's gradients across slices
+            dcn_collectives = collectives
+        else:                        # HSDP: all-reduce of the shard's gradients across slices, a layer at a time
             dcn_bytes = 2 * pr.grad * sum(shard.values()) * (lay.dcn - 1) / lay.dcn
-        dcn_s = dcn_bytes / chip.dcn_bw + collectives * 2 * (lay.dcn - 1) * chip.dcn_latency_s
+            dcn_collectives = shape.layers
+        dcn_s = dcn_bytes / chip.dcn_bw + dcn_collectives * 2 * (lay.dcn - 1) * chip.dcn_latency_s
     else:
         dcn_s = 0.0
     offload_s = 2 * offload_bytes / chip.host_bw if offload_bytes else 0.0   # out forward, back backward
