@@ -3,53 +3,51 @@
     python train.py --dry-run --flavor llama3_405b --mesh dcn=2,ici=128 --chip tpu_v5p
     python train.py --task flux --flavor flux_dev --dry-run --image-size 1024 --batch-size 4 --mesh ici=4
 
-A task describes its model to the planner as a `Workload` (Task.plan_workload: parameters grouped by
-how a layout splits them, FLOPs and tokens of a sample, saved activations); `estimate` and `plan`
-work on that alone (a language model's Workload is built here, `lm_workload`; FLUX's in
-flux_task.py). The whole step (graph_trainer.build_step_fn with the task's loss) is traced by make_fx
+A model family describes its model to the planner as a `Workload` (ModelFamily.plan: parameters
+grouped by how a layout splits them, FLOPs and tokens of a sample, saved activations); `estimate` and
+`plan` work on that alone (a language model's Workload is built here, `lm_workload`; FLUX's in
+flux/task.py). The whole step (graph_trainer.build_step_fn with the task's loss) is traced by make_fx
 on meta tensors, at full width and with the TPU kernels (a language model's config rewrite; FLUX's
 flash attention), so the graph's saved activations are exact for one block of each kind and one
 more; the per-block differences extrapolate to the full depths (blocks of a kind are the same:
 `extrapolate`). Nothing is allocated. Parameters, gradients and AdamW state follow from the
 parameter counts and the layout (fp32; the TP-split weights over ici x tp, the experts over all
 data-parallel ranks, the rest over ici; replicated over dcn), as train.py places them; FSDP
-collectives from the same. The step time is a roofline: max(compute at peak, FSDP's ICI traffic,
-DCN traffic), i.e. FSDP overlapped with compute, plus the TP/EP collectives, which sit on the
-critical path; a lower bound, the MFU an upper bound.
+collectives from the same. The step time is planner/stepmodel.py's sum of named parts (matmuls at a
+shape-dependent fraction of peak, splash attention with causal blocks skipped, HBM-bound ops, FSDP /
+DCN collectives hidden up to an overlap fraction, TP / EP exposed, a host overhead), with the few
+free constants fitted on published TPU runs (planner/calibration.json, planner/calibrate.py):
+
+    python dryrun.py --calibrate [--breakdown]   # predicted vs published for every run, and the fit
+    python dryrun.py --anchor [--flux]           # this CPU as the chip: predicted vs measured step (anchor.py)
 
 Layouts (mesh dims dcn, ici, tp, ep as in train.py): tensor parallelism splits the attention and
 dense-MLP matmuls, the compute and (sequence parallel) the saved activations tp ways and adds its
 activation all-gathers / reduce-scatters on ICI; expert parallelism splits the experts over ep and
 adds two all-to-alls of the routed rows per MoE layer, forward and backward. `--plan --chips N`
-enumerates them all and ranks them. Ignored: collective latency and imperfect overlap, the
-all-to-all's load imbalance, attention FLOPs outside the 12*L*H*hd*S term, the gathered inputs
-that TP saves whole, fragmentation and XLA's own buffers, and DCN topology (one number per chip).
+enumerates them all and ranks them, the layouts that fit first; when none fits it says so in one
+line with the cheapest change that would (`cheapest_fix`). Ignored: the gathered inputs that TP
+saves whole, fragmentation and XLA's own buffers, and DCN topology (one number per chip).
 """
 import dataclasses
 import math
 
 import torch
 
-import device as dev
+from planner import chips as chips_lib
 import graph_passes
+from planner import shapes
+from planner import stepmodel
 import graph_trainer
 import optim
 from model import Transformer, flops_per_token, next_token_loss, param_counts, tpu_config
 
 GiB = 2**30
-# Per chip, published (cloud.google.com/tpu/docs/<generation>): HBM bytes, HBM bandwidth, ICI
-# bandwidth (bytes/s; the listed Gbps / 8); the bf16 peak FLOP/s from device.py's table. DCN: an
-# assumption of 25 GB/s per chip.
-TPU_SPECS = {
-    "tpu_v4": dict(hbm=32 * GiB, hbm_bw=1228e9, ici_bw=2400e9 / 8),
-    "tpu_v5e": dict(hbm=16 * GiB, hbm_bw=819e9, ici_bw=1600e9 / 8),
-    "tpu_v5p": dict(hbm=95 * GiB, hbm_bw=2765e9, ici_bw=4800e9 / 8),
-    "tpu_v6e": dict(hbm=32 * GiB, hbm_bw=1640e9, ici_bw=3584e9 / 8),
-    "tpu_v7": dict(hbm=192 * GiB, hbm_bw=7370e9, ici_bw=9600e9 / 8),
-}
-for _chip, _spec in TPU_SPECS.items():
-    _spec["peak"] = dev.PEAK_BF16_FLOPS[_chip]
-DCN_BW = 25e9
+# Per chip (chips.py: published HBM bytes and bandwidth, ICI bandwidth, bf16 peak; DCN assumed), in
+# the older dict form callers read
+TPU_SPECS = {name: dict(hbm=c.hbm_bytes, hbm_bw=c.hbm_bw, ici_bw=c.ici_bw, peak=c.peak_flops)
+             for name, c in chips_lib.CHIPS.items()}
+DCN_BW = chips_lib.CHIPS["tpu_v5p"].dcn_bw
 
 
 def step_saved_bytes(model, loss, batch, remat):
@@ -109,7 +107,7 @@ def saved_bytes_per_sequence(args, seq_len, remat):
 
 @dataclasses.dataclass
 class Workload:
-    """What a task tells the planner about one training sample at full scale (Task.plan_workload):
+    """What a task tells the planner about one training sample at full scale (ModelFamily.plan):
     the only seam between dryrun.py and a model. Parameters are grouped by how a layout splits them:
     "tp" (the matmuls tensor parallelism splits), "experts" (split over ep), "rest" (FSDP over ici only)."""
     label: str                 # the flavor, for the report
@@ -123,6 +121,7 @@ class Workload:
     n_layers: int = 0
     n_experts: int = 0         # > 0: the planner also tries ep
     top_k: int = 0
+    shape: object = None       # shapes.Shape: the step-time model's view (matmuls, attention, activations)
 
 
 def lm_workload(args, flavor, seq_len):
@@ -141,7 +140,21 @@ def lm_workload(args, flavor, seq_len):
         return None
     return Workload(flavor, whole, layer, flops_per_token(args, seq_len) * seq_len, seq_len,
                     lambda remat: saved_bytes_per_sequence(args, seq_len, remat), check, dim=args.dim,
-                    n_layers=args.n_layers, n_experts=args.n_experts, top_k=args.top_k)
+                    n_layers=args.n_layers, n_experts=args.n_experts, top_k=args.top_k,
+                    shape=shapes.lm_shape(args, seq_len, flavor, fused_loss=True))
+
+
+def shape_of(w):
+    """The Workload's Shape; a task that gives none is one matmul a layer carrying all its FLOPs (so
+    the step is FLOPs at the matmul efficiency plus the collectives: no attention or HBM terms)."""
+    if w.shape is not None:
+        return w.shape
+    side = 4096
+    rows = w.flops_per_sample / 3 / (2 * side * side * max(w.n_layers, 1))   # the forward: a third
+    return shapes.Shape(w.label, w.tokens, max(w.n_layers, 1), dict(w.whole), dict(w.layer),
+                        (shapes.Matmul("all", rows, side, side, max(w.n_layers, 1), "none"),),
+                        dict(heads=0, head_dim=0, seq=0, causal=False, layers=0), {"decoder_layer_input": 0},
+                        {}, 0.0, dim=w.dim, n_experts=w.n_experts, top_k=w.top_k, model_flops=w.flops_per_sample)
 
 
 def dry_run(args, flavor, dims, batch_size, seq_len, chip, remat, per_sequence=None):
@@ -150,8 +163,9 @@ def dry_run(args, flavor, dims, batch_size, seq_len, chip, remat, per_sequence=N
 
 
 def estimate(w, dims, batch_size, chip, remat, per_sample=None):
-    """Memory per chip, traffic per link, roofline step time of Workload `w` on one layout (dims:
-    mesh.mesh_dims); ValueError (one line) for a layout the model or batch does not allow."""
+    """Memory per chip, traffic per link, predicted step time (stepmodel.py) of Workload `w` on one
+    layout (dims: mesh.mesh_dims) under `remat` (False, True = --remat, or a shapes policy);
+    ValueError (one line) for a layout the model or batch does not allow."""
     dcn, ici, tp, ep = dims["dcn"], dims["ici"], dims["tp"], dims["ep"]
     dp, devices = dcn * ici, dcn * ici * tp
     if batch_size % dp:
@@ -167,7 +181,9 @@ def estimate(w, dims, batch_size, chip, remat, per_sample=None):
     shard = math.ceil(whole["tp"] / (ici * tp)) + math.ceil(whole["experts"] / dp) + math.ceil(whole["rest"] / ici)
     gathered = layer["tp"] / tp + layer["experts"] / ep + layer["rest"]  # one block, after FSDP's gather
     # 2. saved activations: linear in the batch; sequence parallelism splits them over tp
-    per_sample = per_sample if per_sample is not None else w.saved_bytes(remat)
+    if per_sample is None:  # one trace: the policy's own (off / --remat), or --remat's for the others to scale
+        with_remat = policy_name(remat) != "none"
+        per_sample = saved_per_sample(w, remat, {with_remat: w.saved_bytes(with_remat)})
     mem = {"params (fp32 shard)": 4 * shard, "grads (fp32 shard)": 4 * shard, "AdamW state (fp32 shard)": 8 * shard,
            "gathered layer (bf16, x2 prefetch)": 2 * 2 * gathered,
            "saved activations (bf16)": per_sample * local_batch / tp}
@@ -181,43 +197,108 @@ def estimate(w, dims, batch_size, chip, remat, per_sample=None):
     ep_bytes = (w.n_layers * 4 * act * w.top_k * (ep - 1) / ep) if w.n_experts else 0
     ici_bytes = fsdp + tp_bytes + ep_bytes
     dcn_bytes = 2 * 4 * (shard - math.ceil(whole["experts"] / dp)) * (dcn - 1) / dcn  # grads all-reduce
-    compute_s = flops * (4 / 3 if remat else 1) / spec["peak"]             # remat replays ~one forward
-    # FSDP's and DCN's collectives overlap compute (prefetch); TP's and EP's sit between a layer's
-    # matmuls, on the critical path: exposed
-    times = {"compute": compute_s, "ici": fsdp / spec["ici_bw"], "dcn": dcn_bytes / DCN_BW}
-    exposed_s = (tp_bytes + ep_bytes) / spec["ici_bw"]
-    step_s = max(times.values()) + exposed_s
+    # step time: stepmodel's parts (matmuls at the fitted efficiency, attention, HBM-bound ops,
+    # collectives partly hidden, TP / EP exposed, host overhead) for minititan's own layout: fp32
+    # master weights, FSDP over ici, HSDP over dcn, --remat = keep the matmul outputs
+    layout = stepmodel.Layout(dcn=dcn, ici=ici, tp=tp, ep=ep, local_batch=local_batch, remat=policy_name(remat))
+    pred = stepmodel.predict(shape_of(w), layout, chips_lib.CHIPS[chip])
+    # the transient peak (one layer's activations while its backward runs) is not in the trace's
+    # saved bytes: added from the shape's activation table
+    mem["transient peak (one layer, bf16)"] = pred["memory"]["transient peak"]
+    parts = {"matmuls": pred["compute"]["matmul"] + pred["compute"]["recompute"],
+             "attention": pred["compute"]["attention"],
+             "HBM-bound ops": sum(v for k, v in pred["compute"].items() if k not in ("matmul", "recompute", "attention")),
+             "exposed ICI/DCN": pred["exposed_comm_s"], "TP/EP": pred["comm"]["tp"] + pred["comm"]["ep"]}
     need = sum(mem.values())
     mesh = ",".join(f"{k}={v}" for k, v in dims.items() if v > 1 or k == "ici")
     return {"flavor": w.label, "chip": chip, "mesh": mesh, "devices": devices, "params": total, "remat": remat,
             "local_batch": local_batch, "seq_len": w.tokens, "memory_bytes": mem, "total_bytes": need,
-            "hbm_bytes": spec["hbm"], "fits": need <= spec["hbm"], "flops_per_device": flops,
+            "hbm_bytes": spec["hbm"], "host_bytes": pred["offload_bytes"],
+            "fits": need <= spec["hbm"] and pred["offload_bytes"] <= chips_lib.CHIPS[chip].host_bytes, "flops_per_device": flops,
             "ici_bytes": ici_bytes, "ici_split": {"fsdp": fsdp, "tp": tp_bytes, "ep": ep_bytes}, "dcn_bytes": dcn_bytes,
-            "compute_s": compute_s, "exposed_s": exposed_s, "step_s": step_s, "bound": max(times, key=times.get),
-            "mfu": flops / (step_s * spec["peak"])}
+            "compute_s": sum(pred["compute"].values()), "exposed_s": pred["comm"]["tp"] + pred["comm"]["ep"],
+            "step_parts_s": parts, "step_s": pred["step_s"], "bound": max(parts, key=parts.get),
+            "mfu": flops / (pred["step_s"] * spec["peak"])}
 
 
 def _powers_of_two(limit):
     return [2**k for k in range(int(math.log2(limit)) + 1)] if limit >= 1 else [1]
 
 
-def plan(w, chips, batch_size, chip):
-    """Every layout of `chips` (dcn x ici x tp, ep borrowing dp ranks; remat on/off) that the model
-    and batch allow, ranked: fitting ones first, then by roofline step time."""
-    per_sample = {r: w.saved_bytes(r) for r in (False, True)}
+def policy_name(remat):
+    """estimate's `remat`: False / True (minititan's --remat) or a shapes.POLICIES name / custom dict."""
+    if remat is True:
+        return "save_matmul_outputs"
+    return "none" if remat is False else remat
+
+
+def saved_per_sample(w, remat, traced):
+    """Saved activation bytes a sample under `remat`: the trace where it was traced (off / --remat);
+    another policy scales the traced --remat figure by the shape's device-kept elements under each."""
+    name = policy_name(remat)
+    if isinstance(name, str) and name in ("none", "save_matmul_outputs"):
+        return traced[name == "save_matmul_outputs"]
+    shape = shape_of(w)
+    kept = shapes.policy_split(shape, name)[0]
+    reference = shapes.policy_split(shape, "save_matmul_outputs")[0]
+    return traced[True] * kept / reference if reference else 0.0
+
+
+def layouts(w, chips, batch_size, chip, remats, traced):
+    """Every layout of `chips` (dcn x ici x tp, ep borrowing dp ranks) under each remat policy."""
     rows = []
     for dcn in (d for d in (1, 2, 4, 8) if chips % d == 0):
         for tp in (t for t in _powers_of_two(chips // dcn) if t <= 16):
             ici = chips // (dcn * tp)
             for ep in (_powers_of_two(min(dcn * ici, w.n_experts)) if w.n_experts else [1]):
                 dims = {"dcn": dcn, "ici": ici, "tp": tp, "ep": ep}
-                for remat in (False, True):
+                for remat in remats:
                     try:
-                        rows.append(estimate(w, dims, batch_size, chip, remat, per_sample[remat]))
+                        rows.append(estimate(w, dims, batch_size, chip, remat, saved_per_sample(w, remat, traced)))
                     except ValueError:
                         continue
+    # fitting layouts first (a layout that does not fit never ranks above one that does), then by step
     rows.sort(key=lambda r: (not r["fits"], r["step_s"], r["total_bytes"]))
     return rows
+
+
+def plan(w, chips, batch_size, chip, traced=None):
+    """Every layout of `chips` (remat off / on) that the model and batch allow, ranked: fitting ones
+    first, then by predicted step time."""
+    traced = traced or {r: w.saved_bytes(r) for r in (False, True)}
+    return layouts(w, chips, batch_size, chip, (False, True), traced)
+
+
+FIXES_REMAT = ("full", {"decoder_layer_input": "offload"})
+
+
+def cheapest_fix(w, chips, batch_size, chip, traced):
+    """When no layout fits: the change that does, cheapest in chip-seconds a sample. Tried: a remat
+    policy that keeps less (full; the layer inputs offloaded to host), 2-8x the chips, a batch
+    halved (down to one sample a chip). Returns one line."""
+    options = []
+    for remat in FIXES_REMAT:
+        fit = [r for r in layouts(w, chips, batch_size, chip, (remat,), traced) if r["fits"]]
+        if fit:
+            label = "remat full" if remat == "full" else "offload the layer inputs to host (remat the rest)"
+            options.append((fit[0]["step_s"] * chips / batch_size, label, fit[0]))
+    for factor in (2, 4, 8):
+        fit = [r for r in layouts(w, chips * factor, batch_size, chip, (False, True), traced) if r["fits"]]
+        if fit:
+            options.append((fit[0]["step_s"] * chips * factor / batch_size, f"{chips * factor} chips", fit[0]))
+            break
+    batch = batch_size // 2
+    while batch >= 1:
+        fit = [r for r in layouts(w, chips, batch, chip, (False, True), traced) if r["fits"]]
+        if fit:
+            options.append((fit[0]["step_s"] * chips / batch, f"global batch {batch}", fit[0]))
+            break
+        batch //= 2
+    if not options:
+        return "cheapest change that fits: none found (tried remat full, host offload, 8x the chips, smaller batches)"
+    cost, label, r = min(options, key=lambda o: o[0])
+    return (f"cheapest change that fits: {label} -> {r['mesh']}, {r['total_bytes'] / GiB:.1f} GiB, "
+            f"step {r['step_s'] * 1e3:.0f} ms ({cost * 1e3:.1f} chip-ms a sample)")
 
 
 def main(w, cfg):
@@ -225,14 +306,21 @@ def main(w, cfg):
     Workload `w` and its JSON."""
     import json
     import mesh
-    if cfg.chip not in TPU_SPECS:
-        raise ValueError(f"--chip {cfg.chip!r}: choose one of {', '.join(TPU_SPECS)}")
+    if cfg.chip not in chips_lib.CHIPS:
+        raise ValueError(f"--chip {cfg.chip!r}: choose one of {', '.join(chips_lib.CHIPS)}")
     if cfg.plan:
         if not cfg.chips or cfg.chips < 1:
             raise ValueError("--plan needs --chips N (N >= 1)")
-        rows = plan(w, cfg.chips, cfg.batch_size, cfg.chip)
+        traced = {r: w.saved_bytes(r) for r in (False, True)}
+        rows = plan(w, cfg.chips, cfg.batch_size, cfg.chip, traced)
         if not rows:
             raise ValueError(f"no layout of {cfg.chips} chips fits the model's heads/experts and --batch-size {cfg.batch_size}")
+        if not rows[0]["fits"]:
+            print(f"no layout of {cfg.chips} x {cfg.chip} fits at global batch {cfg.batch_size}: the smallest needs "
+                  f"{min(r['total_bytes'] for r in rows) / GiB:.1f} of {rows[0]['hbm_bytes'] / GiB:.0f} GiB a chip; "
+                  + cheapest_fix(w, cfg.chips, cfg.batch_size, cfg.chip, traced))
+            print(json.dumps([]), flush=True)
+            return 0
         print(format_plan(rows, cfg))
         print(json.dumps([{k: r[k] for k in ("mesh", "remat", "local_batch", "total_bytes", "fits", "step_s", "mfu", "bound")}
                           for r in rows]), flush=True)
@@ -243,17 +331,29 @@ def main(w, cfg):
     return 0
 
 
+def remat_label(remat):
+    return {True: "on", False: "off"}.get(remat, "custom" if isinstance(remat, dict) else remat)
+
+
 def format_plan(rows, cfg, top=15):
     lines = [f"plan: {rows[0]['flavor']} on {cfg.chips} x {cfg.chip}, global batch {cfg.batch_size} x "
              f"{rows[0]['seq_len']} tokens; "
-             f"{len(rows)} layouts, best {min(top, len(rows))} (roofline: FSDP overlapped, TP/EP exposed)",
+             f"{len(rows)} layouts, best {min(top, len(rows))}, fitting first (step: stepmodel.py's parts, "
+             f"{calibration_note(cfg.chip)}; not run on a TPU)",
              f"  {'mesh':<28} {'remat':<5} {'batch/dp':>8} {'HBM GiB':>8} {'fits':<4} {'step ms':>9} "
              f"{'TP/EP ms':>9} {'MFU':>6}  bound"]
     for r in rows[:top]:
-        lines.append(f"  {r['mesh']:<28} {'on' if r['remat'] else 'off':<5} {r['local_batch']:>8} "
+        lines.append(f"  {r['mesh']:<28} {remat_label(r['remat']):<5} {r['local_batch']:>8} "
                      f"{r['total_bytes'] / GiB:>8.1f} {'yes' if r['fits'] else 'NO':<4} {r['step_s'] * 1e3:>9.1f} "
                      f"{r['exposed_s'] * 1e3:>9.1f} {100 * r['mfu']:>5.1f}%  {r['bound']}")
     return "\n".join(lines)
+
+
+def calibration_note(chip):
+    """Whether `chip`'s efficiencies were fitted on published runs (calibration.json) or defaulted."""
+    if chip in chips_lib.FITTED:
+        return "calibrated on published runs"
+    return "UNCALIBRATED: no published run of this chip, default efficiencies"
 
 
 def format_report(r):
@@ -266,6 +366,24 @@ def format_report(r):
     split = ", ".join(f"{k} {v / GiB:.2f}" for k, v in r["ici_split"].items() if v)
     lines.append(f"  FLOPs per device per step {r['flops_per_device']:.3e}; collectives per device per step: "
                  f"ICI {r['ici_bytes'] / GiB:.2f} GiB ({split or 'none'}), DCN {r['dcn_bytes'] / GiB:.2f} GiB")
-    lines.append(f"  roofline step time {r['step_s'] * 1e3:.1f} ms (compute {r['compute_s'] * 1e3:.1f} ms, TP/EP exposed "
-                 f"{r['exposed_s'] * 1e3:.1f} ms), MFU <= {100 * r['mfu']:.1f}% (FSDP overlap assumed; bound by {r['bound']})")
+    parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["step_parts_s"].items())
+    lines.append(f"  predicted step time {r['step_s'] * 1e3:.1f} ms ({parts} ms; + host overhead), MFU "
+                 f"{100 * r['mfu']:.1f}% (stepmodel.py, {calibration_note(r['chip'])}; largest part: {r['bound']})")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+    argv = sys.argv[1:]
+    try:
+        if argv[:1] == ["--calibrate"] and set(argv[1:]) <= {"--breakdown"}:
+            from planner import calibrate
+            sys.exit(calibrate.main(argv[1:]))
+        if argv[:1] == ["--anchor"]:
+            from planner import anchor
+            sys.exit(anchor.main(argv[1:]))
+        raise ValueError(f"expected --calibrate [--breakdown] or --anchor [--flux], got {' '.join(argv) or 'nothing'} "
+                         f"(the dry run itself is train.py --dry-run)")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -355,6 +355,7 @@ def plan_workload(args, cfg):
     All of it is data parallel (no tp / ep); FSDP gathers one block at a time, the double one
     the larger."""
     import dryrun
+    from planner import shapes
     side, T = latent_geometry(args, cfg.image_size or (PUBLISHED_SIZE if args.in_channels == 4 * VAE_CHANNELS else SIDE))
     S = (side // 2) ** 2
 
@@ -379,8 +380,8 @@ def plan_workload(args, cfg):
         cfg.flavor, {"tp": 0, "experts": 0, "rest": flux.param_count(args)},
         {"tp": 0, "experts": 0, "rest": largest}, flux.flops_per_sample(args, S, T), S + T,
         lambda remat: dryrun.extrapolate(lambda d: saved_at(d, remat), depths), no_tp,
-        dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks)
-
+        dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks,
+        shape=shapes.flux_shape(args, S, T, cfg.flavor))
 
 
 def grid_prompts(src):

@@ -121,3 +121,204 @@ def test_flux_dry_run_at_1024_through_the_task_seam_flops_shards_plan_and_a_bad_
         assert train.main([*flags, "--image-size", size]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"error: --image-size {size} is not a positive multiple of 16") and "\n" not in err, err
+
+
+# ---- The planner's step time and memory (stepmodel.py), each term against a hand computation ----
+
+def _toy_chip(**kw):
+    from planner import chips
+    base = dict(name="toy", peak_flops=1e12, hbm_bytes=1e12, hbm_bw=1e11, ici_bw=1e10, torus_dims=1, mxu_tile=1,
+                host_bytes=1e12, host_bw=1e9, dcn_bw=1e9, ici_latency_s=0.0, dcn_latency_s=0.0, host_overhead_s=0.01)
+    return chips.Chip(**{**base, **kw})
+
+
+def _toy_shape(**kw):
+    """One matmul (rows 8, k 16, n 32, 2 layers), causal attention (2 heads x 4 dims over 8 tokens),
+    four named activations; every number small enough to compute by hand."""
+    from planner import shapes
+    base = dict(label="toy", tokens=8, layers=2, params={"tp": 1000, "experts": 0, "rest": 24},
+                layer_params={"tp": 500, "experts": 0, "rest": 12},
+                matmuls=(shapes.Matmul("mlpwi_0", 8, 16, 32, 2, "tp"),),
+                attention=dict(heads=2, head_dim=4, seq=8, causal=True, layers=2),
+                acts={"decoder_layer_input": 16, "query_proj": 8, "context": 8, "mlpwi_0": 32},
+                recompute_of={"query_proj": [], "context": ["attention"], "mlpwi_0": ["mlpwi_0"]},
+                elementwise=100.0, vocab=0, dim=16)
+    return shapes.Shape(**{**base, **kw})
+
+
+def test_planner_matmul_efficiency_and_causal_blocks_by_hand():
+    from planner import stepmodel
+    from planner.chips import CHIPS
+    v6e, v5p = CHIPS["tpu_v6e"], CHIPS["tpu_v5p"]
+    assert stepmodel.matmul_efficiency(4096, 1536, v6e, 0.7) == 0.7          # 16 and 6 tiles of 256: no loss
+    # k = 200 on 128-wide tiles: padded to 256 (200/256), and shorter than 4 tiles (200/512)
+    assert math.isclose(stepmodel.matmul_efficiency(200, 4096, v5p, 0.5), 0.5 * (200 / 256) * (200 / 512))
+    assert stepmodel.causal_fraction(8192, 2048) == 5 / 8                    # 4 x 4 blocks: 10 of 16 on/below
+    assert stepmodel.causal_fraction(512, 512) == 1.0
+    assert stepmodel.ring_steps(256, v6e) == 2 * 15 and stepmodel.ring_steps(1, v6e) == 0  # 16 x 16 torus
+
+
+def test_planner_step_terms_equal_a_hand_computation():
+    """FSDP over 4 chips, 2 samples a chip, fp32 master weights, nothing recomputed: every term by hand."""
+    from planner import chips
+    from planner import stepmodel
+    chip, shape = _toy_chip(), _toy_shape()
+    lay = stepmodel.Layout(ici=4, local_batch=2, remat="none")
+    p = stepmodel.predict(shape, lay, chip, {"matmul_efficiency": 0.5, "moe_efficiency": 0.5})
+    c = p["compute"]
+    assert math.isclose(c["matmul"], 3 * (2 * 8 * 16 * 32 * 2 * 2) / (1e12 * 0.5 * 1.0))    # k=16, n=32: tile 1
+    fwd = 4 * 8**2 * 2 * 4 * 2 * 2 * (5 / 8 if 8 > 512 else 1.0)     # 8 tokens: one 512-block, nothing skipped
+    assert math.isclose(c["attention"], 3.5 * fwd / (1e12 * 0.5 * chips.ATTENTION_RELATIVE_EFFICIENCY))
+    assert c["recompute"] == 0
+    assert math.isclose(c["elementwise"], 100 * 2 * (8 * 2) * 2 * 3 / 1e11)   # elems x layers x tokens x bf16 x 3
+    shard = 1000 / 4 + 24 / 4
+    assert math.isclose(c["optimizer"], shard * (2 * 4 + 4 + 2 * 8) / 1e11)  # read w g m v, write w m v
+    assert math.isclose(c["gathered copies"], 2 * 2 * 2 * (500 + 12) * 2 / 1e11)
+    ici = (2 * 2 + 4) * 1024 * 3 / 4 / 1e10                                  # gather x2 (bf16) + reduce-scatter (fp32)
+    assert math.isclose(p["comm"]["ici"], ici)
+    compute = sum(c.values())
+    assert math.isclose(p["exposed_comm_s"], ici - chips.OVERLAP * min(ici, compute))
+    assert math.isclose(p["step_s"], 0.01 + compute + p["exposed_comm_s"])
+    m = p["memory"]
+    assert (m["parameters"], m["gradients"], m["optimizer state"]) == (4 * shard, 4 * shard, 8 * shard)
+    assert m["gathered block (bf16, x2)"] == 2 * 2 * 512
+    assert m["saved activations"] == (16 + 8 + 8 + 32) * 2 * 16 * 2           # all kept: elems x bf16 x tokens x layers
+    assert m["transient peak"] == 64 * 2 * 16
+    # bf16 state (MaxText weight_dtype=bfloat16) halves it; DDP replicates it and gathers nothing
+    q = stepmodel.predict(shape, dataclasses.replace(lay, precision=stepmodel.PRECISIONS["bf16"], dp_mode="ddp"), chip)
+    assert q["memory"]["parameters"] == 2 * 1024 and q["memory"]["optimizer state"] == 4 * 1024
+    assert q["memory"]["gathered block (bf16, x2)"] == 0 and q["compute"]["gathered copies"] == 0
+    assert math.isclose(q["comm"]["ici"], 2 * 2 * 1024 * 3 / 4 / 1e10)       # all-reduce of bf16 gradients
+
+
+def test_planner_remat_policies_charge_what_they_free_and_offload_uses_the_host_link():
+    from planner import stepmodel
+    chip, shape = _toy_chip(), _toy_shape()
+    lay = stepmodel.Layout(ici=1, local_batch=1)
+    none = stepmodel.predict(shape, lay, chip)
+    full = stepmodel.predict(shape, dataclasses.replace(lay, remat="full"), chip)
+    eff = 0.69 * 0.6
+    # full: only the layer input saved; the matmul and the attention forward again; one more elementwise pass
+    assert full["memory"]["saved activations"] == 16 * 2 * 8 * 2
+    assert math.isclose(full["compute"]["recompute"], 2 * 8 * 16 * 32 * 2 / (1e12 * 0.69))
+    assert math.isclose(full["compute"]["attention"] - none["compute"]["attention"], 4 * 64 * 2 * 4 * 2 / (1e12 * eff))
+    assert math.isclose(full["compute"]["elementwise"], none["compute"]["elementwise"] * 4 / 3)
+    # MaxText custom: named tensors offloaded, the unnamed recomputed; offload bytes cross the host link twice
+    custom = {"decoder_layer_input": "offload", "query_proj": "offload"}
+    off = stepmodel.predict(shape, dataclasses.replace(lay, remat=custom), chip)
+    assert off["offload_bytes"] == (16 + 8) * 2 * 8 * 2 and off["memory"]["saved activations"] == 0
+    assert math.isclose(off["comm"]["offload"], 2 * off["offload_bytes"] / 1e9)
+    with pytest.raises(ValueError, match="remat policy"):
+        stepmodel.predict(shape, dataclasses.replace(lay, remat="some"), chip)
+
+
+def test_planner_lm_shape_counts_the_published_models_matmuls():
+    """llama3_8b at 8192: the shape's forward matmul FLOPs are 2 x the non-embedding parameters a token
+    (6N's forward third); MaxText's save_dot_except_mlpwi recomputes exactly the two MLP input matmuls."""
+    from planner import stepmodel
+    from model import FLAVORS, param_counts
+    from planner.shapes import lm_shape, policy_split
+    a = FLAVORS["llama3_8b"]
+    shape = lm_shape(a, 8192)
+    total, emb, _ = param_counts(a)
+    assert math.isclose(sum(m.flops for m in shape.matmuls), 2 * (total - emb) * 8192, rel_tol=1e-4)  # (norms: not matmuls)
+    device, offload, remat, names = policy_split(shape, "save_dot_except_mlpwi")
+    assert sorted(names) == ["mlp_act", "mlpwi_0", "mlpwi_1", "norms"] and offload == 0
+    lay = stepmodel.Layout(local_batch=1, remat="save_dot_except_mlpwi")
+    chip = _toy_chip(mxu_tile=128)
+    p = stepmodel.predict(shape, lay, chip, {"matmul_efficiency": 0.5, "moe_efficiency": 0.5})
+    assert math.isclose(p["compute"]["recompute"], 2 * (2 * 8192 * 4096 * 14336 * 32) / (1e12 * 0.5))
+
+
+def test_planner_calibrate_table_is_the_data_file_every_run_within_25_percent_and_fits(capsys):
+    """The calibration table reads calibration.json as written (published step from the figure the
+    source gives, by hand here), every run, fitted or held out, within +-25% and fitting in HBM; the
+    fit reproduces chips.FITTED; `python dryrun.py --calibrate` prints one row a run."""
+    from planner import calibrate
+    from planner import chips
+    from model import flops_per_token
+    runs = calibrate.load()
+    rows = calibrate.table(runs)
+    assert [r["id"] for r in rows] == [r["id"] for r in runs] and len(runs) >= 10
+    assert {r["role"] for r in runs} == {"fit", "held_out"}
+    by_id = {r["id"]: r for r in rows}
+    assert math.isclose(by_id["tpu_recipes_llama3.1_8b_v6e_256"]["published_s"], 1024 * 8192 / (7207.336 * 256))
+    assert math.isclose(by_id["maxdiffusion_flux_dev_v5p_8"]["published_s"], 1.31)
+    qwen = flops_per_token(FLAVORS["qwen3_8b"], 4096) * 4096 * 256 / (0.515 * 256 * 459e12)
+    assert math.isclose(by_id["torchtitan_qwen3_8b"]["published_s"], qwen)
+    for r in rows:
+        assert 0.75 <= r["ratio"] <= 1.25 and r["fits"], r
+    held_out = [r for r in runs if r["role"] == "held_out"]
+    assert held_out and calibrate.fit([r for r in runs if r["role"] == "fit"]) == calibrate.fit(runs)  # never fitted on
+    assert calibrate.main([]) == 0         # (it fits: a refit differing from chips.FITTED is printed beside it)
+    out = capsys.readouterr().out
+    assert "chips.FITTED has" not in out and all(f"  {chip}: matmul_efficiency" in out for chip in chips.FITTED)
+    assert all(any(line.startswith(run["id"]) for line in out.splitlines()) for run in runs)
+
+
+def test_planner_ranks_fitting_layouts_first_and_names_the_cheapest_fix_when_none_fits(capsys):
+    """Qwen3-235B on 256 Ironwood chips at global batch 8192 (32 sequences a data-parallel rank):
+    with a recorded activation size (no trace), nothing fits; the plan prints one line saying so and
+    the cheapest change that fits. At batch 2048 the layouts that fit (remat) rank above those that do not."""
+    import types
+    import dryrun
+    from model import FLAVORS
+    w = dryrun.lm_workload(FLAVORS["qwen3_235b_a22b"], "qwen3_235b_a22b", 4096)
+    traced = {False: 40 * 2**30, True: 12 * 2**30}                  # bytes a sequence (the order of the trace)
+    w = dataclasses.replace(w, saved_bytes=lambda remat: traced[remat])
+    cfg = types.SimpleNamespace(chip="tpu_v7", plan=True, chips=256, batch_size=8192, mesh=None, remat=False)
+    assert dryrun.main(w, cfg) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("no layout of 256 x tpu_v7 fits at global batch 8192") and "cheapest change that fits:" in lines[0]
+    assert json.loads(lines[-1]) == [] and len(lines) == 2
+    rows = dryrun.plan(w, 256, 2048, "tpu_v7", traced)
+    fits = [r["fits"] for r in rows]
+    assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
+    for group in (True, False):
+        steps = [r["step_s"] for r in rows if r["fits"] == group]
+        assert steps == sorted(steps)
+
+
+def test_planner_cpu_anchor_arithmetic_on_recorded_measurements():
+    """anchor.predict_step on the recorded CPU measurement: its elementwise term is the eager step's
+    counted non-matmul bytes over the measured eager bandwidth, its matmuls the shape's FLOPs (x3) at the measured peak under
+    the short-dim law with a 64-wide tile; no collectives; the host overhead the recorded one. (The live measurement,
+    python dryrun.py --anchor, is in the README: too noisy on a shared machine to assert here.)"""
+    from planner import anchor
+    from planner import stepmodel
+    from planner.chips import measured_chip
+    rec = anchor.RECORDED
+    p = anchor.predict_step(rec["peak_flops"], rec["mem_bw"], anchor.DEFAULT_RUN, rec["eager_bytes"], rec["host_s"])
+    assert math.isclose(p["compute"]["elementwise"], rec["eager_bytes"] / rec["mem_bw"])
+    from planner.shapes import lm_shape
+    shape = lm_shape(FLAVORS["llama3_debug"], 128)
+    assert anchor.DEFAULT_RUN["tokens"] == 128 and anchor.DEFAULT_RUN["batch_size"] == 32
+    chip = measured_chip(rec["peak_flops"], rec["mem_bw"], float("inf"))
+    law = lambda d: min(1.0, d / 256)
+    mm = sum(3 * m.flops * 32 / (rec["peak_flops"] * law(m.k) * law(m.n)) for m in shape.matmuls)
+    assert math.isclose(p["compute"]["matmul"], mm) and chip.mxu_tile == 64
+    assert p["exposed_comm_s"] == 0 and p["host_overhead_s"] == rec["host_s"]   # ops x an empty op's dispatch
+    assert math.isclose(p["step_s"], rec["host_s"] + sum(p["compute"].values()))
+    assert isinstance(stepmodel.Layout().act_bytes, int)
+    # EagerBytes, by hand: a broadcast multiply of (4, 8) by (8,) fp32 reads 128 + 32 bytes and writes
+    # 128; a matmul and a view move nothing it counts
+    import torch
+    x, w = torch.ones(4, 8), torch.ones(8)
+    counter = anchor.EagerBytes()
+    with counter:
+        x * w, x @ x.t(), x.view(32)
+    assert counter.total == 128 + 32 + 128 and counter.ops == 4   # mul, t, mm, view: each dispatched
+
+
+def test_planner_workload_without_a_shape_is_its_flops_at_the_matmul_efficiency():
+    """A task that hands dryrun no Shape (Workload.shape None) is planned as one matmul a layer
+    carrying all its FLOPs: on one chip the step is those FLOPs at the chip's fitted matmul
+    efficiency, the optimizer's and the host's terms, nothing else."""
+    from planner import chips
+    import dryrun
+    w = dryrun.Workload("custom", {"tp": 0, "experts": 0, "rest": 10**6}, {"tp": 0, "experts": 0, "rest": 10**5},
+                        6e12, 1024, lambda remat: 2**20, lambda dims: None, dim=512, n_layers=10)
+    r = dryrun.estimate(w, {"dcn": 1, "ici": 1, "tp": 1, "ep": 1}, 2, "tpu_v5p", False)
+    chip, eff = chips.CHIPS["tpu_v5p"], chips.FITTED["tpu_v5p"]["matmul_efficiency"]
+    optimizer = 10**6 * 28 / chip.hbm_bw                   # read w g m v, write w m v: fp32
+    assert math.isclose(r["step_s"], 2 * 6e12 / (chip.peak_flops * eff) + optimizer + chip.host_overhead_s)

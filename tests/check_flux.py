@@ -335,7 +335,7 @@ def test_flux_mlp_ratio_that_is_not_finite_or_rounds_to_no_mlp_is_refused(tmp_pa
     """mlp_ratio NaN / inf (which pass a `<= 0` test, then int() raises) or so small that int(hidden x ratio)
     is 0 (a model with no MLP at all): flux.check_args refuses it, and train.py in one line, exit 2,
     nothing written; a ratio that leaves one hidden unit builds."""
-    import flux
+    from flux import model as flux
     from tests.common import _main
     base = flux.FLAVORS["flux_debug"]
     for ratio, needle in ((float("nan"), "mlp_ratio must be a positive finite number"),

@@ -250,7 +250,7 @@ def test_flux_bad_input_one_line_exit_2_nothing_written(case, tmp_path, capsys):
 def test_flux_init_from_nan_weights_stops_before_training_naming_them(tmp_path, capsys):
     """--init-from a diffusers directory holding a NaN: one line naming the tensor, exit 2, before a step
     is trained or anything is written (it used to log val loss nan at step 0, train a step, then exit 3)."""
-    import flux
+    from flux import model as flux
     import flux_hf
     from safetensors.torch import load_file, save_file
     d = str(tmp_path / "nan_dir")
@@ -298,7 +298,7 @@ def test_flux_latents_beyond_float32_are_refused_before_anything_is_written(tmp_
     """float64 latents holding 1e300 are finite until the float32 cast makes them inf: refused in one
     line, exit 2, nothing written (not exit 3 "loss is nan at step 1" after loss.png and metrics.jsonl)."""
     import flux_latents
-    import flux
+    from flux import model as flux
     big = _latent_file(tmp_path / "big.safetensors", latents=torch.full((20, 1, 4, 4), 1e300, dtype=torch.float64))
     with pytest.raises(flux_latents.DataError, match="latents must hold finite floating-point values"):
         flux_latents.LatentFile(big, flux.FLAVORS["flux_debug"])
@@ -316,7 +316,7 @@ def test_flux_sampling_cli_samples_a_scan_run_and_a_dcp_failure_is_one_line(tmp_
     traceback), unstacked into the plain blocks; its images equal the stacked model's. DCP's
     exception is a BaseException: checkpoint.load turns it into one CheckpointError line."""
     import checkpoint
-    import flux
+    from flux import model as flux
     import flux_task
     import layer_scan
     run = str(tmp_path / "scan")
@@ -348,7 +348,7 @@ def test_a_flux_run_given_as_a_language_model_is_named_a_flux_run(tmp_path, caps
     written. The run: a checkpoint directory whose meta.json is a flux_debug run's (no weight files:
     it is refused before any is read)."""
     import dataclasses
-    import flux
+    from flux import model as flux
     import generate
     import hf
     step = tmp_path / "flux_run" / "checkpoints" / "step_000002"

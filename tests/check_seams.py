@@ -66,7 +66,7 @@ def test_the_layers_import_downwards_only():
     modules, function-level imports included."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ours = {}
-    for d in ("", "flux", "rl"):
+    for d in ("", "flux", "rl", "planner"):
         for f in os.listdir(os.path.join(root, d)):
             if f.endswith(".py") and not f.startswith("test") and f != "__init__.py":
                 ours[(d + "." if d else "") + f[:-3]] = os.path.join(root, d, f)

@@ -1,0 +1,17 @@
+"""planner/: what dryrun.py predicts a full-scale TPU step from, and how that was checked. Nothing here
+has a TPU: every number is the planner's, calibrated against published runs.
+
+Read in this order:
+
+    chips.py          each chip's constants with their source (TPU v4, v5e, v5p, v6e, Ironwood, H100;
+                      a measured CPU) and the efficiencies fitted on published runs
+    shapes.py         a model as the step model sees it: its matmuls, attention and the named activations
+                      its backward reads (language models, FLUX; planner-only Llama 2 70B, Mixtral 8x7B);
+                      the remat policies
+    stepmodel.py      step time and memory from named parts: matmuls at a shape-dependent fraction of peak,
+                      splash attention, HBM-bound ops, collectives (latency + bytes / bandwidth, overlapped),
+                      host offload, a host overhead
+    calibrate.py      calibration.json's published runs predicted and compared; the fit of the free
+                      constants (`python dryrun.py --calibrate`)
+    anchor.py         this CPU as the chip: predicted against the measured default step (`--anchor`)
+"""

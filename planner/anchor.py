@@ -1,0 +1,195 @@
+"""anchor.py: the planner's one prediction that can be checked here. This CPU becomes the chip (its
+measured fp32 GEMM rate, and the memory bandwidth eager PyTorch reaches on the layer's own
+non-matmul blocks), the default `llama3_debug` run (batch 32 x 128, eager, fp32) the workload; the
+planner's predicted step is set beside the step measured in the same process. Eager fuses nothing,
+so the non-matmul bytes are counted on the step as it runs (EagerBytes), not taken from the shape's
+fused table.
+
+    python dryrun.py --anchor [--flux]   # measure rates and the step; print predicted / measured (--flux: FLUX too)
+
+Everything is measured in one process, one after the other, because the machine is shared and noisy:
+a ratio of numbers taken together means more than any one of them. The arithmetic (`predict_step`)
+is pure: tests check it against a hand computation on recorded inputs (RECORDED), not against a live
+timing. Nothing here is a TPU figure.
+"""
+import statistics
+import time
+
+from planner import chips as chips_lib
+from planner import stepmodel
+from planner.shapes import flux_shape, lm_shape
+
+# One measurement (python dryrun.py --anchor on the 2-core development machine; see README), kept so
+# tests can hold the arithmetic to it without timing anything.
+RECORDED = {"measured_step_s": 9.103, "peak_flops": 2.316e10, "mem_bw": 1.019e9, "eager_bytes": 2329494464,
+            "host_s": 0.005283, "eager_ops": 1241}
+
+
+def gemm_rate(n=1024):
+    """FLOP/s of one fp32 n x n GEMM (what device.measure_cpu_matmul_peak takes the best of)."""
+    import torch
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    t0 = time.perf_counter()
+    a @ b
+    return 2 * n**3 / (time.perf_counter() - t0)
+
+
+def bandwidth(cfg):
+    """Bytes/s eager PyTorch moves through the layer's own non-matmul blocks, forward: the RMSNorm
+    (square, mean, add, rsqrt, two multiplies) of a (batch, seq, dim) fp32 activation and the SwiGLU
+    (silu(gate) * up) of a (batch, seq, ffn_dim) one, bytes counted as EagerBytes counts the step's
+    (each op's inputs and outputs). On this CPU that is several times below a large streaming add:
+    small inner dims, broadcasts and reductions, each op unfused."""
+    import torch
+    x, w = torch.randn(cfg["batch_size"], cfg["tokens"], cfg["width"]), torch.ones(cfg["width"])
+    gate, up = (torch.randn(cfg["batch_size"], cfg["tokens"], cfg["ffn"]) for _ in range(2))
+    blocks = lambda: (rms_norm(x, w), torch.nn.functional.silu(gate) * up)
+    counter = EagerBytes()
+    with counter:
+        blocks()
+    t0 = time.perf_counter()
+    blocks()
+    return counter.total / (time.perf_counter() - t0)
+
+
+def dispatch_latency(repeats=200):
+    """Seconds the host spends on one eager op whose work is nothing (a 1-element add): PyTorch's
+    dispatch, allocation and Python overhead, paid by every op the step runs."""
+    import torch
+    a, b = torch.ones(1), torch.ones(1)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        torch.add(a, b)
+    return (time.perf_counter() - t0) / repeats
+
+
+def rms_norm(x, w):
+    """The model's RMSNorm written out in eager ops (model.py's norm, as the CPU step runs it)."""
+    import torch
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+
+MATMUL_OPS = ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten._scaled_dot_product", "aten.embedding.")
+ZERO_COPY = ("view", "reshape", "transpose", "permute", "expand", "aten.t.", "alias", "slice", "select",
+             "unsqueeze", "squeeze", "detach", "split", "unbind", "as_strided", "_unsafe_view")
+
+
+def _eager_bytes_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class EagerBytesMode(TorchDispatchMode):
+        """Counts, for every aten op that runs (forward, autograd's backward, the optimizer), the bytes
+        of its tensor inputs and outputs, except matmuls, attention and zero-copy views: what eager
+        PyTorch, which fuses nothing, moves through memory outside the FLOP terms."""
+        total = 0
+        ops = 0      # every aten op dispatched, views and matmuls included: each pays the host's dispatch
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            import torch
+            from torch.utils._pytree import tree_leaves
+            out = func(*args, **(kwargs or {}))
+            self.ops += 1
+            name = str(func)
+            if not any(m in name for m in MATMUL_OPS + ZERO_COPY):
+                self.total += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                                  if isinstance(t, torch.Tensor))
+            return out
+    return EagerBytesMode
+
+
+def EagerBytes():
+    """A fresh counting mode (`with EagerBytes() as c: ...; c.total, c.ops`); the class is built on
+    first use so importing anchor does not import torch."""
+    return _eager_bytes_mode()()
+
+
+def anchor_layout(cfg):
+    """A debug run as the planner sees it: one device, fp32 everything, nothing recomputed, no causal
+    block skipping (the CPU's SDPA computes the whole S x S)."""
+    return stepmodel.Layout(ici=1, local_batch=cfg["batch_size"], remat="none", precision=stepmodel.PRECISIONS["fp32"],
+                            act_bytes=4, attention_block=cfg["tokens"])
+
+
+def run_shape(cfg):
+    """The Shape of a debug run: llama3_debug at its sequence length, or flux_debug on 8 x 8 digits
+    (16 packed image tokens beside 4 learned prompt tokens)."""
+    if cfg["task"] == "flux":
+        from flux import model as flux
+        return flux_shape(flux.FLAVORS[cfg["flavor"]], cfg["img_tokens"], cfg["tokens"] - cfg["img_tokens"], cfg["flavor"])
+    from model import FLAVORS
+    return lm_shape(FLAVORS[cfg["flavor"]], cfg["tokens"], cfg["flavor"])
+
+
+def predict_step(peak_flops, mem_bw, cfg, eager_bytes, host_s=0.0):
+    """The planner's step for a debug run on a chip with this peak and bandwidth: matmuls at the
+    measured peak (it was measured on a matmul) less stepmodel's short-dim law, the non-matmul bytes
+    the eager step moves (`eager_bytes`, counted as it ran: it replaces the shape's fused count,
+    because eager PyTorch fuses nothing) at the measured eager bandwidth; the host overhead `host_s`,
+    the step's op count times the measured dispatch latency of an empty op."""
+    import dataclasses
+    shape = run_shape(cfg)
+    tokens_layers = shape.tokens * cfg["batch_size"] * shape.layers
+    lay = anchor_layout(cfg)
+    shape = dataclasses.replace(shape, elementwise=eager_bytes / (lay.act_bytes * 3 * tokens_layers), vocab=0)
+    chip = dataclasses.replace(chips_lib.measured_chip(peak_flops, mem_bw, hbm_bytes=float("inf")), host_overhead_s=host_s)
+    return stepmodel.predict(shape, lay, chip, {"matmul_efficiency": 1.0, "moe_efficiency": 1.0})
+
+
+def measure(cfg, steps=12):
+    """Medians of a debug run's eager training step and, between its steps (so under the same load),
+    of the GEMM rate, the eager bandwidth and the dispatch latency (3 warm-up steps not counted); and
+    the non-matmul bytes and the ops of one more step, counted as it runs (EagerBytes)."""
+    import data
+    import device as dev
+    import optim
+    import train
+    flags = ["--task", cfg["task"], "--flavor", cfg["flavor"], "--batch-size", str(cfg["batch_size"]),
+             "--steps", str(steps), "--eval-batches", "0", "--ckpt-interval", "0", "--out-dir", "/tmp/minititan-anchor"]
+    flags += ["--seq-len", str(cfg["tokens"]), "--data", data.stdlib_dir()] if cfg["task"] == "lm" else ["--watchdog", "0"]
+    trainer = train.Trainer(train.parse_config(flags))
+    times, peaks, bws, lats = [], [], [], []
+    for i in range(1, steps + 1):
+        t0 = time.perf_counter()
+        loss, _ = trainer.step_fn(*trainer.parallel.place_batch(trainer.task.batch(i)),
+                                  dev.scalar(optim.lr_at(i, 1e-3, 5, steps), trainer.device))
+        loss.item()
+        times.append(time.perf_counter() - t0)
+        peaks += [gemm_rate() for _ in range(3)]
+        bws += [bandwidth(cfg) for _ in range(3)]
+        lats.append(dispatch_latency())
+    counter = EagerBytes()
+    with counter:   # one more step, counted (not timed)
+        trainer.step_fn(*trainer.parallel.place_batch(trainer.task.batch(steps + 1)),
+                        dev.scalar(optim.lr_at(steps, 1e-3, 5, steps), trainer.device))[0].item()
+    return {"measured_step_s": statistics.median(times[3:]), "peak_flops": statistics.median(peaks[9:]),
+            "mem_bw": statistics.median(bws[9:]), "eager_bytes": counter.total,
+            "host_s": counter.ops * statistics.median(lats[3:]), "eager_ops": counter.ops}
+
+
+# The default runs (train.py's defaults: batch 32; the LM at 128 tokens, FLUX on 8 x 8 digits), with
+# the widths the bandwidth probe uses: llama3_debug's dim / ffn_dim, flux_debug's hidden / 4 x hidden.
+RUNS = {
+    "llama3_debug": {"task": "lm", "flavor": "llama3_debug", "batch_size": 32, "tokens": 128, "width": 192, "ffn": 512},
+    "flux_debug": {"task": "flux", "flavor": "flux_debug", "batch_size": 32, "tokens": 20, "img_tokens": 16,
+                   "width": 128, "ffn": 512},
+}
+DEFAULT_RUN = RUNS["llama3_debug"]
+
+
+def main(argv=()):
+    if set(argv) - {"--flux"}:
+        raise ValueError(f"--anchor takes only --flux (the FLUX debug step too), got {' '.join(argv)}")
+    for name in ["llama3_debug"] + (["flux_debug"] if "--flux" in argv else []):
+        cfg = RUNS[name]
+        m = measure(cfg)
+        pred = predict_step(m["peak_flops"], m["mem_bw"], cfg, m["eager_bytes"], m["host_s"])
+        print(f"CPU anchor, {name} (batch {cfg['batch_size']} x {cfg['tokens']} tokens, eager fp32): fp32 GEMM "
+              f"{m['peak_flops'] / 1e9:.1f} GFLOP/s, eager bandwidth (norm + gated activation) {m['mem_bw'] / 1e9:.2f} GB/s, "
+              f"{m['eager_bytes'] / 1e9:.3f} GB of non-matmul traffic and {m['eager_ops']} ops a step (measured now)")
+        print(f"  measured {m['measured_step_s'] * 1e3:.1f} ms a step, predicted {pred['step_s'] * 1e3:.1f} ms, "
+              f"ratio {pred['step_s'] / m['measured_step_s']:.2f}")
+        for k, v in pred["compute"].items():
+            print(f"    {k:<16} {v * 1e3:8.2f} ms")
+        print(f"    host overhead    {pred['host_overhead_s'] * 1e3:8.2f} ms ({m['eager_ops']} ops x the dispatch of an empty op)")
+        print(f"  recorded inputs: {m}")
+    return 0

@@ -1,0 +1,89 @@
+"""chips.py: what the planner knows about each accelerator, every number with its source.
+
+Two kinds of constants. Published ones (peak bf16 FLOP/s, HBM bytes and bandwidth, ICI bandwidth and
+torus shape, host memory) come from the vendors' pages cited beside each. Assumed ones (DCN and
+host-link bandwidth where no per-chip figure is published, collective latency) are marked
+"assumed". The achievable fractions of peak (`matmul_efficiency`, `moe_efficiency`) are not
+published anywhere: they are the few free constants `python dryrun.py --calibrate` fits on the
+published runs in calibration.json (calibrate.py), recorded here as `FITTED` so the planner uses the
+same numbers everywhere. A chip without a fitted value uses `DEFAULT_EFFICIENCY` (said in the report).
+
+Sources:
+  TPU v4  cloud.google.com/tpu/docs/v4       275 TFLOP/s, 32 GiB HBM2 1228 GB/s, ICI 2400 Gbps, 3D torus
+  TPU v5e cloud.google.com/tpu/docs/v5e      197 TFLOP/s, 16 GiB HBM2 819 GB/s, ICI 1600 Gbps, 2D torus
+  TPU v5p cloud.google.com/tpu/docs/v5p      459 TFLOP/s, 95 GiB HBM2e 2765 GB/s, ICI 4800 Gbps, 3D torus
+  TPU v6e cloud.google.com/tpu/docs/v6e      918 TFLOP/s, 32 GiB HBM 1640 GB/s, ICI 3584 Gbps, 2D torus
+  Ironwood cloud.google.com/tpu/docs/tpu7x   4614 TFLOP/s fp8 (2307 bf16), 192 GiB HBM3e 7.37 TB/s,
+                                             ICI 9.6 Tbps, 3D torus
+  H100 SXM NVIDIA H100 datasheet             989 TFLOP/s dense bf16, 80 GB HBM3 3.35 TB/s, NVLink 900 GB/s
+  Host memory a chip: the TPU VM's memory over its chips (v4: 407 GB / 4; v5p ct5p-hightpu-4t: 448 GB / 4;
+  v6e ct6e-standard-8t: 1440 GB / 8; v5e ct5lp-hightpu-8t: 1536 GB / 8 (cloud.google.com/tpu/docs/*)).
+"""
+import dataclasses
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    peak_flops: float          # dense bf16 FLOP/s
+    hbm_bytes: float
+    hbm_bw: float              # bytes/s
+    ici_bw: float              # bytes/s a chip, all its ICI links together (the listed Gbps / 8)
+    torus_dims: int            # 2 (v5e, v6e) or 3 (v4, v5p, Ironwood): links a chip has per axis = 2
+    mxu_tile: int              # the systolic array's side: a matmul dim pads up to a multiple of it
+    host_bytes: float          # host DRAM a chip (offload target)
+    host_bw: float = 32e9      # bytes/s a chip to/from host (assumed: PCIe Gen4 x16 ~ 32 GB/s)
+    dcn_bw: float = 25e9       # bytes/s a chip across slices (assumed: ~200 Gbps NIC a host of 8 chips)
+    ici_latency_s: float = 2e-6    # per ring step of a collective (assumed; ~1-2 us a hop on TPU ICI)
+    dcn_latency_s: float = 30e-6   # per DCN collective step (assumed)
+    host_overhead_s: float = 0.03  # a step's fixed host cost (assumed; see HOST_OVERHEAD_S)
+
+
+CHIPS = {
+    "tpu_v4": Chip("tpu_v4", 275e12, 32 * GiB, 1228e9, 2400e9 / 8, 3, 128, 407e9 / 4),
+    "tpu_v5e": Chip("tpu_v5e", 197e12, 16 * GiB, 819e9, 1600e9 / 8, 2, 128, 1536e9 / 8),
+    "tpu_v5p": Chip("tpu_v5p", 459e12, 95 * GiB, 2765e9, 4800e9 / 8, 3, 128, 448e9 / 4),
+    "tpu_v6e": Chip("tpu_v6e", 918e12, 32 * GiB, 1640e9, 3584e9 / 8, 2, 256, 1440e9 / 8),
+    # Ironwood: host link assumed PCIe Gen5 x16 (64 GB/s); host memory assumed as v6e's a chip
+    "tpu_v7": Chip("tpu_v7", 2307e12, 192 * GiB, 7370e9, 9600e9 / 8, 3, 256, 1440e9 / 8, host_bw=64e9),
+    # H100 SXM: NVLink 900 GB/s a GPU inside a node stands in for ICI (one "axis" of 8); tensor-core
+    # tiles are smaller (64 assumed); host PCIe Gen5 64 GB/s
+    "h100": Chip("h100", 989e12, 80e9, 3350e9, 900e9, 1, 64, 2e12 / 8, host_bw=64e9, dcn_bw=50e9),
+}
+
+# Achievable fraction of peak for large, tile-aligned dense matmuls and for the MoE experts' grouped
+# (or capacity-padded) matmuls: fitted by `python dryrun.py --calibrate` (calibrate.fit) on the
+# runs marked "fit" in calibration.json; a chip with no fitted run uses DEFAULT_EFFICIENCY.
+FITTED = {
+    "tpu_v5p": {"matmul_efficiency": 0.675, "moe_efficiency": 0.28},
+    "tpu_v6e": {"matmul_efficiency": 0.71, "moe_efficiency": 0.805},
+}
+DEFAULT_EFFICIENCY = {"matmul_efficiency": 0.69, "moe_efficiency": 0.5}  # ~ the fitted ones: v4, v5e, v7, H100 have no run here
+# Fixed, not fitted (assumed): the share of a collective or host transfer the scheduler hides behind
+# compute (XLA's async collectives overlap most, not all: the first gather and last reduce-scatter of a
+# step have nothing to hide behind), the fraction of peak splash attention reaches relative to a plain
+# matmul (its softmax runs on the VPU between the two MXU contractions), and the host's fixed cost a
+# step (dispatch, the input pipeline's hand-off, the loss's readback).
+OVERLAP = 0.85
+ATTENTION_RELATIVE_EFFICIENCY = 0.6
+HOST_OVERHEAD_S = 0.03   # (Chip.host_overhead_s's default)
+
+
+def efficiency(chip_name, constants=None):
+    """The fitted (or default) efficiencies of `chip_name`, overridden by `constants` if given."""
+    found = dict(FITTED.get(chip_name, DEFAULT_EFFICIENCY))
+    found.update(constants or {})
+    return found
+
+
+def measured_chip(peak_flops, hbm_bw, hbm_bytes, name="cpu"):
+    """A chip from measured numbers (the CPU anchor: this machine's GEMM peak and memory bandwidth).
+    One 'device', no interconnect, no host overhead beyond what is measured; its matmul efficiency
+    is 1 by construction (peak was measured on a matmul). Its "tile" is 64: with stepmodel's
+    short-dim law (full rate from 4 tiles = 256 up) that matches this CPU's measured fp32 GEMM rates
+    at the debug model's shapes (4096 rows: k=192 n=512 0.75 of the 1024^3 rate, k=192 n=192 0.42,
+    k=192 n=64 0.21; the law says 0.75, 0.56, 0.19; README)."""
+    return Chip(name, peak_flops, hbm_bytes, hbm_bw, ici_bw=1e30, torus_dims=1, mxu_tile=64, host_bytes=0,
+                host_overhead_s=0.0)

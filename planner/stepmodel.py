@@ -1,0 +1,211 @@
+"""stepmodel.py: the step time and the memory of one training step of a `shapes.Shape` on a `Layout`
+of chips, from named parts. Read top to bottom: every term is one function of the shape, the layout
+and the chip's constants (chips.py), and `predict` adds them up.
+
+Time. The chip's cores do, one after another (they are the same cores):
+  matmuls      forward + backward (dX and dW: 3x the forward FLOPs) + whatever the remat policy
+               recomputes, each at `matmul_efficiency` x peak, lowered where a dim is not a multiple
+               of the MXU tile (padding) or shorter than 4 tiles (pipeline fill); the MoE experts'
+               grouped (or capacity-padded) matmuls at `moe_efficiency` instead;
+  attention    flash / splash attention: QK^T and PV (4 S^2 H hd a sample-layer) forward, 2.5x that
+               backward (it recomputes the scores: 5 contractions against 2), only the blocks on or
+               below the diagonal when causal (splash skips the rest), at the matmul efficiency x
+               ATTENTION_RELATIVE_EFFICIENCY;
+  HBM-bound    every non-matmul op (norms, RoPE, residuals, SwiGLU / GELU: forward, backward 2x,
+               recompute 1x), the optimizer's bytes a parameter, the copies of FSDP's gathered
+               weights (written by the gather, read by the matmul), the loss's logits, each at the
+               chip's published HBM bandwidth.
+Beside them, on the interconnect: FSDP's all-gathers and reduce-scatters (or DDP's all-reduce) on
+ICI as latency x ring steps + bytes / bandwidth; the cross-slice traffic on DCN; host offload's
+transfers on the host link. A share OVERLAP of those hides behind the compute, the rest is exposed.
+Tensor parallelism's activation collectives and expert parallelism's all-to-all (times a
+load-imbalance factor) sit between a layer's matmuls: exposed. Plus a fixed host overhead a step.
+
+Memory (a chip): parameters, gradients and optimizer state at their dtypes (`Precision`: fp32
+master weights as torchtitan / minititan keep them, or bf16 as MaxText's weight_dtype), sharded as
+the layout says; FSDP's gathered block (bf16, double-buffered); the activations the remat policy
+keeps on device; the larger of two transient peaks (one layer's full activations while its
+backward runs, or the logits and their gradient); what is offloaded counts against host memory.
+"""
+import dataclasses
+import math
+
+from planner import chips as chips_lib
+from planner.shapes import policy_split
+
+BYTES_BF16 = 2
+MOE_IMBALANCE = 1.3     # assumed: the busiest expert rank's share over the mean (all-to-all waits for it)
+ROW_PARALLEL = ("out_proj", "mlpwo", "img_proj", "txt_proj", "img_mlp_out", "txt_mlp_out", "single_out")
+ATTENTION_BLOCK = 512   # splash attention's default q / kv block (causal skipping is per block)
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    weight: int = 4       # bytes a parameter (fp32 master weights)
+    grad: int = 4
+    optimizer: int = 8    # AdamW's two moments
+
+
+PRECISIONS = {"fp32": Precision(4, 4, 8), "bf16": Precision(2, 2, 4)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """dcn slices x ici chips a slice x tp; ep borrows data-parallel ranks. `dp_mode`: "fsdp" shards
+    parameters over the ici ranks, "ddp" replicates them (MaxDiffusion's default); `dcn_mode`:
+    "replicate" (HSDP: one gradient all-reduce crosses DCN) or "fsdp" (shards across slices too)."""
+    dcn: int = 1
+    ici: int = 1
+    tp: int = 1
+    ep: int = 1
+    local_batch: int = 1          # samples a data-parallel rank
+    remat: object = "none"        # shapes.POLICIES name or a custom {name: device|offload|remat}
+    precision: Precision = PRECISIONS["fp32"]
+    dp_mode: str = "fsdp"
+    dcn_mode: str = "replicate"
+    attention_block: int = ATTENTION_BLOCK
+    act_bytes: int = BYTES_BF16   # bytes an activation element (bf16 on TPU; 4 for the fp32 CPU anchor)
+
+
+def shard_counts(shape, lay):
+    """Parameters a chip holds (by group) and the parameters of one block after FSDP's gather."""
+    fsdp = lay.ici * (lay.dcn if lay.dcn_mode == "fsdp" else 1) if lay.dp_mode == "fsdp" else 1
+    dp = lay.dcn * lay.ici
+    expert_group = max(dp // lay.ep, 1) if lay.dp_mode == "fsdp" else 1
+    p = shape.params
+    shard = {"tp": p["tp"] / (fsdp * lay.tp), "experts": p["experts"] / (lay.ep * expert_group),
+             "rest": p["rest"] / fsdp}
+    lp = shape.layer_params
+    gathered = lp["tp"] / lay.tp + lp["experts"] / lay.ep + lp["rest"]
+    return shard, gathered, fsdp, expert_group
+
+
+def matmul_efficiency(k, n, chip, base):
+    """`base` lowered by the MXU tile's padding of k and n and by dims shorter than 4 tiles."""
+    tile = chip.mxu_tile
+    pad = lambda d: d / (math.ceil(d / tile) * tile)
+    short = lambda d: min(1.0, d / (4 * tile))
+    return base * pad(k) * pad(n) * short(k) * short(n)
+
+
+def causal_fraction(seq, block):
+    """Share of the S x S score blocks splash computes when causal: the diagonal and below."""
+    nb = max(math.ceil(seq / block), 1)
+    return (nb + 1) / (2 * nb)
+
+
+def compute_terms(shape, lay, chip, eff, recomputed):
+    """Seconds of matmuls, recomputed matmuls, attention, each a chip a step."""
+    samples = lay.local_batch / lay.tp            # a tp group shares its samples' work
+    redo = {m for name in recomputed for m in shape.recompute_of.get(name, [])}
+    matmul_s = recompute_s = 0.0
+    for mm in shape.matmuls:
+        # tensor parallelism splits a row-parallel matmul's k (out_proj, mlpwo), the others' n
+        k, n = mm.k, mm.n
+        if mm.split == "tp":
+            k, n = (k / lay.tp, n) if mm.name in ROW_PARALLEL else (k, n / lay.tp)
+        base = eff["moe_efficiency"] if mm.split == "experts" else eff["matmul_efficiency"]
+        rate = chip.peak_flops * matmul_efficiency(k, n, chip, base)
+        flops = mm.flops * samples
+        matmul_s += 3 * flops / rate
+        if mm.name in redo:
+            recompute_s += flops / rate
+    a = shape.attention
+    fwd = 4 * a["seq"] ** 2 * a["heads"] * a["head_dim"] * a["layers"] * samples
+    if a["causal"]:
+        fwd *= causal_fraction(a["seq"], lay.attention_block)
+    att_rate = chip.peak_flops * eff["matmul_efficiency"] * chips_lib.ATTENTION_RELATIVE_EFFICIENCY
+    attention_s = (fwd * 3.5 + (fwd if "attention" in redo else 0)) / att_rate
+    return {"matmul": matmul_s, "recompute": recompute_s, "attention": attention_s}
+
+
+def hbm_terms(shape, lay, chip, shard, gathered, fsdp, any_recompute):
+    """Seconds of HBM-bound work a chip a step: non-matmul ops, optimizer, gathered copies, logits."""
+    tokens = shape.tokens * lay.local_batch / lay.tp
+    passes = 3 + (1 if any_recompute else 0)       # forward 1, backward 2, recompute 1
+    elementwise = shape.elementwise * shape.layers * tokens * lay.act_bytes * passes
+    pr = lay.precision
+    optimizer = sum(shard.values()) * (2 * pr.weight + pr.grad + 2 * pr.optimizer)  # read w g m v, write w m v
+    # gathered bf16 copies: written by the all-gather, read by the matmul; forward and backward
+    copies = 2 * 2 * BYTES_BF16 * gathered * shape.layers if fsdp > 1 else 0.0
+    logits = tokens * shape.vocab * (lay.act_bytes + 8 + 2) if shape.vocab else 0.0   # write, fp32 softmax r/w, grad
+    bw = chip.hbm_bw
+    return {"elementwise": elementwise / bw, "optimizer": optimizer / bw, "gathered copies": copies / bw,
+            "logits": logits / bw}
+
+
+def ring_steps(n, chip):
+    """Steps of a ring collective over n chips laid on the chip's torus (each axis its own ring)."""
+    if n <= 1:
+        return 0
+    side = n ** (1 / chip.torus_dims)
+    return chip.torus_dims * (side - 1)
+
+
+def comm_terms(shape, lay, chip, shard, fsdp, expert_group, offload_bytes):
+    """Seconds on ICI (FSDP / DDP), DCN, host link (hidden up to OVERLAP) and TP / EP (exposed)."""
+    pr, p = lay.precision, shape.params
+    per_coll = 2 * BYTES_BF16 + pr.grad             # all-gather forward + backward, reduce-scatter
+    if lay.dp_mode == "fsdp":
+        ici_group = lay.ici
+        ici_bytes = per_coll * ((p["tp"] / lay.tp + p["rest"]) * (ici_group - 1) / ici_group
+                                + p["experts"] / lay.ep * (expert_group - 1) / max(expert_group, 1))
+        collectives = 3 * shape.layers
+    else:                                            # DDP: one all-reduce of the gradients
+        ici_group = lay.ici
+        ici_bytes = 2 * pr.grad * sum(p.values()) / lay.tp * (ici_group - 1) / ici_group
+        collectives = shape.layers
+    ici_s = ici_bytes / chip.ici_bw + collectives * ring_steps(ici_group, chip) * chip.ici_latency_s
+    if lay.dcn > 1:
+        if lay.dcn_mode == "fsdp":   # each slice fetches the other slices' share of every gather
+            dcn_bytes = per_coll * sum(p.values()) / (lay.ici * lay.tp) * (lay.dcn - 1) / lay.dcn
+            dcn_collectives = collectives
+        else:                        # HSDP: all-reduce of the shard's gradients across slices, a layer at a time
+            dcn_bytes = 2 * pr.grad * sum(shard.values()) * (lay.dcn - 1) / lay.dcn
+            dcn_collectives = shape.layers
+        dcn_s = dcn_bytes / chip.dcn_bw + dcn_collectives * 2 * (lay.dcn - 1) * chip.dcn_latency_s
+    else:
+        dcn_s = 0.0
+    offload_s = 2 * offload_bytes / chip.host_bw if offload_bytes else 0.0   # out forward, back backward
+    act = lay.act_bytes * shape.tokens * lay.local_batch * shape.dim            # one (B, S, D) activation
+    tp_s = (shape.layers * 8 * act * (lay.tp - 1) / lay.tp / chip.ici_bw
+            + shape.layers * 8 * ring_steps(lay.tp, chip) * chip.ici_latency_s) if lay.tp > 1 else 0.0
+    ep_s = (shape.layers * 4 * act * shape.top_k * (lay.ep - 1) / lay.ep * MOE_IMBALANCE / chip.ici_bw
+            + shape.layers * 4 * ring_steps(lay.ep, chip) * chip.ici_latency_s) if lay.ep > 1 else 0.0
+    return {"ici": ici_s, "dcn": dcn_s, "offload": offload_s, "tp": tp_s, "ep": ep_s}
+
+
+def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems):
+    """Bytes a chip: state at its dtypes, gathered block, saved activations, the transient peak."""
+    pr, n = lay.precision, sum(shard.values())
+    tokens = shape.tokens * lay.local_batch / lay.tp
+    saved = device_elems * lay.act_bytes * tokens * shape.layers
+    layer_peak = all_elems * lay.act_bytes * tokens                     # one layer, everything live
+    logits_peak = 2 * lay.act_bytes * tokens * shape.vocab if shape.vocab else 0.0   # logits + their grad
+    return {"parameters": n * pr.weight, "gradients": n * pr.grad, "optimizer state": n * pr.optimizer,
+            "gathered block (bf16, x2)": 2 * BYTES_BF16 * gathered if fsdp > 1 else 0.0,
+            "saved activations": saved, "transient peak": max(layer_peak, logits_peak)}
+
+
+def predict(shape, lay, chip, constants=None):
+    """Step time (s), its parts, memory a chip and whether it fits, for `shape` on `lay` of `chip`
+    (a chips.Chip); `constants` overrides the chip's fitted efficiencies (calibrate.fit)."""
+    eff = chips_lib.efficiency(chip.name, constants)
+    shard, gathered, fsdp, expert_group = shard_counts(shape, lay)
+    device_elems, offload_elems, _, recomputed = policy_split(shape, lay.remat)
+    tokens = shape.tokens * lay.local_batch / lay.tp
+    offload_bytes = offload_elems * lay.act_bytes * tokens * shape.layers
+    compute = compute_terms(shape, lay, chip, eff, recomputed)
+    compute.update(hbm_terms(shape, lay, chip, shard, gathered, fsdp, bool(recomputed)))
+    comm = comm_terms(shape, lay, chip, shard, fsdp, expert_group, offload_bytes)
+    compute_s = sum(compute.values())
+    hideable = comm["ici"] + comm["dcn"] + comm["offload"]
+    exposed = hideable - chips_lib.OVERLAP * min(hideable, compute_s)
+    step = chip.host_overhead_s + compute_s + exposed + comm["tp"] + comm["ep"]
+    mem = memory_terms(shape, lay, shard, gathered, fsdp, device_elems, sum(shape.acts.values()))
+    total = sum(mem.values())
+    fits = total <= chip.hbm_bytes and offload_bytes <= chip.host_bytes
+    return {"step_s": step, "compute": compute, "comm": comm, "exposed_comm_s": exposed,
+            "host_overhead_s": chip.host_overhead_s, "memory": mem, "total_bytes": total,
+            "offload_bytes": offload_bytes, "fits": fits,
+            "mfu": shape.model_flops * lay.local_batch / lay.tp / (step * chip.peak_flops)}
