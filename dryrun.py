@@ -19,7 +19,7 @@ DCN collectives hidden up to an overlap fraction, TP / EP exposed, a host overhe
 free constants fitted on published TPU runs (planner/calibration.json, planner/calibrate.py):
 
     python dryrun.py --calibrate [--breakdown]   # predicted vs published for every run, and the fit
-    python dryrun.py --anchor [--flux]           # this CPU as the chip: predicted vs measured step (anchor.py)
+    python -m planner.anchor [--flux]            # this CPU as the chip: predicted vs measured step
 
 Layouts (mesh dims dcn, ici, tp, ep as in train.py): tensor parallelism splits the attention and
 dense-MLP matmuls, the compute and (sequence parallel) the saved activations tp ways and adds its
@@ -379,11 +379,8 @@ if __name__ == "__main__":
         if argv[:1] == ["--calibrate"] and set(argv[1:]) <= {"--breakdown"}:
             from planner import calibrate
             sys.exit(calibrate.main(argv[1:]))
-        if argv[:1] == ["--anchor"]:
-            from planner import anchor
-            sys.exit(anchor.main(argv[1:]))
-        raise ValueError(f"expected --calibrate [--breakdown] or --anchor [--flux], got {' '.join(argv) or 'nothing'} "
-                         f"(the dry run itself is train.py --dry-run)")
+        raise ValueError(f"expected --calibrate [--breakdown], got {' '.join(argv) or 'nothing'} (the dry run "
+                         f"itself is train.py --dry-run; the CPU anchor python -m planner.anchor)")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

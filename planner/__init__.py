@@ -13,5 +13,5 @@ Read in this order:
                       host offload, a host overhead
     calibrate.py      calibration.json's published runs predicted and compared; the fit of the free
                       constants (`python dryrun.py --calibrate`)
-    anchor.py         this CPU as the chip: predicted against the measured default step (`--anchor`)
+    anchor.py         this CPU as the chip: predicted against the measured default step (`python -m planner.anchor`)
 """

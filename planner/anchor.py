@@ -5,7 +5,7 @@ planner's predicted step is set beside the step measured in the same process. Ea
 so the non-matmul bytes are counted on the step as it runs (EagerBytes), not taken from the shape's
 fused table.
 
-    python dryrun.py --anchor [--flux]   # measure rates and the step; print predicted / measured (--flux: FLUX too)
+    python -m planner.anchor [--flux]   # measure rates and the step; print predicted / measured (--flux: FLUX too)
 
 Everything is measured in one process, one after the other, because the machine is shared and noisy:
 a ratio of numbers taken together means more than any one of them. The arithmetic (`predict_step`)
@@ -19,7 +19,7 @@ from planner import chips as chips_lib
 from planner import stepmodel
 from planner.shapes import flux_shape, lm_shape
 
-# One measurement (python dryrun.py --anchor on the 2-core development machine; see README), kept so
+# One measurement (python -m planner.anchor on the 2-core development machine; see README), kept so
 # tests can hold the arithmetic to it without timing anything.
 RECORDED = {"measured_step_s": 9.103, "peak_flops": 2.316e10, "mem_bw": 1.019e9, "eager_bytes": 2329494464,
             "host_s": 0.005283, "eager_ops": 1241}
@@ -178,7 +178,7 @@ DEFAULT_RUN = RUNS["llama3_debug"]
 
 def main(argv=()):
     if set(argv) - {"--flux"}:
-        raise ValueError(f"--anchor takes only --flux (the FLUX debug step too), got {' '.join(argv)}")
+        raise ValueError(f"python -m planner.anchor takes only --flux (the FLUX debug step too), got {' '.join(argv)}")
     for name in ["llama3_debug"] + (["flux_debug"] if "--flux" in argv else []):
         cfg = RUNS[name]
         m = measure(cfg)
@@ -193,3 +193,12 @@ def main(argv=()):
         print(f"    host overhead    {pred['host_overhead_s'] * 1e3:8.2f} ms ({m['eager_ops']} ops x the dispatch of an empty op)")
         print(f"  recorded inputs: {m}")
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -283,7 +283,7 @@ def test_planner_cpu_anchor_arithmetic_on_recorded_measurements():
     """anchor.predict_step on the recorded CPU measurement: its elementwise term is the eager step's
     counted non-matmul bytes over the measured eager bandwidth, its matmuls the shape's FLOPs (x3) at the measured peak under
     the short-dim law with a 64-wide tile; no collectives; the host overhead the recorded one. (The live measurement,
-    python dryrun.py --anchor, is in the README: too noisy on a shared machine to assert here.)"""
+    python -m planner.anchor, is in the README: too noisy on a shared machine to assert here.)"""
     from planner import anchor
     from planner import stepmodel
     from planner.chips import measured_chip
