@@ -293,7 +293,7 @@ def test_flux_hf_types_config_json_and_refuses_non_float_nonfinite_or_misshapen_
     for values), NaN or a float64 beyond float32's range (it would train from a NaN loss), a 0-d bias or
     a to_q of the wrong width (the fused qkv is joined from its parts only once each part's shape is
     right): one FluxHFError line naming the tensor."""
-    import flux_hf
+    from flux import hf as flux_hf
     from safetensors.torch import load_file, save_file
     src = os.path.join(FLUX_FIXTURES, "plain")
     cfg = json.load(open(os.path.join(src, "config.json")))

@@ -251,7 +251,7 @@ def test_flux_init_from_nan_weights_stops_before_training_naming_them(tmp_path, 
     """--init-from a diffusers directory holding a NaN: one line naming the tensor, exit 2, before a step
     is trained or anything is written (it used to log val loss nan at step 0, train a step, then exit 3)."""
     from flux import model as flux
-    import flux_hf
+    from flux import hf as flux_hf
     from safetensors.torch import load_file, save_file
     d = str(tmp_path / "nan_dir")
     flux_hf.save(flux.Flux(flux.FLAVORS["flux_debug"]), d)
@@ -297,7 +297,7 @@ def test_flux_resume_refuses_another_latent_file_of_the_same_shapes_or_a_dropped
 def test_flux_latents_beyond_float32_are_refused_before_anything_is_written(tmp_path, capsys):
     """float64 latents holding 1e300 are finite until the float32 cast makes them inf: refused in one
     line, exit 2, nothing written (not exit 3 "loss is nan at step 1" after loss.png and metrics.jsonl)."""
-    import flux_latents
+    from flux import latents as flux_latents
     from flux import model as flux
     big = _latent_file(tmp_path / "big.safetensors", latents=torch.full((20, 1, 4, 4), 1e300, dtype=torch.float64))
     with pytest.raises(flux_latents.DataError, match="latents must hold finite floating-point values"):
@@ -317,7 +317,7 @@ def test_flux_sampling_cli_samples_a_scan_run_and_a_dcp_failure_is_one_line(tmp_
     exception is a BaseException: checkpoint.load turns it into one CheckpointError line."""
     import checkpoint
     from flux import model as flux
-    import flux_task
+    from flux import task as flux_task
     import layer_scan
     run = str(tmp_path / "scan")
     assert _main(["--task", "flux", "--steps", "2", "--batch-size", "8", "--eval-batches", "0",  # (no evaluation:

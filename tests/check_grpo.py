@@ -432,7 +432,7 @@ def test_grpo_resume_keeps_its_warm_start_checkpoint_and_offers_only_accepted_ch
     args = _grpo_args(warm, out, "--ckpt-interval", "2")
     assert _main([*args, "--halt-at", "2"]) == 0
     started, meta = checkpoint.run_checkpoint(warm)
-    want = checkpoint.load_model(started, meta).state_dict()
+    want = checkpoint.load_run(started)[0].state_dict()
     # the warm-start run gains a newer checkpoint (other weights), which --init-from RUN now resolves to
     newer = {k: v + 0.01 for k, v in want.items()}
     checkpoint.save(os.path.join(warm, "checkpoints"), 50, {"model": newer},
@@ -468,7 +468,7 @@ def test_the_engine_process_ends_without_a_word_on_ctrl_c_or_when_its_trainer_is
     the pipe closed) leaves an engine that ends without an EOFError traceback. (The engine process
     writes to this process's stderr, which capfd captures at the file descriptor.)"""
     import signal
-    import rollout
+    from rl import rollout
     engine = rollout.EngineProcess(GRPO_TINY, timeout_s=60)
     try:
         if how == "SIGINT":
@@ -492,7 +492,7 @@ def test_a_warm_start_halts_at_its_first_evaluation_meeting_the_accuracy_and_grp
     step 0 (not a checkpoint: ignored), 0.2, 0.4 below, 0.5 meets 0.5 at step 6, 0.8 after it is never
     reached. Bad values and tasks without a held-out accuracy: one line, exit 2."""
     import checkpoint
-    import sft_task
+    from rl import sft_task
     import train
     scripted = {0: 0.9, 2: 0.2, 4: 0.4, 6: 0.5, 8: 0.8}
     monkeypatch.setattr(sft_task.SFTArithmetic, "evaluate",
