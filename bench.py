@@ -131,7 +131,7 @@ FLUX_CONFIGS = ["plain", "--mode graph --backend inductor", "--mode graph --devi
 def _child_flux(config):
     """Serve timed FLUX steps of one configuration: compile (2 warm-up steps), print {"ready"}, then for
     each line N on stdin time N more steps and print their seconds. The parent keeps all configurations
-    warm and alternates them, so none pays a recompile per repeat. `jax`: flux_jax.py's jitted step from
+    warm and alternates them, so none pays a recompile per repeat. `jax`: flux/jax_step.py's jitted step from
     the same init (the eager trainer's weights) on the same batches."""
     import device as dev
     import optim
@@ -231,7 +231,7 @@ FULL_CONFIGS = ["--mode graph", "--mode eager --device xla", "--mode graph --bac
 
 def flux_table(repeats=3, steps=4):
     """FLUX training steps (FLUX_FLAGS), every configuration a warm process (_child_flux), timed in turn
-    A B C D A B C D; ms/step is the median of all timed steps; MFU from flux.py's FLOP formula over
+    A B C D A B C D; ms/step is the median of all timed steps; MFU from flux/model.py's FLOP formula over
     the CPU's measured GEMM peak; `x_jax`: throughput over the pure-JAX step's (1.0 = as fast)."""
     import tempfile
     env = {**os.environ, "PJRT_DEVICE": "CPU"}

@@ -12,7 +12,7 @@ Pallas plumbing they share with kernels_gmm.py (the grouped matmul for MoE).
    recomputes each logits tile to form dh and dW. Never tokens x vocab.
 
 Each is a JAX function with a jax.custom_vjp (Pallas forward and backward kernels), registered as a
-PyTorch op by jax_op.py and named in model.py's / flux.py's tables ("splash", "fused"). Mosaic
+PyTorch op by jax_op.py and named in model.py's / flux/model.py's tables ("splash", "fused"). Mosaic
 compiles them on TPU; everywhere else they run in Pallas interpret mode (one switch: INTERPRET).
 """
 import functools
@@ -259,7 +259,7 @@ def splash_attention(q, k, v, window=None, segment_ids=None, block=128, causal=T
 
 
 def splash_full_attention(q_BxHxSxD, k_BxHkvxSxD, v_BxHkvxSxD, block=128):
-    """Non-causal splash attention (FLUX's joint attention over text + image): flux.py's "splash"."""
+    """Non-causal splash attention (FLUX's joint attention over text + image): flux/model.py's "splash"."""
     return splash_attention(q_BxHxSxD, k_BxHkvxSxD, v_BxHkvxSxD, block=block, causal=False)
 
 # ================================================================================================

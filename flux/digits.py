@@ -1,4 +1,4 @@
-"""digits.py: real images with no download, for the FLUX workload: scikit-learn's bundled handwritten
+"""flux/digits.py: real images with no download, for the FLUX workload: scikit-learn's bundled handwritten
 digits (UCI "Optical Recognition of Handwritten Digits": 1797 8x8 images, 17 grey levels 0..16,
 10 classes), and an independent judge of generated digits.
 

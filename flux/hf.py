@@ -1,4 +1,4 @@
-"""flux_hf.py: diffusers `FluxTransformer2DModel` directories in and out (config.json + safetensors),
+"""flux/hf.py: diffusers `FluxTransformer2DModel` directories in and out (config.json + safetensors),
 like torchtitan's flux state_dict_adapter.
 
     model = flux_hf.load("FLUX.1-dev/transformer/")   # -> flux.Flux, BFL's layout
@@ -11,7 +11,7 @@ diffusers renames every module, and differs in layout in three places, mapped bo
 - a single block's fused `linear1` (q | k | v | mlp in) is to_q, to_k, to_v and proj_mlp;
 - the final adaLN (`norm_out.linear`, AdaLayerNormContinuous) emits (scale, shift) where BFL's
   LastLayer emits (shift, scale): the two halves of its rows swap.
-A config value flux.py does not implement (another patch size, an unknown key) is refused in one
+A config value flux/model.py does not implement (another patch size, an unknown key) is refused in one
 line (FluxHFError), never loaded as a different model; every tensor of the checkpoint must be used
 and every expected one present, with its shape.
 """
@@ -40,7 +40,7 @@ class FluxHFError(BadInput):
 # ------------------------------------------------------------------------------------------------
 # config.json <-> FluxArgs
 
-# config.json's fields flux.py reads: (JSON type(s), diffusers' default); typed as hf.py types a
+# config.json's fields flux/model.py reads: (JSON type(s), diffusers' default); typed as hf.py types a
 # language model's ("false" is not a bool, 2.9 not a layer count: refused, never coerced)
 CONFIG_FIELDS = {"patch_size": (int, 1), "in_channels": (int, 64), "out_channels": ((int, None), None),
                  "num_layers": (int, 19), "num_single_layers": (int, 38), "attention_head_dim": (int, 128),
@@ -57,7 +57,7 @@ def args_from_config(cfg):
         raise FluxHFError(f"config.json: _class_name {cfg.get('_class_name')!r} is not FluxTransformer2DModel")
     unknown = sorted(set(cfg) - CONFIG_KEYS)
     if unknown:
-        raise FluxHFError(f"config.json: {', '.join(unknown)} not implemented by flux.py")
+        raise FluxHFError(f"config.json: {', '.join(unknown)} not implemented by flux/model.py")
     try:
         f = hf._typed(cfg, CONFIG_FIELDS)
     except hf.HFError as e:
@@ -151,7 +151,7 @@ def _parts(name, a: FluxArgs):
     if pattern in RENAMES:
         leaf = "weight" if leaf == "scale" else leaf  # BFL's RMSNorm calls its weight `scale`
         return [f"{RENAMES[pattern].format(idx)}.{leaf}"], None
-    raise FluxHFError(f"no diffusers name for parameter {name!r}")  # a flux.py change not mapped here
+    raise FluxHFError(f"no diffusers name for parameter {name!r}")  # a flux/model.py change not mapped here
 
 
 def _swap_halves(t):
@@ -191,7 +191,7 @@ def _open_tensors(path):
 
 
 def read_args(path):
-    """The FluxArgs of a diffusers directory's config.json (refusing what flux.py does not implement)."""
+    """The FluxArgs of a diffusers directory's config.json (refusing what flux/model.py does not implement)."""
     try:
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
@@ -234,7 +234,7 @@ def read_state(path, args):
         used.update(keys)
     unused = sorted(set(tensors) - used)
     if unused:
-        raise FluxHFError(f"{path}: {len(unused)} tensor(s) flux.py does not use, e.g. {unused[0]!r}")
+        raise FluxHFError(f"{path}: {len(unused)} tensor(s) flux/model.py does not use, e.g. {unused[0]!r}")
     return state
 
 

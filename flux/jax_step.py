@@ -1,4 +1,4 @@
-"""flux_jax.py: the FLUX.1 training step in pure JAX, the competitor bench.py measures our PyTorch step against.
+"""flux/jax_step.py: the FLUX.1 training step in pure JAX, the competitor bench.py measures our PyTorch step against.
 
     step = make_train_step(cfg)                       # cfg: FluxArgs' fields as a dict
     params, opt, loss, norm = step(params, opt, (x0, eps, t, cls), lr, count)
@@ -7,12 +7,12 @@ TorchTitan's FLUX headline is "99% of JAX MaxDiffusion". MaxDiffusion is a Flax 
 that matters for the comparison is what XLA sees: forward + loss + backward + the AdamW update as
 ONE jax.jit'd program. This file is that program, written from Black Forest Labs' reference
 (`flux/src/flux/modules/layers.py`, `math.py`, `model.py`) directly in jax.numpy, with no flax:
-  - params: a flat dict of arrays named as flux.py's state_dict (torch layout: a Linear's weight is
-    (out, in)), so one torch init feeds both; this file never imports flux.py (it is the oracle
-    the tests hold flux.py to, and the competitor bench.py races it against);
+  - params: a flat dict of arrays named as flux/model.py's state_dict (torch layout: a Linear's weight is
+    (out, in)), so one torch init feeds both; this file never imports flux/model.py (it is the oracle
+    the tests hold flux/model.py to, and the competitor bench.py races it against);
   - RoPE in BFL's own form: a 2 x 2 rotation matrix per (token, pair), `pe @ (x[2i], x[2i+1])`;
   - attention written out, softmax(q k^T / sqrt(d)) v over cat(text, image), non-causal;
-  - the workload flux_task.py trains: a learned prompt per class (`prompt.*` params, row 10 is the
+  - the workload flux/task.py trains: a learned prompt per class (`prompt.*` params, row 10 is the
     empty prompt), rectified flow x_t = (1 - t) x0 + t eps, target eps - x0, MSE;
   - the update: global-norm clipping (torch's clip_grad_norm_ rule), then AdamW (decoupled weight
     decay on matrices that are not norms or biases: the trainer's rule), all inside the jit.
@@ -131,7 +131,7 @@ def _count(p, prefix):
 
 
 def forward(p, cfg, img_BxSxC, img_ids_BxSx3, txt_BxTxE, txt_ids_BxTx3, t_B, y_BxV, guidance_B=None):
-    """BFL's Flux.forward. `p`: flux.py's state_dict as arrays; `cfg`: num_heads, axes_dim, theta."""
+    """BFL's Flux.forward. `p`: flux/model.py's state_dict as arrays; `cfg`: num_heads, axes_dim, theta."""
     heads = cfg["num_heads"]
     img = linear(p, "img_in", img_BxSxC)
     vec = mlp_embedder(p, "time_in", timestep_embedding(t_B))
@@ -151,7 +151,7 @@ def forward(p, cfg, img_BxSxC, img_ids_BxSx3, txt_BxTxE, txt_ids_BxTx3, t_B, y_B
 
 
 # ------------------------------------------------------------------------------------------------
-# The digits workload (flux_task.py's): prompt lookup, position ids, rectified-flow MSE
+# The digits workload (flux/task.py's): prompt lookup, position ids, rectified-flow MSE
 
 def positions(B, rows, cols, T):
     """Image tokens at (0, row, col) row-major, text tokens all at (0, 0, 0)."""

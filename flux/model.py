@@ -1,4 +1,4 @@
-"""flux.py: the FLUX.1 transformer (Black Forest Labs), a rectified-flow diffusion model on packed latents.
+"""flux/model.py: the FLUX.1 transformer (Black Forest Labs), a rectified-flow diffusion model on packed latents.
 
     model = Flux(FLAVORS["flux_debug"])
     v_BxSxC = model(img_BxSxC, img_ids_BxSx3, txt_BxTxE, txt_ids_BxTx3, t_B, y_BxV, guidance_B)
@@ -22,8 +22,8 @@ identity and the model predicts 0, so training starts from a stable point.
 Attention (`attention(q_BxHxSxD, k, v) -> BxHxSxD`, non-causal) is chosen by name, `attn_impl`, from
 ATTENTION_IMPLS as model.py chooses its kernels (model.lookup_impl; "module:function" entries are
 imported on first use): "sdpa" (torch's), or "splash" (kernels_pallas.py's block-sparse flash
-attention with every block live: `--kernels pallas`). Sampling and the flow-matching loss are in flux_sample.py; diffusers
-checkpoints in flux_hf.py.
+attention with every block live: `--kernels pallas`). Sampling and the flow-matching loss are in flux/sample.py; diffusers
+checkpoints in flux/hf.py.
 """
 import dataclasses
 import math

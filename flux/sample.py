@@ -1,4 +1,4 @@
-"""flux_sample.py: rectified flow for FLUX.1: the training target and the sampler.
+"""flux/sample.py: rectified flow for FLUX.1: the training target and the sampler.
 
 Training (torchtitan's flux `preprocess_inputs`, the rectified-flow / flow-matching formulation of
 Liu et al. and Lipman et al.): a straight line from data to noise,

@@ -1,4 +1,4 @@
-"""flux_task.py: FLUX.1 diffusion training as a Task: rectified flow on real images or on cached latents.
+"""flux/task.py: FLUX.1 diffusion training as a Task: rectified flow on real images or on cached latents.
 
     python train.py --task flux --flavor flux_debug --steps 800 --batch-size 64 --lr 1e-3 --warmup 50
     python train.py --task flux --data cache.safetensors --init-from FLUX_DIR   # latents + embeddings; fine-tune
@@ -9,21 +9,21 @@ is FLUX's own, after torchtitan's `models/flux` (its train.py / validate.py):
     CLIP encoders (which cannot be downloaded here) are stood in for by a learned token sequence and
     pooled vector per class (`ClassPrompt`; one extra row is the empty prompt, for classifier-free
     guidance); a latent file brings the encoders' outputs themselves. `--init-from` a diffusers
-    directory fills the transformer (flux_hf.py) to fine-tune it;
+    directory fills the transformer (flux/hf.py) to fine-tune it;
   - the data, one of two sources with the same fields (`train` / `held` rows, `cond_keys`, `empty`):
-    scikit-learn's 1797 handwritten 8x8 digits (digits.py), or `--data FILE.safetensors`: VAE
-    latents + T5 / CLIP outputs computed ahead (flux_latents.py: its schema, its held-out tenth).
+    scikit-learn's 1797 handwritten 8x8 digits (flux/digits.py), or `--data FILE.safetensors`: VAE
+    latents + T5 / CLIP outputs computed ahead (flux/latents.py: its schema, its held-out tenth).
     Either is packed 2x2 as FLUX packs its latents. Global batch i is a pure function of (seed, i):
     the rows, the prompts dropped to empty (probability 0.1, where there is an empty prompt), the
     times t and the noise eps all come from one generator seeded with (seed, i), so resume and N
     ranks see what one process would;
-  - the loss: x_t = (1 - t) x0 + t eps, target v = eps - x0, MSE (flux_sample.py); validation MSE
+  - the loss: x_t = (1 - t) x0 + t eps, target v = eps - x0, MSE (flux/sample.py); validation MSE
     at the fixed times (i + 0.5) / 8 on held-out rows (unconditional where there is an empty prompt),
     comparable across runs;
   - pictures: at each evaluation a quick grid (a row per class / prompt, 8 Euler steps) named by the
     step (samples_step_000200.png); at the end --sample-images per class (20 steps, guidance scale
     `GUIDANCE`) into samples.png, and, for the digits, the share an independent classifier (an SVC
-    on the real digits, digits.py) labels as the prompt's class. A latent file's grid shows the
+    on the real digits, flux/digits.py) labels as the prompt's class. A latent file's grid shows the
     latents' first channel (no VAE decoder here).
 
 The dry run (`--dry-run [--plan --chips N]`, dryrun.py) plans the published flavors at full scale
@@ -149,7 +149,7 @@ class FluxFamily(ModelFamily):
                 args = flux.FLAVORS[cfg.flavor]
             args = with_overrides(args, cfg.set)
             flux.check_args(args)
-        except ValueError as e:  # (flux_hf.FluxHFError too: a config flux.py does not implement)
+        except ValueError as e:  # (flux_hf.FluxHFError too: a config flux/model.py does not implement)
             raise ConfigError(str(e)) from None
         if args.out_channels != args.in_channels:
             raise ConfigError(f"the model predicts {args.out_channels} channels a token from {args.in_channels}: "
@@ -435,7 +435,7 @@ def save_grid(images_Nx1xHxW, per_row, path):
 
 
 def main(argv=None):
-    """python flux_task.py RUN_DIR [--per-class N] [--guidance 1,2,4]: sample a FLUX run's newest
+    """python -m flux.sample RUN_DIR [--per-class N] [--guidance 1,2,4]: sample a FLUX run's newest
     checkpoint, a grid per guidance scale (RUN_DIR/samples_g<scale>.png) and the judge's accuracy."""
     import argparse
     import sys

@@ -1,4 +1,4 @@
-"""arithmetic.py: verifiable tasks for RL post-training: prompts, held-out test prompts, and a reward.
+"""rl/arithmetic.py: verifiable tasks for RL post-training: prompts, held-out test prompts, and a reward.
 
 GRPO (DeepSeekMath, arXiv 2402.03300) needs no learned reward model when the answer can be checked:
 the reward is a program. The built-in task is two-digit addition written in bytes (our debug models

@@ -1,4 +1,4 @@
-"""grpo.py: Group Relative Policy Optimization, the algorithm: group advantages and the clipped loss.
+"""rl/grpo.py: Group Relative Policy Optimization, the algorithm: group advantages and the clipped loss.
 
 GRPO (DeepSeekMath, arXiv 2402.03300) is PPO without a value model. Each prompt is sampled G times;
 a completion's advantage is its reward relative to its own group,

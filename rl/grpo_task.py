@@ -1,19 +1,19 @@
-"""grpo_task.py: GRPO post-training as a workload of the shared trainer: the policy learns from its
+"""rl/grpo_task.py: GRPO post-training as a workload of the shared trainer: the policy learns from its
 own samples, scored by a program (a verifiable reward), drawn by a separate rollout engine.
 
-    python train.py --task sft --out-dir runs/sft ...                      # warm start: sft_task.py
+    python train.py --task sft --out-dir runs/sft ...                      # warm start: rl/sft_task.py
     python train.py --task grpo --init-from runs/sft --steps 100 ...       # then GRPO on its policy
 
 The trainer (train.py) runs it like any Task: the loop, AdamW, clipping, checkpoints, graph mode and
 the SimpleFSDP mesh are its. What is GRPO's own, after torchtitan's experiments/rl and TRL's
-GRPOTrainer (the pieces: grpo.py the algorithm, rollout.py the engine, weight_sync.py the pipe):
+GRPOTrainer (the pieces: rl/grpo.py the algorithm, rl/rollout.py the engine, rl/weight_sync.py the pipe):
 
   - a rollout batch r feeds optimizer steps r U + 1 .. r U + U (U = --updates-per-batch). At its
     first step the live policy's weights go to the engine process as policy version r U (the number
     of optimizer steps in them: every trainer rank gathers its shards in the same order, global rank 0
     broadcasts to the engine), and the engine samples G completions of each of the P prompts of
     rollout batch r, seeded by (seed, r), with their sampling logprobs;
-  - rank 0 scores them (arithmetic.py), and the completions, logprobs, masks and rewards reach every
+  - rank 0 scores them (rl/arithmetic.py), and the completions, logprobs, masks and rewards reach every
     rank in one broadcast on the default group; advantages per group (grpo.group_advantages); each
     rank trains on its own P G / N rows. The DAPO normalizer is the global token count over N, so
     the ranks' averaged gradients are one process's on the whole batch;
@@ -128,7 +128,7 @@ class PolicyFlags:
 
 
 class ArithmeticPolicy(Workload):
-    """What GRPO and its supervised warm start (sft_task.py) share: a byte-level language model as the
+    """What GRPO and its supervised warm start (rl/sft_task.py) share: a byte-level language model as the
     policy (PolicyFamily), the verifiable task, the rollout engine fed with the live weights, and greedy
     accuracy on the held-out prompts."""
     unit, evaluates, default_flavor = "seq", True, "llama3_debug"

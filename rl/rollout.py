@@ -1,11 +1,11 @@
-"""rollout.py: the rollout engine: its own copy of the policy, in its own process, sampling G
+"""rl/rollout.py: the rollout engine: its own copy of the policy, in its own process, sampling G
 completions per prompt with their per-token logprobs and the policy version that wrote them.
 
 In torchtitan's experiments/rl (and VeRL) the samples come from a separate inference engine (vLLM),
 not from the trainer: different process, different layout, different precision. This is ours, small:
 
     engine = EngineProcess(model_args, dtype=torch.bfloat16, timeout_s=60)   # spawns the server loop
-    engine.sync(model.named_parameters(), version=step)     # weight_sync.py: gloo broadcast, in place
+    engine.sync(model.named_parameters(), version=step)     # rl/weight_sync.py: gloo broadcast, in place
     ro = engine.generate(prompts, group_size=8, max_new_tokens=4, temperature=1.0, seed=step, eos_id=10)
     ro.completions_BxC, ro.logprobs_BxC, ro.mask_BxC, ro.version
     engine.close()

@@ -1,4 +1,4 @@
-"""sft_task.py: supervised fine-tuning on a verifiable task's solved problems, the loss on the answer only:
+"""rl/sft_task.py: supervised fine-tuning on a verifiable task's solved problems, the loss on the answer only:
 GRPO's warm start (`train.py --task sft`, then `train.py --task grpo --init-from` its run).
 
     python train.py --task sft --set dim=64 ... --steps 1250 --lr 3e-3 --out-dir runs/sft
@@ -15,7 +15,7 @@ The batch is a pure function of (seed, step) (arithmetic.solved: the problems GR
 draws), each rank its slice. The loss is a sum over this rank's answer bytes divided by the global
 batch's answer-byte count over N, so N ranks' averaged gradients are one process's on the whole batch
 (answers are 3 or 4 bytes: per-rank means would weight them unequally). The policy, the engine that
-evaluates it (greedy accuracy on the 500 held-out prompts) and the warm start are grpo_task.py's.
+evaluates it (greedy accuracy on the 500 held-out prompts) and the warm start are rl/grpo_task.py's.
 """
 import torch
 import torch.nn.functional as F

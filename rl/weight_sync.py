@@ -1,4 +1,4 @@
-"""weight_sync.py: the trainer's weights into the rollout engine's own buffers, with a policy version.
+"""rl/weight_sync.py: the trainer's weights into the rollout engine's own buffers, with a policy version.
 
 In RL post-training the trainer and the inference engine hold separate copies of the policy, each in
 its own layout (torchtitan's experiments/rl: the trainer's DTensor shards, the generator's TP layout).

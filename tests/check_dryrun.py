@@ -85,7 +85,7 @@ def test_dry_run_of_the_largest_flavors_is_fast_and_says_whether_it_fits(flavor,
 
 def test_flux_dry_run_at_1024_through_the_task_seam_flops_shards_plan_and_a_bad_image_size(capsys):
     """flux_dev at 1024 x 1024 on 8 v5p chips under FSDP (ici=8), planned through ModelFamily.plan (flux.task.plan_workload):
-    FLOPs per device are flux.py's formula (checked against FlopCounterMode and the published sizes in
+    FLOPs per device are flux/model.py's formula (checked against FlopCounterMode and the published sizes in
     the FLUX section) for 4096 image + 512 text tokens, times the local batch; parameter, gradient and
     AdamW bytes per device are the published 11,901,408,320 parameters x 4 / 4 / 8 bytes over 8 chips;
     the gathered unit is one double block, counted here from the published config. --plan offers

@@ -1,4 +1,4 @@
-# flux.py + flux_sample.py + flux_hf.py + digits.py + flux_task.py. Oracles: diffusers' FluxTransformer2DModel outputs on
+# flux/model.py + flux/sample.py + flux/hf.py + flux/digits.py + flux/task.py. Oracles: diffusers' FluxTransformer2DModel outputs on
 # tiny random checkpoints (fixtures/make_flux_fixtures.py), the published FLUX.1 config counted tensor by
 # tensor, torch's FlopCounterMode, the flow formulas and the Euler loop written out here, sklearn's raw digits
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
@@ -221,7 +221,7 @@ def test_digits_split_is_seeded_disjoint_stratified_and_the_judge_is_accurate():
 
 
 def test_flux_jax_forward_and_adamw_steps_equal_torch():
-    """flux_jax.py (pure JAX from BFL's layers, the competitor bench.py races) against flux.py and
+    """flux/jax_step.py (pure JAX from BFL's layers, the competitor bench.py races) against flux/model.py and
     torch.optim.AdamW + clip_grad_norm_, on one set of random weights (every modulation and gate
     non-zero, so every path carries signal): the forward (with flux-dev's guidance embedder) to 1e-5;
     the digits workload's rectified-flow loss (t < 0.01, see below), pre-clip gradient norm and the weights after 2

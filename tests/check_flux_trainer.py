@@ -1,4 +1,4 @@
-# flux_task.py + flux_latents.py through the shared trainer. Oracles: the eager single process (graph
+# flux/task.py + flux/latents.py through the shared trainer. Oracles: the eager single process (graph
 # mode, --scan, compile + Pallas, XLA:CPU, HSDP on 4 processes), the straight run (resume), the
 # rectified-flow MSE written in the test, flux_hf.load and diffusers' stored outputs (--init-from)
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
@@ -35,7 +35,7 @@ def _flux_weights(run_dir, task=None, scan=False):
 
 
 def test_flux_trains_through_the_shared_trainer_on_every_layout_alike(tmp_path, monkeypatch):
-    """FLUX as a Task (flux_task.py) on the one trainer: graph mode (one traced step with AdamW) and
+    """FLUX as a Task (flux/task.py) on the one trainer: graph mode (one traced step with AdamW) and
     HSDP on 4 processes (SimpleFSDP, dcn=2 x ici=2, graph mode, its passes on) equal the eager single process on the same
     global batches: losses, pre-clip gradient norms, validation MSE at the fixed times, final weights.
     So does --scan (each block stack one scan over stacked weights; the weights compared unstacked).
@@ -99,7 +99,7 @@ def test_flux_trains_through_the_shared_trainer_on_every_layout_alike(tmp_path, 
 
 
 def _latent_file(path, n=20, chw=(1, 4, 4), te=(3, 32), v=32, seed=0, **replace):
-    """A small precomputed-latents file (flux_latents.py's schema) of random tensors; `replace` swaps or
+    """A small precomputed-latents file (flux/latents.py's schema) of random tensors; `replace` swaps or
     adds tensors (None drops one)."""
     from safetensors.torch import save_file
     g = torch.Generator().manual_seed(seed)
@@ -311,7 +311,7 @@ def test_flux_latents_beyond_float32_are_refused_before_anything_is_written(tmp_
 
 
 def test_flux_sampling_cli_samples_a_scan_run_and_a_dcp_failure_is_one_line(tmp_path, capsys):
-    """`python flux_task.py RUN_DIR` on a run trained with --scan (its blocks saved stacked) builds the
+    """`python -m flux.sample RUN_DIR` on a run trained with --scan (its blocks saved stacked) builds the
     model stacked as the run did and samples it (it used to end in DCP's CheckpointException
     traceback), unstacked into the plain blocks; its images equal the stacked model's. DCP's
     exception is a BaseException: checkpoint.load turns it into one CheckpointError line."""

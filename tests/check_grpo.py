@@ -1,4 +1,4 @@
-# arithmetic.py + grpo.py + weight_sync.py + rollout.py (GRPO's pieces). Oracles: Python arithmetic on the
+# rl/arithmetic.py + rl/grpo.py + rl/weight_sync.py + rl/rollout.py (GRPO's pieces). Oracles: Python arithmetic on the
 # prompt text, the per-group formula (statistics.stdev), a per-token loop of the loss and its
 # analytic gradient, generate.generate (one sequence at a time), the trainer's own forward, the
 # in-process engine (vs the engine process), the trainer's weights (bit for bit)
@@ -196,7 +196,7 @@ def test_engine_process_sync_in_place_bit_equal_logprobs_and_failures_in_one_lin
 
 
 def test_sft_loss_is_the_cross_entropy_of_the_answer_bytes_only_and_ranks_split_it_exactly(tmp_path, capsys):
-    """sft_task.py (GRPO's warm start): the batch is the problems GRPO's prompts(step) draws, and its
+    """rl/sft_task.py (GRPO's warm start): the batch is the problems GRPO's prompts(step) draws, and its
     loss equals F.cross_entropy over the answer positions only, sliced by hand from the unpadded
     `ab+cd=` + the sum computed here + newline (the prompt bytes and padding carry no loss). Two
     ranks' slices: their losses average to the one-process loss, and so do their gradients. Bad
@@ -245,8 +245,8 @@ def test_sft_loss_is_the_cross_entropy_of_the_answer_bytes_only_and_ranks_split_
         assert not os.path.exists(out)
 
 
-# GRPO as a workload of the trainer (grpo_task.py): a tiny supervised warm start on solved problems
-# (train.py --task sft, sft_task.py), then 4 GRPO steps, two per rollout batch. Oracles: the eager
+# GRPO as a workload of the trainer (rl/grpo_task.py): a tiny supervised warm start on solved problems
+# (train.py --task sft, rl/sft_task.py), then 4 GRPO steps, two per rollout batch. Oracles: the eager
 # single process (for graph mode and 2 SimpleFSDP ranks), the straight run (for resume).
 GRPO_WARM = ["--set", "dim=32", "--set", "n_layers=2", "--set", "n_heads=4", "--set", "n_kv_heads=2",
              "--set", "ffn_dim=64", "--set", "max_seq_len=32", "--batch-size", "16",
@@ -257,7 +257,7 @@ GRPO_WARM = ["--set", "dim=32", "--set", "n_layers=2", "--set", "n_heads=4", "--
 def grpo_warm(tmp_path_factory):
     """A run directory of 40 supervised steps on the answers of solved problems: digits and newlines,
     rarely right (with --format-credit its groups' rewards differ, so the GRPO gradient is not zero).
-    Its held-out accuracy is recorded at steps 0 and 40. (arithmetic.py's text writer checked here too.)"""
+    Its held-out accuracy is recorded at steps 0 and 40. (rl/arithmetic.py's text writer checked here too.)"""
     from rl import arithmetic
     root = tmp_path_factory.mktemp("grpo_warm")
     assert arithmetic.main(["write", str(root / "arith.txt"), "--problems", "2000"]) == 0
