@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 LEVELS = 16.0  # the data's grey levels are integers 0..16
+N_CLASSES, SIDE = 10, 8  # digits 0..9, 8 x 8 pixels, one channel
 
 
 def _split(seed, held_out):
@@ -49,3 +50,13 @@ def classifier(seed=0, held_out=0.2):
     clf = SVC(gamma=0.001, C=10).fit(((x + 1) * (LEVELS / 2)).reshape(len(x), 64).numpy(), y.numpy())
     hx, hy = load("held_out", seed, held_out)
     return clf, (classify(clf, hx) == hy).sum().item() / len(hy)
+
+
+class DigitsSource:
+    """The digits as a data source: images (N, 1, 8, 8) in [-1, 1], the class as the prompt."""
+    cond_keys, hw, fingerprint = ("labels",), (SIDE, SIDE), None
+
+    def __init__(self, seed):
+        self.train = dict(zip(("latents", "labels"), load("train", seed)))
+        self.held = dict(zip(("latents", "labels"), load("held_out", seed)))
+        self.empty = (torch.tensor([N_CLASSES]),)

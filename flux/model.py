@@ -35,6 +35,9 @@ from torch import nn
 from model import lookup_impl
 
 
+KIND = "a FLUX diffusion model"  # ModelFamily.kind of these models (checkpoint.load_run names other runs)
+
+
 @dataclasses.dataclass
 class FluxArgs:
     in_channels: int = 64          # per token: 16 latent channels x 2 x 2 patch

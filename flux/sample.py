@@ -12,13 +12,19 @@ predicted velocity back to t = 0 with Euler steps on a *time-shifted* schedule: 
 so larger images spend more of their steps at high noise. Classifier-free guidance mixes the
 conditional and unconditional velocities, u + s (c - u) (s = 1: the conditional model alone);
 flux-dev instead takes its distilled guidance scale as a model input (`guidance`).
+
+Grids: `sample_grid` samples a row per class (or prompt) of a run's model, judged on the digits by an
+independent classifier (digits.py); `python -m flux.sample RUN_DIR --guidance 1,2,4` does it for a
+digits run's newest checkpoint, loaded by its own family (checkpoint.load_run).
 """
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
-from flux.model import image_ids, patchify, text_ids, unpatchify
+from flux import digits
+from flux.model import KIND, image_ids, patchify, text_ids, unpatchify
 
 
 # ------------------------------------------------------------------------------------------------
@@ -101,3 +107,94 @@ def sample(model, txt_BxTxE, y_BxV, shape_CxHxW, steps=20, seed=0, cfg_scale=1.0
 
     x = euler(velocity, noise, schedule(steps, noise.shape[1], shift=shift), cfg_scale)
     return unpatchify(x, H, W)
+
+
+GUIDANCE = 2.0  # the grids' classifier-free guidance scale u + s (c - u)
+
+
+def grid_prompts(src):
+    """The grid's rows: one per class present among the held-out rows (its first sample's prompt), or,
+    without labels, the first held-out samples' prompts. -> (conditioning tuple (R, ...), classes or None)"""
+    held = src.held
+    if "labels" in held:
+        classes = [c for c in range(digits.N_CLASSES) if (held["labels"] == c).any()]
+        first = torch.tensor([int((held["labels"] == c).nonzero()[0]) for c in classes])
+        return tuple(held[k][first] for k in src.cond_keys), held["labels"][first]
+    n = min(len(held["latents"]), digits.N_CLASSES)
+    return tuple(held[k][:n] for k in src.cond_keys), None
+
+
+@torch.no_grad()
+def sample_grid(model, src, seed, path=None, per_class=10, steps=20, guidance=GUIDANCE, judge=True):
+    """(images (rows * per_class, C, H, W), the judge's accuracy on them, or None); a PNG grid (a row per
+    class / prompt). Classifier-free guidance where the source has an empty prompt."""
+    device = next(model.parameters()).device
+    cond, classes = grid_prompts(src)
+    cond = tuple(c.to(device).repeat_interleave(per_class, dim=0) for c in cond)
+    txt, y = model.encode(*cond)
+    uncond = model.encode(*(e.to(device) for e in src.empty)) if src.empty is not None else None
+    images = sample(
+        model.flux, txt, y, (model.flux.args.in_channels // 4, *src.hw), steps=steps, seed=seed,
+        cfg_scale=guidance if uncond is not None else 1.0, uncond=uncond,
+        guidance=model.guidance if model.flux.args.guidance_embed else None).cpu()
+    accuracy = None
+    if judge and classes is not None:
+        clf, _ = digits.classifier(seed)
+        accuracy = (digits.classify(clf, images) == classes.repeat_interleave(per_class)).float().mean().item()
+    if path:
+        save_grid(images, per_class, path)
+    return images, accuracy
+
+
+def save_grid(images_Nx1xHxW, per_row, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    N, _, H, W = images_Nx1xHxW.shape
+    rows = N // per_row
+    grid = images_Nx1xHxW[:, 0].clamp(-1, 1).reshape(rows, per_row, H, W).permute(0, 2, 1, 3)  # channel 0
+    fig = plt.figure(figsize=(per_row * 0.5, rows * 0.5))
+    plt.imshow(grid.reshape(rows * H, per_row * W).numpy(), cmap="gray_r", vmin=-1, vmax=1)
+    plt.axis("off")
+    tmp = path + ".tmp"
+    fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main(argv=None):
+    """python -m flux.sample RUN_DIR [--per-class N] [--guidance 1,2,4]: sample a FLUX run's newest
+    checkpoint, a grid per guidance scale (RUN_DIR/samples_g<scale>.png) and the judge's accuracy."""
+    import argparse
+    import sys
+    import checkpoint
+    p = argparse.ArgumentParser(description=main.__doc__.split(":")[0])
+    p.add_argument("run_dir")
+    p.add_argument("--per-class", type=int, default=10)
+    p.add_argument("--guidance", default=str(GUIDANCE), help="comma list of guidance scales")
+    p.add_argument("--seed", type=int, default=0)
+    cfg = p.parse_args(argv)
+    try:
+        scales = [float(g) for g in cfg.guidance.split(",")]
+        if cfg.per_class < 1 or not all(0 < g < float("inf") for g in scales):
+            raise ValueError(f"--per-class must be >= 1 and --guidance positive numbers, got {cfg.per_class}, {cfg.guidance}")
+        path, meta = checkpoint.run_checkpoint(cfg.run_dir)
+        if meta.get("task") != "flux":
+            raise ValueError(f"{path} is not a FLUX run (task {meta.get('task')!r})")
+        if meta["train"].get("data"):
+            raise ValueError(f"{path} trained on a latent file: its prompts are the file's (the run's grids "
+                             f"are written at each evaluation); this CLI samples digits runs")
+        model, _ = checkpoint.load_run(path, kind=KIND)  # (the run's own family builds it: flux/task.py)
+    except (ValueError, TypeError, OSError) as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    for g in scales:
+        out = os.path.join(cfg.run_dir, f"samples_g{g:g}.png")
+        images, accuracy = sample_grid(model, digits.DigitsSource(cfg.seed), cfg.seed, out, per_class=cfg.per_class,
+                                       guidance=g)
+        print(f"guidance {g:g}: {100 * accuracy:.1f}% of {len(images)} samples labelled as their prompt's class; {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -43,19 +43,18 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from flux import digits
+from flux.digits import N_CLASSES, SIDE, DigitsSource
 from flux import model as flux
 from flux import latents as flux_latents
 from flux import sample as flux_sample
+from flux.sample import GUIDANCE, sample_grid
 from cli import flag, with_overrides
 from errors import ConfigError
 from parallel import local_block, local_tensor
 from task import ModelFamily, Workload
 
-N_CLASSES, PROMPT_TOKENS = 10, 4
+PROMPT_TOKENS = 4
 DROP_PROMPT = 0.1     # classifier-free guidance: train the empty prompt on this share of samples
-GUIDANCE = 2.0        # the preview's guidance scale u + s (c - u)
-SIDE = 8              # digits are 8 x 8, one channel
 EVAL_GRID = (4, 8)    # at each evaluation: up to this many samples per row, Euler steps (cheap)
 VAE_CHANNELS, VAE_DOWN = 16, 8  # FLUX's autoencoder: 16 latent channels at 1/8 of the image's side
 T5_TOKENS = 512       # the published flavors' prompt length (flux-dev's T5 max_sequence_length)
@@ -121,21 +120,11 @@ class ConditionedFlux(nn.Module):
                          flux.text_ids(B, txt_BxTxE.shape[1], device=dev), t_B, y_BxV, guidance_B)
 
 
-class DigitsSource:
-    """The digits as a data source: images (N, 1, 8, 8) in [-1, 1], the class as the prompt."""
-    cond_keys, hw, fingerprint = ("labels",), (SIDE, SIDE), None
-
-    def __init__(self, seed):
-        self.train = dict(zip(("latents", "labels"), digits.load("train", seed)))
-        self.held = dict(zip(("latents", "labels"), digits.load("held_out", seed)))
-        self.empty = (torch.tensor([N_CLASSES]),)
-
-
 class FluxFamily(ModelFamily):
     """flux.Flux behind its conditioning (ConditionedFlux): from a flavor or a diffusers directory's
     config, --set applied; the data source fixes the image grid and whether prompts are learned
     classes (`configure`, before the model is built)."""
-    kind = "a FLUX diffusion model"
+    kind = flux.KIND
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -382,91 +371,3 @@ def plan_workload(args, cfg):
         lambda remat: dryrun.extrapolate(lambda d: saved_at(d, remat), depths), no_tp,
         dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks,
         shape=shapes.flux_shape(args, S, T, cfg.flavor))
-
-
-def grid_prompts(src):
-    """The grid's rows: one per class present among the held-out rows (its first sample's prompt), or,
-    without labels, the first held-out samples' prompts. -> (conditioning tuple (R, ...), classes or None)"""
-    held = src.held
-    if "labels" in held:
-        classes = [c for c in range(N_CLASSES) if (held["labels"] == c).any()]
-        first = torch.tensor([int((held["labels"] == c).nonzero()[0]) for c in classes])
-        return tuple(held[k][first] for k in src.cond_keys), held["labels"][first]
-    n = min(len(held["latents"]), N_CLASSES)
-    return tuple(held[k][:n] for k in src.cond_keys), None
-
-
-@torch.no_grad()
-def sample_grid(model, src, seed, path=None, per_class=10, steps=20, guidance=GUIDANCE, judge=True):
-    """(images (rows * per_class, C, H, W), the judge's accuracy on them, or None); a PNG grid (a row per
-    class / prompt). Classifier-free guidance where the source has an empty prompt."""
-    device = next(model.parameters()).device
-    cond, classes = grid_prompts(src)
-    cond = tuple(c.to(device).repeat_interleave(per_class, dim=0) for c in cond)
-    txt, y = model.encode(*cond)
-    uncond = model.encode(*(e.to(device) for e in src.empty)) if src.empty is not None else None
-    images = flux_sample.sample(
-        model.flux, txt, y, (model.flux.args.in_channels // 4, *src.hw), steps=steps, seed=seed,
-        cfg_scale=guidance if uncond is not None else 1.0, uncond=uncond,
-        guidance=model.guidance if model.flux.args.guidance_embed else None).cpu()
-    accuracy = None
-    if judge and classes is not None:
-        clf, _ = digits.classifier(seed)
-        accuracy = (digits.classify(clf, images) == classes.repeat_interleave(per_class)).float().mean().item()
-    if path:
-        save_grid(images, per_class, path)
-    return images, accuracy
-
-
-def save_grid(images_Nx1xHxW, per_row, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    N, _, H, W = images_Nx1xHxW.shape
-    rows = N // per_row
-    grid = images_Nx1xHxW[:, 0].clamp(-1, 1).reshape(rows, per_row, H, W).permute(0, 2, 1, 3)  # channel 0
-    fig = plt.figure(figsize=(per_row * 0.5, rows * 0.5))
-    plt.imshow(grid.reshape(rows * H, per_row * W).numpy(), cmap="gray_r", vmin=-1, vmax=1)
-    plt.axis("off")
-    tmp = path + ".tmp"
-    fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
-def main(argv=None):
-    """python -m flux.sample RUN_DIR [--per-class N] [--guidance 1,2,4]: sample a FLUX run's newest
-    checkpoint, a grid per guidance scale (RUN_DIR/samples_g<scale>.png) and the judge's accuracy."""
-    import argparse
-    import sys
-    import checkpoint
-    p = argparse.ArgumentParser(description=main.__doc__.split(":")[0])
-    p.add_argument("run_dir")
-    p.add_argument("--per-class", type=int, default=10)
-    p.add_argument("--guidance", default=str(GUIDANCE), help="comma list of guidance scales")
-    p.add_argument("--seed", type=int, default=0)
-    cfg = p.parse_args(argv)
-    try:
-        scales = [float(g) for g in cfg.guidance.split(",")]
-        if cfg.per_class < 1 or not all(0 < g < float("inf") for g in scales):
-            raise ValueError(f"--per-class must be >= 1 and --guidance positive numbers, got {cfg.per_class}, {cfg.guidance}")
-        path, meta = checkpoint.run_checkpoint(cfg.run_dir)
-        if meta.get("task") != "flux":
-            raise ValueError(f"{path} is not a FLUX run (task {meta.get('task')!r})")
-        if meta["train"].get("data"):
-            raise ValueError(f"{path} trained on a latent file: its prompts are the file's (the run's grids "
-                             f"are written at each evaluation); this CLI samples digits runs")
-        model, _ = checkpoint.load_run(path, kind=FluxFamily.kind)
-    except (ValueError, TypeError, OSError) as e:
-        sys.stderr.write(f"error: {e}\n")
-        return 2
-    for g in scales:
-        out = os.path.join(cfg.run_dir, f"samples_g{g:g}.png")
-        images, accuracy = sample_grid(model, DigitsSource(cfg.seed), cfg.seed, out, per_class=cfg.per_class,
-                                       guidance=g)
-        print(f"guidance {g:g}: {100 * accuracy:.1f}% of {len(images)} samples labelled as their prompt's class; {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -92,10 +92,10 @@ def test_flux_trains_through_the_shared_trainer_on_every_layout_alike(tmp_path, 
         judged = [json.loads(line) for line in f if '"samples"' in line]
     assert os.path.getsize(os.path.join(oracle, "samples.png")) > 0 and 0 <= judged[0]["accuracy"] <= 1
     assert all(os.path.getsize(os.path.join(oracle, f"samples_step_00000{i}.png")) > 0 for i in (0, 2, 4))  # per evaluation
-    from flux import task as flux_task  # the sampling CLI on the run: a grid per scale; a run of another task refused in one line
-    assert flux_task.main([oracle, "--per-class", "1", "--guidance", "1,3"]) == 0
+    from flux import sample as flux_sample  # the sampling CLI on the run: a grid per scale; a run of another task refused in one line
+    assert flux_sample.main([oracle, "--per-class", "1", "--guidance", "1,3"]) == 0
     assert all(os.path.getsize(os.path.join(oracle, f"samples_g{g}.png")) > 0 for g in (1, 3))
-    assert flux_task.main([oracle, "--guidance", "nan"]) == 2
+    assert flux_sample.main([oracle, "--guidance", "nan"]) == 2
 
 
 def _latent_file(path, n=20, chw=(1, 4, 4), te=(3, 32), v=32, seed=0, **replace):
@@ -171,7 +171,8 @@ def test_flux_latent_file_batches_are_its_rows_loss_is_the_flow_mse_and_a_run_tr
     torch.manual_seed(0)
     init = task.family.build(task.args).state_dict()
     assert trained.keys() == init.keys() and not torch.equal(trained["flux.img_in.weight"], init["flux.img_in.weight"])
-    assert flux_task.main([out]) == 2  # the sampling CLI is for digits runs: refused in one line
+    from flux import sample as flux_sample
+    assert flux_sample.main([out]) == 2  # the sampling CLI is for digits runs: refused in one line
 
 
 def test_flux_init_from_a_diffusers_directory_fills_the_transformer(tmp_path):
@@ -317,12 +318,13 @@ def test_flux_sampling_cli_samples_a_scan_run_and_a_dcp_failure_is_one_line(tmp_
     exception is a BaseException: checkpoint.load turns it into one CheckpointError line."""
     import checkpoint
     from flux import model as flux
+    from flux import sample as flux_sample
     from flux import task as flux_task
     import layer_scan
     run = str(tmp_path / "scan")
     assert _main(["--task", "flux", "--steps", "2", "--batch-size", "8", "--eval-batches", "0",  # (no evaluation:
                   "--sample-images", "0", "--log-interval", "1", "--scan", "--out-dir", run]) == 0  # an eager scan is slow)
-    assert flux_task.main([run, "--per-class", "1", "--guidance", "2"]) == 0
+    assert flux_sample.main([run, "--per-class", "1", "--guidance", "2"]) == 0
     assert os.path.getsize(os.path.join(run, "samples_g2.png")) > 0
     # the oracle: the model stacked as the run built it, holding the checkpoint as DCP loads it, sampled
     # as it is (slowly: 2 Euler steps)
@@ -330,9 +332,9 @@ def test_flux_sampling_cli_samples_a_scan_run_and_a_dcp_failure_is_one_line(tmp_
     layer_scan.stack_layers(stacked, stacked.flux.pack_for_scan(flux_task.PROMPT_TOKENS))
     path, _ = checkpoint.run_checkpoint(run)
     stacked.load_state_dict(checkpoint.load(path, {"model": stacked.state_dict()})["model"])
-    loaded = flux_task.load_digits_model(*checkpoint.run_checkpoint(run))
+    loaded, _ = checkpoint.load_run(run)  # (through FLUX's family: task.WORKLOADS -> FluxFamily.from_record)
     assert not any("block__" in n for n, _ in loaded.named_parameters())  # (unstacked: fast to sample)
-    images = [flux_task.sample_grid(m, flux_task.DigitsSource(0), 0, per_class=1, steps=2, judge=False)[0]
+    images = [flux_sample.sample_grid(m, flux_sample.digits.DigitsSource(0), 0, per_class=1, steps=2, judge=False)[0]
               for m in (stacked, loaded)]
     assert images[0].abs().max() > 0.1
     torch.testing.assert_close(images[1], images[0], rtol=0, atol=1e-5)
