@@ -1,15 +1,16 @@
-"""train.py: the one trainer, for every workload (task.py) on every parallel layout (parallel.py).
+"""train.py: the one trainer, for every workload (task.py: a Workload and its ModelFamily, found in
+task.WORKLOADS by --task) on every parallel layout (parallel.py, chosen by parallel.layout_kind).
 
     python train.py                                  # llama3_debug on the Python stdlib, eager, CPU
     python train.py --device xla                     # the same through torch_xla (XLA:CPU here)
-    python train.py --flavor qwen3_moe_debug --kernels pallas
+    python train.py --task flux --mesh ici=2 ...     # under torchrun: any workload on any layout
 
 `--mode` is the optimization ladder: eager (plain loop) -> compile (each block torch.compile'd) ->
-graph (the whole step, optimizer included, as one traced graph: graph_trainer.py). Exit codes: 2 bad
-input (one `error:` line, nothing written); 3 a NaN/Inf loss, gradient norm or validation loss (before
-anything non-finite is saved); 4 a peer process or the rollout engine died or stalled (rundir.Watchdog,
-rollout.EngineError); 5 a failed write (disk full); 1 this process failed by itself (out of memory,
-named in one line); 130 / 143 interrupted (SIGINT / SIGTERM). The last good checkpoint always stays.
+graph (the whole step, optimizer included, as one traced graph: graph_trainer.py). Failures end by
+kind (errors.py): 2 bad input (one `error:` line, nothing written); 3 a NaN/Inf loss, gradient norm
+or validation loss (before anything non-finite is saved); 4 a peer process or the rollout engine died
+or stalled; 5 a failed write (disk full); 1 this process failed by itself (out of memory, named in one
+line); 130 / 143 interrupted (SIGINT / SIGTERM). The last good checkpoint always stays.
 """
 import contextlib
 import faulthandler
