@@ -149,6 +149,22 @@ def test_flux_euler_sampler_with_guidance_equals_a_direct_loop():
     assert want.abs().max() > 0.1
 
 
+def _each_refused(tmp_path, cases):
+    """Each (config.json, tensors, needle) written as a diffusers directory is refused by flux_hf.load in
+    one FluxHFError line containing the needle; the last message is returned."""
+    from safetensors.torch import save_file
+    from flux import hf as flux_hf
+    for i, (c, w, needle) in enumerate(cases):
+        d = tmp_path / f"case{i}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c))
+        save_file(w, str(d / "diffusion_pytorch_model.safetensors"))
+        with pytest.raises(flux_hf.FluxHFError) as e:
+            flux_hf.load(str(d))
+        assert needle in str(e.value) and "\n" not in str(e.value), (needle, str(e.value))
+    return str(e.value)
+
+
 def test_flux_refuses_unimplemented_diffusers_configs_and_bad_calls_in_one_line(tmp_path):
     from flux import model as flux
     from flux import hf as flux_hf
@@ -165,14 +181,7 @@ def test_flux_refuses_unimplemented_diffusers_configs_and_bad_calls_in_one_line(
              ({**cfg, "axes_dims_rope": [4, 4, 6]}, weights, "axes_dim"), (cfg, extra, "pos_embed.extra"),
              (cfg, short, "to_k.bias"), (cfg, wrong, "x_embedder.weight"),
              ({**cfg, "guidance_embeds": True}, weights, "guidance_embedder")]
-    for i, (c, w, needle) in enumerate(cases):
-        d = tmp_path / f"case{i}"
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps(c))
-        save_file(w, str(d / "diffusion_pytorch_model.safetensors"))
-        with pytest.raises(flux_hf.FluxHFError) as e:
-            flux_hf.load(str(d))
-        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+    _each_refused(tmp_path, cases)
     for bad in (tmp_path / "missing", tmp_path / "case0" / "config.json"):
         with pytest.raises(flux_hf.FluxHFError):
             flux_hf.load(str(bad))
@@ -317,15 +326,7 @@ def test_flux_hf_types_config_json_and_refuses_non_float_nonfinite_or_misshapen_
              (cfg, poked(q, weights[q].index_fill(0, torch.tensor([3]), float("nan"))), f"{q} holds non-finite"),
              (cfg, poked(q, torch.full((32, 32), 1e300, dtype=torch.float64)), "to_q.weight + "),
              ]
-    for i, (c, w, needle) in enumerate(cases):
-        d = tmp_path / f"case{i}"
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps(c))
-        save_file(w, str(d / "diffusion_pytorch_model.safetensors"))
-        with pytest.raises(flux_hf.FluxHFError) as e:
-            flux_hf.load(str(d))
-        assert needle in str(e.value) and "\n" not in str(e.value), (needle, str(e.value))
-    assert "overflows float32" in str(e.value)
+    assert "overflows float32" in _each_refused(tmp_path, cases)
     # the fixture itself still loads as before, and a config without out_channels takes in_channels'
     assert flux_hf.read_args(src).out_channels == 4
     assert flux_hf.args_from_config({k: v for k, v in cfg.items() if k != "out_channels"}).out_channels == 8
