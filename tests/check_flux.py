@@ -169,7 +169,7 @@ def test_flux_refuses_unimplemented_diffusers_configs_and_bad_calls_in_one_line(
     from flux import model as flux
     from flux import hf as flux_hf
     from flux import sample as flux_sample
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     src = os.path.join(FLUX_FIXTURES, "plain")
     cfg = json.load(open(os.path.join(src, "config.json")))
     weights = load_file(os.path.join(src, "diffusion_pytorch_model.safetensors"))
@@ -303,7 +303,7 @@ def test_flux_hf_types_config_json_and_refuses_non_float_nonfinite_or_misshapen_
     a to_q of the wrong width (the fused qkv is joined from its parts only once each part's shape is
     right): one FluxHFError line naming the tensor."""
     from flux import hf as flux_hf
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     src = os.path.join(FLUX_FIXTURES, "plain")
     cfg = json.load(open(os.path.join(src, "config.json")))
     weights = load_file(os.path.join(src, "diffusion_pytorch_model.safetensors"))
