@@ -21,8 +21,11 @@ from planner.shapes import flux_shape, lm_shape
 
 # One measurement (python -m planner.anchor on the 2-core development machine; see README), kept so
 # tests can hold the arithmetic to it without timing anything.
-RECORDED = {"measured_step_s": 9.103, "peak_flops": 2.316e10, "mem_bw": 1.019e9, "eager_bytes": 2329494464,
-            "host_s": 0.005283, "eager_ops": 1241}
+RECORDED = {"measured_step_s": 9.062, "peak_flops": 2.183e10, "mem_bw": 8.996e8, "eager_bytes": 2329494464,
+            "eager_ops": 1241, "forward_ops": 357, "autograd_op_s": 9.580e-05,
+            "matmul_rates": {(4096, 192, 192): 8.503e9, (4096, 192, 64): 3.331e9, (4096, 192, 512): 1.300e10,
+                             (4096, 512, 192): 1.402e10, (4096, 192, 256): 9.148e9},
+            "attention_rate": 5.713e9}
 
 
 def gemm_rate(n=1024):
@@ -35,15 +38,30 @@ def gemm_rate(n=1024):
 
 
 def bandwidth(cfg):
-    """Bytes/s eager PyTorch moves through the layer's own non-matmul blocks, forward: the RMSNorm
+    """Bytes/s eager PyTorch moves through the layer's own non-matmul blocks, forward AND backward
+    (autograd's backward of a norm or a gated activation is most of the step's non-matmul ops:
+    reductions for the broadcast weights' gradients, products with the saved inputs), bytes counted
+    as EagerBytes counts the step's (each op's inputs and outputs). The LM's blocks: the RMSNorm
     (square, mean, add, rsqrt, two multiplies) of a (batch, seq, dim) fp32 activation and the SwiGLU
-    (silu(gate) * up) of a (batch, seq, ffn_dim) one, bytes counted as EagerBytes counts the step's
-    (each op's inputs and outputs). On this CPU that is several times below a large streaming add:
-    small inner dims, broadcasts and reductions, each op unfused."""
+    (silu(gate) * up) of a (batch, seq, ffn_dim) one; FLUX's: the adaLN (LayerNorm, then
+    (1 + scale) x + shift) and the tanh GELU of its MLP. On this CPU that is several times below a
+    large streaming add: small inner dims, broadcasts and reductions, each op unfused."""
     import torch
-    x, w = torch.randn(cfg["batch_size"], cfg["tokens"], cfg["width"]), torch.ones(cfg["width"])
-    gate, up = (torch.randn(cfg["batch_size"], cfg["tokens"], cfg["ffn"]) for _ in range(2))
-    blocks = lambda: (rms_norm(x, w), torch.nn.functional.silu(gate) * up)
+    F = torch.nn.functional
+    x = torch.randn(cfg["batch_size"], cfg["tokens"], cfg["width"], requires_grad=True)
+    w = torch.ones(cfg["width"], requires_grad=True)
+    gate, up = (torch.randn(cfg["batch_size"], cfg["tokens"], cfg["ffn"], requires_grad=True) for _ in range(2))
+    if cfg["task"] == "flux":
+        shift = torch.zeros(cfg["batch_size"], 1, cfg["width"], requires_grad=True)
+        outs = lambda: ((1 + w) * F.layer_norm(x, x.shape[-1:], eps=1e-6) + shift, F.gelu(gate, approximate="tanh"))
+    else:
+        outs = lambda: (rms_norm(x, w), F.silu(gate) * up)
+    grads = [torch.randn_like(x), torch.randn(gate.shape)]
+
+    def blocks():
+        for t in (x, w, gate, up):
+            t.grad = None
+        torch.autograd.backward(outs(), grads)
     counter = EagerBytes()
     with counter:
         blocks()
@@ -113,12 +131,13 @@ def step_profile(run_step):
         t0 = time.perf_counter()
         run_step()
         wall = time.perf_counter() - t0
-    secs, counts = {}, {}
+    secs, counts, top = {}, {}, []
     for e in prof.key_averages():
+        top.append((e.self_cpu_time_total / 1e6, e.count, e.key))
         kind = next((k for k, pats in STEP_KINDS if any(p in e.key for p in pats)), "rest")
         secs[kind] = secs.get(kind, 0.0) + e.self_cpu_time_total / 1e6
         counts[kind] = counts.get(kind, 0) + e.count
-    return wall, secs, counts
+    return wall, secs, counts, sorted(top, reverse=True)[:14]
 
 
 def rms_norm(x, w):
@@ -251,7 +270,7 @@ def measure(cfg, steps=12):
     counter = EagerBytes()
     with counter:   # one more step, counted (not timed)
         run(steps + 1)
-    wall, secs, counts = step_profile(lambda: run(steps + 2))
+    wall, secs, counts, top = step_profile(lambda: run(steps + 2))
     med = statistics.median
     return {"measured_step_s": med(times[3:]), "peak_flops": med(peaks[9:]),
             "mem_bw": med(bws[9:]), "eager_bytes": counter.total,
@@ -259,7 +278,7 @@ def measure(cfg, steps=12):
             "forward_ops": counter.forward_ops, "dispatch_s": med(lats[3:]), "autograd_op_s": med(autograd_lats[3:]),
             "matmul_rates": {key: med(r[key] for r in mm_rates[3:]) for key in mm_rates[0]},
             "attention_rate": med(att_rates[3:]),
-            "profile": {"wall_s": wall, "self_s": secs, "ops": counts}}
+            "profile": {"wall_s": wall, "self_s": secs, "ops": counts, "top": top}}
 
 
 # The default runs (train.py's defaults: batch 32; the LM at 128 tokens, FLUX on 8 x 8 digits), with
@@ -282,10 +301,11 @@ def main(argv=()):
         host = m["forward_ops"] * m["autograd_op_s"]
         pred = predict_step(m["peak_flops"], m["mem_bw"], cfg, m["eager_bytes"], host, m["matmul_rates"], m["attention_rate"])
         print(f"CPU anchor, {name} (batch {cfg['batch_size']} x {cfg['tokens']} tokens, eager fp32): fp32 GEMM "
-              f"{m['peak_flops'] / 1e9:.1f} GFLOP/s, eager bandwidth (norm + gated activation) {m['mem_bw'] / 1e9:.2f} GB/s, "
+              f"{m['peak_flops'] / 1e9:.1f} GFLOP/s, eager bandwidth (norm + gated activation, forward + backward) {m['mem_bw'] / 1e9:.2f} GB/s, "
               f"{m['eager_bytes'] / 1e9:.3f} GB of non-matmul traffic and {m['eager_ops']} ops a step (measured now)")
         print(f"  measured {m['measured_step_s'] * 1e3:.1f} ms a step, predicted {pred['step_s'] * 1e3:.1f} ms, "
-              f"ratio {pred['step_s'] / m['measured_step_s']:.2f} (old model {old['step_s'] * 1e3:.1f} ms, "
+              f"ratio {pred['step_s'] / m['measured_step_s']:.2f} (before: 1024^3 GEMM rate under the short-dim law, "
+              f"empty-op dispatch: {old['step_s'] * 1e3:.1f} ms, "
               f"ratio {old['step_s'] / m['measured_step_s']:.2f})")
         for k, v in pred["compute"].items():
             print(f"    {k:<16} {v * 1e3:8.2f} ms   (old {old['compute'][k] * 1e3:8.2f})")
@@ -294,6 +314,7 @@ def main(argv=()):
         p = m["profile"]
         print(f"  profiled step (torch.profiler, self CPU): wall {p['wall_s'] * 1e3:.1f} ms, "
               + ", ".join(f"{k} {v * 1e3:.1f} ms / {p['ops'][k]} ops" for k, v in sorted(p["self_s"].items())))
+        print("  profiled step, top ops by self CPU: " + "; ".join(f"{k} {t * 1e3:.0f} ms x{n}" for t, n, k in p["top"]))
         print(f"  recorded inputs: {m}")
     return 0
 
