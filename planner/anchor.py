@@ -140,6 +140,14 @@ def step_profile(run_step):
     return wall, secs, counts, sorted(top, reverse=True)[:14]
 
 
+def host_overhead(forward_ops, autograd_op_s):
+    """The step's host cost: each op its forward records on the autograd graph (counted by EagerBytes:
+    the ops run with grad mode on) costs what a 1-element op costs forward and backward through
+    autograd (autograd_op_latency: dispatch, recording the node, the engine running it). The
+    backward's and the optimizer's own ops are in that cost or in the bandwidth probe's."""
+    return forward_ops * autograd_op_s
+
+
 def rms_norm(x, w):
     """The model's RMSNorm written out in eager ops (model.py's norm, as the CPU step runs it)."""
     import torch
@@ -298,7 +306,7 @@ def main(argv=()):
         cfg = RUNS[name]
         m = measure(cfg)
         old = predict_step(m["peak_flops"], m["mem_bw"], cfg, m["eager_bytes"], m["host_s"])
-        host = m["forward_ops"] * m["autograd_op_s"]
+        host = host_overhead(m["forward_ops"], m["autograd_op_s"])
         pred = predict_step(m["peak_flops"], m["mem_bw"], cfg, m["eager_bytes"], host, m["matmul_rates"], m["attention_rate"])
         print(f"CPU anchor, {name} (batch {cfg['batch_size']} x {cfg['tokens']} tokens, eager fp32): fp32 GEMM "
               f"{m['peak_flops'] / 1e9:.1f} GFLOP/s, eager bandwidth (norm + gated activation, forward + backward) {m['mem_bw'] / 1e9:.2f} GB/s, "
