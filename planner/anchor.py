@@ -1,6 +1,7 @@
 """anchor.py: the planner's one prediction that can be checked here. This CPU becomes the chip (its
-measured fp32 GEMM rate, and the memory bandwidth eager PyTorch reaches on the layer's own
-non-matmul blocks), the default `llama3_debug` run (batch 32 x 128, eager, fp32) the workload; the
+measured fp32 GEMM rate at the step's own matmul and attention shapes, forward and backward; the
+memory bandwidth eager PyTorch reaches on the layer's own non-matmul blocks, forward and backward;
+an op's host cost through autograd), the default `llama3_debug` run (batch 32 x 128, eager, fp32) the workload; the
 planner's predicted step is set beside the step measured in the same process. Eager fuses nothing,
 so the non-matmul bytes are counted on the step as it runs (EagerBytes), not taken from the shape's
 fused table.
@@ -19,7 +20,8 @@ from planner import chips as chips_lib
 from planner import stepmodel
 from planner.shapes import flux_shape, lm_shape
 
-# One measurement (python -m planner.anchor on the 2-core development machine; see README), kept so
+# One measurement (python -m planner.anchor on the 2-core development machine: docs/planning.md's first
+# llama3_debug row), kept so
 # tests can hold the arithmetic to it without timing anything.
 RECORDED = {"measured_step_s": 9.062, "peak_flops": 2.183e10, "mem_bw": 8.996e8, "eager_bytes": 2329494464,
             "eager_ops": 1241, "forward_ops": 357, "autograd_op_s": 9.580e-05,
