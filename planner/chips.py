@@ -81,9 +81,10 @@ def efficiency(chip_name, constants=None):
 def measured_chip(peak_flops, hbm_bw, hbm_bytes, name="cpu"):
     """A chip from measured numbers (the CPU anchor: this machine's GEMM peak and memory bandwidth).
     One 'device', no interconnect, no host overhead beyond what is measured; its matmul efficiency
-    is 1 by construction (peak was measured on a matmul). Its "tile" is 64: with stepmodel's
-    short-dim law (full rate from 4 tiles = 256 up) that matches this CPU's measured fp32 GEMM rates
-    at the debug model's shapes (4096 rows: k=192 n=512 0.75 of the 1024^3 rate, k=192 n=192 0.42,
-    k=192 n=64 0.21; the law says 0.75, 0.56, 0.19; README)."""
+    is 1 by construction (peak was measured on a matmul). Its "tile" is 64: stepmodel's short-dim
+    law (full rate from 4 tiles = 256 up) is only the fallback; the anchor measures each of the
+    step's matmul shapes forward + backward (anchor.shape_matmul_rates), which on this CPU run at
+    0.15-0.85 of the 1024^3 rate (4096 rows, k=192: n=64 ~0.16, n=192 0.4-0.46, n=512 0.6-0.85;
+    the law says 0.19, 0.56, 0.75) and FLUX's 128-640-row shapes mostly at 0.03-0.25 (docs/planning.md)."""
     return Chip(name, peak_flops, hbm_bytes, hbm_bw, ici_bw=1e30, torus_dims=1, mxu_tile=64, host_bytes=0,
                 host_overhead_s=0.0)

@@ -281,33 +281,59 @@ def test_planner_ranks_fitting_layouts_first_and_names_the_cheapest_fix_when_non
 
 def test_planner_cpu_anchor_arithmetic_on_recorded_measurements():
     """anchor.predict_step on the recorded CPU measurement: its elementwise term is the eager step's
-    counted non-matmul bytes over the measured eager bandwidth, its matmuls the shape's FLOPs (x3) at the measured peak under
-    the short-dim law with a 64-wide tile; no collectives; the host overhead the recorded one. (The live measurement,
-    python -m planner.anchor, is in the README: too noisy on a shared machine to assert here.)"""
+    counted non-matmul bytes over the measured eager bandwidth (forward + backward of the layer's own
+    blocks); its matmuls each of the step's matmul shapes (x3: forward, dX, dW) at the rate measured
+    at that shape; its attention stepmodel's attention FLOPs (4 S^2 H hd forward, x3.5) at the rate
+    measured on the step's own SDPA; no collectives; the host overhead the forward's ops x an op's
+    cost through autograd. Without the measured rates it is the old law (the 1024^3 GEMM rate under
+    the short-dim law with a 64-wide tile). (The live measurement, python -m planner.anchor, is in
+    docs/planning.md: too noisy on a shared machine to assert here.)"""
     from planner import anchor
     from planner import stepmodel
     from planner.chips import measured_chip
     rec = anchor.RECORDED
-    p = anchor.predict_step(rec["peak_flops"], rec["mem_bw"], anchor.DEFAULT_RUN, rec["eager_bytes"], rec["host_s"])
+    assert anchor.DEFAULT_RUN["tokens"] == 128 and anchor.DEFAULT_RUN["batch_size"] == 32
+    host = anchor.host_overhead(rec["forward_ops"], rec["autograd_op_s"])
+    assert math.isclose(host, 357 * 9.580e-05)
+    p = anchor.predict_step(rec["peak_flops"], rec["mem_bw"], anchor.DEFAULT_RUN, rec["eager_bytes"], host,
+                            rec["matmul_rates"], rec["attention_rate"])
     assert math.isclose(p["compute"]["elementwise"], rec["eager_bytes"] / rec["mem_bw"])
+    # by hand: llama3_debug (dim 192, 6 heads of 32, 2 kv heads, ffn 512, 4 layers, vocab 256), 32 x 128 = 4096 rows
+    r = rec["matmul_rates"]
+    rows, L = 4096, 4
+    layer = 2 * rows * (2 * 192 * 192 / r[(rows, 192, 192)] + 2 * 192 * 64 / r[(rows, 192, 64)]
+                        + 2 * 192 * 512 / r[(rows, 192, 512)] + 512 * 192 / r[(rows, 512, 192)])
+    mm = 3 * (L * layer + 2 * rows * 192 * 256 / r[(rows, 192, 256)])
+    assert math.isclose(p["compute"]["matmul"], mm)
+    attention = 3.5 * 4 * 128**2 * 6 * 32 * L * 32 / rec["attention_rate"]
+    assert math.isclose(p["compute"]["attention"], attention)
+    assert p["exposed_comm_s"] == 0 and p["host_overhead_s"] == host
+    assert math.isclose(p["step_s"], host + sum(p["compute"].values()))
+    # the old law, without the measured rates: matmuls at the 1024^3 rate under the short-dim law
     from planner.shapes import lm_shape
     shape = lm_shape(FLAVORS["llama3_debug"], 128)
-    assert anchor.DEFAULT_RUN["tokens"] == 128 and anchor.DEFAULT_RUN["batch_size"] == 32
+    old = anchor.predict_step(rec["peak_flops"], rec["mem_bw"], anchor.DEFAULT_RUN, rec["eager_bytes"], host)
     chip = measured_chip(rec["peak_flops"], rec["mem_bw"], float("inf"))
     law = lambda d: min(1.0, d / 256)
-    mm = sum(3 * m.flops * 32 / (rec["peak_flops"] * law(m.k) * law(m.n)) for m in shape.matmuls)
-    assert math.isclose(p["compute"]["matmul"], mm) and chip.mxu_tile == 64
-    assert p["exposed_comm_s"] == 0 and p["host_overhead_s"] == rec["host_s"]   # ops x an empty op's dispatch
-    assert math.isclose(p["step_s"], rec["host_s"] + sum(p["compute"].values()))
+    mm_law = sum(3 * m.flops * 32 / (rec["peak_flops"] * law(m.k) * law(m.n)) for m in shape.matmuls)
+    assert math.isclose(old["compute"]["matmul"], mm_law) and chip.mxu_tile == 64
+    assert math.isclose(old["step_s"], host + sum(old["compute"].values()))
     assert isinstance(stepmodel.Layout().act_bytes, int)
     # EagerBytes, by hand: a broadcast multiply of (4, 8) by (8,) fp32 reads 128 + 32 bytes and writes
-    # 128; a matmul and a view move nothing it counts
+    # 128; a matmul and a view move nothing it counts; all four run with grad mode on (forward ops)
     import torch
     x, w = torch.ones(4, 8), torch.ones(8)
     counter = anchor.EagerBytes()
     with counter:
         x * w, x @ x.t(), x.view(32)
     assert counter.total == 128 + 32 + 128 and counter.ops == 4   # mul, t, mm, view: each dispatched
+    assert counter.forward_ops == 4
+    # a backward's ops run with grad mode off: not forward ops (its cost is in the autograd probe's)
+    a, g = torch.ones(4, requires_grad=True), torch.ones(4)
+    counter = anchor.EagerBytes()
+    with counter:
+        torch.autograd.backward(a * 2, g)
+    assert counter.forward_ops == 1 and counter.ops > 1
 
 
 def test_planner_workload_without_a_shape_is_its_flops_at_the_matmul_efficiency():
