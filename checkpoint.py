@@ -370,6 +370,11 @@ def load_run(path, device="cpu", kind=None):
     layer_scan.stack_layers(stacked, stacked_pairs)
     stacked.load_state_dict(load(chosen, {"model": stacked.state_dict()})["model"])
     layer_scan.unstack_into(stacked_pairs, plain_pairs)
+    plain = model.state_dict()
+    with torch.no_grad():  # the rest (embeddings, norms, heads) is named alike in both
+        for name, tensor in stacked.state_dict().items():
+            if name in plain:
+                plain[name].copy_(tensor)
     return model.to(device), meta
 
 

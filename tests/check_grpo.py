@@ -505,11 +505,11 @@ def test_a_warm_start_halts_at_its_first_evaluation_meeting_the_accuracy_and_grp
     assert sorted(_records(out, "held_out_accuracy")) == [0, 2, 4, 6] and max(_records(out, "loss")) == 6
     assert _records(out, "accuracy") == {6: 0.5}  # the "halted" record
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000006"]
-    task = train.TASKS["grpo"](train.parse_config(["--task", "grpo", "--init-from", out, "--steps", "2"]))
+    task = train.make_workload(train.parse_config(["--task", "grpo", "--init-from", out, "--steps", "2"]))
     step6 = os.path.abspath(os.path.join(out, "checkpoints", "step_000006"))
     assert task.warm_record.startswith(step6 + " sha256:")
     assert all(torch.equal(w, v) for w, v in zip(task.warm.state_dict().values(),
-                                                  checkpoint.load_run(step6).state_dict().values()))
+                                                  checkpoint.load_run(step6)[0].state_dict().values()))
     for extra, msg in ((["--halt-at-accuracy", "1.5"], "--halt-at-accuracy 1.5: a held-out accuracy in (0, 1]"),
                        (["--halt-at-accuracy", "nan"], "--halt-at-accuracy nan"),
                        (["--task", "lm", "--halt-at-accuracy", "0.5"], "is a flag of --task sft, grpo, not of --task lm")):
