@@ -4,7 +4,7 @@ A 126-layer model traced layer by layer gives a graph (and a compiled program) 1
 one layer, and compile time grows with it. JAX's answer is lax.scan over weights stacked on a leading
 layer axis; torch_xla's is torch_xla.experimental.scan_layers. Ours, for the traced step graph:
 
-  stack_layers(model)      replaces model.layers (or each stack the Task names: Task.scan_stacks) by
+  stack_layers(model)      replaces model.layers (or each stack the family names: ModelFamily.scan_stacks) by
                            a StackedLayers holding, for every block parameter name, one (L, ...)
                            parameter; the model's run_layers() calls it. A block maps (h, cos, sin)
                            -> (h, aux): one carried tensor, two constants without gradients.

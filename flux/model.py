@@ -307,7 +307,7 @@ class Flux(nn.Module):
 
     def pack_for_scan(self, n_txt):
         """Wrap every block as a PackedBlock (text length n_txt) and return the two stacks, as
-        Task.scan_stacks names them for layer_scan.py."""
+        ModelFamily.scan_stacks names them for layer_scan.py."""
         self.double_blocks = nn.ModuleList(PackedBlock(b, n_txt, self.attention) for b in self.double_blocks)
         self.single_blocks = nn.ModuleList(PackedBlock(b, n_txt, self.attention) for b in self.single_blocks)
         self.packed = True

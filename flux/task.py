@@ -1,4 +1,4 @@
-"""flux/task.py: FLUX.1 diffusion training as a Task: rectified flow on real images or on cached latents.
+"""flux/task.py: FLUX.1 diffusion training as a workload (FluxFamily + FluxDigits): rectified flow on real images or on cached latents.
 
     python train.py --task flux --flavor flux_debug --steps 800 --batch-size 64 --lr 1e-3 --warmup 50
     python train.py --task flux --data cache.safetensors --init-from FLUX_DIR   # latents + embeddings; fine-tune

@@ -35,7 +35,7 @@ def _flux_weights(run_dir, task=None, scan=False):
 
 
 def test_flux_trains_through_the_shared_trainer_on_every_layout_alike(tmp_path, monkeypatch):
-    """FLUX as a Task (flux/task.py) on the one trainer: graph mode (one traced step with AdamW) and
+    """FLUX as a workload (flux/task.py) on the one trainer: graph mode (one traced step with AdamW) and
     HSDP on 4 processes (SimpleFSDP, dcn=2 x ici=2, graph mode, its passes on) equal the eager single process on the same
     global batches: losses, pre-clip gradient norms, validation MSE at the fixed times, final weights.
     So does --scan (each block stack one scan over stacked weights; the weights compared unstacked).
