@@ -211,7 +211,7 @@ def find_resumable(ckpt_dir):
     return newest, note
 
 
-def choose(ckpt_dir, resume, resume_from, meta, allow_change=()):
+def choose(ckpt_dir, resume, resume_from, meta, allow_change=(), refusal=lambda key, saved, now: None):
     """(checkpoint to resume from or None, a note or None), refusing what would lose data or silently
     change the run: checkpoints without --resume, a broken newest one, another model, mesh, layout
     or training config, a checkpoint already at or past --steps."""
@@ -222,7 +222,7 @@ def choose(ckpt_dir, resume, resume_from, meta, allow_change=()):
         return None, None
     path, note = (resolve(ckpt_dir, resume_from), None) if resume_from else find_resumable(ckpt_dir)
     if path is not None:
-        check_compatible(path, meta, allow_change)
+        check_compatible(path, meta, allow_change, refusal)
     return path, note
 
 
@@ -258,9 +258,10 @@ def newest_name(ckpt_dir):
     return os.path.basename(found[0][1]) if found else None
 
 
-def check_compatible(path, meta, allow_change=()):
+def check_compatible(path, meta, allow_change=(), refusal=lambda key, saved, now: None):
     """Refuse a checkpoint of another model, mesh, layer layout or training config (one-line reason).
-    Training-config keys named in `allow_change` may differ (a deliberate change)."""
+    Training-config keys named in `allow_change` may differ (a deliberate change), unless the
+    workload's `refusal(key, saved, now)` says why that change cannot be (Workload.resume_refusal)."""
     saved = read_meta(path)
     for key in ("flavor", "model_args"):
         if saved.get(key) != meta.get(key):
@@ -285,25 +286,18 @@ def check_compatible(path, meta, allow_change=()):
                       if old[k].get(f) != new[k].get(f)]
         else:
             diffs.append((k, old.get(k), new[k]))
-    fixed = [d for d in diffs if d[0] in FIXED_ON_RESUME or (d[0] == "data" and (d[1] is None) != (d[2] is None))]
+    fixed = [(d, refusal(*d)) for d in diffs]
+    fixed = [(d, why) for d, why in fixed if why]
     if fixed:  # not a deliberate change: the checkpoint would not fit the run (or not resume exactly)
-        what = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in fixed)
+        what = ", ".join(f"{k}: saved {a!r}, now {b!r}" for (k, a, b), _ in fixed)
         raise CheckpointError(f"--resume with a different training config ({what}): "
-                              f"{' and '.join(sorted({FIXED_ON_RESUME.get(k, DATA_SOURCE) for k, _, _ in fixed}))}; "
-                              f"it cannot change on a resume")
+                              f"{' and '.join(sorted({why for _, why in fixed}))}; it cannot change on a resume")
     changed = [d for d in diffs if d[0] not in allow_change]
     if changed:
         what = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in changed)
         raise CheckpointError(f"--resume with a different training config ({what}); pass "
                               f"--allow-change {','.join(k for k, _, _ in changed)} to continue with the new values")
     return saved
-
-
-# Recorded settings that a resume cannot take as a deliberate change, and why
-FIXED_ON_RESUME = {"updates_per_batch": "a checkpoint falls on a rollout-batch boundary of the run's "
-                                        "--updates-per-batch (another one would split a rollout batch)"}
-DATA_SOURCE = ("the data source (the digits or a --data latent file) fixes the model's conditioning weights: "
-               "resume with the run's --data")
 
 
 def load(path, state):

@@ -23,7 +23,7 @@ model, parallelize function and loss beside the shared trainer):
     name, default_flavor        registered in WORKLOADS below; `Flags`: a dataclass of its own flags
                                 (cli.py shows them as the workload's group; another's are refused);
     family_class                its ModelFamily's class; `resume_changeable`: meta() keys a resume
-                                may change with --allow-change
+                                may change with --allow-change; `resume_refusal`: the changes it may not
     check_flags(cfg)            its own validation (classmethod; ConfigError: one line, exit 2)
     family                      its ModelFamily (GRPO and SFT use the LM family; none inherits another
                                 workload)
@@ -123,6 +123,7 @@ class Workload:
     Flags = NoFlags
     family_class = ModelFamily  # the kind of model it trains (for checks before it is built)
     resume_changeable = ()      # keys of meta() that --allow-change may let differ on a resume
+    resume_fixed = {}           # keys of meta() that cannot change on a resume -> why (one clause)
     unit = "samples"
     notes = ()
     val_batches = ()
@@ -132,6 +133,12 @@ class Workload:
     def __init__(self, cfg):
         self.cfg = cfg
         self.family = None
+
+    @classmethod
+    def resume_refusal(cls, key, saved, now):
+        """Why meta() key `key` cannot go from `saved` to `now` on a resume (not even with --allow-change:
+        the checkpoint would not fit the run), or None. Default: the keys in `resume_fixed`."""
+        return cls.resume_fixed.get(key)
 
     @classmethod
     def check_flags(cls, cfg):

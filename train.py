@@ -81,7 +81,7 @@ class Trainer:
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
         self.meta = self.run_meta()
         self.resume_from, note = checkpoint.choose(self.ckpt_dir, cfg.resume, cfg.resume_from, self.meta,
-                                                   set(cfg.allow_change.split(",")))
+                                                   set(cfg.allow_change.split(",")), self.task.resume_refusal)
         self.notes += [f"note: {note}"] if note else []
         self.check_memory()
         self.model = self.build_model()

@@ -226,6 +226,14 @@ class FluxDigits(Workload):
     family_class, resume_changeable = FluxFamily, ("data",)
 
     @classmethod
+    def resume_refusal(cls, key, saved, now):
+        """Another latent file may replace one (--allow-change data); digits <-> a file may not."""
+        if key == "data" and (saved is None) != (now is None):
+            return ("the data source (the digits or a --data latent file) fixes the model's conditioning "
+                    "weights: resume with the run's --data")
+        return super().resume_refusal(key, saved, now)
+
+    @classmethod
     def check_flags(cls, cfg):
         for name in ("image_size", "sample_images"):
             if getattr(cfg, name) < 0:

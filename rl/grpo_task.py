@@ -277,6 +277,8 @@ class GRPOArithmetic(ArithmeticPolicy):
     name, Flags, plotted = "grpo", GRPOFlags, ("reward", "held_out_accuracy")
     resume_changeable = ArithmeticPolicy.resume_changeable + ("group_size", "prompts_per_step", "clip_eps",
                                                               "aggregation", "kl_beta", "temperature")
+    resume_fixed = {"updates_per_batch": "a checkpoint falls on a rollout-batch boundary of the run's "
+                                         "--updates-per-batch (another one would split a rollout batch)"}
 
     @staticmethod
     def algorithm(cfg):
