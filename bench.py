@@ -304,8 +304,8 @@ def rollout_table(repeats=5):
     from model import FLAVORS, ModelArgs, Transformer
     from rl import arithmetic, rollout, vllm_engine
     prompts, rows = arithmetic.get_task("arith").prompts(0, 32), []
-    policies = {"GRPO policy (dim 64, 2 layers)": (ModelArgs(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=192,
-                                                                max_seq_len=16), 4),
+    policies = {"GRPO policy (dim 64, 2 layers)": (ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                                                                ffn_dim=192, max_seq_len=16), 4),  # (the README's)
                 "llama3_debug (dim 192, 4 layers)": (FLAVORS["llama3_debug"], 32)}
     for label, (args, new_tokens) in policies.items():
         model = Transformer(args)

@@ -10,6 +10,8 @@ Read in this order (each file imports only those above it, and the core at the r
     weight_sync.py  the trainer's weights to the engine: one gloo broadcast, copied in place, versioned
     rollout.py      the rollout engine in its own process: G samples per prompt on a static KV cache,
                     logprobs and the policy version; a dead or stalled engine is one line, exit 4
+    vllm_engine.py  --engine vllm: the same handle on vLLM, in the torch 2.13 environment's interpreter
+    vllm_server.py  (runs there, imports nothing of ours): vLLM fed safetensors bytes, pushes checked
     grpo_task.py    PolicyFamily (the LM family, also started from a train.py run), the policy workloads'
                     shared part (engine, held-out accuracy) and GRPOArithmetic (--task grpo)
     sft_task.py     SFTArithmetic (--task sft): the loss on the answers' bytes only

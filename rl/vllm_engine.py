@@ -69,7 +69,7 @@ class VLLMEngineProcess:
     def __init__(self, model_args, dtype=torch.float32, timeout_s=120.0, python=None, max_num_seqs=256):
         check_model(model_args)
         self.args, self.timeout_s, self.sender_names = model_args, timeout_s, None
-        self.cache_dir = tempfile.mkdtemp(prefix="minititan-vllm-")  # vLLM's and inductor's caches: removed on close
+        self.cache_dir = tempfile.mkdtemp(prefix="minititan-vllm-")  # vLLM's and inductor's caches, its log: removed on close
         self.log_path = os.path.join(self.cache_dir, "engine.log")
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                    VLLM_CACHE_ROOT=self.cache_dir, TORCHINDUCTOR_CACHE_DIR=os.path.join(self.cache_dir, "inductor"),
@@ -171,8 +171,18 @@ class VLLMEngineProcess:
         except subprocess.TimeoutExpired:
             pass
         code = self.proc.poll()
+        said = self._last_log_line() if code and code > 0 else ""  # (a signal's victim said nothing useful)
         self._kill()
-        raise EngineError(f"vLLM engine process died (exit code {code}) during {what}; its log: {self.log_path}") from None
+        raise EngineError(f"vLLM engine process died (exit code {code}) during {what}"
+                          + (f"; its log ends: {said}" if said else "")) from None
+
+    def _last_log_line(self):
+        try:
+            with open(self.log_path, "rb") as f:
+                lines = [line for line in f.read()[-4096:].decode("utf-8", "replace").splitlines() if line.strip()]
+            return lines[-1].strip()[:300] if lines else ""
+        except OSError:
+            return ""
 
     def _kill(self):
         if self.proc.poll() is None:
@@ -180,5 +190,4 @@ class VLLMEngineProcess:
         self.proc.wait()
         for c in (self.tx, self.rx):
             c.close()
-        if os.path.isdir(self.cache_dir) and self.proc.returncode == 0:
-            shutil.rmtree(self.cache_dir, ignore_errors=True)
+        shutil.rmtree(self.cache_dir, ignore_errors=True)  # (nothing of the engine's stays behind)

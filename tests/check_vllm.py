@@ -57,7 +57,7 @@ def test_vllm_engine_logprobs_and_greedy_equal_our_policy_after_each_push_and_fa
     prompt: all rows differ); after a second push (version 1, same prompts: the prefix cache must not
     serve the old weights' KV) the logprobs equal the new policy's and greedy completions equal our
     own engine's; a push of another architecture is refused in one line and changes nothing. Stalled
-    (SIGSTOP), then killed: one line each; nothing left running."""
+    (SIGSTOP), then killed: one line each; nothing left running, and its caches and log removed."""
     from rl import arithmetic, grpo, rollout, vllm_engine
     engine = vllm_engine.VLLMEngineProcess(VLLM_QWEN, timeout_s=300)
     try:
@@ -108,7 +108,7 @@ def test_vllm_engine_logprobs_and_greedy_equal_our_policy_after_each_push_and_fa
             engine.sync(policy.named_parameters(), 3)
     finally:
         engine.close()
-    assert engine.proc.pid not in _engine_pids()
+    assert engine.proc.pid not in _engine_pids() and not os.path.exists(engine.cache_dir)
 
 
 def test_vllm_engine_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys):
