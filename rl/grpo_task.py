@@ -6,7 +6,8 @@ own samples, scored by a program (a verifiable reward), drawn by a separate roll
 
 The trainer (train.py) runs it like any Task: the loop, AdamW, clipping, checkpoints, graph mode and
 the SimpleFSDP mesh are its. What is GRPO's own, after torchtitan's experiments/rl and TRL's
-GRPOTrainer (the pieces: rl/grpo.py the algorithm, rl/rollout.py the engine, rl/weight_sync.py the pipe):
+GRPOTrainer (the pieces: rl/grpo.py the algorithm, rl/rollout.py the engine, rl/weight_sync.py the pipe;
+or rl/vllm_engine.py, --engine vllm, for both):
 
   - a rollout batch r feeds optimizer steps r U + 1 .. r U + U (U = --updates-per-batch). At its
     first step the live policy's weights go to the engine process as policy version r U (the number
