@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from bench_rollout import rollout_table
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -297,6 +299,17 @@ def flux_markdown(rows):
                    f"{r['tflops']:.3f}", f"{100 * r['mfu']:.0f}%", f"{r['warmup_s']:.1f}"]))
 
 
+def rollout_markdown(rows):
+    ours = {r["policy"]: r for r in rows if r["engine"] == "ours"}
+    return "\n".join([f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; rollout "
+                      f"engines on the same weights, 32 prompts x 8 samples, fp32, calls alternating", ""] + _table(
+        ["policy", "engine", "new tokens", "push ms (MiB)", "rollout s", "samples/s", "x ours", "engine start s"], rows,
+        lambda r: [r["policy"], r["engine"], r["new_tokens"], f"{r['push_ms']:.1f} ({r['push_mib']:.2f})",
+                   f"{r['rollout_s']:.3f}", f"{r['samples_per_s']:.0f}",
+                   f"{r['samples_per_s'] / ours[r['policy']]['samples_per_s']:.2f}",
+                   "" if r["start_s"] is None else f"{r['start_s']:.0f}"]))
+
+
 def compile_vs_depth():
     """First-step (trace + compile + run) seconds against depth, with and without scan; on XLA also
     the compile of the step program alone, by torch_xla's CompileTime metric."""
@@ -404,7 +417,6 @@ def main():
     p.add_argument("--rollout", action="store_true", help="only the rollout engines' rows, ours vs vLLM (< 3 min)")
     args = p.parse_args()
     if args.rollout:  # just the rollout rows (also part of the full run)
-        from bench_rollout import rollout_markdown, rollout_table
         rows = rollout_table()
         _write("rollout", rollout_markdown(rows), {"rollout": rows})
         return
@@ -416,7 +428,6 @@ def main():
     speed = speed_table(modes, repeats=1 if args.quick else 2, steps=10 if args.quick else 20)
     depth = [] if args.quick else compile_vs_depth()
     flux_rows = [] if args.quick else flux_table()
-    from bench_rollout import rollout_markdown, rollout_table
     rollout_rows = [] if args.quick else rollout_table()
     memory = memory_tables(args.quick)
     dist_rows = dist_table(repeats=1 if args.quick else 2, steps=6 if args.quick else 20)

@@ -4,12 +4,8 @@
 Both engines run in their own processes on the same weights, calls alternating between them (push,
 rollout, push, rollout), so the ratio is measured inside one run on a noisy machine.
 """
-import os
-import platform
 import statistics
 import time
-
-from bench import _table
 
 
 def rollout_table(repeats=5):
@@ -50,14 +46,3 @@ def rollout_table(repeats=5):
                          "tokens_per_s": t["tokens"] / roll, "new_tokens": new_tokens,
                          "start_s": start_s if name == "vllm" else None})
     return rows
-
-
-def rollout_markdown(rows):
-    ours = {r["policy"]: r for r in rows if r["engine"] == "ours"}
-    return "\n".join([f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; rollout "
-                      f"engines on the same weights, 32 prompts x 8 samples, fp32, calls alternating", ""] + _table(
-        ["policy", "engine", "new tokens", "push ms (MiB)", "rollout s", "samples/s", "x ours", "engine start s"], rows,
-        lambda r: [r["policy"], r["engine"], r["new_tokens"], f"{r['push_ms']:.1f} ({r['push_mib']:.2f})",
-                   f"{r['rollout_s']:.3f}", f"{r['samples_per_s']:.0f}",
-                   f"{r['samples_per_s'] / ours[r['policy']]['samples_per_s']:.2f}",
-                   "" if r["start_s"] is None else f"{r['start_s']:.0f}"]))
