@@ -346,7 +346,8 @@ class Trainer:
         parts = ([] if val is None else [f"val loss {val:.4f}"]) + [f"{k.replace('_', ' ')} {v:.4f}" for k, v in extra.items()]
         self.log(rec, f"step {self.step:5d} | " + " | ".join(parts))
         if self.parallel.writes_files:
-            self.run_dir.plot(self.task.plotted)
+            if not self.cfg.no_plot:
+                self.run_dir.plot(self.task.plotted)
             if self.parallel.mesh_spec is None:  # (sharded weights: not drawn)
                 self.task.preview(self.model, self.log, self.out_dir, step=self.step, final=False)
         return 0.0 if val is None else val

@@ -20,6 +20,7 @@ def test_resume_equals_uninterrupted_bit_for_bit(corpus, tmp_path):
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     common = [*TINY, "--data", corpus, "--steps", "8", "--ckpt-interval", "0"]
     assert run_train([*common, "--out-dir", full])[0] == 0
+    assert not os.path.exists(os.path.join(full, "loss.png"))  # (--no-plot, in TINY)
     assert run_train([*common, "--out-dir", part, "--halt-at", "4"])[0] == 0
     assert sorted(losses(part)) == [1, 2, 3, 4]
     with open(os.path.join(part, "checkpoints", "latest"), "wb") as f:
@@ -353,8 +354,8 @@ def test_own_failures_and_peer_failures_are_told_apart(corpus, tmp_path, monkeyp
     import checkpoint
     import lm_task
     out = str(tmp_path / "run")
-    common = [*TINY, "--data", corpus, "--steps", "4", "--ckpt-interval", "2", "--eval-batches", "1",
-              "--eval-interval", "2", "--sample-tokens", "0", "--out-dir", out]
+    common = [*(a for a in TINY if a != "--no-plot"), "--data", corpus, "--steps", "4", "--ckpt-interval", "2",
+              "--eval-batches", "1", "--eval-interval", "2", "--sample-tokens", "0", "--out-dir", out]
     real_loss = lm_task.Pretraining.loss
 
     def oom_at_step_3(model, batch):  # (training calls run with grad enabled, evaluations without)

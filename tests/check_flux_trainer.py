@@ -46,7 +46,7 @@ def test_flux_trains_through_the_shared_trainer_on_every_layout_alike(tmp_path, 
     splash kernel; losses and norms to 1e-4). A halted run resumed equals the uninterrupted one bit for bit; the end writes a
     sample grid."""
     common = ["--task", "flux", "--steps", "4", "--batch-size", "8", "--log-interval", "1", "--eval-batches", "2",
-              "--eval-interval", "2", "--ckpt-interval", "0", "--sample-images", "0"]
+              "--eval-interval", "2", "--ckpt-interval", "0", "--sample-images", "0", "--no-plot"]
     runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "part", "compiled", "spmd", "scan")}
     # XLA SPMD in its own process, started first (it runs while this one trains): graph mode on 2 XLA:CPU
     # devices, GSPMD partitioning the traced step (the layout takes FLUX's blocks from the workload)

@@ -317,11 +317,11 @@ def test_grpo_through_the_trainer_on_every_layout_and_resume_equal_one_eager_pro
     pre-clip gradient norms, rewards, final weights. Halted at step 2 and resumed
     equals the straight run bit for bit."""
     runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "fsdp2", "spmd", "part")}
-    spmd = _spmd_run(_grpo_args(grpo_warm, runs["spmd"]))  # (runs while this process trains)
+    spmd = _spmd_run(_grpo_args(grpo_warm, runs["spmd"], "--no-plot"))  # (runs while this process trains)
     assert _main(_grpo_args(grpo_warm, runs["eager"])) == 0
     assert _main(_grpo_args(grpo_warm, runs["graph"], "--mode", "graph")) == 0
     for name, extra in (("fsdp", []), ("fsdp2", ["--dp-impl", "fsdp2"])):
-        rc, _, err = torchrun(2, _grpo_args(grpo_warm, runs[name], "--mesh", "ici=2", *extra))
+        rc, _, err = torchrun(2, _grpo_args(grpo_warm, runs[name], "--mesh", "ici=2", "--no-plot", *extra))
         assert rc == 0, err[-3000:]
     _, err = spmd.communicate(timeout=600)
     assert spmd.returncode == 0, err[-3000:]

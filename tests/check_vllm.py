@@ -137,7 +137,7 @@ def vllm_warm(tmp_path_factory):
 def _vllm_grpo(warm, out, *extra):
     return ["--task", "grpo", "--engine", "vllm", "--init-from", warm, "--steps", "4", "--updates-per-batch", "2",
             "--prompts-per-step", "4", "--group-size", "4", "--format-credit", "0.1", "--lr", "1e-3", "--warmup", "0",
-            "--eval-interval", "4", "--log-interval", "1", "--ckpt-interval", "0", "--engine-timeout", "300",
+            "--eval-interval", "4", "--log-interval", "1", "--ckpt-interval", "0", "--engine-timeout", "300", "--no-plot",
             "--out-dir", out, *extra]
 
 

@@ -15,7 +15,7 @@ from model import ModelArgs, Transformer
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TINY = ["--set", "n_layers=2", "--set", "dim=64", "--set", "n_heads=4", "--set", "n_kv_heads=2",
         "--set", "ffn_dim=128", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2",
-        "--log-interval", "1", "--warmup", "2"]
+        "--log-interval", "1", "--warmup", "2", "--no-plot"]  # (loss.png: drawn where a test reads it)
 
 
 @pytest.fixture(scope="session")
