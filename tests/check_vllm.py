@@ -164,44 +164,56 @@ def test_grpo_through_vllm_trains_and_its_greedy_evaluation_equals_our_engine_on
     assert not _engine_pids()
 
 
-@pytest.mark.parametrize("how", ["engine killed", "Ctrl-C", "trainer killed"])
-def test_grpo_through_vllm_a_killed_engine_is_exit_4_and_ctrl_c_exit_130_leaving_no_process(vllm_warm, tmp_path, how):
+def test_grpo_through_vllm_a_killed_engine_is_exit_4_and_ctrl_c_exit_130_leaving_no_process(vllm_warm, tmp_path):
     """The vLLM engine SIGKILLed mid-run: one line naming it, exit 4. Ctrl-C (SIGINT to the whole process
     group, as a terminal sends it): exit 130. The trainer SIGKILLed (nothing of it runs to clean up): the
-    engine dies with it (PR_SET_PDEATHSIG). In each case no engine process is left."""
-    run = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"),
-                             *_vllm_grpo(vllm_warm, run, "--steps", "400", "--eval-interval", "0")], cwd=HERE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    engine dies with it (PR_SET_PDEATHSIG). In each case no engine process is left. The three runs start
+    together (each pays ~40 s of vLLM start, mostly imports on one core); a trainer that has logged a
+    reward is stopped (SIGSTOP) until all three have, so that none trains while the others start."""
+    hows = ("engine killed", "Ctrl-C", "trainer killed")
+    runs = {how: str(tmp_path / how.replace(" ", "_")) for how in hows}
+    procs = {how: subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"),
+                                    *_vllm_grpo(vllm_warm, runs[how], "--steps", "400", "--eval-interval", "0")],
+                                   cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True) for how in hows}
+    errs, engines = {}, {}
     try:
-        deadline = time.monotonic() + 300
-        while not (os.path.exists(os.path.join(run, "metrics.jsonl")) and _records(run, "reward")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        deadline = time.monotonic() + 420
+        while len(engines) < len(hows):
+            for how, proc in procs.items():
+                run = runs[how]
+                if how not in engines and os.path.exists(os.path.join(run, "metrics.jsonl")) and _records(run, "reward"):
+                    os.kill(proc.pid, signal.SIGSTOP)
+                    engines[how] = [p for p in _engine_pids() if _parent(p) == proc.pid]
+                    assert len(engines[how]) == 1, (how, engines[how])
+                assert proc.poll() is None and time.monotonic() < deadline, (how, proc.communicate())
             time.sleep(0.2)
-        engines = [p for p in _engine_pids() if _parent(p) == proc.pid]
-        assert len(engines) == 1, engines
-        if how == "engine killed":
-            os.kill(engines[0], signal.SIGKILL)
-        elif how == "Ctrl-C":
-            os.killpg(proc.pid, signal.SIGINT)
-        else:
-            proc.kill()
-        _, err = proc.communicate(timeout=120)
+        for how, proc in procs.items():
+            if how == "engine killed":
+                os.kill(engines[how][0], signal.SIGKILL)
+                os.kill(proc.pid, signal.SIGCONT)
+            elif how == "Ctrl-C":
+                os.kill(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.kill()
+        for how, proc in procs.items():
+            errs[how] = proc.communicate(timeout=120)[1]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    if how == "engine killed":
-        assert proc.returncode == 4, err[-2000:]
-        assert len(lines) == 1 and "vLLM engine process died (exit code -9)" in lines[0], err[-2000:]
-    elif how == "Ctrl-C":
-        assert proc.returncode == 130, err[-2000:]
-    else:
-        assert proc.returncode == -9
-        deadline = time.monotonic() + 10  # (the kernel delivers the engine's SIGKILL as the trainer exits)
-        while engines[0] in _engine_pids() and time.monotonic() < deadline:
-            time.sleep(0.1)
-    assert engines[0] not in _engine_pids()
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    lines = [line for line in errs["engine killed"].splitlines() if line.startswith("error:")]
+    assert procs["engine killed"].returncode == 4, errs["engine killed"][-2000:]
+    assert len(lines) == 1 and "vLLM engine process died (exit code -9)" in lines[0], errs["engine killed"][-2000:]
+    assert procs["Ctrl-C"].returncode == 130, errs["Ctrl-C"][-2000:]
+    assert procs["trainer killed"].returncode == -9
+    left = lambda: {pid for how in hows for pid in engines[how]} & set(_engine_pids())
+    deadline = time.monotonic() + 10  # (the kernel delivers the engine's SIGKILL as the trainer exits)
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left()
 
 
 def _parent(pid):
