@@ -1,6 +1,7 @@
 # parallel.py + mesh.py + simplefsdp.py (gloo, CPU, torchrun). Oracles: one process on the same global batch
 # (losses, gradient norms, validation, final parameters), FSDP2, eager (for the traced graph)
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
+import dataclasses
 import json
 import math
 import os
@@ -13,8 +14,8 @@ import torch
 
 import optim
 
-from tests.common import (DIST_TINY, HERE, TINY, _near, _ranks_equal_one_process, _records, _train_losses,
-                          _trainer, losses, one_process_run, run_train, torchrun)
+from tests.common import (DIST_TINY, HERE, TINY, _main, _near, _ranks_equal_one_process, _records, _train_losses,
+                          _trainer, losses, one_process_run, run_train, tiny_args, torchrun)
 
 
 @pytest.mark.parametrize("nproc,mesh,impl,flavor", [(2, "ici=2", "simple", "llama3_debug"),
@@ -67,21 +68,29 @@ def test_sharded_resume_equals_uninterrupted_and_other_mesh_is_refused(corpus, t
 
 
 def test_mesh_that_does_not_match_world_size_fails_fast(corpus, tmp_path):
+    """Refused in one line per rank, nothing written: a mesh that is not the world size (before the
+    process group starts) and a split the model cannot take (after it: tp); the other refusals of
+    those two checks are the same functions' words, asked here directly."""
+    import expert_parallel
+    import mesh as mesh_lib
+    import tensor_parallel
     rc, _, err = torchrun(2, [*DIST_TINY, "--data", corpus, "--steps", "2", "--mesh", "ici=4",
                               "--out-dir", str(tmp_path / "r")], timeout=120)
     assert rc != 0 and "error: --mesh 'ici=4' has 4 devices but the world size is 2" in err
     assert not os.path.exists(tmp_path / "r")
-    for mesh, extra, message in [("ici=1,tp=2", ["--set", "n_kv_heads=1"], "n_kv_heads=1 is not divisible by tp=2"),
-                                 ("ici=1,tp=2", ["--set", "ffn_dim=131"], "ffn_dim=131 is not divisible by tp=2"),
-                                 ("ici=2,ep=4", [], "ep=4 must divide the data-parallel ranks dcn x ici = 2"),
-                                 ("ici=2,ep=2", [], "n_experts")]:
-        rc, _, err = torchrun(2, [*TINY, "--data", corpus, "--steps", "2", "--mesh", mesh, *extra,
-                                  "--out-dir", str(tmp_path / "r")], timeout=120)
-        # One line per rank that gets to say it, each one write (torchrun ends the other rank with SIGTERM
-        # once the first exits: on a loaded machine that can be before the second has printed its line).
-        lines = [l for l in err.splitlines() if l.startswith("error:")]
-        assert rc != 0 and len(lines) in (1, 2) and all(message in l and l.count("error:") == 1 for l in lines), err[-2000:]
-        assert not os.path.exists(tmp_path / "r")
+    rc, _, err = torchrun(2, [*TINY, "--data", corpus, "--steps", "2", "--mesh", "ici=1,tp=2", "--set", "ffn_dim=131",
+                              "--out-dir", str(tmp_path / "r")], timeout=120)
+    # One line per rank that gets to say it, each one write (torchrun ends the other rank with SIGTERM
+    # once the first exits: on a loaded machine that can be before the second has printed its line).
+    lines = [l for l in err.splitlines() if l.startswith("error:")]
+    assert rc != 0 and len(lines) in (1, 2) and all(
+        "--mesh 'ici=1,tp=2': ffn_dim=131 is not divisible by tp=2" in l and l.count("error:") == 1 for l in lines), err[-2000:]
+    assert not os.path.exists(tmp_path / "r")
+    args = tiny_args()
+    assert tensor_parallel.check(dataclasses.replace(args, n_kv_heads=1), 2) == "n_kv_heads=1 is not divisible by tp=2"
+    with pytest.raises(mesh_lib.MeshError, match="ep=4 must divide the data-parallel ranks dcn x ici = 2"):
+        mesh_lib.mesh_dims("ici=2,ep=4")
+    assert "n_experts" in expert_parallel.check(args, 2)
 
 
 def _signal_one_of_two_ranks(corpus, out_dir, sig, *extra):
@@ -321,7 +330,7 @@ def _hlo_computation(hlo, name):
     return hlo[start:hlo.index("\n}", start)]
 
 
-def test_spmd_resume_is_bit_for_bit_and_bad_meshes_are_refused(corpus, tmp_path):
+def test_spmd_resume_is_bit_for_bit_and_bad_meshes_are_refused(corpus, tmp_path, capsys):
     common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "1",
               "--device", "xla", "--mesh", "ici=4", "--sample-tokens", "0"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
@@ -332,10 +341,13 @@ def test_spmd_resume_is_bit_for_bit_and_bad_meshes_are_refused(corpus, tmp_path)
     assert losses(part) == losses(full) and _records(part, "val_loss") == _records(full, "val_loss")
     start = next(json.loads(line) for line in open(os.path.join(full, "metrics.jsonl")) if '"start"' in line)
     assert start["devices"] == 4
-    for extra, message in [(["--mesh", "ici=8"], "has 8 devices but XLA sees 4"),
-                           (["--kernels", "pallas"], "drop --kernels pallas")]:
-        rc, _, err = run_train([*common, "--out-dir", str(tmp_path / "bad"), *extra], env=SPMD_ENV)
-        assert rc == 2 and err.strip().startswith("error:") and message in err and len(err.strip().splitlines()) == 1, err
+    rc, _, err = run_train([*common, "--out-dir", str(tmp_path / "bad"), "--mesh", "ici=8"], env=SPMD_ENV)
+    assert rc == 2 and err.strip().startswith("error:") and "has 8 devices but XLA sees 4" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert _main([*common, "--out-dir", str(tmp_path / "bad"), "--kernels", "pallas"]) == 2  # (the flags alone: no XLA)
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "drop --kernels pallas" in err and err.count("\n") == 1, err
+    assert not os.path.exists(tmp_path / "bad")
 
 
 # ------------------------------------------------------------------------------------------------
