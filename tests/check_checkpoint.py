@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.common import HERE, TINY, _files, _full_params, _main, _trainer, losses, run_train
+from tests.common import HERE, TINY, _files, _full_params, _main, _trainer, background, losses, run_train
 
 
 def test_resume_equals_uninterrupted_bit_for_bit(corpus, tmp_path):
@@ -19,9 +19,10 @@ def test_resume_equals_uninterrupted_bit_for_bit(corpus, tmp_path):
     import checkpoint
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     common = [*TINY, "--data", corpus, "--steps", "8", "--ckpt-interval", "0"]
-    assert run_train([*common, "--out-dir", full])[0] == 0
-    assert not os.path.exists(os.path.join(full, "loss.png"))  # (--no-plot, in TINY)
+    full_run = background(run_train, [*common, "--out-dir", full])
     assert run_train([*common, "--out-dir", part, "--halt-at", "4"])[0] == 0
+    assert full_run.result()[0] == 0
+    assert not os.path.exists(os.path.join(full, "loss.png"))  # (--no-plot, in TINY)
     assert sorted(losses(part)) == [1, 2, 3, 4]
     with open(os.path.join(part, "checkpoints", "latest"), "wb") as f:
         f.write(b"\xff garbage")

@@ -12,7 +12,7 @@ import torch
 import optim
 from model import ModelArgs, Transformer
 
-from tests.common import (DIST_TINY, HERE, TINY, _near, _ops_of_one_more_step, _records, _train_losses,
+from tests.common import (DIST_TINY, HERE, TINY, _near, background, _ops_of_one_more_step, _records, _train_losses,
                           _trainer, run_train, torchrun)
 
 
@@ -76,15 +76,17 @@ def test_xla_compiles_one_program_per_step_shape(mode, scan, corpus, tmp_path):
     # program (6 of 12 runs with two at once); see README, Known limits.)
     args = [*TINY, "--data", corpus, "--ckpt-interval", "0", "--eval-batches", "0", "--out-dir", str(tmp_path / "x"),
             *(["--scan"] if scan else [])]
-    proc = subprocess.run([sys.executable, "test_all.py", "child_xla_graph_steps", *args, "--mode", mode, "--device", "xla"],
-                          cwd=HERE, capture_output=True, text=True, timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    child = background(subprocess.run, [sys.executable, "test_all.py", "child_xla_graph_steps", *args, "--mode", mode,
+                                        "--device", "xla"], cwd=HERE, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PJRT_DEVICE": "CPU"})
+    want = _train_losses(_trainer(corpus, tmp_path), steps=8)  # (the oracle, while the child runs)
+    proc = child.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     # Step 1 compiles the step program (after one small program that materializes the initial
     # state); no step compiles again, also not step 2, whose bias correction (1 - 0.9 = 0.1) equals
     # the weight decay: per-step scalars enter as inputs that torch_xla does not merge by value.
     assert res["compiles"][0] == res["compiles"][-1] == 2, res["compiles"]
-    want = _train_losses(_trainer(corpus, tmp_path), steps=8)
     _near(want, res["losses"], atol=1e-4)
 
 
@@ -192,8 +194,9 @@ def test_simplefsdp_graph_passes_are_exact_and_free_the_gathered_model(corpus, t
     common = [*DIST_TINY, "--data", corpus, "--steps", "5", "--ckpt-interval", "0", "--eval-batches", "1",
               "--mode", "graph", "--mesh", "ici=2"]
     runs = {p: str(tmp_path / p) for p in ("none", "reshard,bucket,prefetch")}
-    for passes, out in runs.items():
-        rc, _, err = torchrun(2, [*common, "--fsdp-passes", passes, "--out-dir", out])
+    launched = [background(torchrun, 2, [*common, "--fsdp-passes", passes, "--out-dir", out]) for passes, out in runs.items()]
+    for run in launched:
+        rc, _, err = run.result()
         assert rc == 0, err[-3000:]
     for key in ("loss", "grad_norm", "val_loss"):
         assert _records(runs["none"], key) == _records(runs["reshard,bucket,prefetch"], key), key

@@ -9,17 +9,18 @@ import torch
 
 from model import FLAVORS, Transformer, apply_rope, check_args, flops_per_token, param_counts, rope_inv_freq, sdpa_attention
 
-from tests.common import TINY, losses, run_train, tiny_args
+from tests.common import TINY, background, losses, run_train, tiny_args
 
 
 @pytest.mark.parametrize("dtype,tol", [("fp32", 1e-4), ("bf16", 1e-2)])
 def test_xla_cpu_matches_eager_over_10_steps(dtype, tol, corpus, tmp_path):
     common = [*TINY, "--data", corpus, "--steps", "10", "--ckpt-interval", "0", "--eval-interval", "0",
               "--dtype", dtype, "--sample-tokens", "0"]  # (sampling on XLA: its own test, below)
-    rc, _, err = run_train([*common, "--device", "cpu", "--out-dir", str(tmp_path / "cpu")])
-    assert rc == 0, err
+    cpu = background(run_train, [*common, "--device", "cpu", "--out-dir", str(tmp_path / "cpu")])
     rc, out, err = run_train([*common, "--device", "xla", "--out-dir", str(tmp_path / "xla")],
                              env={"PJRT_DEVICE": "CPU"})
+    assert rc == 0, err
+    rc, _, err = cpu.result()
     assert rc == 0, err
     assert "on xla" in out
     eager, xla = losses(str(tmp_path / "cpu")), losses(str(tmp_path / "xla"))

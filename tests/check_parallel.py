@@ -14,7 +14,7 @@ import torch
 
 import optim
 
-from tests.common import (DIST_TINY, HERE, TINY, _main, _near, _ranks_equal_one_process, _records, _train_losses,
+from tests.common import (DIST_TINY, HERE, TINY, _main, _near, background, _ranks_equal_one_process, _records, _train_losses,
                           _trainer, losses, one_process_run, run_train, tiny_args, torchrun)
 
 
@@ -51,8 +51,9 @@ def test_sharded_resume_equals_uninterrupted_and_other_mesh_is_refused(corpus, t
     common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0",
               "--mesh", "ici=2"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    assert torchrun(2, [*common, "--out-dir", full])[0] == 0
+    full_run = background(torchrun, 2, [*common, "--out-dir", full])
     assert torchrun(2, [*common, "--out-dir", part, "--halt-at", "3"])[0] == 0
+    assert full_run.result()[0] == 0
     rc, out, err = torchrun(2, [*common, "--out-dir", part, "--resume"])
     assert rc == 0, err[-3000:]
     assert losses(part) == losses(full)
@@ -281,13 +282,15 @@ def _replica_groups(hlo, op):
 def test_spmd_mesh_on_xla_equals_one_cpu_process(mesh, mode, extra, corpus, tmp_path):
     args = [*TINY, "--data", corpus, "--steps", "8", "--ckpt-interval", "0", "--eval-batches", "0", *extra]
     dump = tmp_path / "hlo"
-    proc = subprocess.run([sys.executable, "test_all.py", "child_spmd_steps", *args, "--out-dir", str(tmp_path / "x"),
-                           "--device", "xla", "--mesh", mesh, "--mode", mode], cwd=HERE, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **SPMD_ENV, "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
+    child = background(subprocess.run, [sys.executable, "test_all.py", "child_spmd_steps", *args, "--out-dir",
+                                        str(tmp_path / "x"), "--device", "xla", "--mesh", mesh, "--mode", mode],
+                       cwd=HERE, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **SPMD_ENV, "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
+    oracle, norms = _trainer(corpus, tmp_path, *extra), []  # (while the child runs)
+    want = _train_losses(oracle, steps=8, norms=norms)
+    proc = child.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    oracle, norms = _trainer(corpus, tmp_path, *extra), []
-    want = _train_losses(oracle, steps=8, norms=norms)
     _near(want, res["losses"], atol=1e-4)
     # Gradients and weights too: clipping and Adam's normalization hide a gradient scale from losses.
     _near(norms, res["norms"], atol=0, rtol=1e-4)
@@ -334,14 +337,16 @@ def test_spmd_resume_is_bit_for_bit_and_bad_meshes_are_refused(corpus, tmp_path,
     common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "1",
               "--device", "xla", "--mesh", "ici=4", "--sample-tokens", "0"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    assert run_train([*common, "--out-dir", full], env=SPMD_ENV)[0] == 0
+    full_run = background(run_train, [*common, "--out-dir", full], env=SPMD_ENV)
     assert run_train([*common, "--out-dir", part, "--halt-at", "3"], env=SPMD_ENV)[0] == 0
+    assert full_run.result()[0] == 0
+    too_big = background(run_train, [*common, "--out-dir", str(tmp_path / "bad"), "--mesh", "ici=8"], env=SPMD_ENV)
     rc, out, err = run_train([*common, "--out-dir", part, "--resume"], env=SPMD_ENV)
     assert rc == 0, err[-3000:]
     assert losses(part) == losses(full) and _records(part, "val_loss") == _records(full, "val_loss")
     start = next(json.loads(line) for line in open(os.path.join(full, "metrics.jsonl")) if '"start"' in line)
     assert start["devices"] == 4
-    rc, _, err = run_train([*common, "--out-dir", str(tmp_path / "bad"), "--mesh", "ici=8"], env=SPMD_ENV)
+    rc, _, err = too_big.result()
     assert rc == 2 and err.strip().startswith("error:") and "has 8 devices but XLA sees 4" in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert _main([*common, "--out-dir", str(tmp_path / "bad"), "--kernels", "pallas"]) == 2  # (the flags alone: no XLA)
@@ -406,8 +411,9 @@ def test_tp_and_ep_checkpoints_resume_bit_for_bit_and_another_layout_is_refused(
     common = [*TINY, "--flavor", flavor, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0",
               *(MOE_EXACT if "moe" in flavor else [])]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    assert torchrun(2, [*common, "--mesh", mesh, "--out-dir", full])[0] == 0
+    full_run = background(torchrun, 2, [*common, "--mesh", mesh, "--out-dir", full])
     assert torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--halt-at", "3"])[0] == 0
+    assert full_run.result()[0] == 0
     with open(os.path.join(part, "checkpoints", "latest"), "w") as f:
         f.write("garbage")  # -> one note at resume, printed by the one process that writes
     rc, out, err = torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--resume"])
