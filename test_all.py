@@ -8,7 +8,7 @@ the unrolled loop (scan), transformers' and diffusers' outputs. This file gather
 module, so that one command runs them all (pytest collects the test functions and fixtures in this
 module's namespace, wherever they were written); tests/common.py holds the shared helpers. A test that
 must run in a fresh process (XLA runtime first, torchrun) calls one of the `child_*` functions through
-`python test_all.py child_NAME ARGS`. CPU only, 39 min on 2 cores (254 tests; README).
+`python test_all.py child_NAME ARGS`. CPU only; its count and time on 2 cores: README.
 """
 import sys
 

@@ -115,19 +115,20 @@ def test_set_parses_each_field_by_its_declared_type():
             parse(bad)
 
 
-def test_checkpoint_of_another_flavor_is_refused_and_kept(corpus, tmp_path):
+def test_checkpoint_of_another_flavor_is_refused_and_kept(corpus, tmp_path, capsys):
     out_dir = str(tmp_path / "run")
-    assert run_train([*TINY, "--data", corpus, "--steps", "2", "--out-dir", out_dir])[0] == 0
+    assert _main([*TINY, "--data", corpus, "--steps", "2", "--out-dir", out_dir]) == 0
     ckpt = os.path.join(out_dir, "checkpoints", "step_000002")
     before = sorted(os.listdir(ckpt))
-    rc, _, err = run_train([*TINY, "--flavor", "qwen3_debug", "--data", corpus, "--steps", "4",
-                            "--out-dir", out_dir, "--resume"])
-    assert rc == 2 and "from another model" in err and len(err.strip().splitlines()) == 1
+    capsys.readouterr()
+    rc = _main([*TINY, "--flavor", "qwen3_debug", "--data", corpus, "--steps", "4", "--out-dir", out_dir, "--resume"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "from another model" in err and len(err.strip().splitlines()) == 1, err
     assert sorted(os.listdir(ckpt)) == before and not os.path.exists(os.path.join(out_dir, "checkpoints", "step_000004"))
-    rc, _, err = run_train([*TINY, "--data", corpus, "--steps", "4", "--out-dir", out_dir])
-    assert rc == 2 and "--resume" in err  # a fresh run refuses to overwrite existing checkpoints
-    rc, _, err = run_train([*TINY, "--data", corpus, "--steps", "4", "--out-dir", out_dir, "--resume", "--scan"])
-    assert rc == 2 and err.strip().endswith("resume without --scan")  # stacked names differ
+    rc = _main([*TINY, "--data", corpus, "--steps", "4", "--out-dir", out_dir])
+    assert rc == 2 and "--resume" in capsys.readouterr().err  # a fresh run refuses to overwrite existing checkpoints
+    rc = _main([*TINY, "--data", corpus, "--steps", "4", "--out-dir", out_dir, "--resume", "--scan"])
+    assert rc == 2 and capsys.readouterr().err.strip().endswith("resume without --scan")  # stacked names differ
 
 
 @pytest.mark.parametrize("what,value", [("loss", float("nan")), ("grad norm", float("inf"))])

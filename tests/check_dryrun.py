@@ -8,7 +8,7 @@ import pytest
 
 from model import FLAVORS, flops_per_token
 
-from tests.common import TINY, _trainer, run_train
+from tests.common import TINY, _main, _trainer
 from tests.check_flux import FLUX_DEV_CONFIG
 
 
@@ -24,7 +24,7 @@ def test_dry_run_bytes_equal_a_real_runs_allocation(corpus, tmp_path, capsys):
     assert report["memory_bytes"]["saved activations (bf16)"] > 0 and report["fits"]
 
 
-def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones():
+def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones(capsys):
     """--plan for the largest MoE flavor: under 2 minutes; every row a layout of exactly N chips that
     the model allows (ep divides the experts and the data-parallel ranks, no tp on MoE blocks);
     fitting layouts first, each group ordered by step time; the row for a layout equals that
@@ -32,7 +32,8 @@ def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones()
     import time
     t0 = time.time()
     flags = ["--dry-run", "--flavor", "qwen3_235b_a22b", "--batch-size", "256", "--seq-len", "4096"]
-    rc, out, err = run_train([*flags, "--plan", "--chips", "256"], timeout=120)
+    rc = _main([*flags, "--plan", "--chips", "256"])
+    out, err = capsys.readouterr()
     assert rc == 0 and time.time() - t0 < 120, err[-2000:]
     rows = json.loads(out.strip().splitlines()[-1])
     dims = [{k: int(v) for k, v in (p.split("=") for p in r["mesh"].split(","))} for r in rows]
@@ -57,16 +58,17 @@ def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones()
         own = dryrun.dry_run(args, "qwen3_235b_a22b", mesh_lib.mesh_dims(row["mesh"]), 256, 4096, "tpu_v5p",
                              row["remat"], per_sequence[row["remat"]])
         assert {k: own[k] for k in row} == row, (row, {k: own[k] for k in row})
-    rc, out, err = run_train([*flags, "--plan", "--chips", "3"], timeout=120)
+    rc = _main([*flags, "--plan", "--chips", "3"])
+    err = capsys.readouterr().err
     assert rc == 2 and err.strip().startswith("error:") and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("flavor,mesh", [("llama3_405b", "dcn=2,ici=128"), ("qwen3_235b_a22b", "dcn=2,ici=128")])
-def test_dry_run_of_the_largest_flavors_is_fast_and_says_whether_it_fits(flavor, mesh):
+def test_dry_run_of_the_largest_flavors_is_fast_and_says_whether_it_fits(flavor, mesh, capsys):
     import time
     t0 = time.time()
-    rc, out, err = run_train(["--dry-run", "--flavor", flavor, "--mesh", mesh, "--batch-size", "256",
-                              "--seq-len", "4096", "--remat"], timeout=120)
+    rc = _main(["--dry-run", "--flavor", flavor, "--mesh", mesh, "--batch-size", "256", "--seq-len", "4096", "--remat"])
+    out, err = capsys.readouterr()
     assert rc == 0, err[-2000:]
     assert time.time() - t0 < 120
     report = json.loads(out.strip().splitlines()[-1])

@@ -13,7 +13,7 @@ import optim
 from model import ModelArgs, Transformer
 
 from tests.common import (DIST_TINY, HERE, TINY, _near, background, _ops_of_one_more_step, _records, _train_losses,
-                          _trainer, run_train, torchrun)
+                          _trainer, one_process_run, torchrun)
 
 
 @pytest.mark.parametrize("extra", [[], ["--flavor", "qwen3_moe_debug", "--kernels", "pallas", "--set", "moe_ffn_dim=32"]])
@@ -159,13 +159,12 @@ def _gathers(side):
     return side.get("all_gather_into_tensor", 0) + side.get("all_gather_into_tensor_out", 0)
 
 
-def test_graph_mode_with_simplefsdp_hsdp_is_one_graph_with_its_collectives(corpus, tmp_path):
+def test_graph_mode_with_simplefsdp_hsdp_is_one_graph_with_its_collectives(corpus, tmp_path, tmp_path_factory):
     """HSDP (4 processes) in graph mode, with the SimpleFSDP passes on (the default under a mesh):
     equal to one process; one all-gather per block (+ embedding, + head) in each direction, the
     backward re-gathering what the forward gathered, no gathered weight saved in between."""
     common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0"]
-    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
-    assert run_train([*common, "--out-dir", single])[0] == 0
+    single, multi = one_process_run(common, tmp_path_factory), str(tmp_path / "multi")
     rc, out, err = torchrun(4, [*common, "--out-dir", multi, "--mesh", "dcn=2,ici=2", "--mode", "graph"])
     assert rc == 0, err[-3000:]
     for key in ("loss", "grad_norm"):

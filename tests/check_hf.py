@@ -14,7 +14,7 @@ import torch
 import data
 from model import FLAVORS, ModelArgs, Transformer
 
-from tests.common import HERE, TINY, _full_params, _main, _near, _records, run_train, torchrun
+from tests.common import HERE, TINY, _full_params, _main, _near, _records, background, run_train, torchrun
 
 
 HF_FIXTURES = os.path.join(HERE, "fixtures", "hf")
@@ -405,8 +405,10 @@ def test_fine_tuning_starts_from_the_hf_weights_on_one_process_and_under_a_mesh(
     assert abs(_records(single, "val_loss")[0] - want) < 1e-5
     assert "sample (64 bytes" in out
     assert open(os.path.join(single, "loss.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    for mesh, out_dir in [("ici=2", multi), ("ici=1,tp=2", str(tmp_path / "tp"))]:
-        rc, _, err = torchrun(2, [*common, "--out-dir", out_dir, "--mesh", mesh])
+    layouts = [("ici=2", multi), ("ici=1,tp=2", str(tmp_path / "tp"))]
+    launched = [background(torchrun, 2, [*common, "--out-dir", out_dir, "--mesh", mesh]) for mesh, out_dir in layouts]
+    for (mesh, out_dir), run in zip(layouts, launched):
+        rc, _, err = run.result()
         assert rc == 0, err[-3000:]
         for key in ("loss", "val_loss", "grad_norm"):
             _near(_records(single, key), _records(out_dir, key), atol=1e-5)

@@ -12,7 +12,7 @@ import torch
 from model import FLAVORS, Transformer
 
 from tests.common import (DIST_TINY, HERE, _near, _ranks_equal_one_process, _train_losses, _trainer,
-                          run_train, torchrun)
+                          one_process_run, torchrun)
 
 
 @pytest.mark.parametrize("flavor", ["llama3_debug", "qwen3_debug", "qwen3_moe_debug"])
@@ -101,14 +101,13 @@ def test_layer_scan_keeps_the_step_graph_constant_in_depth(corpus, tmp_path):
 
 @pytest.mark.parametrize("impl,mode,mesh", [("simple", "graph", "ici=2"), ("simple", "eager", "dcn=2,ici=2"),
                                             ("fsdp2", "eager", "ici=2")])
-def test_layer_scan_under_a_mesh_matches_single_process(impl, mode, mesh, corpus, tmp_path):
+def test_layer_scan_under_a_mesh_matches_single_process(impl, mode, mesh, corpus, tmp_path, tmp_path_factory):
     """SimpleFSDP: stacked (L, ...) weights sharded after the layer axis, one layer gathered per
     iteration inside the scan op, gradients reduce-scattered per layer (HSDP: and averaged over dcn).
     FSDP2: the stack is one unit. (The oracle is one process with --scan: scan vs unrolled is tested
     above, and its grad norm sums in another order, ~2e-5 over 6 steps.)"""
     common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0", "--scan"]
-    single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
-    assert run_train([*common, "--out-dir", single])[0] == 0
+    single, multi = one_process_run(common, tmp_path_factory), str(tmp_path / "multi")
     nproc = 4 if mesh.startswith("dcn") else 2
     rc, out, err = torchrun(nproc, [*common, "--out-dir", multi, "--mesh", mesh, "--dp-impl", impl, "--mode", mode])
     assert rc == 0, err[-3000:]

@@ -18,18 +18,21 @@ from tests.common import (DIST_TINY, HERE, TINY, _main, _near, background, _rank
                           _trainer, losses, one_process_run, run_train, tiny_args, torchrun)
 
 
+def _dp_args(flavor, corpus):
+    return [*DIST_TINY, "--flavor", flavor, "--data", corpus, "--steps", "10", "--ckpt-interval", "0",
+            "--eval-batches", "1", *(["--set", "moe_ffn_dim=32", "--set", "aux_loss_coef=0"] if "moe" in flavor else [])]
+
+
 @pytest.mark.parametrize("nproc,mesh,impl,flavor", [(2, "ici=2", "simple", "llama3_debug"),
                                                     (4, "dcn=2,ici=2", "simple", "llama3_debug"),
                                                     (2, "ici=2", "fsdp2", "llama3_debug"),
                                                     (2, "ici=2", "simple", "qwen3_moe_debug")])
 def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus, tmp_path, tmp_path_factory):
-    common = [*DIST_TINY, "--flavor", flavor, "--data", corpus, "--steps", "10", "--ckpt-interval", "0",
-              "--eval-batches", "1", *(["--set", "moe_ffn_dim=32", "--set", "aux_loss_coef=0"] if "moe" in flavor else [])]
+    common = _dp_args(flavor, corpus)
     # (MoE: the load-balancing loss E * sum_e f_e * P_e is computed per rank, as is usual, and is not
     # linear in the batch, so only with it off is N ranks' step exactly one process's step.)
-    single, multi = one_process_run(common, tmp_path_factory), str(tmp_path / "multi")
-    rc, out, err = torchrun(nproc, [*common, "--out-dir", multi, "--mesh", mesh, "--dp-impl", impl])
-    assert rc == 0, err[-3000:]
+    single = one_process_run(common, tmp_path_factory)
+    multi = one_process_run([*common, "--mesh", mesh, "--dp-impl", impl], tmp_path_factory, nproc)
     # (Partial("sum") for Partial("avg") doubles every gradient and still trains the same: the pre-clip
     # norms see it. And every rank validates its own rows.)
     p_single = _ranks_equal_one_process(single, multi, 10, common)
@@ -47,23 +50,23 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus,
         assert total / shards <= local <= total / shards + slack, (key, total, local)
 
 
-def test_sharded_resume_equals_uninterrupted_and_other_mesh_is_refused(corpus, tmp_path):
-    common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0",
-              "--mesh", "ici=2"]
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    full_run = background(torchrun, 2, [*common, "--out-dir", full])
-    assert torchrun(2, [*common, "--out-dir", part, "--halt-at", "3"])[0] == 0
-    assert full_run.result()[0] == 0
+def test_sharded_resume_equals_uninterrupted_and_other_mesh_is_refused(corpus, tmp_path, tmp_path_factory, capsys):
+    common = [*_dp_args("llama3_debug", corpus), "--mesh", "ici=2"]
+    part = str(tmp_path / "part")
+    full_run = background(one_process_run, [*common, "--dp-impl", "simple"], tmp_path_factory, 2)  # (the DP test's run)
+    assert torchrun(2, [*common, "--out-dir", part, "--halt-at", "5"])[0] == 0
+    full = full_run.result()
     rc, out, err = torchrun(2, [*common, "--out-dir", part, "--resume"])
     assert rc == 0, err[-3000:]
     assert losses(part) == losses(full)
     rc, _, err = torchrun(4, [*common[:-2], "--mesh", "dcn=2,ici=2", "--out-dir", part, "--resume"])
     assert rc != 0 and "was saved on mesh 'ici=2', this run uses 'dcn=2,ici=2'" in err
     # One process <-> two: refused both ways (DCP could reshard; we do not claim it, so we refuse).
-    rc, _, err = run_train([*common[:-2], "--out-dir", part, "--resume", "--steps", "8", "--allow-change", "steps"])
-    assert rc == 2 and "was saved on mesh 'ici=2', this run uses None" in err
+    capsys.readouterr()
+    rc = _main([*common[:-2], "--out-dir", part, "--resume", "--steps", "12", "--allow-change", "steps"])
+    assert rc == 2 and "was saved on mesh 'ici=2', this run uses None" in capsys.readouterr().err
     single = str(tmp_path / "single")
-    assert run_train([*common[:-2], "--out-dir", single, "--halt-at", "3"])[0] == 0
+    assert _main([*common[:-2], "--out-dir", single, "--halt-at", "3"]) == 0
     rc, _, err = torchrun(2, [*common, "--out-dir", single, "--resume"])
     assert rc != 0 and "was saved on mesh None, this run uses 'ici=2'" in err
 
@@ -365,6 +368,10 @@ TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 MOE_EXACT = ["--set", "moe_ffn_dim=32", "--set", "aux_loss_coef=0"]  # (aux loss per rank: see above)
 
 
+def _tp_ep_args(flavor, corpus):
+    return [*TINY, "--flavor", flavor, "--data", corpus, "--steps", "10", "--ckpt-interval", "0", "--eval-batches", "1"]
+
+
 @pytest.mark.parametrize("nproc,mesh,flavor,extra", [
     (2, "ici=1,tp=2", "llama3_debug", []), (2, "ici=1,tp=2", "qwen3_debug", ["--mode", "graph"]),
     (4, "ici=2,tp=2", "llama3_debug", []), (4, "dcn=2,ici=1,tp=2", "qwen3_debug", []),
@@ -376,10 +383,9 @@ def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, ex
     norms, validation and final weights to 1e-5; per-rank parameter and AdamW bytes: 1/(ici x tp) of
     the split matmuls, 1/(ep x its FSDP size) of the experts, 1/ici of the rest; in graph mode the
     TP collectives / EP all-to-alls are nodes of the one step graph (EP traced: static buffers)."""
-    common = [*TINY, "--flavor", flavor, "--data", corpus, "--steps", "10", "--ckpt-interval", "0", "--eval-batches", "1"]
-    single, multi = one_process_run([*common, *[a for a in extra if a in MOE_EXACT]], tmp_path_factory), str(tmp_path / "multi")
-    rc, out, err = torchrun(nproc, [*common, *extra, "--out-dir", multi, "--mesh", mesh])
-    assert rc == 0, err[-3000:]
+    common = _tp_ep_args(flavor, corpus)
+    single = one_process_run([*common, *[a for a in extra if a in MOE_EXACT]], tmp_path_factory)
+    multi = one_process_run([*common, *extra, "--mesh", mesh], tmp_path_factory, nproc)
     p_single = _ranks_equal_one_process(single, multi, 10, [*common, *extra])
     dims = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
     ici, tp = dims["ici"], dims.get("tp", 1)
@@ -407,13 +413,13 @@ def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, ex
 
 @pytest.mark.parametrize("mesh,flavor,other", [("ici=1,tp=2", "llama3_debug", "ici=2"),
                                                ("ici=2,ep=2", "qwen3_moe_debug", "ici=2")])
-def test_tp_and_ep_checkpoints_resume_bit_for_bit_and_another_layout_is_refused(mesh, flavor, other, corpus, tmp_path):
-    common = [*TINY, "--flavor", flavor, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0",
-              *(MOE_EXACT if "moe" in flavor else [])]
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    full_run = background(torchrun, 2, [*common, "--mesh", mesh, "--out-dir", full])
-    assert torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--halt-at", "3"])[0] == 0
-    assert full_run.result()[0] == 0
+def test_tp_and_ep_checkpoints_resume_bit_for_bit_and_another_layout_is_refused(mesh, flavor, other, corpus, tmp_path,
+                                                                                tmp_path_factory):
+    common = [*_tp_ep_args(flavor, corpus), *(MOE_EXACT if "moe" in flavor else [])]
+    part = str(tmp_path / "part")
+    full_run = background(one_process_run, [*common, "--mesh", mesh], tmp_path_factory, 2)  # (the test above's run)
+    assert torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--halt-at", "5"])[0] == 0
+    full = full_run.result()
     with open(os.path.join(part, "checkpoints", "latest"), "w") as f:
         f.write("garbage")  # -> one note at resume, printed by the one process that writes
     rc, out, err = torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--resume"])
@@ -422,11 +428,11 @@ def test_tp_and_ep_checkpoints_resume_bit_for_bit_and_another_layout_is_refused(
     assert err.count("note: ") == 1, err  # (under tp both ranks of a tp group are data-parallel rank 0)
     if "tp" in mesh:  # --resume-from twice: idempotent, done by one process, superseded ones kept
         for _ in range(2):
-            rc, _, err = torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--resume-from", "step_000003"])
+            rc, _, err = torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--resume-from", "step_000005"])
             assert rc == 0, err[-3000:]
         assert sorted(os.listdir(os.path.join(part, "checkpoints"))) == [
-            "latest", "step_000003", "step_000006", "step_000006.superseded", "step_000006.superseded.2"]
+            "latest", "step_000005", "step_000010", "step_000010.superseded", "step_000010.superseded.2"]
         assert losses(part) == losses(full)
-    rc, _, err = torchrun(2, [*common, "--mesh", other, "--out-dir", part, "--resume", "--steps", "8", "--allow-change", "steps"])
+    rc, _, err = torchrun(2, [*common, "--mesh", other, "--out-dir", part, "--resume", "--steps", "12", "--allow-change", "steps"])
     lines = [l for l in err.splitlines() if l.startswith("error:")]
     assert rc != 0 and lines and all(f"was saved on mesh '{mesh}', this run uses '{other}'" in l for l in lines), err[-2000:]

@@ -46,19 +46,23 @@ def background(fn, *args, **kw):
     return future
 
 
-_ONE_PROCESS_RUNS = {}
+_SHARED_RUNS = {}
 
 
-def one_process_run(args, tmp_path_factory):
-    """The one-process oracle run of `args` (read only by its callers), run once per distinct args:
-    several parametrizations of the multi-process tests compare against the same one."""
-    key = tuple(args)
-    if key not in _ONE_PROCESS_RUNS:
-        out = str(tmp_path_factory.mktemp("one_process"))
-        rc, _, err = run_train([*args, "--out-dir", out])
-        assert rc == 0, err[-3000:]
-        _ONE_PROCESS_RUNS[key] = out
-    return _ONE_PROCESS_RUNS[key]
+def one_process_run(args, tmp_path_factory, nproc=1):
+    """The run of `args` on `nproc` torchrun ranks (1: one process, this one), run once per distinct
+    (nproc, args) and read only by its callers: several tests compare against the same run (the
+    one-process oracle of the multi-process tests; a multi-process run another test resumes)."""
+    key = (nproc, tuple(args))
+    if key not in _SHARED_RUNS:
+        out = str(tmp_path_factory.mktemp("shared_run"))
+        if nproc == 1:
+            assert _main([*args, "--out-dir", out]) == 0  # (in this process: no second start of torch)
+        else:
+            rc, _, err = torchrun(nproc, [*args, "--out-dir", out])
+            assert rc == 0, err[-3000:]
+        _SHARED_RUNS[key] = out
+    return _SHARED_RUNS[key]
 
 
 def _records(out_dir, key):
