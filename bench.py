@@ -416,14 +416,10 @@ def main():
     p.add_argument("--flux", action="store_true", help="only the FLUX training-step rows (< 2 min on 2 cores)")
     p.add_argument("--rollout", action="store_true", help="only the rollout engines' rows, ours vs vLLM (< 3 min)")
     args = p.parse_args()
-    if args.rollout:  # just the rollout rows (also part of the full run)
-        rows = rollout_table()
-        _write("rollout", rollout_markdown(rows), {"rollout": rows})
-        return
-    if args.flux:  # just the FLUX rows (also part of the full run)
-        rows = flux_table()
-        _write("flux", flux_markdown(rows), {"flux": rows})
-        return
+    for name, (table, markdown) in {"rollout": (rollout_table, rollout_markdown), "flux": (flux_table, flux_markdown)}.items():
+        if getattr(args, name):  # just these rows (also part of the full run)
+            rows = table()
+            return _write(name, markdown(rows), {name: rows})
     modes = QUICK_CONFIGS if args.quick else QUICK_CONFIGS + FULL_CONFIGS
     speed = speed_table(modes, repeats=1 if args.quick else 2, steps=10 if args.quick else 20)
     depth = [] if args.quick else compile_vs_depth()
