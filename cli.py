@@ -119,7 +119,7 @@ class TrainConfig:
     halt_at: int = flag(0, "stop after this step as if preempted (tests resume)")
     tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars (out-dir/tensorboard)")
     no_plot: bool = flag(False, "do not draw loss.png at each evaluation (metrics.jsonl has the same numbers; "
-                         "drawing costs ~1 s of matplotlib per run, most of a short run's time)")
+                         "drawing costs ~1-2 s of matplotlib per run, a third of a short test run)")
     # planning without running
     dry_run: bool = flag(False, "trace at full scale on meta tensors; print memory/FLOPs/step-time estimates")
     chip: str = flag("tpu_v5p", "TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")

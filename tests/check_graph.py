@@ -13,7 +13,7 @@ import optim
 from model import ModelArgs, Transformer
 
 from tests.common import (DIST_TINY, HERE, TINY, _near, background, _ops_of_one_more_step, _records, _train_losses,
-                          _trainer, one_process_run, torchrun)
+                          _trainer, shared_run, torchrun)
 
 
 @pytest.mark.parametrize("extra", [[], ["--flavor", "qwen3_moe_debug", "--kernels", "pallas", "--set", "moe_ffn_dim=32"]])
@@ -164,7 +164,7 @@ def test_graph_mode_with_simplefsdp_hsdp_is_one_graph_with_its_collectives(corpu
     equal to one process; one all-gather per block (+ embedding, + head) in each direction, the
     backward re-gathering what the forward gathered, no gathered weight saved in between."""
     common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0"]
-    single, multi = one_process_run(common, tmp_path_factory), str(tmp_path / "multi")
+    single, multi = shared_run(common, tmp_path_factory), str(tmp_path / "multi")
     rc, out, err = torchrun(4, [*common, "--out-dir", multi, "--mesh", "dcn=2,ici=2", "--mode", "graph"])
     assert rc == 0, err[-3000:]
     for key in ("loss", "grad_norm"):

@@ -12,7 +12,7 @@ import torch
 from model import FLAVORS, Transformer
 
 from tests.common import (DIST_TINY, HERE, _near, _ranks_equal_one_process, _train_losses, _trainer,
-                          one_process_run, torchrun)
+                          shared_run, torchrun)
 
 
 @pytest.mark.parametrize("flavor", ["llama3_debug", "qwen3_debug", "qwen3_moe_debug"])
@@ -107,7 +107,7 @@ def test_layer_scan_under_a_mesh_matches_single_process(impl, mode, mesh, corpus
     FSDP2: the stack is one unit. (The oracle is one process with --scan: scan vs unrolled is tested
     above, and its grad norm sums in another order, ~2e-5 over 6 steps.)"""
     common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "0", "--scan"]
-    single, multi = one_process_run(common, tmp_path_factory), str(tmp_path / "multi")
+    single, multi = shared_run(common, tmp_path_factory), str(tmp_path / "multi")
     nproc = 4 if mesh.startswith("dcn") else 2
     rc, out, err = torchrun(nproc, [*common, "--out-dir", multi, "--mesh", mesh, "--dp-impl", impl, "--mode", mode])
     assert rc == 0, err[-3000:]

@@ -15,7 +15,7 @@ import torch
 import optim
 
 from tests.common import (DIST_TINY, HERE, TINY, _main, _near, background, _ranks_equal_one_process, _records, _train_losses,
-                          _trainer, losses, one_process_run, run_train, tiny_args, torchrun)
+                          _trainer, losses, shared_run, run_train, tiny_args, torchrun)
 
 
 def _dp_args(flavor, corpus):
@@ -31,8 +31,8 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus,
     common = _dp_args(flavor, corpus)
     # (MoE: the load-balancing loss E * sum_e f_e * P_e is computed per rank, as is usual, and is not
     # linear in the batch, so only with it off is N ranks' step exactly one process's step.)
-    single = one_process_run(common, tmp_path_factory)
-    multi = one_process_run([*common, "--mesh", mesh, "--dp-impl", impl], tmp_path_factory, nproc)
+    single = shared_run(common, tmp_path_factory)
+    multi = shared_run([*common, "--mesh", mesh, "--dp-impl", impl], tmp_path_factory, nproc)
     # (Partial("sum") for Partial("avg") doubles every gradient and still trains the same: the pre-clip
     # norms see it. And every rank validates its own rows.)
     p_single = _ranks_equal_one_process(single, multi, 10, common)
@@ -53,7 +53,7 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus,
 def test_sharded_resume_equals_uninterrupted_and_other_mesh_is_refused(corpus, tmp_path, tmp_path_factory, capsys):
     common = [*_dp_args("llama3_debug", corpus), "--mesh", "ici=2"]
     part = str(tmp_path / "part")
-    full_run = background(one_process_run, [*common, "--dp-impl", "simple"], tmp_path_factory, 2)  # (the DP test's run)
+    full_run = background(shared_run, [*common, "--dp-impl", "simple"], tmp_path_factory, 2)  # (the DP test's run)
     assert torchrun(2, [*common, "--out-dir", part, "--halt-at", "5"])[0] == 0
     full = full_run.result()
     rc, out, err = torchrun(2, [*common, "--out-dir", part, "--resume"])
@@ -384,8 +384,8 @@ def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, ex
     the split matmuls, 1/(ep x its FSDP size) of the experts, 1/ici of the rest; in graph mode the
     TP collectives / EP all-to-alls are nodes of the one step graph (EP traced: static buffers)."""
     common = _tp_ep_args(flavor, corpus)
-    single = one_process_run([*common, *[a for a in extra if a in MOE_EXACT]], tmp_path_factory)
-    multi = one_process_run([*common, *extra, "--mesh", mesh], tmp_path_factory, nproc)
+    single = shared_run([*common, *[a for a in extra if a in MOE_EXACT]], tmp_path_factory)
+    multi = shared_run([*common, *extra, "--mesh", mesh], tmp_path_factory, nproc)
     p_single = _ranks_equal_one_process(single, multi, 10, [*common, *extra])
     dims = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
     ici, tp = dims["ici"], dims.get("tp", 1)
@@ -417,7 +417,7 @@ def test_tp_and_ep_checkpoints_resume_bit_for_bit_and_another_layout_is_refused(
                                                                                 tmp_path_factory):
     common = [*_tp_ep_args(flavor, corpus), *(MOE_EXACT if "moe" in flavor else [])]
     part = str(tmp_path / "part")
-    full_run = background(one_process_run, [*common, "--mesh", mesh], tmp_path_factory, 2)  # (the test above's run)
+    full_run = background(shared_run, [*common, "--mesh", mesh], tmp_path_factory, 2)  # (the test above's run)
     assert torchrun(2, [*common, "--mesh", mesh, "--out-dir", part, "--halt-at", "5"])[0] == 0
     full = full_run.result()
     with open(os.path.join(part, "checkpoints", "latest"), "w") as f:

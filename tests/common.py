@@ -37,8 +37,9 @@ def run_train(args, env=None, timeout=300):
 
 def background(fn, *args, **kw):
     """fn(*args, **kw) in a thread, for a call that waits on a child process: the child runs while this
-    process does other work (an oracle, another child). On 2 cores two such runs take ~0.7x of one
-    after the other: a run spends much of its time importing on one core. `.result()` waits for it."""
+    process does other work (an oracle, another child). On 2 cores two such runs took 0.68x (XLA:CPU)
+    to 0.81x (2-rank torchrun) of one after the other: a run spends much of its time importing on one
+    core. `.result()` waits for it."""
     from concurrent.futures import ThreadPoolExecutor
     pool = ThreadPoolExecutor(1)
     future = pool.submit(fn, *args, **kw)
@@ -49,7 +50,7 @@ def background(fn, *args, **kw):
 _SHARED_RUNS = {}
 
 
-def one_process_run(args, tmp_path_factory, nproc=1):
+def shared_run(args, tmp_path_factory, nproc=1):
     """The run of `args` on `nproc` torchrun ranks (1: one process, this one), run once per distinct
     (nproc, args) and read only by its callers: several tests compare against the same run (the
     one-process oracle of the multi-process tests; a multi-process run another test resumes)."""
