@@ -7,8 +7,9 @@ token), torch's own functional ops, torch.optim.AdamW and clip_grad_norm_, the u
 the unrolled loop (scan), transformers' and diffusers' outputs. This file gathers them into one pytest
 module, so that one command runs them all (pytest collects the test functions and fixtures in this
 module's namespace, wherever they were written); tests/common.py holds the shared helpers. A test that
-must run in a fresh process (XLA runtime first, torchrun) calls one of the `child_*` functions through
-`python test_all.py child_NAME ARGS`. CPU only; its count and time on 2 cores: README.
+must run in a fresh process (XLA runtime first, torchrun ranks) calls one of the `child_*` functions through
+`python test_all.py child_NAME ARGS`; tests/launch.py starts such processes as forks of one that has
+already imported torch (checked against real ones first). CPU only; its count and time on 2 cores: README.
 """
 import sys
 
@@ -16,7 +17,8 @@ import pytest
 
 pytest.register_assert_rewrite("tests")  # (before the imports: pytest's detailed assert messages there too)
 
-from tests.common import corpus  # noqa: E402,F401  (a fixture: found by name)
+from tests.common import corpus, fork_server  # noqa: E402,F401  (fixtures: found by name)
+from tests.check_launch import *  # noqa: E402,F401,F403
 from tests.check_model import *  # noqa: E402,F401,F403
 from tests.check_optim_data import *  # noqa: E402,F401,F403
 from tests.check_checkpoint import *  # noqa: E402,F401,F403

@@ -4,12 +4,14 @@
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests import launch
 from tests.common import HERE, TINY, _files, _full_params, _main, _trainer, background, losses, run_train
 
 
@@ -304,10 +306,9 @@ def test_disk_full_during_a_checkpoint_removes_the_partial_one_and_keeps_the_las
     assert run_train([*common, "--halt-at", "3"])[0] == 0
     before = _files(out)
     # A file-size limit of 256 KiB (smaller than one checkpoint) stands in for a full disk.
-    proc = subprocess.run(["bash", "-c", 'ulimit -f 256 && exec "$@"', "-", sys.executable, "train.py", *common,
-                           "--resume"], cwd=HERE, capture_output=True, text=True, timeout=300)
-    err = proc.stderr.strip()
-    assert proc.returncode == 5 and len(err.splitlines()) == 1, err
+    rc, _, err = launch.python(["train.py", *common, "--resume"], limits={resource.RLIMIT_FSIZE: 256 * 1024})
+    err = err.strip()
+    assert rc == 5 and len(err.splitlines()) == 1, err
     assert err.startswith("error: a write failed: writing checkpoint step_000006 failed") and "step_000003 is kept" in err
     assert _files(out) == before  # no step_000006.tmp left behind, step_000003 untouched
     assert checkpoint.find_resumable(os.path.join(out, "checkpoints"))[0].endswith("step_000003")
@@ -396,8 +397,8 @@ def test_the_watchdog_of_one_process_blames_no_peer_and_evaluation_batches_are_p
     """One process has no peer: its watchdog line says the process is stuck (exit 4). Every
     evaluation batch is progress: an evaluation longer than --watchdog in all is not a stall."""
     code = "import rundir, time; rundir.Watchdog(0.5, 0, peers=False); time.sleep(30)"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 4 and "the process is stuck or too slow" in proc.stderr and "peer" not in proc.stderr
+    rc, _, err = launch.python(["-c", code], timeout=60)
+    assert rc == 4 and "the process is stuck or too slow" in err and "peer" not in err
     import rundir
     beats = []
     monkeypatch_beat = rundir.Watchdog.beat

@@ -6,13 +6,12 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.common import HERE, _main, _near, _records, losses, torchrun
+from tests import launch
+from tests.common import _main, _near, _records, losses, torchrun
 from tests.check_flux import FLUX_FIXTURES, _flux_expected
 from tests.check_graph import _gathers
 
@@ -50,9 +49,8 @@ def test_flux_trains_through_the_shared_trainer_on_every_layout_alike(tmp_path, 
     runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "part", "compiled", "spmd", "scan")}
     # XLA SPMD in its own process, started first (it runs while this one trains): graph mode on 2 XLA:CPU
     # devices, GSPMD partitioning the traced step (the layout takes FLUX's blocks from the workload)
-    spmd = subprocess.Popen([sys.executable, "train.py", *common, "--mode", "graph", "--device", "xla", "--mesh", "ici=2",
-                             "--out-dir", runs["spmd"]], cwd=HERE, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"})
+    spmd = launch.Child(["train.py", *common, "--mode", "graph", "--device", "xla", "--mesh", "ici=2", "--out-dir",
+                         runs["spmd"]], env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"})
     assert _main([*common, "--out-dir", runs["eager"], "--sample-images", "2"]) == 0
     import kernels_pallas  # the table names "kernels_pallas:splash_full_attention": count that it is what runs
     splash_calls, splash = [], kernels_pallas.splash_full_attention
@@ -69,8 +67,8 @@ def test_flux_trains_through_the_shared_trainer_on_every_layout_alike(tmp_path, 
     assert _main([*common, "--halt-at", "2", "--out-dir", runs["part"]]) == 0
     assert _main([*common, "--resume", "--out-dir", runs["part"]]) == 0
     oracle = runs["eager"]
-    _, err = spmd.communicate(timeout=600)
-    assert spmd.returncode == 0, err[-3000:]
+    rc, _, err = spmd.result(timeout=600)
+    assert rc == 0, err[-3000:]
     for name in ("graph", "fsdp", "scan", "spmd"):
         tol = dict(rtol=1e-4, atol=1e-4) if name == "spmd" else dict(rtol=1e-5, atol=1e-6)  # (XLA's own kernels)
         for key in ("loss", "grad_norm", "val_loss"):

@@ -3,8 +3,6 @@
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,8 @@ import torch
 import optim
 from model import ModelArgs, Transformer
 
-from tests.common import (DIST_TINY, HERE, TINY, _near, background, _ops_of_one_more_step, _records, _train_losses,
+from tests import launch
+from tests.common import (DIST_TINY, TINY, _near, background, _ops_of_one_more_step, _records, _train_losses,
                           _trainer, shared_run, torchrun)
 
 
@@ -76,13 +75,12 @@ def test_xla_compiles_one_program_per_step_shape(mode, scan, corpus, tmp_path):
     # program (6 of 12 runs with two at once); see README, Known limits.)
     args = [*TINY, "--data", corpus, "--ckpt-interval", "0", "--eval-batches", "0", "--out-dir", str(tmp_path / "x"),
             *(["--scan"] if scan else [])]
-    child = background(subprocess.run, [sys.executable, "test_all.py", "child_xla_graph_steps", *args, "--mode", mode,
-                                        "--device", "xla"], cwd=HERE, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PJRT_DEVICE": "CPU"})
+    child = launch.Child(["test_all.py", "child_xla_graph_steps", *args, "--mode", mode, "--device", "xla"],
+                         env={"PJRT_DEVICE": "CPU"})
     want = _train_losses(_trainer(corpus, tmp_path), steps=8)  # (the oracle, while the child runs)
-    proc = child.result()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    rc, out, err = child.result()
+    assert rc == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
     # Step 1 compiles the step program (after one small program that materializes the initial
     # state); no step compiles again, also not step 2, whose bias correction (1 - 0.9 = 0.1) equals
     # the weight decay: per-step scalars enter as inputs that torch_xla does not merge by value.
@@ -212,11 +210,9 @@ def test_simplefsdp_graph_passes_are_exact_and_free_the_gathered_model(corpus, t
     heavy = ["--set", "n_layers=4", "--set", "dim=1024", "--set", "n_heads=8", "--set", "n_kv_heads=8",
              "--set", "ffn_dim=4096", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "0", "--steps", "1",
              "--data", corpus, "--mode", "graph", "--mesh", "ici=2", "--out-dir", str(tmp_path / "heavy")]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "test_all.py", "child_fsdp_live_bytes", *heavy], cwd=HERE, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    peak = json.loads(proc.stdout.strip().splitlines()[-1])
+    rc, out, err = launch.ranks(2, ["test_all.py", "child_fsdp_live_bytes", *heavy])
+    assert rc == 0, err[-3000:]
+    peak = json.loads(out.strip().splitlines()[-1])
     full, block = 4 * 67.6e6, 4 * 16.8e6
     # measured 300 -> 144 MB: the rest is one gathered block plus its full gradients before the
     # bucketed reduce-scatter, and the activations

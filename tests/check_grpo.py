@@ -7,8 +7,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import torch.nn.functional as F
 import pytest
@@ -16,6 +14,7 @@ import torch
 
 from model import ModelArgs, Transformer
 
+from tests import launch
 from tests.common import HERE, _main, _near, _records, torchrun
 
 
@@ -282,9 +281,8 @@ def _grpo_weights(run_dir):
 
 def _spmd_run(argv):
     """train.py on XLA SPMD over 2 XLA:CPU devices (one process), started in the background."""
-    return subprocess.Popen([sys.executable, "train.py", *argv, "--device", "xla", "--mesh", "ici=2"], cwd=HERE,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"})
+    return launch.Child(["train.py", *argv, "--device", "xla", "--mesh", "ici=2"],
+                        env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"})
 
 
 def test_sft_on_fsdp2_and_xla_spmd_equals_one_process(tmp_path):
@@ -297,8 +295,8 @@ def test_sft_on_fsdp2_and_xla_spmd_equals_one_process(tmp_path):
     assert _main(args("one")) == 0
     rc, _, err = torchrun(2, [*args("fsdp2"), "--mesh", "ici=2", "--dp-impl", "fsdp2"])
     assert rc == 0, err[-3000:]
-    _, err = spmd.communicate(timeout=600)
-    assert spmd.returncode == 0, err[-3000:]
+    rc, _, err = spmd.result(timeout=600)
+    assert rc == 0, err[-3000:]
     for name, tol in (("fsdp2", 1e-5), ("spmd", 1e-4)):
         for key in ("loss", "grad_norm"):
             _near(_records(runs["one"], key), _records(runs[name], key), atol=tol / 10, rtol=tol)
@@ -323,8 +321,8 @@ def test_grpo_through_the_trainer_on_every_layout_and_resume_equal_one_eager_pro
     for name, extra in (("fsdp", []), ("fsdp2", ["--dp-impl", "fsdp2"])):
         rc, _, err = torchrun(2, _grpo_args(grpo_warm, runs[name], "--mesh", "ici=2", "--no-plot", *extra))
         assert rc == 0, err[-3000:]
-    _, err = spmd.communicate(timeout=600)
-    assert spmd.returncode == 0, err[-3000:]
+    rc, _, err = spmd.result(timeout=600)
+    assert rc == 0, err[-3000:]
     assert _main(_grpo_args(grpo_warm, runs["part"], "--halt-at", "2")) == 0
     assert _main(_grpo_args(grpo_warm, runs["part"], "--resume")) == 0
 
@@ -367,13 +365,11 @@ def test_grpo_bad_input_is_one_error_line_exit_2_and_a_dead_engine_exit_4(grpo_w
         assert not os.path.exists(out)
 
     run = str(tmp_path / "killed")
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"),
-                             *_grpo_args(grpo_warm, run, "--steps", "400")], cwd=HERE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = launch.Child(["train.py", *_grpo_args(grpo_warm, run, "--steps", "400")])
     try:
         deadline = time.monotonic() + 240
         while not (os.path.exists(os.path.join(run, "metrics.jsonl")) and _records(run, "reward")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
             time.sleep(0.2)
         engines = []  # the trainer's children started by multiprocessing's spawn (not its resource tracker)
         for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -388,10 +384,10 @@ def test_grpo_bad_input_is_one_error_line_exit_2_and_a_dead_engine_exit_4(grpo_w
                 engines.append(int(pid))
         assert len(engines) == 1, engines
         os.kill(engines[0], signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)
+        rc, _, err = proc.result(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 4, err[-2000:]
+    assert rc == 4, err[-2000:]
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "rollout engine process died (exit code -9)" in lines[0] and "at step" in lines[0], err
 

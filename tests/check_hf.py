@@ -5,8 +5,7 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
-import sys
+import resource
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 import data
 from model import FLAVORS, ModelArgs, Transformer
 
+from tests import launch
 from tests.common import HERE, TINY, _full_params, _main, _near, _records, background, run_train, torchrun
 
 
@@ -379,10 +379,10 @@ def test_export_never_clobbers_and_a_failed_write_keeps_the_old_files(corpus, tm
     for (n, p), (_, q) in zip(model.named_parameters(), hf.load(str(tmp_path / "out")).named_parameters()):
         assert torch.equal(p, q), n
     before = {f: checkpoint.sha256_of(tmp_path / "out" / f) for f in os.listdir(tmp_path / "out")}
-    proc = subprocess.run(["bash", "-c", 'ulimit -f 256 && exec "$@"', "-", sys.executable, "hf.py", "export", run,
-                           str(tmp_path / "out"), "--overwrite"], cwd=HERE, capture_output=True, text=True, timeout=300)
-    err = proc.stderr.strip()
-    assert proc.returncode == 5 and len(err.splitlines()) == 1 and err.startswith("error: a write failed"), err
+    rc, _, err = launch.python(["hf.py", "export", run, str(tmp_path / "out"), "--overwrite"],
+                               limits={resource.RLIMIT_FSIZE: 256 * 1024})
+    err = err.strip()
+    assert rc == 5 and len(err.splitlines()) == 1 and err.startswith("error: a write failed"), err
     assert {f: checkpoint.sha256_of(tmp_path / "out" / f) for f in os.listdir(tmp_path / "out")} == before
     assert sorted(os.listdir(tmp_path)) == ["file", "out", "run", "user"]  # no temporary directory left
 
@@ -454,10 +454,9 @@ def child_xla_generate():
 
 
 def test_decoding_on_xla_compiles_the_step_once_and_equals_cpu():
-    proc = subprocess.run([sys.executable, "test_all.py", "child_xla_generate"], cwd=HERE, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    rc, out, err = launch.python(["test_all.py", "child_xla_generate"], env={"PJRT_DEVICE": "CPU"})
+    assert rc == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
     # token 1 comes from the prefill program, token 2 from the first decode step: no compile after it
     assert res["compiles"][1] == res["compiles"][-1], res["compiles"]
     import generate

@@ -3,16 +3,14 @@
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from model import sdpa_attention
 
-from tests.common import HERE, _near, _ops_of_one_more_step, _train_losses, _trainer
+from tests import launch
+from tests.common import _near, _ops_of_one_more_step, _train_losses, _trainer
 
 
 def _grads(fn, inputs, cot):
@@ -212,10 +210,9 @@ def child_xla_kernels():
 
 
 def test_kernels_on_xla_cpu_through_call_jax_equal_cpu():
-    proc = subprocess.run([sys.executable, "test_all.py", "child_xla_kernels"], cwd=HERE, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    diffs = json.loads(proc.stdout.split("diffs")[1])
+    rc, out, err = launch.python(["test_all.py", "child_xla_kernels"], env={"PJRT_DEVICE": "CPU"})
+    assert rc == 0, err[-3000:]
+    diffs = json.loads(out.split("diffs")[1])
     assert len(diffs) == 10 and all(d < 1e-5 for d in diffs), diffs  # (a NaN difference fails: nan < x is False)
 
 

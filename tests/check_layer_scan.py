@@ -2,16 +2,14 @@
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from model import FLAVORS, Transformer
 
-from tests.common import (DIST_TINY, HERE, _near, _ranks_equal_one_process, _train_losses, _trainer,
+from tests import launch
+from tests.common import (DIST_TINY, _near, _ranks_equal_one_process, _train_losses, _trainer,
                           shared_run, torchrun)
 
 
@@ -69,10 +67,9 @@ def test_layer_scan_on_xla_is_one_while_loop_with_the_unrolled_gradients():
     """On XLA the scan op lowers to XLA While loops (forward and backward): the program is the same
     size at 2 and 5 layers, and the gradients equal the unrolled model's on CPU (MoE: Pallas gmm
     inside the loop body, through call_jax)."""
-    proc = subprocess.run([sys.executable, "test_all.py", "child_xla_scan_gradients"], cwd=HERE, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    rc, out, err = launch.python(["test_all.py", "child_xla_scan_gradients"], env={"PJRT_DEVICE": "CPU"})
+    assert rc == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
     for r in res.values():
         assert r["errs"] and all(e < 1e-6 for e in r["errs"]) and r["whiles"] >= 2, res
     assert res["llama3_debug/2"]["hlo_lines"] == res["llama3_debug/5"]["hlo_lines"], res
@@ -124,15 +121,10 @@ def test_layer_scan_under_simplefsdp_holds_one_gathered_layer_not_the_stack(corp
              "--data", corpus, "--mesh", "ici=2"]
     transient = {}
     for impl in ("simple", "fsdp2"):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               "test_all.py", "child_step_transient_bytes", *heavy, "--dp-impl", impl,
-                               "--out-dir", str(tmp_path / impl)], cwd=HERE, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
-        # (a fixed mmap threshold: every tensor over 64 KiB is its own mapping, returned on free, so
-        # RSS follows live bytes; glibc's adaptive threshold otherwise keeps freed 16 MB weights in
-        # its heap, and the figure depended on the allocation history: 266 vs 442 MB in two runs)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        transient[impl] = json.loads(proc.stdout.strip().splitlines()[-1])
+        rc, out, err = launch.ranks(2, ["test_all.py", "child_step_transient_bytes", *heavy, "--dp-impl", impl,
+                                        "--out-dir", str(tmp_path / impl)])
+        assert rc == 0, err[-3000:]
+        transient[impl] = json.loads(out.strip().splitlines()[-1])
     stack, layer = 8 * 4 * 16.8e6, 4 * 16.8e6
     assert transient["fsdp2"]["forward"] > stack and transient["fsdp2"]["transient"] > stack, transient
     # forward: the layer in use and the next one's all-gather in flight (prefetch); measured 2.5 layers
@@ -145,9 +137,14 @@ def test_layer_scan_under_simplefsdp_holds_one_gathered_layer_not_the_stack(corp
 def child_step_transient_bytes(*argv):
     """(child process, torchrun) Rank 0's peak resident bytes during a forward + backward above what it
     held before, less the gradient shards it returns (the optimizer's own copies are not the point)."""
+    import ctypes
     import gc
     import device as dev
     import train
+    # A fixed mmap threshold (glibc's M_MMAP_THRESHOLD, -3): every tensor over 64 KiB is its own mapping,
+    # returned on free, so RSS follows live bytes; glibc's adaptive threshold otherwise keeps freed 16 MB
+    # weights in its heap, and the figure depended on the allocation history: 266 vs 442 MB in two runs.
+    assert ctypes.CDLL("libc.so.6").mallopt(-3, 65536) == 1
     cfg = train.parse_config(argv)
     tr = train.Trainer(cfg)
     for step in (1, 2):  # the first warms up (traces the block's vjp, fills the allocator's caches)

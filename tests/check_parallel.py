@@ -14,6 +14,7 @@ import torch
 
 import optim
 
+from tests import launch
 from tests.common import (DIST_TINY, HERE, TINY, _main, _near, background, _ranks_equal_one_process, _records, _train_losses,
                           _trainer, losses, shared_run, run_train, tiny_args, torchrun)
 
@@ -125,12 +126,11 @@ def test_a_killed_rank_ends_the_run_within_60s(corpus, tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     out_dir = tmp_path / "r"
-    ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *DIST_TINY, "--data", corpus, "--steps",
-                               "100000", "--eval-batches", "0", "--ckpt-interval", "0", "--mesh", "ici=2", "--out-dir",
-                               str(out_dir)], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                   "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+    ranks = [launch.Child(["train.py", *DIST_TINY, "--data", corpus, "--steps", "100000", "--eval-batches", "0",
+                           "--ckpt-interval", "0", "--mesh", "ici=2", "--out-dir", str(out_dir)],
+                          env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+             for r in (0, 1)]
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not (out_dir / "metrics.jsonl").exists():
@@ -139,14 +139,14 @@ def test_a_killed_rank_ends_the_run_within_60s(corpus, tmp_path):
         assert ranks[0].poll() is None and ranks[1].poll() is None, "the run ended before the kill"
         ranks[1].kill()
         killed_at = time.time()
-        _, err = ranks[0].communicate(timeout=90)
+        rc, _, err = ranks[0].result(timeout=90)
         took = time.time() - killed_at
     finally:
         for p in ranks:
             p.kill()
-            p.communicate()
+            p.wait()
     lines = [l for l in err.splitlines() if l.strip()]
-    assert took < 60 and ranks[0].returncode == 4, (took, ranks[0].returncode, err[-3000:])
+    assert took < 60 and rc == 4, (took, rc, err[-3000:])
     assert len(lines) == 1 and lines[0].startswith("error: rank 0: a collective failed at step "), err[-3000:]
     assert "a peer process died or stalled" in lines[0], err[-3000:]
 
@@ -213,10 +213,9 @@ def child_simplefsdp_fx():
 
 
 def test_simplefsdp_collectives_are_nodes_of_the_traced_graph(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "test_all.py", "child_simplefsdp_fx"], cwd=HERE, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    rc, out, err = launch.ranks(2, ["test_all.py", "child_simplefsdp_fx"], timeout=180)
+    assert rc == 0, err[-3000:]
+    line = next(l for l in out.splitlines() if l.startswith("RESULT"))
     import ast
     counts = ast.literal_eval(line[len("RESULT"):line.rindex("}") + 1].strip())
     assert counts["_c10d_functional.all_gather_into_tensor.default"] == 2      # one per parameter
@@ -285,15 +284,14 @@ def _replica_groups(hlo, op):
 def test_spmd_mesh_on_xla_equals_one_cpu_process(mesh, mode, extra, corpus, tmp_path):
     args = [*TINY, "--data", corpus, "--steps", "8", "--ckpt-interval", "0", "--eval-batches", "0", *extra]
     dump = tmp_path / "hlo"
-    child = background(subprocess.run, [sys.executable, "test_all.py", "child_spmd_steps", *args, "--out-dir",
-                                        str(tmp_path / "x"), "--device", "xla", "--mesh", mesh, "--mode", mode],
-                       cwd=HERE, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, **SPMD_ENV, "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
+    child = launch.Child(["test_all.py", "child_spmd_steps", *args, "--out-dir", str(tmp_path / "x"), "--device", "xla",
+                          "--mesh", mesh, "--mode", mode],
+                         env={**SPMD_ENV, "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
     oracle, norms = _trainer(corpus, tmp_path, *extra), []  # (while the child runs)
     want = _train_losses(oracle, steps=8, norms=norms)
-    proc = child.result()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    rc, out, err = child.result()
+    assert rc == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
     _near(want, res["losses"], atol=1e-4)
     # Gradients and weights too: clipping and Adam's normalization hide a gradient scale from losses.
     _near(norms, res["norms"], atol=0, rtol=1e-4)

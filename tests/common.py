@@ -3,16 +3,16 @@ or a subprocess, torchrun, a trainer driven step by step, the comparisons."""
 import dataclasses
 import json
 import os
-import subprocess
-import sys
+import signal
 
 import pytest
 import torch
 
 import data
+from tests import launch
 from model import ModelArgs, Transformer
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+HERE = launch.HERE  # the repository root
 TINY = ["--set", "n_layers=2", "--set", "dim=64", "--set", "n_heads=4", "--set", "n_kv_heads=2",
         "--set", "ffn_dim=128", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2",
         "--log-interval", "1", "--warmup", "2", "--no-plot"]  # (loss.png: drawn where a test reads it)
@@ -28,11 +28,15 @@ def corpus(tmp_path_factory):
 
 
 def run_train(args, env=None, timeout=300):
-    """train.py in a subprocess: (returncode, stdout, stderr)."""
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *args], cwd=HERE,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-    return proc.returncode, proc.stdout, proc.stderr
+    """`python train.py ARGS` in a fresh process (a fork of one that has imported torch: tests/launch.py):
+    (returncode, stdout, stderr)."""
+    return launch.python(["train.py", *args], env, timeout=timeout)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server():
+    """The server every child process is forked from starts importing torch now, beside the first tests."""
+    launch.warm()
 
 
 def background(fn, *args, **kw):
@@ -136,20 +140,19 @@ def _ops_of_one_more_step(trainer):
 DIST_TINY = [*TINY, "--set", "ffn_dim=131"]  # 131: an uneven first dimension for the shards
 
 def torchrun(nproc, args, timeout=300):
-    """Launch train.py on `nproc` gloo ranks. A rank that dies of SIGSEGV (seen once in ~50 CI runs of the
-    4-process tests: a crash inside gloo, every rank's own line otherwise correct) is reported as a
-    warning (with the crashed rank's Python stack, train.py enables faulthandler) and the run is repeated
-    once from the same starting files; a second crash fails the test."""
+    """train.py on `nproc` gloo ranks, launched as torchrun launches them (tests/launch.ranks). A rank
+    that dies of SIGSEGV (seen once in ~50 CI runs of the 4-process tests: a crash inside gloo, every
+    rank's own line otherwise correct) is reported as a warning (with the crashed rank's Python stack,
+    train.py enables faulthandler) and the run is repeated once from the same starting files; a second
+    crash fails the test."""
     out_dir = args[args.index("--out-dir") + 1] if "--out-dir" in args else None
     before = _snapshot(out_dir)
     for attempt in (1, 2):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               str(nproc), os.path.join(HERE, "train.py"), *args], cwd=HERE, capture_output=True,
-                              text=True, timeout=timeout)
-        if attempt == 2 or "Signal 11 (SIGSEGV)" not in proc.stderr:
-            return proc.returncode, proc.stdout, proc.stderr
+        rc, out, err = launch.ranks(nproc, ["train.py", *args], timeout=timeout)
+        if attempt == 2 or rc != -signal.SIGSEGV:
+            return rc, out, err
         import warnings
-        warnings.warn(f"torchrun {' '.join(args)}: a rank died of SIGSEGV; repeating once:\n{proc.stderr[-4000:]}")
+        warnings.warn(f"torchrun {' '.join(args)}: a rank died of SIGSEGV; repeating once:\n{err[-4000:]}")
         _restore(out_dir, before)
 
 
