@@ -1,5 +1,6 @@
 """The suite's shared helpers: the tiny configurations, the corpus fixture, train.py in this process
-or a subprocess, torchrun, a trainer driven step by step, the comparisons."""
+or a fresh one, on torchrun's ranks (both started by tests/launch.py), a trainer driven step by step,
+the comparisons."""
 import dataclasses
 import json
 import os
@@ -41,9 +42,10 @@ def fork_server():
 
 def background(fn, *args, **kw):
     """fn(*args, **kw) in a thread, for a call that waits on a child process: the child runs while this
-    process does other work (an oracle, another child). On 2 cores two such runs took 0.68x (XLA:CPU)
-    to 0.81x (2-rank torchrun) of one after the other: a run spends much of its time importing on one
-    core. `.result()` waits for it."""
+    process does other work (an oracle, another child). On 2 cores, with children started as fresh
+    interpreters, two such runs took 0.68x (XLA:CPU) to 0.81x (2-rank torchrun) of one after the other
+    (much of a run was importing, on one core); forked children (tests/launch.py) import less, and an
+    XLA child still imports torch_xla and compiles. `.result()` waits for it."""
     from concurrent.futures import ThreadPoolExecutor
     pool = ThreadPoolExecutor(1)
     future = pool.submit(fn, *args, **kw)

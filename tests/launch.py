@@ -13,7 +13,7 @@ too), the working directory, `__name__ == "__main__"`, stdout and stderr, atexit
 the exit code of SystemExit / os._exit / a signal (negative, as subprocess reports it): checked against
 a real subprocess by tests/check_launch.py. What it cannot see differently from its server is what a
 library read from the environment while it was imported: torch's intra-op thread count (so it is set
-here from OMP_NUM_THREADS) and glibc's malloc tunables (the memory test that needs one sets it with
+here where the child's OMP_NUM_THREADS is) and glibc's malloc tunables (the memory test that needs one sets it with
 mallopt). torch_xla and jax are imported by the child, after its environment is set, as in a fresh
 process (torch_xla's import changes torch's dynamo settings: it must not be in the server).
 
@@ -65,7 +65,8 @@ def _become(argv, env, cwd, folder, limits):
         os.dup2(f, fd)
         os.close(f)
     import torch
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", 0)) or os.cpu_count())  # (read on import otherwise)
+    if "OMP_NUM_THREADS" in env:  # (OpenMP read the server's value on import; unset, both are the default)
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     code = 0
     try:
         if argv[0] == "-c":  # python -c CODE ARGS
@@ -176,5 +177,4 @@ def ranks(nproc, argv, env=None, timeout=300):
             if c.wait(30) is None:
                 c.kill()
                 c.wait()
-    del store
     return (failed.poll() if failed is not None else 0, *_read(folder, remove=True))
