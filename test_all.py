@@ -17,7 +17,7 @@ import pytest
 
 pytest.register_assert_rewrite("tests")  # (before the imports: pytest's detailed assert messages there too)
 
-from tests.common import corpus, fork_server  # noqa: E402,F401  (fixtures: found by name)
+from tests.common import corpus, ctrl_c_as_in_a_terminal, fork_server  # noqa: E402,F401  (fixtures: found by name)
 from tests.check_launch import *  # noqa: E402,F401,F403
 from tests.check_model import *  # noqa: E402,F401,F403
 from tests.check_optim_data import *  # noqa: E402,F401,F403

@@ -317,17 +317,12 @@ def test_disk_full_during_a_checkpoint_removes_the_partial_one_and_keeps_the_las
 
 @pytest.mark.parametrize("sig, code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_signal_during_a_checkpoint_removes_it_and_exits_like_a_shell(sig, code, corpus, tmp_path, monkeypatch, capsys,
-                                                                       request):
+                                                                       ctrl_c_as_in_a_terminal):
     """SIGTERM / SIGINT arriving while checkpoint step 4 is being written: one line naming the
     signal and the checkpoint kept, exit 128 + signal number (as a shell reports it), no partial
     step_4 left, and the run resumes from step 2 to the uninterrupted losses."""
     import signal
     import checkpoint
-    # The disposition this relies on, set here: Python turns SIGINT into KeyboardInterrupt only if it
-    # was not ignored when the interpreter started, and a script's background job (`pytest ... &`)
-    # starts with SIGINT ignored, which the run rightly keeps (it would ignore the signal and exit 0).
-    request.addfinalizer(lambda previous=signal.getsignal(signal.SIGINT): signal.signal(signal.SIGINT, previous))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     out = str(tmp_path / "run")
     common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "2", "--eval-batches", "0",
               "--sample-tokens", "0", "--out-dir", out]

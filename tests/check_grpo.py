@@ -458,7 +458,7 @@ def test_grpo_resume_keeps_its_warm_start_checkpoint_and_offers_only_accepted_ch
 
 
 @pytest.mark.parametrize("how", ["SIGINT", "trainer gone"])
-def test_the_engine_process_ends_without_a_word_on_ctrl_c_or_when_its_trainer_is_gone(how, capfd):
+def test_the_engine_process_ends_without_a_word_on_ctrl_c_or_when_its_trainer_is_gone(how, capfd, ctrl_c_as_in_a_terminal):
     """Ctrl-C reaches the whole process group: the trainer says it in one line (exit 130), the engine
     process ends without a KeyboardInterrupt traceback; a trainer that is gone (SIGKILLed: its end of
     the pipe closed) leaves an engine that ends without an EOFError traceback. (The engine process

@@ -164,7 +164,8 @@ def test_grpo_through_vllm_trains_and_its_greedy_evaluation_equals_our_engine_on
     assert not _engine_pids()
 
 
-def test_grpo_through_vllm_a_killed_engine_is_exit_4_and_ctrl_c_exit_130_leaving_no_process(vllm_warm, tmp_path):
+def test_grpo_through_vllm_a_killed_engine_is_exit_4_and_ctrl_c_exit_130_leaving_no_process(vllm_warm, tmp_path,
+                                                                                            ctrl_c_as_in_a_terminal):
     """The vLLM engine SIGKILLed mid-run: one line naming it, exit 4. Ctrl-C (SIGINT to the whole process
     group, as a terminal sends it): exit 130. The trainer SIGKILLed (nothing of it runs to clean up): the
     engine dies with it (PR_SET_PDEATHSIG). In each case no engine process is left. The three runs start

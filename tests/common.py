@@ -40,6 +40,19 @@ def fork_server():
     launch.warm()
 
 
+@pytest.fixture
+def ctrl_c_as_in_a_terminal():
+    """SIGINT turned into KeyboardInterrupt in this process for the test, as in a terminal's foreground
+    job, and so in the processes it starts (a handler is reset to the default across exec; a fork keeps
+    it). Python does that only if SIGINT was not ignored when the interpreter started, and a script's
+    background job (`pytest ... &`) starts with it ignored, which a run rightly keeps, and its engine
+    too (the signal would be ignored: exit 0, or no exit at all). Restored after the test."""
+    import signal
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def background(fn, *args, **kw):
     """fn(*args, **kw) in a thread, for a call that waits on a child process: the child runs while this
     process does other work (an oracle, another child). On 2 cores, with children started as fresh
