@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests import launch
-from tests.common import _main, _near, _records, losses, torchrun
+from tests.common import _main, _near, _records, losses, ran_on, torchrun
 from tests.check_flux import FLUX_FIXTURES, _flux_expected
 from tests.check_graph import _gathers
 
@@ -34,23 +34,26 @@ def _flux_weights(run_dir, task=None, scan=False):
 
 
 def test_flux_trains_through_the_shared_trainer_on_every_layout_alike(tmp_path, monkeypatch):
-    """FLUX as a workload (flux/task.py) on the one trainer: graph mode (one traced step with AdamW) and
-    HSDP on 4 processes (SimpleFSDP, dcn=2 x ici=2, graph mode, its passes on) equal the eager single process on the same
+    """FLUX as a workload (flux/task.py) on the one trainer: graph mode (one traced step with AdamW),
+    SimpleFSDP on 2 processes (eager) and HSDP on 4 (dcn=2 x ici=2, graph mode, its passes on) equal the eager single process on the same
     global batches: losses, pre-clip gradient norms, validation MSE at the fixed times, final weights.
     So does --scan (each block stack one scan over stacked weights; the weights compared unstacked).
     The SimpleFSDP passes bucket by FLUX's blocks (the Task's `blocks`): one all-gather per double /
     single block (+ one for the rest) each way, each issued before the previous one's wait.
-    So does XLA SPMD (graph mode on 2 XLA:CPU devices, a child process; to 1e-4: XLA's kernels). So
+    So do XLA SPMD (graph mode on 2 XLA:CPU devices) and one XLA device (eager), each a child process,
+    to 1e-4 (XLA's kernels). So
     does --mode compile with --kernels pallas (one run: inductor-compiled blocks around the non-causal
     splash kernel; losses and norms to 1e-4). A halted run resumed equals the uninterrupted one bit for bit; the end writes a
     sample grid."""
     common = ["--task", "flux", "--steps", "4", "--batch-size", "8", "--log-interval", "1", "--eval-batches", "2",
               "--eval-interval", "2", "--ckpt-interval", "0", "--sample-images", "0", "--no-plot"]
-    runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "part", "compiled", "spmd", "scan")}
+    runs = {name: str(tmp_path / name) for name in ("eager", "graph", "simple", "fsdp", "part", "compiled", "xla", "spmd",
+                                                    "scan")}
     # XLA SPMD in its own process, started first (it runs while this one trains): graph mode on 2 XLA:CPU
     # devices, GSPMD partitioning the traced step (the layout takes FLUX's blocks from the workload)
     spmd = launch.Child(["train.py", *common, "--mode", "graph", "--device", "xla", "--mesh", "ici=2", "--out-dir",
                          runs["spmd"]], env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"})
+    xla = launch.Child(["train.py", *common, "--device", "xla", "--out-dir", runs["xla"]], env={"PJRT_DEVICE": "CPU"})
     assert _main([*common, "--out-dir", runs["eager"], "--sample-images", "2"]) == 0
     import kernels_pallas  # the table names "kernels_pallas:splash_full_attention": count that it is what runs
     splash_calls, splash = [], kernels_pallas.splash_full_attention
@@ -64,13 +67,20 @@ def test_flux_trains_through_the_shared_trainer_on_every_layout_alike(tmp_path, 
     assert _main([*common, "--scan", "--out-dir", runs["scan"]]) == 0
     rc, _, err = torchrun(4, [*common, "--mode", "graph", "--mesh", "dcn=2,ici=2", "--out-dir", runs["fsdp"]])  # HSDP
     assert rc == 0, err[-3000:]
+    rc, _, err = torchrun(2, [*common, "--mesh", "ici=2", "--out-dir", runs["simple"]])  # SimpleFSDP, eager
+    assert rc == 0, err[-3000:]
     assert _main([*common, "--halt-at", "2", "--out-dir", runs["part"]]) == 0
     assert _main([*common, "--resume", "--out-dir", runs["part"]]) == 0
     oracle = runs["eager"]
-    rc, _, err = spmd.result(timeout=600)
-    assert rc == 0, err[-3000:]
-    for name in ("graph", "fsdp", "scan", "spmd"):
-        tol = dict(rtol=1e-4, atol=1e-4) if name == "spmd" else dict(rtol=1e-5, atol=1e-6)  # (XLA's own kernels)
+    for child in (spmd, xla):
+        rc, _, err = child.result(timeout=600)
+        assert rc == 0, err[-3000:]
+    where = {"graph": ("cpu", 1), "simple": ("cpu", 2), "fsdp": ("cpu", 4), "scan": ("cpu", 1), "spmd": ("xla:0", 2),
+             "xla": ("xla:0", 1)}
+    for name in ("graph", "simple", "fsdp", "scan", "spmd", "xla"):
+        assert ran_on(runs[name]) == where[name], name
+        on_xla = name in ("spmd", "xla")
+        tol = dict(rtol=1e-4, atol=1e-4) if on_xla else dict(rtol=1e-5, atol=1e-6)  # (XLA's own kernels)
         for key in ("loss", "grad_norm", "val_loss"):
             mine, ref = _records(runs[name], key), _records(oracle, key)
             assert mine.keys() == ref.keys() and len(ref) >= 3, (name, key)
@@ -79,7 +89,7 @@ def test_flux_trains_through_the_shared_trainer_on_every_layout_alike(tmp_path, 
         mine = _flux_weights(runs[name], scan=name == "scan")
         assert mine.keys() == _flux_weights(oracle).keys(), name
         for k, w in _flux_weights(oracle).items():
-            torch.testing.assert_close(mine[k], w, rtol=1e-4 if name == "spmd" else 1e-5, atol=1e-5, msg=k)
+            torch.testing.assert_close(mine[k], w, rtol=1e-4 if on_xla else 1e-5, atol=1e-5, msg=k)
     graph = next(json.loads(line) for line in open(os.path.join(runs["fsdp"], "metrics.jsonl")) if '"graph"' in line)
     fwd, bwd, blocks = graph["collectives_by_side"]["forward"], graph["collectives_by_side"]["backward"], 2 + 2
     assert _gathers(fwd) == _gathers(bwd) == bwd["reduce_scatter_tensor"] == blocks + 1, graph["collectives_by_side"]

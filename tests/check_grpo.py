@@ -15,7 +15,7 @@ import torch
 from model import ModelArgs, Transformer
 
 from tests import launch
-from tests.common import HERE, _main, _near, _records, torchrun
+from tests.common import HERE, _main, _near, _records, ran_on, torchrun
 
 
 GRPO_TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
@@ -279,25 +279,33 @@ def _grpo_weights(run_dir):
     return checkpoint.load_run(run_dir)[0].state_dict()
 
 
-def _spmd_run(argv):
-    """train.py on XLA SPMD over 2 XLA:CPU devices (one process), started in the background."""
-    return launch.Child(["train.py", *argv, "--device", "xla", "--mesh", "ici=2"],
-                        env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"})
+def _xla_run(argv, devices=1):
+    """train.py on XLA:CPU in a process of its own, started in the background: one XLA device, or XLA
+    SPMD over `devices` of them (`--mesh ici=N`)."""
+    mesh = ["--mesh", f"ici={devices}"] if devices > 1 else []
+    return launch.Child(["train.py", *argv, "--device", "xla", *mesh],
+                        env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)})
 
 
-def test_sft_on_fsdp2_and_xla_spmd_equals_one_process(tmp_path):
-    """The warm start's loss (a 0-d token normalizer in its batch) on FSDP2 (2 ranks) and XLA SPMD (2
-    devices) equals one process: losses, gradient norms, final weights."""
-    runs = {name: str(tmp_path / name) for name in ("one", "fsdp2", "spmd")}
+def test_sft_on_every_layout_equals_one_process(tmp_path):
+    """The warm start's loss (a 0-d token normalizer in its batch) in graph mode, on SimpleFSDP and
+    FSDP2 (2 ranks), on one XLA device and on XLA SPMD (2 devices) equals one eager process: losses,
+    gradient norms, final weights (XLA to 1e-4: its own kernels)."""
+    runs = {name: str(tmp_path / name) for name in ("one", "graph", "fsdp", "fsdp2", "xla", "spmd")}
     args = lambda name: ["--task", "sft", *GRPO_WARM, "--steps", "3", "--log-interval", "1",
                          "--eval-batches", "0", "--ckpt-interval", "0", "--out-dir", runs[name]]
-    spmd = _spmd_run(args("spmd"))
+    xla, spmd = _xla_run(args("xla")), _xla_run(args("spmd"), devices=2)  # (they run while this process trains)
     assert _main(args("one")) == 0
-    rc, _, err = torchrun(2, [*args("fsdp2"), "--mesh", "ici=2", "--dp-impl", "fsdp2"])
-    assert rc == 0, err[-3000:]
-    rc, _, err = spmd.result(timeout=600)
-    assert rc == 0, err[-3000:]
-    for name, tol in (("fsdp2", 1e-5), ("spmd", 1e-4)):
+    assert _main([*args("graph"), "--mode", "graph"]) == 0
+    for name, extra in (("fsdp", []), ("fsdp2", ["--dp-impl", "fsdp2"])):
+        rc, _, err = torchrun(2, [*args(name), "--mesh", "ici=2", *extra])
+        assert rc == 0, err[-3000:]
+    for child in (xla, spmd):
+        rc, _, err = child.result(timeout=600)
+        assert rc == 0, err[-3000:]
+    where = {"graph": ("cpu", 1), "fsdp": ("cpu", 2), "fsdp2": ("cpu", 2), "xla": ("xla:0", 1), "spmd": ("xla:0", 2)}
+    for name, tol in (("graph", 1e-5), ("fsdp", 1e-5), ("fsdp2", 1e-5), ("xla", 1e-4), ("spmd", 1e-4)):
+        assert ran_on(runs[name]) == where[name], name
         for key in ("loss", "grad_norm"):
             _near(_records(runs["one"], key), _records(runs[name], key), atol=tol / 10, rtol=tol)
         mine = _grpo_weights(runs[name])
@@ -312,17 +320,19 @@ def test_grpo_through_the_trainer_on_every_layout_and_resume_equal_one_eager_pro
     ranks (SimpleFSDP and FSDP2, each its own rows, one engine) and XLA SPMD on 2 XLA:CPU devices (to
     1e-4: XLA's kernels) equal the eager process on the same global
     batches (k3 KL to the warm start on: each rank scores its own rows against the reference): losses,
-    pre-clip gradient norms, rewards, final weights. Halted at step 2 and resumed
-    equals the straight run bit for bit."""
-    runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "fsdp2", "spmd", "part")}
-    spmd = _spmd_run(_grpo_args(grpo_warm, runs["spmd"], "--no-plot"))  # (runs while this process trains)
+    pre-clip gradient norms, rewards, final weights; so does one XLA device (eager). Halted at step 2
+    and resumed equals the straight run bit for bit."""
+    runs = {name: str(tmp_path / name) for name in ("eager", "graph", "fsdp", "fsdp2", "xla", "spmd", "part")}
+    xla = _xla_run(_grpo_args(grpo_warm, runs["xla"], "--no-plot"))  # (they run while this process trains)
+    spmd = _xla_run(_grpo_args(grpo_warm, runs["spmd"], "--no-plot"), devices=2)
     assert _main(_grpo_args(grpo_warm, runs["eager"])) == 0
     assert _main(_grpo_args(grpo_warm, runs["graph"], "--mode", "graph")) == 0
     for name, extra in (("fsdp", []), ("fsdp2", ["--dp-impl", "fsdp2"])):
         rc, _, err = torchrun(2, _grpo_args(grpo_warm, runs[name], "--mesh", "ici=2", "--no-plot", *extra))
         assert rc == 0, err[-3000:]
-    rc, _, err = spmd.result(timeout=600)
-    assert rc == 0, err[-3000:]
+    for child in (xla, spmd):
+        rc, _, err = child.result(timeout=600)
+        assert rc == 0, err[-3000:]
     assert _main(_grpo_args(grpo_warm, runs["part"], "--halt-at", "2")) == 0
     assert _main(_grpo_args(grpo_warm, runs["part"], "--resume")) == 0
 
@@ -334,8 +344,10 @@ def test_grpo_through_the_trainer_on_every_layout_and_resume_equal_one_eager_pro
         shown = [json.loads(line) for line in f if '"completions"' in line]
     assert [r["step"] for r in shown] == [0, 4] and all(len(r["text"]) == 4 for r in shown)
     assert os.path.getsize(os.path.join(oracle, "loss.png")) > 0
-    for name in ("graph", "fsdp", "fsdp2", "spmd"):
-        tol = 1e-4 if name == "spmd" else 1e-5  # (XLA's own kernels)
+    where = {"graph": ("cpu", 1), "fsdp": ("cpu", 2), "fsdp2": ("cpu", 2), "xla": ("xla:0", 1), "spmd": ("xla:0", 2)}
+    for name in ("graph", "fsdp", "fsdp2", "xla", "spmd"):
+        assert ran_on(runs[name]) == where[name], name
+        tol = 1e-4 if name in ("xla", "spmd") else 1e-5  # (XLA's own kernels)
         for key in ("loss", "grad_norm", "reward"):
             _near(_records(oracle, key), _records(runs[name], key), atol=tol / 10, rtol=tol)
         mine = _grpo_weights(runs[name])

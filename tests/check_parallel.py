@@ -16,7 +16,7 @@ import optim
 
 from tests import launch
 from tests.common import (DIST_TINY, HERE, TINY, _main, _near, background, _ranks_equal_one_process, _records, _train_losses,
-                          _trainer, losses, shared_run, run_train, tiny_args, torchrun)
+                          _trainer, losses, shared_run, run_train, tiny_args, torchrun, start_record)
 
 
 def _dp_args(flavor, corpus):
@@ -42,7 +42,7 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus,
         if "mfu" in rec:
             assert rec["devices"] == nproc and math.isclose(rec["mfu"] * rec["peak_flops"] * nproc, rec["tflops"] * 1e12)
     # Per-rank parameter and optimizer bytes: 1/shards of the total, plus at most one row per tensor.
-    start = lambda d: next(json.loads(line) for line in open(os.path.join(d, "metrics.jsonl")) if '"start"' in line)
+    start = start_record
     shards = int(mesh.split("ici=")[1])
     row_bytes = sum(p[0].numel() * 4 for p in p_single.values())
     for key in ("param_bytes_local", "optim_bytes_local"):
@@ -345,8 +345,7 @@ def test_spmd_resume_is_bit_for_bit_and_bad_meshes_are_refused(corpus, tmp_path,
     rc, out, err = run_train([*common, "--out-dir", part, "--resume"], env=SPMD_ENV)
     assert rc == 0, err[-3000:]
     assert losses(part) == losses(full) and _records(part, "val_loss") == _records(full, "val_loss")
-    start = next(json.loads(line) for line in open(os.path.join(full, "metrics.jsonl")) if '"start"' in line)
-    assert start["devices"] == 4
+    assert start_record(full)["devices"] == 4
     rc, _, err = too_big.result()
     assert rc == 2 and err.strip().startswith("error:") and "has 8 devices but XLA sees 4" in err, err
     assert len(err.strip().splitlines()) == 1, err
@@ -389,7 +388,7 @@ def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, ex
     ici, tp = dims["ici"], dims.get("tp", 1)
     share = lambda n: nproc if "_Ex" in n else ici * (tp if any(k in n for k in TP_SPLIT) else 1)
     want_bytes = sum(p.numel() * 4 / share(n) for n, p in p_single.items())
-    start = next(json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl")) if '"start"' in line)
+    start = start_record(multi)
     assert start["param_bytes_local"] == want_bytes and start["optim_bytes_local"] == 2 * want_bytes
     # the planner's per-device figures for this layout are the run's measured allocation
     import dryrun

@@ -92,6 +92,19 @@ def _records(out_dir, key):
     return {r["step"]: r[key] for r in recs if key in r and "step" in r}
 
 
+def start_record(out_dir):
+    """The run's "start" event: where it ran ("device", "devices": ranks or SPMD devices), its sizes."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return next(r for r in map(json.loads, f) if r.get("event") == "start")
+
+
+def ran_on(out_dir):
+    """(device, devices) of a run, e.g. ("xla:0", 2) for XLA SPMD on 2 devices: a layout test's check that
+    the run it compares is the layout it names (a silent fallback to one CPU process would match too)."""
+    start = start_record(out_dir)
+    return start["device"], start["devices"]
+
+
 def losses(out_dir):
     return _records(out_dir, "loss")
 
