@@ -279,6 +279,10 @@ def _grpo_weights(run_dir):
     return checkpoint.load_run(run_dir)[0].state_dict()
 
 
+# Where each layout's run must say it ran (its start record's device, devices): SFT's and GRPO's tests alike.
+_RAN_ON = {"graph": ("cpu", 1), "fsdp": ("cpu", 2), "fsdp2": ("cpu", 2), "xla": ("xla:0", 1), "spmd": ("xla:0", 2)}
+
+
 def _xla_run(argv, devices=1):
     """train.py on XLA:CPU in a process of its own, started in the background: one XLA device, or XLA
     SPMD over `devices` of them (`--mesh ici=N`)."""
@@ -303,9 +307,8 @@ def test_sft_on_every_layout_equals_one_process(tmp_path):
     for child in (xla, spmd):
         rc, _, err = child.result(timeout=600)
         assert rc == 0, err[-3000:]
-    where = {"graph": ("cpu", 1), "fsdp": ("cpu", 2), "fsdp2": ("cpu", 2), "xla": ("xla:0", 1), "spmd": ("xla:0", 2)}
     for name, tol in (("graph", 1e-5), ("fsdp", 1e-5), ("fsdp2", 1e-5), ("xla", 1e-4), ("spmd", 1e-4)):
-        assert ran_on(runs[name]) == where[name], name
+        assert ran_on(runs[name]) == _RAN_ON[name], name
         for key in ("loss", "grad_norm"):
             _near(_records(runs["one"], key), _records(runs[name], key), atol=tol / 10, rtol=tol)
         mine = _grpo_weights(runs[name])
@@ -344,9 +347,8 @@ def test_grpo_through_the_trainer_on_every_layout_and_resume_equal_one_eager_pro
         shown = [json.loads(line) for line in f if '"completions"' in line]
     assert [r["step"] for r in shown] == [0, 4] and all(len(r["text"]) == 4 for r in shown)
     assert os.path.getsize(os.path.join(oracle, "loss.png")) > 0
-    where = {"graph": ("cpu", 1), "fsdp": ("cpu", 2), "fsdp2": ("cpu", 2), "xla": ("xla:0", 1), "spmd": ("xla:0", 2)}
     for name in ("graph", "fsdp", "fsdp2", "xla", "spmd"):
-        assert ran_on(runs[name]) == where[name], name
+        assert ran_on(runs[name]) == _RAN_ON[name], name
         tol = 1e-4 if name in ("xla", "spmd") else 1e-5  # (XLA's own kernels)
         for key in ("loss", "grad_norm", "reward"):
             _near(_records(oracle, key), _records(runs[name], key), atol=tol / 10, rtol=tol)

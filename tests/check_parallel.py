@@ -42,11 +42,10 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus,
         if "mfu" in rec:
             assert rec["devices"] == nproc and math.isclose(rec["mfu"] * rec["peak_flops"] * nproc, rec["tflops"] * 1e12)
     # Per-rank parameter and optimizer bytes: 1/shards of the total, plus at most one row per tensor.
-    start = start_record
     shards = int(mesh.split("ici=")[1])
     row_bytes = sum(p[0].numel() * 4 for p in p_single.values())
     for key in ("param_bytes_local", "optim_bytes_local"):
-        total, local = start(single)[key], start(multi)[key]
+        total, local = start_record(single)[key], start_record(multi)[key]
         slack = row_bytes * (2 if key == "optim_bytes_local" else 1)
         assert total / shards <= local <= total / shards + slack, (key, total, local)
 
