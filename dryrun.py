@@ -43,11 +43,10 @@ import optim
 from model import Transformer, flops_per_token, next_token_loss, param_counts, tpu_config
 
 GiB = 2**30
-# Per chip (chips.py: published HBM bytes and bandwidth, ICI bandwidth, bf16 peak; DCN assumed), in
-# the older dict form callers read
+# Per chip (chips.py: published HBM bytes and bandwidth, ICI bandwidth, bf16 peak), in the older dict
+# form callers read
 TPU_SPECS = {name: dict(hbm=c.hbm_bytes, hbm_bw=c.hbm_bw, ici_bw=c.ici_bw, peak=c.peak_flops)
              for name, c in chips_lib.CHIPS.items()}
-DCN_BW = chips_lib.CHIPS["tpu_v5p"].dcn_bw
 
 
 def step_saved_bytes(model, loss, batch, remat):
@@ -245,12 +244,14 @@ def saved_per_sample(w, remat, traced):
 
 
 def layouts(w, chips, batch_size, chip, remats, traced):
-    """Every layout of `chips` (dcn x ici x tp, ep borrowing dp ranks) under each remat policy."""
+    """Every layout of exactly `chips` (dcn x ici x tp, ep borrowing dp ranks) under each remat policy:
+    a tp that does not divide the chips left by dcn is skipped, never rounded down to fewer chips."""
     rows = []
     for dcn in (d for d in (1, 2, 4, 8) if chips % d == 0):
-        for tp in (t for t in _powers_of_two(chips // dcn) if t <= 16):
+        for tp in (t for t in _powers_of_two(chips // dcn) if t <= 16 and chips % (dcn * t) == 0):
             ici = chips // (dcn * tp)
-            for ep in (_powers_of_two(min(dcn * ici, w.n_experts)) if w.n_experts else [1]):
+            for ep in ([e for e in _powers_of_two(min(dcn * ici, w.n_experts)) if (dcn * ici) % e == 0]
+                       if w.n_experts else [1]):
                 dims = {"dcn": dcn, "ici": ici, "tp": tp, "ep": ep}
                 for remat in remats:
                     try:

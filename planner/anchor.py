@@ -301,7 +301,14 @@ RUNS = {
 DEFAULT_RUN = RUNS["llama3_debug"]
 
 
+USAGE = ("usage: python -m planner.anchor [--flux]\n  this CPU as the chip: the default llama3_debug step "
+         "measured and predicted (~2 min); --flux: the flux_debug step too (~4.5 min)")
+
+
 def main(argv=()):
+    if set(argv) & {"-h", "--help"}:
+        print(USAGE)
+        return 0
     if set(argv) - {"--flux"}:
         raise ValueError(f"python -m planner.anchor takes only --flux (the FLUX debug step too), got {' '.join(argv)}")
     for name in ["llama3_debug"] + (["flux_debug"] if "--flux" in argv else []):

@@ -350,3 +350,19 @@ def test_planner_workload_without_a_shape_is_its_flops_at_the_matmul_efficiency(
     chip, eff = chips.CHIPS["tpu_v5p"], chips.FITTED["tpu_v5p"]["matmul_efficiency"]
     optimizer = 10**6 * 28 / chip.hbm_bw                   # read w g m v, write w m v: fp32
     assert math.isclose(r["step_s"], 2 * 6e12 / (chip.peak_flops * eff) + optimizer + chip.host_overhead_s)
+
+
+def test_plan_layouts_use_exactly_the_chips_asked_and_the_anchor_takes_help(capsys):
+    """--plan --chips 7 (and 12): every ranked layout's dcn x ici x tp is the chips asked (tp=2 on 7
+    chips was rounded down to 6 before); `python -m planner.anchor --help` prints its usage, exit 0."""
+    import dryrun
+    w = dryrun.lm_workload(FLAVORS["llama3_8b"], "llama3_8b", 1024)
+    w = dataclasses.replace(w, saved_bytes=lambda remat: 2**30)
+    for chips in (7, 12):
+        rows = dryrun.plan(w, chips, 4 * chips, "tpu_v5p")
+        dims = [{k: int(v) for k, v in (p.split("=") for p in r["mesh"].split(","))} for r in rows]
+        assert rows and all(d.get("dcn", 1) * d["ici"] * d.get("tp", 1) == chips for d in dims), [r["mesh"] for r in rows]
+        assert all(r["devices"] == chips for r in rows)
+    assert any("tp=2" in r["mesh"] for r in dryrun.plan(w, 12, 48, "tpu_v5p"))
+    from planner import anchor
+    assert anchor.main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: python -m planner.anchor")
