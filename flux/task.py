@@ -352,7 +352,7 @@ def plan_workload(args, cfg):
     All of it is data parallel (no tp / ep); FSDP gathers one block at a time, the double one
     the larger."""
     import dryrun
-    from planner import shapes
+    from flux.shape import flux_shape
     side, T = latent_geometry(args, cfg.image_size or (PUBLISHED_SIZE if args.in_channels == 4 * VAE_CHANNELS else SIDE))
     S = (side // 2) ** 2
 
@@ -378,4 +378,4 @@ def plan_workload(args, cfg):
         {"tp": 0, "experts": 0, "rest": largest}, flux.flops_per_sample(args, S, T), S + T,
         lambda remat: dryrun.extrapolate(lambda d: saved_at(d, remat), depths), no_tp,
         dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks,
-        shape=shapes.flux_shape(args, S, T, cfg.flavor))
+        shape=flux_shape(args, S, T, cfg.flavor))

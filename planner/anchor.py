@@ -18,7 +18,7 @@ import time
 
 from planner import chips as chips_lib
 from planner import stepmodel
-from planner.shapes import flux_shape, lm_shape
+from planner.shapes import lm_shape
 
 # One measurement (python -m planner.anchor on the 2-core development machine: docs/planning.md's first
 # llama3_debug row), kept so
@@ -203,8 +203,10 @@ def run_shape(cfg):
     """The Shape of a debug run: llama3_debug at its sequence length, or flux_debug on 8 x 8 digits
     (16 packed image tokens beside 4 learned prompt tokens)."""
     if cfg["task"] == "flux":
-        from flux import model as flux
-        return flux_shape(flux.FLAVORS[cfg["flavor"]], cfg["img_tokens"], cfg["tokens"] - cfg["img_tokens"], cfg["flavor"])
+        from planner.calibrate import family_shape   # (the FLUX family's own Shape: planner/ imports no workload)
+        shape = family_shape("flux", ["--flavor", cfg["flavor"]])
+        assert shape.tokens == cfg["tokens"], (shape.tokens, cfg)
+        return shape
     from model import FLAVORS
     return lm_shape(FLAVORS[cfg["flavor"]], cfg["tokens"], cfg["flavor"])
 

@@ -5,8 +5,12 @@ step, their ratio and whether the published layout is predicted to fit; then the
 The free constants are two a chip generation (chips.FITTED): the dense matmul efficiency and the MoE
 experts' matmul efficiency, each the value minimizing the squared log ratio predicted / published
 over the runs marked "fit" of that generation (dense runs first, then the MoE runs with the dense
-value fixed: an MoE step also has dense attention and projections). Runs marked "held_out" never
-enter the fit: they test it. Everything else in the model is published or a stated assumption.
+value fixed: an MoE step also has dense attention and projections); a constant with no run keeps
+chips.DEFAULT_EFFICIENCY's. Runs marked "held_out" never enter the fit: they test it. Three tables:
+the fit (each fit run under the constants fitted on all fit runs; a constant that rests on that run
+alone says so), leave-one-out (each fit run under the constants fitted without it: a constant
+resting on it alone falls back to the default there) and held out. Everything else in the model is
+published or a stated assumption.
 """
 import json
 import math
@@ -14,7 +18,7 @@ import os
 
 from planner import chips as chips_lib
 from planner import stepmodel
-from planner.shapes import PLANNER_MODELS, flux_shape, lm_shape
+from planner.shapes import PLANNER_MODELS, lm_shape
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
 GRID = [round(0.20 + 0.005 * i, 3) for i in range(161)]   # efficiencies 0.20 .. 1.00
@@ -36,11 +40,25 @@ def run_shape(run):
     return _SHAPES[key]
 
 
+def family_shape(task_name, flags):
+    """The Shape a model family describes itself by (ModelFamily.plan(args, cfg).shape) for the command
+    line `--task task_name --dry-run *flags`: reached through task.WORKLOADS, so planner/ imports no
+    workload. (Nothing is traced: the Workload's activation bytes are traced only when asked for.)"""
+    import cli
+    import task as task_lib
+    cfg = cli.parse_config(["--task", task_name, "--dry-run", *flags])
+    w = task_lib.workload_class(task_name)(cfg)
+    return w.family.plan(w.args, cfg).shape
+
+
 def _build_shape(run):
     if run["model"].startswith("flux"):
-        from flux import model as flux
+        shape = family_shape("flux", ["--flavor", run["model"], "--image-size", str(run["image_size"])])
         latent = run["image_size"] // 16       # VAE 8x down, then 2 x 2 patches
-        return flux_shape(flux.FLAVORS[run["model"]], latent * latent, run["txt_tokens"], run["model"])
+        if shape.tokens != latent * latent + run["txt_tokens"]:
+            raise ValueError(f"{run['id']}: the FLUX family plans {shape.tokens} tokens a sample, the run says "
+                             f"{latent * latent} image + {run['txt_tokens']} text")
+        return shape
     from model import FLAVORS
     args = PLANNER_MODELS.get(run["model"]) or FLAVORS[run["model"]]
     return lm_shape(args, run["seq_len"], run["model"], capacity_factor=run.get("capacity_factor", 1.0),
@@ -51,9 +69,10 @@ def run_layout(run):
     dp = run["dcn"] * run["ici"]
     return stepmodel.Layout(dcn=run["dcn"], ici=run["ici"], tp=run.get("tp", 1), ep=run.get("ep", 1),
                             local_batch=run["global_batch"] // dp, remat=run["remat"],
-                            precision=stepmodel.PRECISIONS[run["precision"]], dp_mode=run["dp_mode"],
-                            dcn_mode=run.get("dcn_mode", "replicate"),
-                            attention_block=run.get("attention_block", stepmodel.ATTENTION_BLOCK))
+                            precision=stepmodel.precision(run["precision"], run.get("mu_dtype")),
+                            dp_mode=run["dp_mode"], dcn_mode=run.get("dcn_mode", "replicate"),
+                            attention_block=run.get("attention_block", stepmodel.ATTENTION_BLOCK),
+                            vocab_tiles=run.get("vocab_tiles", 1))
 
 
 def published_step(run, shape):
@@ -97,15 +116,21 @@ def _argmin_on_grid(loss):
     return min(GRID[lo:hi + 1], key=loss)
 
 
+def constant_of(run):
+    """The fitted constant a run's fit decides: its chip's MoE efficiency for an MoE model, else the dense one."""
+    return run["chip"], "moe_efficiency" if run_shape(run).n_experts else "matmul_efficiency"
+
+
 def fit(runs):
-    """chip -> {matmul_efficiency, moe_efficiency}: least squared log ratio over the 'fit' runs."""
+    """chip -> {matmul_efficiency, moe_efficiency}: least squared log ratio over the 'fit' runs (a
+    constant no fit run decides: chips.DEFAULT_EFFICIENCY's)."""
     fitted = {}
     for chip in sorted({r["chip"] for r in runs if r["role"] == "fit"}):
         mine = [r for r in runs if r["role"] == "fit" and r["chip"] == chip]
         shapes = {r["id"]: run_shape(r) for r in mine}
         dense = [r for r in mine if not shapes[r["id"]].n_experts]
         moe = [r for r in mine if shapes[r["id"]].n_experts]
-        best = dict(chips_lib.efficiency(chip))
+        best = dict(chips_lib.DEFAULT_EFFICIENCY)
         if dense:
             best["matmul_efficiency"] = _argmin_on_grid(lambda e: _loss(dense, {**best, "matmul_efficiency": e}))
         if moe:
@@ -115,17 +140,44 @@ def fit(runs):
 
 
 def table(runs, constants_by_chip=None):
-    """Rows for every run, with `constants_by_chip` (default: chips.FITTED)."""
-    return [evaluate(r, (constants_by_chip or {}).get(r["chip"])) for r in runs]
+    """Rows for every run, with `constants_by_chip` (default: chips.FITTED); a fit run whose constant
+    no other fit run decides says so (`note`)."""
+    fit_runs = [r for r in runs if r["role"] == "fit"]
+    rows = []
+    for r in runs:
+        row = evaluate(r, (constants_by_chip or {}).get(r["chip"]))
+        alone = r["role"] == "fit" and [constant_of(o) for o in fit_runs].count(constant_of(r)) == 1
+        why = r.get("outside_band", "") if not 0.75 <= row["ratio"] <= 1.25 else ""
+        row["note"] = "; ".join(n for n in (f"{constant_of(r)[1]} of {r['chip']} rests on this run alone" if alone else "",
+                                            why) if n)
+        rows.append(row)
+    return rows
+
+
+def leave_one_out(runs):
+    """Each fit run predicted with the constants fitted on the other fit runs (a constant only it
+    decided falls back to chips.DEFAULT_EFFICIENCY, and the row says so)."""
+    fit_runs = [r for r in runs if r["role"] == "fit"]
+    rows = []
+    for r in fit_runs:
+        others = [o for o in fit_runs if o is not r]
+        constants = fit(others).get(r["chip"], dict(chips_lib.DEFAULT_EFFICIENCY))
+        row = evaluate(r, constants)
+        alone = constant_of(r) not in [constant_of(o) for o in others]
+        row["note"] = f"no other run decides {constant_of(r)[1]} of {r['chip']}: the default" if alone else ""
+        rows.append(row)
+    return rows
 
 
 def format_table(rows):
-    lines = [f"{'run':<38} {'role':<8} {'chips':>5} {'chip':<8} {'predicted':>9} {'published':>9} {'ratio':>6} "
+    lines = [f"{'run':<40} {'role':<8} {'chips':>5} {'chip':<8} {'predicted':>9} {'published':>9} {'ratio':>6} "
              f"{'fits':<4} {'HBM GiB':>7} {'host GiB':>8} {'MFU pred/pub':>13}"]
     for r in rows:
-        lines.append(f"{r['id']:<38} {r['role']:<8} {r['chips']:>5} {r['chip']:<8} {r['predicted_s']:>8.3f}s "
+        band = "" if 0.75 <= r["ratio"] <= 1.25 else "  OUTSIDE +-25%"
+        lines.append(f"{r['id']:<40} {r['role']:<8} {r['chips']:>5} {r['chip']:<8} {r['predicted_s']:>8.3f}s "
                      f"{r['published_s']:>8.3f}s {r['ratio']:>6.2f} {'yes' if r['fits'] else 'NO':<4} "
-                     f"{r['hbm_gib']:>7.1f} {r['host_gib']:>8.1f} {100 * r['predicted_mfu']:>5.1f}/{100 * r['published_mfu']:>4.1f}%")
+                     f"{r['hbm_gib']:>7.1f} {r['host_gib']:>8.1f} {100 * r['predicted_mfu']:>5.1f}/{100 * r['published_mfu']:>4.1f}%"
+                     f"{band}{'  (' + r['note'] + ')' if r.get('note') else ''}")
     return "\n".join(lines)
 
 
@@ -150,14 +202,24 @@ def main(argv=()):
     fitted = fit(runs)
     rows = table(runs, fitted)
     print("calibration (calibration.json; predicted with the fitted constants below; not run on a TPU here)")
-    print(format_table(rows))
+    print("fit: each fit run under the constants fitted on all fit runs")
+    print(format_table([r for r in rows if r["role"] == "fit"]))
+    loo = leave_one_out(runs)
+    print("leave-one-out: each fit run under the constants fitted without it")
+    print(format_table(loo))
+    print("held out: never in the fit (chips with no fit run use the default efficiencies: uncalibrated)")
+    print(format_table([r for r in rows if r["role"] == "held_out"]))
     print("fitted (chips.FITTED should hold these):")
     for chip, c in fitted.items():
         recorded = chips_lib.FITTED.get(chip)
         print(f"  {chip}: matmul_efficiency {c['matmul_efficiency']:.3f}, moe_efficiency {c['moe_efficiency']:.3f}"
               f"{'' if recorded == c else f'  (chips.FITTED has {recorded})'}")
-    worst = max(rows, key=lambda r: abs(math.log(r["ratio"])))
-    print(f"worst ratio {worst['ratio']:.2f} ({worst['id']}); all fit in HBM: {all(r['fits'] for r in rows)}")
+    for name, group in (("fit", [r for r in rows if r["role"] == "fit"]), ("leave-one-out", loo),
+                        ("held out", [r for r in rows if r["role"] == "held_out"])):
+        worst = max(group, key=lambda r: abs(math.log(r["ratio"])))
+        inside = sum(0.75 <= r["ratio"] <= 1.25 for r in group)
+        print(f"{name}: {inside} of {len(group)} within +-25%, worst {worst['ratio']:.2f} ({worst['id']}); "
+              f"published layouts predicted to fit: {sum(r['fits'] for r in group)} of {len(group)}")
     if "--breakdown" in argv:
         for r in rows:
             print(format_breakdown(r))

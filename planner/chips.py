@@ -1,9 +1,9 @@
 """chips.py: what the planner knows about each accelerator, every number with its source.
 
-Two kinds of constants. Published ones (peak bf16 FLOP/s, HBM bytes and bandwidth, ICI bandwidth and
-torus shape, host memory) come from the vendors' pages cited beside each. Assumed ones (DCN and
-host-link bandwidth where no per-chip figure is published, collective latency) are marked
-"assumed". The achievable fractions of peak (`matmul_efficiency`, `moe_efficiency`) are not
+Two kinds of constants. Published ones (peak bf16 FLOP/s, HBM bytes and bandwidth, ICI and DCN
+bandwidth, torus shape, host memory) come from the vendors' pages cited beside each. Assumed ones
+(host-link bandwidth, DCN where no per-chip figure is published, collective latency, H100's host)
+are marked "assumed". The achievable fractions of peak (`matmul_efficiency`, `moe_efficiency`) are not
 published anywhere: they are the few free constants `python dryrun.py --calibrate` fits on the
 published runs in calibration.json (calibrate.py), recorded here as `FITTED` so the planner uses the
 same numbers everywhere. A chip without a fitted value uses `DEFAULT_EFFICIENCY` (said in the report).
@@ -17,7 +17,12 @@ Sources:
                                              ICI 9.6 Tbps, 3D torus
   H100 SXM NVIDIA H100 datasheet             989 TFLOP/s dense bf16, 80 GB HBM3 3.35 TB/s, NVLink 900 GB/s
   Host memory a chip: the TPU VM's memory over its chips (v4: 407 GB / 4; v5p ct5p-hightpu-4t: 448 GB / 4;
-  v6e ct6e-standard-8t: 1440 GB / 8; v5e ct5lp-hightpu-8t: 1536 GB / 8 (cloud.google.com/tpu/docs/*)).
+  v6e ct6e-standard-8t: 1440 GB / 8; v5e ct5lp-hightpu-8t: 1536 GB / 8 (cloud.google.com/tpu/docs/*);
+  Ironwood: 960 GB a 4-chip VM (cloud.google.com/tpu/docs/tpu7x, whose table also gives v5p 448 and
+  v6e 720 GB a 4-chip VM). H100: a DGX H100's 2 TB over 8 GPUs (assumed: hosts vary). `host_source`
+  names each; the dry run marks an assumed one.
+  DCN a chip: cloud.google.com/tpu/docs/tpu7x's table: v5p 50 Gb/s, v6e 100 Gb/s, Ironwood 100 Gb/s
+  (v4, v5e: assumed 25 GB/s, the old default).
 """
 import dataclasses
 
@@ -39,15 +44,21 @@ class Chip:
     ici_latency_s: float = 2e-6    # per ring step of a collective (assumed; ~1-2 us a hop on TPU ICI)
     dcn_latency_s: float = 30e-6   # per DCN collective step (assumed)
     host_overhead_s: float = 0.03  # a step's fixed host cost (assumed; see HOST_OVERHEAD_S)
+    host_source: str = "assumed"   # where host_bytes comes from
 
 
 CHIPS = {
-    "tpu_v4": Chip("tpu_v4", 275e12, 32 * GiB, 1228e9, 2400e9 / 8, 3, 128, 407e9 / 4),
-    "tpu_v5e": Chip("tpu_v5e", 197e12, 16 * GiB, 819e9, 1600e9 / 8, 2, 128, 1536e9 / 8),
-    "tpu_v5p": Chip("tpu_v5p", 459e12, 95 * GiB, 2765e9, 4800e9 / 8, 3, 128, 448e9 / 4),
-    "tpu_v6e": Chip("tpu_v6e", 918e12, 32 * GiB, 1640e9, 3584e9 / 8, 2, 256, 1440e9 / 8),
-    # Ironwood: host link assumed PCIe Gen5 x16 (64 GB/s); host memory assumed as v6e's a chip
-    "tpu_v7": Chip("tpu_v7", 2307e12, 192 * GiB, 7370e9, 9600e9 / 8, 3, 256, 1440e9 / 8, host_bw=64e9),
+    "tpu_v4": Chip("tpu_v4", 275e12, 32 * GiB, 1228e9, 2400e9 / 8, 3, 128, 407e9 / 4,
+                   host_source="cloud.google.com/tpu/docs/v4: 407 GB a 4-chip VM"),
+    "tpu_v5e": Chip("tpu_v5e", 197e12, 16 * GiB, 819e9, 1600e9 / 8, 2, 128, 1536e9 / 8,
+                    host_source="cloud.google.com/tpu/docs/v5e: ct5lp-hightpu-8t, 1536 GB for 8 chips"),
+    "tpu_v5p": Chip("tpu_v5p", 459e12, 95 * GiB, 2765e9, 4800e9 / 8, 3, 128, 448e9 / 4, dcn_bw=50e9 / 8,
+                    host_source="cloud.google.com/tpu/docs/tpu7x (table): 448 GB a 4-chip v5p VM"),
+    "tpu_v6e": Chip("tpu_v6e", 918e12, 32 * GiB, 1640e9, 3584e9 / 8, 2, 256, 720e9 / 4, dcn_bw=100e9 / 8,
+                    host_source="cloud.google.com/tpu/docs/tpu7x (table): 720 GB a 4-chip v6e VM"),
+    # Ironwood: host link assumed PCIe Gen5 x16 (64 GB/s)
+    "tpu_v7": Chip("tpu_v7", 2307e12, 192 * GiB, 7370e9, 9600e9 / 8, 3, 256, 960e9 / 4, host_bw=64e9, dcn_bw=100e9 / 8,
+                   host_source="cloud.google.com/tpu/docs/tpu7x (table): 960 GB a 4-chip VM"),
     # H100 SXM: NVLink 900 GB/s a GPU inside a node stands in for ICI (one "axis" of 8); tensor-core
     # tiles are smaller (64 assumed); host PCIe Gen5 64 GB/s
     "h100": Chip("h100", 989e12, 80e9, 3350e9, 900e9, 1, 64, 2e12 / 8, host_bw=64e9, dcn_bw=50e9),
@@ -57,10 +68,12 @@ CHIPS = {
 # (or capacity-padded) matmuls: fitted by `python dryrun.py --calibrate` (calibrate.fit) on the
 # runs marked "fit" in calibration.json; a chip with no fitted run uses DEFAULT_EFFICIENCY.
 FITTED = {
-    "tpu_v5p": {"matmul_efficiency": 0.675, "moe_efficiency": 0.28},
-    "tpu_v6e": {"matmul_efficiency": 0.71, "moe_efficiency": 0.805},
+    "tpu_v5p": {"matmul_efficiency": 0.84, "moe_efficiency": 0.695},   # (moe: one run, Mixtral 8x7B)
+    "tpu_v6e": {"matmul_efficiency": 0.71, "moe_efficiency": 0.825},
 }
-DEFAULT_EFFICIENCY = {"matmul_efficiency": 0.69, "moe_efficiency": 0.5}  # ~ the fitted ones: v4, v5e, v7, H100 have no run here
+# Not fitted (assumed): a chip with no fit run (v4, v5e, Ironwood, H100) uses these, and so does a
+# constant left without a run in calibrate's leave-one-out
+DEFAULT_EFFICIENCY = {"matmul_efficiency": 0.69, "moe_efficiency": 0.5}
 # Fixed, not fitted (assumed): the share of a collective or host transfer the scheduler hides behind
 # compute (XLA's async collectives overlap most, not all: the first gather and last reduce-scatter of a
 # step have nothing to hide behind), the fraction of peak splash attention reaches relative to a plain

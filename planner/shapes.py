@@ -5,9 +5,11 @@ backward reads, and how a remat policy treats each of those.
 expert parallelism splits it), the attention (heads, head dim, sequence, causal), the named
 activations a layer's backward reads (elements per token; the names are MaxText's checkpoint names,
 `decoder_layer_input`, `query_proj`, ..., so a MaxText recipe's remat policy reads as written), and
-the bytes its non-matmul ops move. `lm_shape` builds one from a model.ModelArgs, `flux_shape` from
-a flux.FluxArgs; PLANNER_MODELS adds the published architectures model.py has no flavor for
-(Llama 2 70B, Mixtral 8x7B), described only for the planner.
+the bytes its non-matmul ops move. `lm_shape` builds one from a model.ModelArgs; another model family
+describes its own through ModelFamily.plan (FLUX: flux/shape.py), so nothing here imports a workload;
+PLANNER_MODELS adds the published architectures model.py has no flavor for (Llama 2 70B, Mixtral
+8x7B), described only for the planner. A shape with several kinds of block (FLUX's double and single)
+lists each kind's activations (`kinds`), and a policy may differ by kind.
 
 Remat policies (`policy_of`) map each named activation to "device" (saved in HBM), "offload" (saved
 in host memory) or "remat" (recomputed in the backward). What a policy recomputes is charged in
@@ -21,11 +23,13 @@ import dataclasses
 
 from model import ModelArgs, param_counts
 
-# Published configs (Meta's Llama 2 params.json; Mistral's Mixtral-8x7B config.json).
+# Published configs (Meta's Llama 2 params.json; Mistral's Mixtral-8x7B and -8x22B config.json).
 PLANNER_MODELS = {
     "llama2_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=32000),
     "mixtral_8x7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
                               n_experts=8, top_k=2, moe_ffn_dim=14336),
+    "mixtral_8x22b": ModelArgs(dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, ffn_dim=16384, vocab_size=32768,
+                               n_experts=8, top_k=2, moe_ffn_dim=16384),
 }
 
 
@@ -57,6 +61,12 @@ class Shape:
     recompute_of: dict          # name -> matmul names (and "attention") recomputing it costs
     elementwise: float          # elements a token a layer the forward's non-matmul ops read + write
     vocab: int = 0              # > 0: the loss's logits (tokens x vocab) are materialized
+    aliases: dict = dataclasses.field(default_factory=dict)  # a published name -> the acts it stands for
+    internal: tuple = ()        # acts no policy can name (norms, the MLP's activation): kept only by "none"
+    unread: tuple = ()          # acts the backward never reads (mlpwo: its output only joins the residual,
+    #                             the next layer's input): a policy may name them, they cost nothing (JAX
+    #                             keeps only residuals the backward reads, whatever the policy says)
+    kinds: tuple = ()           # (kind, layers, acts, recompute_of) a kind of block; () = one "decoder"
     dim: int = 0
     n_experts: int = 0
     top_k: int = 0
@@ -99,88 +109,131 @@ def lm_shape(a, seq, label="", capacity_factor=1.0, moe_dispatch="gmm", fused_lo
     per_token = routed / S
     acts = {"decoder_layer_input": D, "norms": 2 * D, "query_proj": H * hd, "key_proj": KV * hd,
             "value_proj": KV * hd, "context": H * hd, "out_proj": D, "mlpwi_0": F * per_token,
-            "mlpwi_1": F * per_token, "mlp_act": F * per_token}
+            "mlpwi_1": F * per_token, "mlp_act": F * per_token, "mlpwo": D * per_token}
     recompute_of = {"query_proj": ["query_proj"], "key_proj": ["key_proj"], "value_proj": ["value_proj"],
                     "context": ["attention"], "out_proj": ["out_proj"], "mlpwi_0": ["mlpwi_0"],
                     "mlpwi_1": ["mlpwi_1"]}
+    # MaxText's names for fused projections (and its MoE layers' second names) -> this table's
+    aliases = {"qkv_proj": ("query_proj", "key_proj", "value_proj"), "kv_proj": ("key_proj", "value_proj"),
+               "mlpwi": ("mlpwi_0", "mlpwi_1")}
+    if a.n_experts:
+        aliases.update(moe_mlpwi_0=("mlpwi_0",), moe_mlpwi_1=("mlpwi_1",), moe_mlpwo=("mlpwo",))
     # norms (read + write D, twice), RoPE on q and k, two residual adds (read 2, write 1), SwiGLU
     # (read 2F, write F), qk-norm where the model has it
     elementwise = 10 * D + 2 * (H + KV) * hd * (2 if a.qk_norm else 1) + 3 * F * per_token
     return Shape(label, S, L, whole, layer, tuple(mm), dict(heads=H, head_dim=hd, seq=S, causal=True, layers=L),
                  acts, recompute_of, elementwise, vocab=0 if fused_loss else a.vocab_size, dim=D,
-                 n_experts=a.n_experts, top_k=a.top_k, model_flops=flops_per_token(a, S) * S)
+                 n_experts=a.n_experts, top_k=a.top_k, model_flops=flops_per_token(a, S) * S,
+                 aliases=aliases, internal=("norms", "mlp_act"), unread=("mlpwo",))
 
 
-def flux_shape(f, img_tokens, txt_tokens, label="flux"):
-    """FLUX's transformer on cached latents: `depth` double blocks (separate image and text weights,
-    joint attention) and `depth_single_blocks` single blocks (one fused linear in, one out), all
-    attending non-causally over img + txt tokens. Modulation matmuls run once a sample (on `vec`)."""
-    from flux import model as flux
-    h, r, S = f.hidden_size, int(f.mlp_ratio), img_tokens + txt_tokens
-    hd, H, Ld, Ls = h // f.num_heads, f.num_heads, f.depth, f.depth_single_blocks
-    L = Ld + Ls
-    mm = []
-    for stream, rows in (("img", img_tokens), ("txt", txt_tokens)):
-        mm += [Matmul(f"{stream}_qkv", rows, h, 3 * h, Ld, "tp"), Matmul(f"{stream}_proj", rows, h, h, Ld, "tp"),
-               Matmul(f"{stream}_mlp_in", rows, h, r * h, Ld, "tp"), Matmul(f"{stream}_mlp_out", rows, r * h, h, Ld, "tp")]
-    mm += [Matmul("single_in", S, h, (3 + r) * h, Ls, "tp"), Matmul("single_out", S, (1 + r) * h, h, Ls, "tp")]
-    total = flux.param_count(f)
-    per_block = total // max(L, 1)
-    # the saved set a block's backward reads, a token: input, modulated norms, qkv, attention output,
-    # the MLP's hidden pre- and post-GELU (single blocks: same sizes, fused)
-    acts = {"decoder_layer_input": h, "norms": 2 * h, "query_proj": h, "key_proj": h, "value_proj": h,
-            "context": h, "out_proj": h, "mlpwi_0": r * h, "mlp_act": r * h}
-    recompute_of = {"query_proj": ["img_qkv", "txt_qkv", "single_in"], "key_proj": [], "value_proj": [],
-                    "context": ["attention"], "out_proj": ["img_proj", "txt_proj"],
-                    "mlpwi_0": ["img_mlp_in", "txt_mlp_in"]}
-    # two modulated LayerNorms (read + write, plus scale/shift), gates, residuals, RoPE on q and k,
-    # GELU over r*h
-    elementwise = 2 * 3 * h + 2 * 3 * h + 2 * 2 * h + 2 * r * h
-    return Shape(label, S, L, {"tp": total, "experts": 0, "rest": 0}, {"tp": per_block, "experts": 0, "rest": 0},
-                 tuple(mm), dict(heads=H, head_dim=hd, seq=S, causal=False, layers=L), acts, recompute_of,
-                 elementwise, dim=h, model_flops=flux.flops_per_sample(f, img_tokens, txt_tokens))
-
-
-MATMUL_OUTPUTS = ("query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1")
+# Remat policies as MaxText writes them (src/maxtext/layers/decoders.py get_remat_policy and
+# utils/maxtext_utils.get_save_and_offload_names): the names each saves (or offloads); every other named
+# tensor is recomputed, and each layer's input is always kept (it is the checkpoint). A preset lists
+# MaxText's fused-projection variants too (kv_proj, qkv_proj, mlpwi); a shape resolves them by its aliases.
+_QKV = ("query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj")
+_MINIMAL = _QKV + ("out_proj", "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo")
+_saving = lambda names, place="device": {n: place for n in names}
 POLICIES = {
-    # everything the forward wrote stays in HBM
-    "none": lambda name: "device",
-    # minititan's --remat (graph_passes.remat): matmul outputs kept, the cheap ops recomputed
-    "save_matmul_outputs": lambda name: "device" if name in MATMUL_OUTPUTS + ("decoder_layer_input",) else "remat",
-    # MaxText: every dot except the MLP's two input projections
-    "save_dot_except_mlpwi": lambda name: "device" if name in ("decoder_layer_input", "query_proj", "key_proj",
-                                                               "value_proj", "context", "out_proj") else "remat",
-    "save_qkv_proj": lambda name: "device" if name in ("decoder_layer_input", "query_proj", "key_proj",
-                                                       "value_proj") else "remat",
-    # only each layer's input: the whole forward of a layer again in its backward
-    "full": lambda name: "device" if name == "decoder_layer_input" else "remat",
+    "none": None,   # no remat: every tensor the backward reads stays in HBM
+    # minititan's --remat (graph_passes.remat): every matmul output the backward reads kept
+    "save_matmul_outputs": _saving(("query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1")),
+    "minimal": _saving(_MINIMAL),
+    "minimal_with_context": _saving(_MINIMAL + ("context",)),
+    "save_dot_with_context_except_mlp": _saving(_QKV + ("context", "out_proj")),
+    "save_dot_except_mlpwi": _saving(_QKV + ("out_proj", "mlpwo")),
+    "save_dot_except_mlp": _saving(_QKV + ("out_proj",)),
+    "save_qkv_proj": _saving(_QKV),
+    "save_out_proj": _saving(("out_proj",)),
+    "qkv_proj_offloaded": _saving(("query_proj", "value_proj", "key_proj", "kv_proj"), "offload"),
+    "minimal_offloaded": _saving(_MINIMAL, "offload"),
+    "full": {},     # only each layer's input: the whole forward of a layer again in its backward
+    # MaxDiffusion's FLUX_OPTIMIZED (models/gradient_checkpoint.py): double blocks save every named
+    # tensor but the two qkv projections, single blocks only the attention output and linear1's output
+    "flux_optimized": {"double": "save_any_but:img_qkv_proj,txt_qkv_proj",
+                       "single": _saving(("attn_output", "lin1_norm_hidden_states"))},
 }
+PLACES = ("device", "offload", "remat")
 
 
-def policy_of(policy):
-    """A remat policy -> name -> "device" | "offload" | "remat". `policy` is a POLICIES name or a
-    MaxText "custom" mapping {name: "device" | "offload" | "remat"} (unnamed: "remat", as there)."""
-    if isinstance(policy, dict):
-        bad = {v for v in policy.values()} - {"device", "offload", "remat"}
-        if bad:
-            raise ValueError(f"remat policy values must be device / offload / remat, got {sorted(bad)}")
-        return lambda name: policy.get(name, "remat")
-    if policy not in POLICIES:
-        raise ValueError(f"remat policy {policy!r}: choose one of {', '.join(POLICIES)} or a custom mapping")
-    return POLICIES[policy]
+def block_kinds(shape):
+    """(kind, layers, acts, recompute_of) of each kind of block: one "decoder" kind unless the shape
+    lists several (FLUX: "double", "single")."""
+    return shape.kinds or (("decoder", shape.layers, shape.acts, shape.recompute_of),)
+
+
+def known_names(shape, acts):
+    return sorted(set(acts) - set(shape.internal) | set(shape.aliases))
+
+
+def _by_kind(policy):
+    return isinstance(policy, dict) and bool(policy) and set(policy) <= {"decoder", "double", "single"}
+
+
+def _resolve(shape, acts, policy):
+    """A policy for one block kind -> {name in acts: place}; refuses a name the shape does not know."""
+    preset = isinstance(policy, str)
+    if preset and policy.startswith("save_any_but:"):      # every named tensor saved, but these
+        spared = policy.split(":", 1)[1].split(",")
+        policy = {**{n: "device" for n in known_names(shape, acts) if n not in spared}, **{n: "remat" for n in spared}}
+    elif preset:
+        if policy not in POLICIES or _by_kind(POLICIES[policy]):
+            raise ValueError(f"remat policy {policy!r}: choose one of {', '.join(POLICIES)} or a custom mapping")
+        policy = POLICIES[policy]
+    if policy is None:                                     # "none": what the backward reads, on device
+        return {n: "device" for n in acts if n not in shape.unread}
+    return _places(shape, acts, policy, preset)
+
+
+def _places(shape, acts, policy, preset):
+    bad = sorted({v for v in policy.values()} - set(PLACES))
+    if bad:
+        raise ValueError(f"remat policy values must be device / offload / remat, got {bad}")
+    known = known_names(shape, acts)
+    unknown = sorted(n for n in policy if n not in known)
+    if unknown and not preset:   # (a preset names every variant; a custom policy must name this model's)
+        raise ValueError(f"remat policy names {', '.join(unknown)}, which {shape.label or 'this model'} does not "
+                         f"have; the planner knows: {', '.join(known)}")
+    where = {n: "remat" for n in acts}
+    for name, place in policy.items():
+        for n in shape.aliases.get(name, (name,)):
+            if n in where:
+                where[n] = place
+    if where.get("decoder_layer_input") == "remat":   # the checkpoint itself: saved, never recomputed
+        where["decoder_layer_input"] = "device"
+    return where
+
+
+def policy_of(shape, policy):
+    """{kind: {name: "device" | "offload" | "remat"}} for each of the shape's block kinds. `policy`:
+    a POLICIES name, a MaxText "custom" mapping {name: place} (unnamed: "remat", as there; a name the
+    model does not have is refused, listing the ones it has), or {kind: either} for a model whose
+    kinds take different policies (FLUX's "double" and "single" blocks)."""
+    kinds = block_kinds(shape)
+    per_kind = POLICIES.get(policy) if isinstance(policy, str) else policy
+    if _by_kind(per_kind):
+        if set(per_kind) != {k[0] for k in kinds}:
+            raise ValueError(f"remat policy by block kind names {', '.join(sorted(per_kind))}; {shape.label or 'this model'} "
+                             f"has {', '.join(k[0] for k in kinds)}")
+        return {kind: _resolve(shape, acts, per_kind[kind]) for kind, _, acts, _ in kinds}
+    return {kind: _resolve(shape, acts, policy) for kind, _, acts, _ in kinds}
 
 
 def policy_split(shape, policy):
-    """(device, offload, remat) elements a token a layer, and the names recomputed, under `policy`."""
-    where = policy_of(policy)
+    """(device, offload, remat) elements a token averaged over the layers, the names recomputed, and
+    what recomputing them costs: {matmul name or "attention": share of the layers}, under `policy`."""
     totals = {"device": 0.0, "offload": 0.0, "remat": 0.0}
-    recomputed = []
-    for name, elems in shape.acts.items():
-        # a layer's input is the checkpoint itself: saved (or offloaded), never recomputed
-        place = where(name)
-        if name == "decoder_layer_input" and place == "remat":
-            place = "device"
-        totals[place] += elems
-        if place == "remat":
-            recomputed.append(name)
-    return totals["device"], totals["offload"], totals["remat"], recomputed
+    names, redo = [], {}
+    places = policy_of(shape, policy)
+    for kind, layers, acts, recompute_of in block_kinds(shape):
+        share = layers / shape.layers
+        for name, elems in acts.items():
+            if name in shape.unread:          # nothing reads it: never a residual, whatever the policy
+                continue
+            place = places[kind].get(name, "remat")
+            totals[place] += elems * share
+            if place == "remat":
+                names += [] if name in names else [name]
+                for m in recompute_of.get(name, []):
+                    redo[m] = redo.get(m, 0) + share
+    return totals["device"], totals["offload"], totals["remat"], names, redo

@@ -47,6 +47,16 @@ class Precision:
 
 
 PRECISIONS = {"fp32": Precision(4, 4, 8), "bf16": Precision(2, 2, 4)}
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2}
+
+
+def precision(weights="fp32", mu_dtype=None):
+    """State bytes a parameter: weights and gradients at `weights`; AdamW's first moment at `mu_dtype`
+    (MaxText's mu_dtype; default: the weights' dtype, as optax keeps it), the second at the weights'."""
+    w = PRECISIONS[weights].weight
+    if mu_dtype is not None and mu_dtype not in DTYPE_BYTES:
+        raise ValueError(f"mu_dtype {mu_dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
+    return Precision(w, w, (DTYPE_BYTES[mu_dtype] if mu_dtype else w) + w)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +75,7 @@ class Layout:
     dcn_mode: str = "replicate"
     attention_block: int = ATTENTION_BLOCK
     act_bytes: int = BYTES_BF16   # bytes an activation element (bf16 on TPU; 4 for the fp32 CPU anchor)
+    vocab_tiles: int = 1          # MaxText's num_vocab_tiling: the logits live one tile of the vocabulary at a time
 
 
 def shard_counts(shape, lay):
@@ -94,10 +105,10 @@ def causal_fraction(seq, block):
     return (nb + 1) / (2 * nb)
 
 
-def compute_terms(shape, lay, chip, eff, recomputed):
-    """Seconds of matmuls, recomputed matmuls, attention, each a chip a step."""
+def compute_terms(shape, lay, chip, eff, redo):
+    """Seconds of matmuls, recomputed matmuls, attention, each a chip a step. `redo`: the share of the
+    layers whose backward recomputes each matmul (or "attention"), shapes.policy_split's."""
     samples = lay.local_batch / lay.tp            # a tp group shares its samples' work
-    redo = {m for name in recomputed for m in shape.recompute_of.get(name, [])}
     matmul_s = recompute_s = 0.0
     for mm in shape.matmuls:
         # tensor parallelism splits a row-parallel matmul's k (out_proj, mlpwo), the others' n
@@ -108,14 +119,14 @@ def compute_terms(shape, lay, chip, eff, recomputed):
         rate = chip.peak_flops * matmul_efficiency(k, n, chip, base)
         flops = mm.flops * samples
         matmul_s += 3 * flops / rate
-        if mm.name in redo:
-            recompute_s += flops / rate
+        if redo.get(mm.name):   # (a share of all the layers; of its own layers, capped at 1)
+            recompute_s += flops / rate * min(1.0, redo[mm.name] * shape.layers / mm.layers)
     a = shape.attention
     fwd = 4 * a["seq"] ** 2 * a["heads"] * a["head_dim"] * a["layers"] * samples
     if a["causal"]:
         fwd *= causal_fraction(a["seq"], lay.attention_block)
     att_rate = chip.peak_flops * eff["matmul_efficiency"] * chips_lib.ATTENTION_RELATIVE_EFFICIENCY
-    attention_s = (fwd * 3.5 + (fwd if "attention" in redo else 0)) / att_rate
+    attention_s = (fwd * 3.5 + fwd * redo.get("attention", 0.0)) / att_rate
     return {"matmul": matmul_s, "recompute": recompute_s, "attention": attention_s}
 
 
@@ -181,7 +192,7 @@ def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems):
     tokens = shape.tokens * lay.local_batch / lay.tp
     saved = device_elems * lay.act_bytes * tokens * shape.layers
     layer_peak = all_elems * lay.act_bytes * tokens                     # one layer, everything live
-    logits_peak = 2 * lay.act_bytes * tokens * shape.vocab if shape.vocab else 0.0   # logits + their grad
+    logits_peak = 2 * lay.act_bytes * tokens * shape.vocab / lay.vocab_tiles if shape.vocab else 0.0  # logits + grad
     return {"parameters": n * pr.weight, "gradients": n * pr.grad, "optimizer state": n * pr.optimizer,
             "gathered block (bf16, x2)": 2 * BYTES_BF16 * gathered if fsdp > 1 else 0.0,
             "saved activations": saved, "transient peak": max(layer_peak, logits_peak)}
@@ -192,17 +203,18 @@ def predict(shape, lay, chip, constants=None):
     (a chips.Chip); `constants` overrides the chip's fitted efficiencies (calibrate.fit)."""
     eff = chips_lib.efficiency(chip.name, constants)
     shard, gathered, fsdp, expert_group = shard_counts(shape, lay)
-    device_elems, offload_elems, _, recomputed = policy_split(shape, lay.remat)
+    device_elems, offload_elems, _, recomputed, redo = policy_split(shape, lay.remat)
     tokens = shape.tokens * lay.local_batch / lay.tp
     offload_bytes = offload_elems * lay.act_bytes * tokens * shape.layers
-    compute = compute_terms(shape, lay, chip, eff, recomputed)
+    compute = compute_terms(shape, lay, chip, eff, redo)
     compute.update(hbm_terms(shape, lay, chip, shard, gathered, fsdp, bool(recomputed)))
     comm = comm_terms(shape, lay, chip, shard, fsdp, expert_group, offload_bytes)
     compute_s = sum(compute.values())
     hideable = comm["ici"] + comm["dcn"] + comm["offload"]
     exposed = hideable - chips_lib.OVERLAP * min(hideable, compute_s)
     step = chip.host_overhead_s + compute_s + exposed + comm["tp"] + comm["ep"]
-    mem = memory_terms(shape, lay, shard, gathered, fsdp, device_elems, sum(shape.acts.values()))
+    live = sum(v for k, v in shape.acts.items() if k not in shape.unread)
+    mem = memory_terms(shape, lay, shard, gathered, fsdp, device_elems, live)
     total = sum(mem.values())
     fits = total <= chip.hbm_bytes and offload_bytes <= chip.host_bytes
     return {"step_s": step, "compute": compute, "comm": comm, "exposed_comm_s": exposed,

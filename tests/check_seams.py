@@ -61,9 +61,9 @@ def _imports(path):
 
 
 def test_the_layers_import_downwards_only():
-    """task.py and parallel.py import nothing of ours but the lowest layer (errors, device); cli.py and
-    train.py import no workload (they reach one through task.WORKLOADS); no import cycle among our
-    modules, function-level imports included."""
+    """task.py and parallel.py import nothing of ours but the lowest layer (errors, device); cli.py,
+    train.py and planner/ import no workload (they reach one through task.WORKLOADS); no import cycle
+    among our modules, function-level imports included."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ours = {}
     for d in ("", "flux", "rl", "planner"):
@@ -75,6 +75,9 @@ def test_the_layers_import_downwards_only():
     assert graph["parallel"] <= {"device", "errors"}, graph["parallel"]
     workload_modules = {m for m in ours if m.startswith(("flux.", "rl.")) or m == "lm_task"}
     assert not graph["cli"] & workload_modules and not graph["train"] & workload_modules
+    # the planner learns a model's shape from its family (ModelFamily.plan), never from a workload module
+    planner = {m for m in ours if m.startswith("planner.")}
+    assert planner and all(not graph[m] & workload_modules for m in planner), {m: graph[m] & workload_modules for m in planner}
     state = {}
 
     def visit(m, path):  # depth-first: a module met again on the current path is a cycle
