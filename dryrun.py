@@ -81,21 +81,11 @@ def traced_saved_bytes(args, local_batch, seq_len, remat):
     return step_saved_bytes(model, next_token_loss, (tokens, tokens), remat)
 
 
-def param_groups(args):
-    """Parameter counts by how a layout splits them: (tp: the attention and dense-MLP matmuls, the
-    embedding and head (vocabulary-split), experts: the MoE experts, rest: norms, routers; MoE
-    models have no tp, so their embedding is `rest`), whole model and one layer."""
-    D, hd, L = args.dim, args.hd, args.n_layers
-    emb = param_counts(args)[1] * (1 if args.tie_embeddings else 2)
-    attn = D * hd * (2 * args.n_heads + 2 * args.n_kv_heads)
-    layer_tp = attn + (0 if args.n_experts else 3 * D * args.ffn_dim)
-    layer_experts = 3 * args.n_experts * D * args.moe_ffn_dim if args.n_experts else 0
-    total = param_counts(args)[0]
-    layer_total = param_counts(dataclasses.replace(args, n_layers=2))[0] - param_counts(dataclasses.replace(args, n_layers=1))[0]
-    whole = {"tp": L * layer_tp + (0 if args.n_experts else emb), "experts": L * layer_experts}
-    whole["rest"] = total - whole["tp"] - whole["experts"]
-    layer = {"tp": layer_tp, "experts": layer_experts, "rest": layer_total - layer_tp - layer_experts}
-    return whole, layer
+param_groups = shapes.lm_param_groups   # (the one count: the step model's shapes use it too)
+# stepmodel's memory terms under the dry run's labels (minititan's layout: fp32 state)
+MEMORY_LABELS = {"parameters": "params (fp32 shard)", "gradients": "grads (fp32 shard)",
+                 "optimizer state": "AdamW state (fp32 shard)", "gathered block (bf16, x2)": "gathered layer (bf16, x2 prefetch)",
+                 "saved activations": "saved activations (bf16)", "transient peak": "transient peak (one layer, bf16)"}
 
 
 def saved_bytes_per_sequence(args, seq_len, remat):
@@ -173,47 +163,41 @@ def estimate(w, dims, batch_size, chip, remat, per_sample=None):
     if refusal:
         raise ValueError(refusal)
     spec, local_batch = TPU_SPECS[chip], batch_size // dp
-    whole, layer = w.whole, w.layer
-    total = sum(whole.values())
-    # 1. parameters per chip: matmuls split over ici x tp, experts over all dp ranks (ep x their FSDP
-    #    group), the rest over ici (replicated over dcn and tp)
-    shard = math.ceil(whole["tp"] / (ici * tp)) + math.ceil(whole["experts"] / dp) + math.ceil(whole["rest"] / ici)
-    gathered = layer["tp"] / tp + layer["experts"] / ep + layer["rest"]  # one block, after FSDP's gather
-    # 2. saved activations: linear in the batch; sequence parallelism splits them over tp
+    whole, total = w.whole, sum(w.whole.values())
+    # saved activations: the trace's bytes a sample (exact for minititan's graph), linear in the batch;
+    # sequence parallelism splits them over tp
     if per_sample is None:  # one trace: the policy's own (off / --remat), or --remat's for the others to scale
         with_remat = policy_name(remat) != "none"
         per_sample = saved_per_sample(w, remat, {with_remat: w.saved_bytes(with_remat)})
-    mem = {"params (fp32 shard)": 4 * shard, "grads (fp32 shard)": 4 * shard, "AdamW state (fp32 shard)": 8 * shard,
-           "gathered layer (bf16, x2 prefetch)": 2 * 2 * gathered,
-           "saved activations (bf16)": per_sample * local_batch / tp}
     flops = w.flops_per_sample * local_batch / tp     # model FLOPs per device per step
-    # 3. traffic per chip per step. FSDP: all-gather fwd + bwd (bf16), reduce-scatter (fp32)
+    # memory, host memory, the verdict and the step time: stepmodel's, for minititan's own layout (fp32
+    # master weights and AdamW, FSDP over ici, HSDP over dcn, --remat = keep the matmul outputs), on the
+    # family's own parameter groups and the traced activations
+    layout = stepmodel.Layout(dcn=dcn, ici=ici, tp=tp, ep=ep, local_batch=local_batch, remat=policy_name(remat))
+    shape = dataclasses.replace(shape_of(w), params=dict(w.whole), layer_params=dict(w.layer))
+    pred = stepmodel.predict(shape, layout, chips_lib.CHIPS[chip], saved_bytes=per_sample * local_batch / tp)
+    mem = {MEMORY_LABELS[k]: v for k, v in pred["memory"].items()}
+    # traffic per chip per step (stepmodel's bytes, reported): FSDP all-gather fwd + bwd (bf16),
+    # reduce-scatter (fp32); TP + SP: per layer 2 all-gathers + 2 reduce-scatters forward, the same
+    # backward; EP: per MoE layer, the routed rows out and back, forward and backward
     fsdp = 8 * (whole["tp"] / tp + whole["rest"]) * (ici - 1) / ici + 8 * whole["experts"] / ep * (dp // ep - 1) / (dp // ep)
     act = 2 * local_batch * w.tokens * w.dim  # one (B, S, D) activation, bf16
-    # TP + SP: per layer 2 all-gathers + 2 reduce-scatters forward, the same backward
     tp_bytes = w.n_layers * 8 * act * (tp - 1) / tp
-    # EP: per MoE layer, the routed rows (top_k per token) out and back, forward and backward
     ep_bytes = (w.n_layers * 4 * act * w.top_k * (ep - 1) / ep) if w.n_experts else 0
     ici_bytes = fsdp + tp_bytes + ep_bytes
-    dcn_bytes = 2 * 4 * (shard - math.ceil(whole["experts"] / dp)) * (dcn - 1) / dcn  # grads all-reduce
-    # step time: stepmodel's parts (matmuls at the fitted efficiency, attention, HBM-bound ops,
-    # collectives partly hidden, TP / EP exposed, host overhead) for minititan's own layout: fp32
-    # master weights, FSDP over ici, HSDP over dcn, --remat = keep the matmul outputs
-    layout = stepmodel.Layout(dcn=dcn, ici=ici, tp=tp, ep=ep, local_batch=local_batch, remat=policy_name(remat))
-    pred = stepmodel.predict(shape_of(w), layout, chips_lib.CHIPS[chip])
-    # the transient peak (one layer's activations while its backward runs) is not in the trace's
-    # saved bytes: added from the shape's activation table
-    mem["transient peak (one layer, bf16)"] = pred["memory"]["transient peak"]
+    shard = stepmodel.shard_counts(shape, layout)[0]
+    dcn_bytes = 2 * 4 * (shard["tp"] + shard["rest"]) * (dcn - 1) / dcn  # grads all-reduce
     parts = {"matmuls": pred["compute"]["matmul"] + pred["compute"]["recompute"],
              "attention": pred["compute"]["attention"],
              "HBM-bound ops": sum(v for k, v in pred["compute"].items() if k not in ("matmul", "recompute", "attention")),
              "exposed ICI/DCN": pred["exposed_comm_s"], "TP/EP": pred["comm"]["tp"] + pred["comm"]["ep"]}
-    need = sum(mem.values())
+    need = pred["total_bytes"]
     mesh = ",".join(f"{k}={v}" for k, v in dims.items() if v > 1 or k == "ici")
     return {"flavor": w.label, "chip": chip, "mesh": mesh, "devices": devices, "params": total, "remat": remat,
             "local_batch": local_batch, "seq_len": w.tokens, "memory_bytes": mem, "total_bytes": need,
-            "hbm_bytes": spec["hbm"], "host_bytes": pred["offload_bytes"],
-            "fits": need <= spec["hbm"] and pred["offload_bytes"] <= chips_lib.CHIPS[chip].host_bytes, "flops_per_device": flops,
+            "hbm_bytes": spec["hbm"], "host_bytes": pred["offload_bytes"], "host_memory_bytes": pred["host"],
+            "host_need": pred["host_need"], "host_capacity": chips_lib.CHIPS[chip].host_bytes,
+            "fits": pred["fits"], "flops_per_device": flops,
             "ici_bytes": ici_bytes, "ici_split": {"fsdp": fsdp, "tp": tp_bytes, "ep": ep_bytes}, "dcn_bytes": dcn_bytes,
             "compute_s": sum(pred["compute"].values()), "exposed_s": pred["comm"]["tp"] + pred["comm"]["ep"],
             "step_parts_s": parts, "step_s": pred["step_s"], "bound": max(parts, key=parts.get),
@@ -341,11 +325,11 @@ def format_plan(rows, cfg, top=15):
              f"{rows[0]['seq_len']} tokens; "
              f"{len(rows)} layouts, best {min(top, len(rows))}, fitting first (step: stepmodel.py's parts, "
              f"{calibration_note(cfg.chip)}; not run on a TPU)",
-             f"  {'mesh':<28} {'remat':<5} {'batch/dp':>8} {'HBM GiB':>8} {'fits':<4} {'step ms':>9} "
+             f"  {'mesh':<28} {'remat':<5} {'batch/dp':>8} {'HBM GiB':>8} {'host GiB':>8} {'fits':<4} {'step ms':>9} "
              f"{'TP/EP ms':>9} {'MFU':>6}  bound"]
     for r in rows[:top]:
         lines.append(f"  {r['mesh']:<28} {remat_label(r['remat']):<5} {r['local_batch']:>8} "
-                     f"{r['total_bytes'] / GiB:>8.1f} {'yes' if r['fits'] else 'NO':<4} {r['step_s'] * 1e3:>9.1f} "
+                     f"{r['total_bytes'] / GiB:>8.1f} {r['host_need'] / GiB:>8.1f} {'yes' if r['fits'] else 'NO':<4} {r['step_s'] * 1e3:>9.1f} "
                      f"{r['exposed_s'] * 1e3:>9.1f} {100 * r['mfu']:>5.1f}%  {r['bound']}")
     return "\n".join(lines)
 
@@ -362,8 +346,14 @@ def format_report(r):
              f"({r['mesh']}), {r['local_batch']} x {r['seq_len']} tokens per device"]
     for name, b in r["memory_bytes"].items():
         lines.append(f"  {name:<36} {b / GiB:10.2f} GiB")
-    verdict = "fits" if r["fits"] else f"DOES NOT FIT: short by {(r['total_bytes'] - r['hbm_bytes']) / GiB:.2f} GiB"
+    short = r["total_bytes"] - r["hbm_bytes"]
+    verdict = "fits" if short <= 0 else f"DOES NOT FIT: short by {short / GiB:.2f} GiB"
     lines.append(f"  {'total per device':<36} {r['total_bytes'] / GiB:10.2f} GiB of {r['hbm_bytes'] / GiB:.0f} GiB HBM: {verdict}")
+    host = ", ".join(f"{k} {v / GiB:.2f}" for k, v in r["host_memory_bytes"].items())
+    source = chips_lib.CHIPS[r["chip"]].host_source
+    host_verdict = "fits" if r["host_need"] <= r["host_capacity"] else "DOES NOT FIT"
+    lines.append(f"  host memory a chip ({host} GiB): needs {r['host_need'] / GiB:.2f} of "
+                 f"{r['host_capacity'] / GiB:.0f} GiB ({'ASSUMED' if source == 'assumed' else source}): {host_verdict}")
     split = ", ".join(f"{k} {v / GiB:.2f}" for k, v in r["ici_split"].items() if v)
     lines.append(f"  FLOPs per device per step {r['flops_per_device']:.3e}; collectives per device per step: "
                  f"ICI {r['ici_bytes'] / GiB:.2f} GiB ({split or 'none'}), DCN {r['dcn_bytes'] / GiB:.2f} GiB")

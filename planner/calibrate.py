@@ -95,7 +95,7 @@ def evaluate(run, constants=None):
     return {"id": run["id"], "role": run["role"], "chip": run["chip"], "chips": run["dcn"] * run["ici"] * run.get("tp", 1),
             "predicted_s": pred["step_s"], "published_s": published, "ratio": pred["step_s"] / published,
             "fits": pred["fits"], "hbm_gib": pred["total_bytes"] / chips_lib.GiB,
-            "host_gib": pred["offload_bytes"] / chips_lib.GiB, "predicted_mfu": pred["mfu"],
+            "host_gib": pred["host_need"] / chips_lib.GiB, "predicted_mfu": pred["mfu"],
             "published_mfu": pred["mfu"] * pred["step_s"] / published, "prediction": pred}
 
 

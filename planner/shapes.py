@@ -73,16 +73,22 @@ class Shape:
     model_flops: float = 0.0    # the usual count (6N + attention), for MFU
 
 
-def _lm_param_groups(a):
-    """tp: attention and dense-MLP matmuls, embedding and head; experts; rest (norms, routers)."""
+def lm_param_groups(a):
+    """Parameter counts by how a layout splits them, whole model and one layer: tp (the attention and
+    dense-MLP matmuls, the embedding and head, vocabulary-split), experts (split over ep), rest (norms,
+    routers: FSDP over ici only). An MoE model has no tp (tensor_parallel refuses its blocks), so its
+    embedding is `rest`. The one count the dry run and the step model both use."""
+    D, hd, L = a.dim, a.hd, a.n_layers
     emb = param_counts(a)[1] * (1 if a.tie_embeddings else 2)
-    attn = a.dim * a.hd * (2 * a.n_heads + 2 * a.n_kv_heads)
-    layer_tp = attn + (0 if a.n_experts else 3 * a.dim * a.ffn_dim)
-    layer_experts = 3 * a.n_experts * a.dim * a.moe_ffn_dim if a.n_experts else 0
-    layer_rest = 2 * a.dim + (a.dim * a.n_experts) + (2 * a.hd if a.qk_norm else 0)
-    whole = {"tp": a.n_layers * layer_tp + emb, "experts": a.n_layers * layer_experts,
-             "rest": a.n_layers * layer_rest + a.dim}
-    return whole, {"tp": layer_tp, "experts": layer_experts, "rest": layer_rest}
+    attn = D * hd * (2 * a.n_heads + 2 * a.n_kv_heads)
+    layer_tp = attn + (0 if a.n_experts else 3 * D * a.ffn_dim)
+    layer_experts = 3 * a.n_experts * D * a.moe_ffn_dim if a.n_experts else 0
+    total = param_counts(a)[0]
+    layer_total = (param_counts(dataclasses.replace(a, n_layers=2))[0]
+                   - param_counts(dataclasses.replace(a, n_layers=1))[0])
+    whole = {"tp": L * layer_tp + (0 if a.n_experts else emb), "experts": L * layer_experts}
+    whole["rest"] = total - whole["tp"] - whole["experts"]
+    return whole, {"tp": layer_tp, "experts": layer_experts, "rest": layer_total - layer_tp - layer_experts}
 
 
 def lm_shape(a, seq, label="", capacity_factor=1.0, moe_dispatch="gmm", fused_loss=False):
@@ -92,7 +98,7 @@ def lm_shape(a, seq, label="", capacity_factor=1.0, moe_dispatch="gmm", fused_lo
     that the dropped path runs as matmuls, "gmm" (megablox / kernels_gmm) has none."""
     from model import flops_per_token
     D, H, KV, hd, L, S = a.dim, a.n_heads, a.n_kv_heads, a.hd, a.n_layers, seq
-    whole, layer = _lm_param_groups(a)
+    whole, layer = lm_param_groups(a)
     mm = [Matmul("query_proj", S, D, H * hd, L, "tp"), Matmul("key_proj", S, D, KV * hd, L, "tp"),
           Matmul("value_proj", S, D, KV * hd, L, "tp"), Matmul("out_proj", S, H * hd, D, L, "tp")]
     if a.n_experts:

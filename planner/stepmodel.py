@@ -83,9 +83,9 @@ def shard_counts(shape, lay):
     fsdp = lay.ici * (lay.dcn if lay.dcn_mode == "fsdp" else 1) if lay.dp_mode == "fsdp" else 1
     dp = lay.dcn * lay.ici
     expert_group = max(dp // lay.ep, 1) if lay.dp_mode == "fsdp" else 1
-    p = shape.params
-    shard = {"tp": p["tp"] / (fsdp * lay.tp), "experts": p["experts"] / (lay.ep * expert_group),
-             "rest": p["rest"] / fsdp}
+    p = shape.params   # (a group that does not divide pads up, as the sharded tensors do)
+    shard = {"tp": math.ceil(p["tp"] / (fsdp * lay.tp)), "experts": math.ceil(p["experts"] / (lay.ep * expert_group)),
+             "rest": math.ceil(p["rest"] / fsdp)}
     lp = shape.layer_params
     gathered = lp["tp"] / lay.tp + lp["experts"] / lay.ep + lp["rest"]
     return shard, gathered, fsdp, expert_group
@@ -198,9 +198,28 @@ def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems):
             "saved activations": saved, "transient peak": max(layer_peak, logits_peak)}
 
 
-def predict(shape, lay, chip, constants=None):
+def host_terms(lay, shard, offload_bytes, push_bucket_bytes=0):
+    """Host bytes a chip's process needs (issue 37): at start its parameter shards (filled on the host,
+    then moved), then beside the step the checkpoint's staging copy of weights and optimizer state
+    (DCP stages a save in host memory), the weight push's bucket (GRPO's streamed push; 0 for
+    pretraining) and the offloaded activations. The need is the larger of the two moments."""
+    n, pr = sum(shard.values()), lay.precision
+    terms = {"shards at start": n * pr.weight, "checkpoint staging": n * (pr.weight + pr.optimizer),
+             "push bucket": push_bucket_bytes, "offloaded activations": offload_bytes}
+    need = max(terms["shards at start"], terms["checkpoint staging"] + push_bucket_bytes + offload_bytes)
+    return terms, need
+
+
+def fits(hbm_need, host_need, chip):
+    """The one verdict (the dry run's, --plan's and the calibration's): HBM and host memory a chip."""
+    return hbm_need <= chip.hbm_bytes and host_need <= chip.host_bytes
+
+
+def predict(shape, lay, chip, constants=None, saved_bytes=None, push_bucket_bytes=0):
     """Step time (s), its parts, memory a chip and whether it fits, for `shape` on `lay` of `chip`
-    (a chips.Chip); `constants` overrides the chip's fitted efficiencies (calibrate.fit)."""
+    (a chips.Chip); `constants` overrides the chip's fitted efficiencies (calibrate.fit);
+    `saved_bytes` replaces the shape's saved-activation bytes a chip where a trace measured them
+    (minititan's own dry run: its graph's exact figure)."""
     eff = chips_lib.efficiency(chip.name, constants)
     shard, gathered, fsdp, expert_group = shard_counts(shape, lay)
     device_elems, offload_elems, _, recomputed, redo = policy_split(shape, lay.remat)
@@ -215,9 +234,12 @@ def predict(shape, lay, chip, constants=None):
     step = chip.host_overhead_s + compute_s + exposed + comm["tp"] + comm["ep"]
     live = sum(v for k, v in shape.acts.items() if k not in shape.unread)
     mem = memory_terms(shape, lay, shard, gathered, fsdp, device_elems, live)
+    if saved_bytes is not None:
+        mem["saved activations"] = saved_bytes
     total = sum(mem.values())
-    fits = total <= chip.hbm_bytes and offload_bytes <= chip.host_bytes
+    host, host_need = host_terms(lay, shard, offload_bytes, push_bucket_bytes)
     return {"step_s": step, "compute": compute, "comm": comm, "exposed_comm_s": exposed,
             "host_overhead_s": chip.host_overhead_s, "memory": mem, "total_bytes": total,
-            "offload_bytes": offload_bytes, "fits": fits,
+            "offload_bytes": offload_bytes, "host": host, "host_need": host_need,
+            "fits": fits(total, host_need, chip),
             "mfu": shape.model_flops * lay.local_batch / lay.tp / (step * chip.peak_flops)}

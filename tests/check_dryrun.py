@@ -448,3 +448,43 @@ def test_plan_layouts_use_exactly_the_chips_asked_and_the_anchor_takes_help(caps
     assert any("tp=2" in r["mesh"] for r in dryrun.plan(w, 12, 48, "tpu_v5p"))
     from planner import anchor
     assert anchor.main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: python -m planner.anchor")
+
+
+def test_dry_run_memory_is_the_step_models_and_marks_a_layout_whose_host_memory_does_not_fit():
+    """One memory model: the dry run's memory terms and its verdict are stepmodel.predict's for the
+    same layout (on the family's parameter groups, with the trace's activation bytes), and the host
+    memory a chip's process needs (its shards at start; then the checkpoint's staging copy, the push
+    bucket and the offloaded activations), by hand, against chips.py's sourced host figure: Llama 3 70B
+    on 8 Ironwood chips with every named tensor offloaded fits HBM at global batch 8 and 16, and the
+    host at 8 only; the report says which memory does not fit."""
+    import dryrun
+    from planner import chips, shapes, stepmodel
+    w = dryrun.lm_workload(FLAVORS["llama3_70b"], "llama3_70b", 8192)
+    w = dataclasses.replace(w, saved_bytes=lambda remat: 2**30)
+    offload = {n: "offload" for n in ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context",
+                                      "out_proj", "mlpwi_0", "mlpwi_1")}
+    chip = chips.CHIPS["tpu_v7"]
+    assert chip.host_bytes == 960e9 / 4 and chip.host_source != "assumed"
+    for batch, host_fits in ((8, True), (16, False)):
+        r = dryrun.estimate(w, {"dcn": 1, "ici": 8, "tp": 1, "ep": 1}, batch, "tpu_v7", offload)
+        shape = dataclasses.replace(w.shape, params=w.whole, layer_params=w.layer)
+        lay = stepmodel.Layout(ici=8, local_batch=batch // 8, remat=offload)
+        saved = dryrun.saved_per_sample(w, offload, {True: 2**30}) * batch // 8
+        p = stepmodel.predict(shape, lay, chip, saved_bytes=saved)
+        assert list(r["memory_bytes"].values()) == list(p["memory"].values()) and r["total_bytes"] == p["total_bytes"]
+        assert r["step_s"] == p["step_s"] and r["fits"] == p["fits"] == (host_fits and p["total_bytes"] <= chip.hbm_bytes)
+        # host, by hand: fp32 weights a shard at start; then weights + AdamW staged, beside the offload
+        shard = sum(math.ceil(w.whole[g] / 8) for g in ("tp", "rest"))
+        elems = shapes.policy_split(w.shape, offload)[1]
+        offloaded = elems * 2 * 8192 * (batch // 8) * 80
+        assert r["host_memory_bytes"] == {"shards at start": 4 * shard, "checkpoint staging": 12 * shard,
+                                          "push bucket": 0, "offloaded activations": offloaded}
+        assert r["host_need"] == max(4 * shard, 12 * shard + offloaded) and (r["host_need"] <= chip.host_bytes) == host_fits
+        assert r["total_bytes"] <= chip.hbm_bytes
+        text = dryrun.format_report(r)
+        host_line = next(l for l in text.splitlines() if "host memory a chip" in l)
+        assert host_line.endswith("fits" if host_fits else "DOES NOT FIT") and "tpu7x" in host_line
+        assert "GiB HBM: fits" in text
+    # a chip whose host memory is not published is marked assumed in the report
+    r = dryrun.estimate(w, {"dcn": 1, "ici": 8, "tp": 1, "ep": 1}, 8, "h100", offload)
+    assert chips.CHIPS["h100"].host_source == "assumed" and "(ASSUMED)" in dryrun.format_report(r)
