@@ -10,10 +10,13 @@ flux/task.py). The whole step (graph_trainer.build_step_fn with the task's loss)
 on meta tensors, at full width and with the TPU kernels (a language model's config rewrite; FLUX's
 flash attention), so the graph's saved activations are exact for one block of each kind and one
 more; the per-block differences extrapolate to the full depths (blocks of a kind are the same:
-`extrapolate`). Nothing is allocated. Parameters, gradients and AdamW state follow from the
-parameter counts and the layout (fp32; the TP-split weights over ici x tp, the experts over all
-data-parallel ranks, the rest over ici; replicated over dcn), as train.py places them; FSDP
-collectives from the same. The step time is planner/stepmodel.py's sum of named parts (matmuls at a
+`extrapolate`). Nothing is allocated. Memory, host memory, the verdict and the step time are
+planner/stepmodel.py's, one model for the dry run, --plan and the calibration: parameters, gradients
+and AdamW state from the family's parameter groups and the layout (fp32; the TP-split weights over
+ici x tp, the experts over all data-parallel ranks, the rest over ici; replicated over dcn), as
+train.py places them, the traced activations in place of the step model's table; the host memory a
+chip's process needs (its shards at start, checkpoint staging, the push bucket, offloaded
+activations) against chips.py's host figure. The step time is stepmodel's sum of named parts (matmuls at a
 shape-dependent fraction of peak, splash attention with causal blocks skipped, HBM-bound ops, FSDP /
 DCN collectives hidden up to an overlap fraction, TP / EP exposed, a host overhead), with the few
 free constants fitted on published TPU runs (planner/calibration.json, planner/calibrate.py):
@@ -25,7 +28,7 @@ Layouts (mesh dims dcn, ici, tp, ep as in train.py): tensor parallelism splits t
 dense-MLP matmuls, the compute and (sequence parallel) the saved activations tp ways and adds its
 activation all-gathers / reduce-scatters on ICI; expert parallelism splits the experts over ep and
 adds two all-to-alls of the routed rows per MoE layer, forward and backward. `--plan --chips N`
-enumerates them all and ranks them, the layouts that fit first; when none fits it says so in one
+enumerates them all (each uses exactly N chips) and ranks them, the layouts that fit first; when none fits it says so in one
 line with the cheapest change that would (`cheapest_fix`). Ignored: the gathered inputs that TP
 saves whole, fragmentation and XLA's own buffers, and DCN topology (one number per chip).
 """

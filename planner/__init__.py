@@ -6,12 +6,13 @@ Read in this order:
     chips.py          each chip's constants with their source (TPU v4, v5e, v5p, v6e, Ironwood, H100;
                       a measured CPU) and the efficiencies fitted on published runs
     shapes.py         a model as the step model sees it: its matmuls, attention and the named activations
-                      its backward reads (language models, FLUX; planner-only Llama 2 70B, Mixtral 8x7B);
-                      the remat policies
+                      its backward reads (language models; planner-only Llama 2 70B, Mixtral 8x7B / 8x22B;
+                      another family describes its own through ModelFamily.plan: FLUX in flux/shape.py);
+                      MaxText's and MaxDiffusion's remat policies, an unknown name refused
     stepmodel.py      step time and memory from named parts: matmuls at a shape-dependent fraction of peak,
                       splash attention, HBM-bound ops, collectives (latency + bytes / bandwidth, overlapped),
-                      host offload, a host overhead
+                      host offload, a host overhead; the host memory a process needs; `fits`, the one verdict
     calibrate.py      calibration.json's published runs predicted and compared; the fit of the free
-                      constants (`python dryrun.py --calibrate`)
+                      constants, leave-one-out and the held-out runs (`python dryrun.py --calibrate`)
     anchor.py         this CPU as the chip: predicted against the measured default step (`python -m planner.anchor`)
 """

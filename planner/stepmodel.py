@@ -25,7 +25,9 @@ Memory (a chip): parameters, gradients and optimizer state at their dtypes (`Pre
 master weights as torchtitan / minititan keep them, or bf16 as MaxText's weight_dtype), sharded as
 the layout says; FSDP's gathered block (bf16, double-buffered); the activations the remat policy
 keeps on device; the larger of two transient peaks (one layer's full activations while its
-backward runs, or the logits and their gradient); what is offloaded counts against host memory.
+backward runs, or the logits and their gradient). Host memory (a chip's process): its parameter
+shards at start, then the checkpoint's staging copy, the weight push's bucket and the offloaded
+activations (`host_terms`). `fits` is the one verdict on both, for the dry run, --plan and calibrate.
 """
 import dataclasses
 import math
