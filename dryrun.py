@@ -341,7 +341,7 @@ def calibration_note(chip):
     """Whether `chip`'s efficiencies were fitted on published runs (calibration.json) or defaulted."""
     if chip in chips_lib.FITTED:
         return "calibrated on published runs"
-    return "UNCALIBRATED: no published run of this chip, default efficiencies"
+    return "UNCALIBRATED: no fit run of this chip, default efficiencies (calibrate's held-out rows show how far off)"
 
 
 def format_report(r):

@@ -24,9 +24,21 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.jso
 GRID = [round(0.20 + 0.005 * i, 3) for i in range(161)]   # efficiencies 0.20 .. 1.00
 
 
+# Every field a run may carry; anything else is refused, so nothing written into a run is dropped unread
+FIELDS = {"id", "role", "model", "chip", "dcn", "ici", "tp", "ep", "global_batch", "seq_len", "image_size",
+          "txt_tokens", "precision", "mu_dtype", "dp_mode", "dcn_mode", "remat", "attention_block", "vocab_tiles",
+          "capacity_factor", "moe_dispatch", "fused_loss", "published", "source", "assumed", "outside_band"}
+
+
 def load(path=DATA):
     with open(path) as f:
-        return json.load(f)["runs"]
+        runs = json.load(f)["runs"]
+    for run in runs:
+        unknown = sorted(set(run) - FIELDS)
+        if unknown:
+            raise ValueError(f"calibration run {run.get('id')!r}: the planner does not model {', '.join(unknown)} "
+                             f"(it reads {', '.join(sorted(FIELDS))})")
+    return runs
 
 
 _SHAPES = {}  # the fit evaluates each run ~160 times; FLUX's parameter count builds the model on meta

@@ -3,6 +3,7 @@
 # Oracles: hand computations, the published figures in calibration.json, the fit itself re-run.
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import dataclasses
+import json
 import math
 
 import pytest
@@ -12,7 +13,7 @@ from model import FLAVORS
 from tests.check_dryrun import _toy_chip, _toy_shape
 
 
-def test_planner_calibrate_fit_leave_one_out_and_held_out_bands(capsys):
+def test_planner_calibrate_fit_leave_one_out_and_held_out_bands(capsys, tmp_path):
     """The calibration table reads calibration.json as written (published step from the figure the
     source gives, by hand here). Held-out runs never enter the fit (the fit with or without them, or
     with their published figures tripled, is chips.FITTED; a held-out run made a fit run moves it).
@@ -25,6 +26,10 @@ def test_planner_calibrate_fit_leave_one_out_and_held_out_bands(capsys):
     from model import flops_per_token
     runs = calibrate.load()
     rows = calibrate.table(runs)
+    bad = tmp_path / "bad.json"                 # a field the planner does not read is refused, not dropped
+    bad.write_text(json.dumps({"runs": [dict(runs[0], sparse_matmul=False)]}))
+    with pytest.raises(ValueError, match="does not model sparse_matmul"):
+        calibrate.load(str(bad))
     assert [r["id"] for r in rows] == [r["id"] for r in runs] and len(runs) >= 17
     assert {r["role"] for r in runs} == {"fit", "held_out"}
     by_id = {r["id"]: r for r in rows}
