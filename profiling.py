@@ -233,18 +233,27 @@ def describe(report):
     return "\n".join(lines)
 
 
-def chart(report, path, title=None):
-    """A horizontal bar per category (ms a step), the measured step time in the title."""
+def chart(report, path, title=None, predicted=None):
+    """A horizontal bar per category (ms a step), the measured step time in the title; with `predicted`
+    ({category: seconds}, planner.anchor) the prediction's bar beside each."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    cats = list(report["category_s"])
-    ms = [report["category_s"][k] * 1e3 for k in cats]
-    fig, ax = plt.subplots(figsize=(6, 2.6))
-    ax.barh(cats[::-1], ms[::-1], color="tab:blue")
-    for y, v in enumerate(ms[::-1]):
-        ax.text(v, y, f" {v:.1f}", va="center", fontsize=8)
+    cats = list(report["category_s"])[::-1]
+    fig, ax = plt.subplots(figsize=(6.4, 2.8 if predicted is None else 3.4))
+    bars = [("measured (trace)", report["category_s"], "tab:blue")]
+    bars += [("predicted (planner)", predicted, "tab:orange")] if predicted is not None else []
+    h = 0.8 / len(bars)
+    for i, (label, values, color) in enumerate(bars):
+        ys = [y + (i - (len(bars) - 1) / 2) * h for y in range(len(cats))]
+        ms = [values.get(k, 0.0) * 1e3 for k in cats]
+        ax.barh(ys, ms, height=h, color=color, label=label)
+        for y, v in zip(ys, ms):
+            ax.text(v, y, f" {v:.0f}" if v >= 10 else f" {v:.1f}", va="center", fontsize=7)
+    ax.set_yticks(range(len(cats)), cats)
     ax.set_xlabel("ms per step")
+    if predicted is not None:
+        ax.legend(fontsize=7, loc="lower right")
     ax.set_title(title or f"steps {','.join(map(str, report['steps']))}: measured {report['measured_s'] * 1e3:.1f} ms, "
                  f"traced {report['traced_s'] * 1e3:.1f} ms", fontsize=9)
     fig.tight_layout()
@@ -252,9 +261,9 @@ def chart(report, path, title=None):
     plt.close(fig)
 
 
-def profile_call(fn, out_dir, name="step"):
-    """One call of `fn` traced by torch.profiler into out_dir (planner.anchor, bench.py): its report."""
-    prof = Profiler([1], out_dir, name, "cpu", prints=False)
+def profile_call(fn, out_dir, name="step", device="cpu"):
+    """One call of `fn` traced into out_dir/profile (planner.anchor, bench.py's rows): its report."""
+    prof = Profiler([1], out_dir, name, device, prints=False)
     with prof.step(1):
         fn()
     return prof.close()

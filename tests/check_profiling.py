@@ -79,9 +79,9 @@ def test_profile_writes_a_trace_of_the_steps_and_its_breakdown(corpus, tmp_path,
 
 def test_profile_in_graph_mode_traces_the_graph_step(corpus, tmp_path):
     out = str(tmp_path / "g")
-    assert _main([*_base(corpus), "--mode", "graph", "--profile", "3", "--out-dir", out]) == 0
+    assert _main([*_base(corpus), "--steps", "2", "--mode", "graph", "--profile", "2", "--out-dir", out]) == 0
     (trace,) = glob.glob(os.path.join(out, "profile", "rank0.*.pt.trace.json"))
-    names = {e["name"] for e in _step_events(_trace_events(trace), 3)}
+    names = {e["name"] for e in _step_events(_trace_events(trace), 2)}
     assert "aten::mm" in names or "aten::addmm" in names
     _sums_to_the_clock(_breakdown(out))
 
@@ -124,3 +124,20 @@ def test_bad_profile_value_is_refused_in_one_line(value, corpus, tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --profile"), err
     assert not os.path.exists(tmp_path / "bad")
+
+
+def test_anchor_prices_the_optimizer_bytes_once():
+    """planner.anchor --profile's fix, by hand on the recorded inputs: the optimizer's bytes leave the
+    elementwise term (which counted every op of the eager step, AdamW's too) and become the optimizer
+    term at the same bandwidth; nothing else moves."""
+    from planner import anchor
+    rec, run, opt = anchor.RECORDED, anchor.DEFAULT_RUN, 1.5e8
+    before = anchor.predict_step(rec["peak_flops"], rec["mem_bw"], run, rec["eager_bytes"])
+    after = anchor.predict_step(rec["peak_flops"], rec["mem_bw"], run, rec["eager_bytes"], optimizer_bytes=opt)
+    b, a = before["compute"], after["compute"]
+    assert a["elementwise"] == pytest.approx(b["elementwise"] * (rec["eager_bytes"] - opt) / rec["eager_bytes"], rel=1e-9)
+    assert a["optimizer"] == pytest.approx(opt / rec["mem_bw"], rel=1e-9)
+    assert a["matmul"] == b["matmul"] and a["attention"] == b["attention"]
+    assert after["step_s"] == pytest.approx(sum(a.values()) + after["host_overhead_s"], rel=1e-9)
+    by_cat = anchor.predicted_by_category(after)
+    assert by_cat["elementwise"] == pytest.approx(a["elementwise"]) and by_cat["optimizer"] == a["optimizer"]
