@@ -32,6 +32,8 @@ import time
 
 import torch
 
+OPTIMIZER_RANGE = re.compile(r"^(minititan::(optimizer|clip)|Optimizer\.(step|zero_grad))")  # (ours; torch.optim's)
+
 # Self time goes to the first category whose patterns match the event's name (case-insensitive);
 # the autograd engine's node ranges first (their own time is the engine's, their aten ops are children).
 CATEGORIES = (
@@ -41,12 +43,11 @@ CATEGORIES = (
     ("attention", (r"scaled_dot_product", r"flash_attention", r"efficient_attention", r"splash", r"attention")),
     ("matmuls", (r"^aten::(mm|addmm|bmm|baddbmm|_addmm_activation|linear|matmul)$", r"gmm", r"^dot",
                  r"gemm", r"convolution")),
-    ("optimizer", (r"^minititan::(optimizer|clip)",)),
+    ("optimizer", (OPTIMIZER_RANGE.pattern,)),
     ("elementwise", (r"^aten::", r"^(cpp|triton)_", r"CompiledFxGraph", r"Torch-Compiled Region", r"fusion",
                      r"^minititan::", r"^[a-z][\w-]*(\.\d+)?$")),   # (the last: an HLO instruction's name)
 )
 ORDER = ("matmuls", "attention", "elementwise", "collectives", "optimizer", "host / idle")
-OPTIMIZER_RANGE = re.compile(r"^minititan::(optimizer|clip)")
 
 
 def parse_steps(text, total_steps):
