@@ -41,7 +41,7 @@ CATEGORIES = (
     ("collectives", (r"c10d", r"gloo", r"nccl", r"all[-_]?gather", r"reduce[-_]?scatter", r"all[-_]?reduce",
                      r"all[-_]?to[-_]?all", r"wait_tensor", r"record_param_comms", r"collective")),
     ("attention", (r"scaled_dot_product", r"flash_attention", r"efficient_attention", r"splash", r"attention")),
-    ("matmuls", (r"^aten::(mm|addmm|bmm|baddbmm|_addmm_activation|linear|matmul)$", r"gmm", r"^dot",
+    ("matmuls", (r"^aten::(mm|addmm|bmm|baddbmm|_addmm_activation|linear|matmul)$", r"gmm", r"^dot", r"fused_linear",
                  r"gemm", r"convolution")),
     ("optimizer", (OPTIMIZER_RANGE.pattern,)),
     ("elementwise", (r"^aten::", r"^(cpp|triton)_", r"CompiledFxGraph", r"Torch-Compiled Region", r"fusion",
@@ -168,6 +168,8 @@ class Profiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        else:  # (a CUDA build of torch without a GPU: kineto's "gpuGetDeviceCount failed" line, not ours)
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         handler = torch.profiler.tensorboard_trace_handler(self.dir, worker_name=f"rank{self.rank}")
         prof = torch.profiler.profile(activities=activities, on_trace_ready=handler)
         prof.start()
