@@ -7,7 +7,8 @@ so the non-matmul bytes are counted on the step as it runs (EagerBytes), not tak
 fused table.
 
     python -m planner.anchor [--flux]   # measure rates and the step; print predicted / measured (--flux: FLUX too)
-    python -m planner.anchor --profile  # also each term beside a traced step's category (profiling.py)
+    python -m planner.anchor --profile  # also each term beside a traced step's category (profiling.py),
+                                        # drawn into ./<flavor>_profile.png
 
 Everything is measured in one process, one after the other, because the machine is shared and noisy:
 a ratio of numbers taken together means more than any one of them. The arithmetic (`predict_step`)
