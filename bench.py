@@ -92,8 +92,9 @@ def _bench_trainer(config, argv):
     return trainer, plain_step if config == "plain" else trainer.step_fn
 
 
-def _child_train(config, steps, extra=""):
-    """Tokens/s of the bench model for one configuration (see _bench_trainer)."""
+def _child_train(config, steps, extra="", profile_dir=""):
+    """Tokens/s of the bench model for one configuration (see _bench_trainer); with `profile_dir`, one
+    more step traced there and its time by category (profiling.py)."""
     import device as dev
     import optim
     trainer, step = _bench_trainer(config, ["--steps", str(steps), "--data", _bench_data(), *extra.split()])
@@ -111,6 +112,11 @@ def _child_train(config, steps, extra=""):
     peak = dev.measure_cpu_matmul_peak()
     result = {"mode": config, "tokens_per_s": tokens / med, "tflops": flops / 1e12, "mfu": flops / peak,
               "first_step_s": times[0], "peak_rss_mib": dev.host_peak_rss_bytes() / 2**20}
+    if profile_dir:
+        import profiling
+        one = lambda: step(*trainer.parallel.place_batch(trainer.task.batch(steps + 1)),  # noqa: E731
+                           dev.scalar(optim.lr_at(steps, 1e-3, 5, steps), trainer.device))[0].item()
+        result["profile"] = profiling.profile_call(one, profile_dir, "bench", trainer.device)
     if dev.is_xla(trainer.device):  # XLA's own compile clock, apart from tracing and running step 1
         import torch_xla.debug.metrics as met
         _, _, samples = met.metric_data("CompileTime")
@@ -368,6 +374,23 @@ def dist_table(repeats, steps, only=None):
     return rows
 
 
+def profile_rows(configs, steps=8):
+    """Each speed-table row `configs` names, timed as in the table, then one more step traced
+    (bench_results/profile/<row>/): (markdown of its time by category, the rows)."""
+    import profiling
+    rows = []
+    for c in configs:
+        where = os.path.join(HERE, "bench_results", "profile", "_".join(c.replace("--", "").split()) or "plain")
+        r = _spawn("train", c, steps, "", where)
+        rows.append({"mode": c, **({"error": r["error"]} if "error" in r else r)})
+    cells = lambda r: [r["mode"], f"{r['profile']['measured_s'] * 1e3:.0f}"] + [  # noqa: E731
+        f"{r['profile']['category_s'][k] * 1e3:.0f} ({100 * r['profile']['category_s'][k] / r['profile']['measured_s']:.0f}%)"
+        for k in profiling.ORDER] + [", ".join(os.path.relpath(t, HERE) for t in r["profile"]["traces"])]
+    md = "\n".join([f"One traced step a row (ms, share of the measured step); {time.strftime('%Y-%m-%d')}", ""] + _table(
+        ["mode", "step ms", *profiling.ORDER, "trace"], rows, cells))
+    return md, {"profile": rows}
+
+
 def to_markdown(speed, memory, dist_rows=(), depth=()):
     lines = [f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}; "
              f"{time.strftime('%Y-%m-%d')}", ""]
@@ -408,14 +431,18 @@ def main():
             result = _child_flux(sys.argv[3])
         else:
             result = (_child_memory(sys.argv[3], int(sys.argv[4])) if kind == "mem"
-                      else _child_train(sys.argv[3], int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else ""))
+                      else _child_train(sys.argv[3], int(sys.argv[4]), *sys.argv[5:7]))
         print(json.dumps(result), flush=True)
         os._exit(0)  # skip interpreter teardown: JAX/XLA threads sometimes abort it after the work is done
     p = argparse.ArgumentParser(description="minititan measurements")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (< 5 min on 2 cores)")
     p.add_argument("--flux", action="store_true", help="only the FLUX training-step rows (< 2 min on 2 cores)")
     p.add_argument("--rollout", action="store_true", help="only the rollout engines' rows, ours vs vLLM (< 3 min)")
+    p.add_argument("--profile", nargs="+", metavar="ROW", help="trace one step of each named speed-table row "
+                   "(e.g. plain '--mode graph --device xla') into bench_results/profile/ and tabulate its time by category")
     args = p.parse_args()
+    if args.profile:
+        return _write("profile", *profile_rows(args.profile))
     for name, (table, markdown) in {"rollout": (rollout_table, rollout_markdown), "flux": (flux_table, flux_markdown)}.items():
         if getattr(args, name):  # just these rows (also part of the full run)
             rows = table()

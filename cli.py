@@ -18,6 +18,7 @@ from typing import Optional
 import fsdp_passes
 import mesh
 import parallel
+import profiling
 import task as workloads
 from errors import EXIT_BAD_INPUT, ConfigError, error_line
 
@@ -118,6 +119,9 @@ class TrainConfig:
                            "peer (0: off; raise it for long first-step compiles)")
     halt_at: int = flag(0, "stop after this step as if preempted (tests resume)")
     tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars (out-dir/tensorboard)")
+    profile: Optional[str] = flag(None, "trace these steps (e.g. 5,6 or 5-8) into out-dir/profile (torch.profiler; "
+                                  "--device xla: torch_xla's) and print their time by category (profiling.py)",
+                                  metavar="STEPS")
     no_plot: bool = flag(False, "do not draw loss.png at each evaluation (metrics.jsonl has the same numbers; "
                          "drawing costs ~1-2 s of matplotlib per run, a third of a short test run)")
     # planning without running
@@ -239,6 +243,8 @@ def validate(cfg):
         raise ConfigError(f"--backend xla needs --device xla (or a TPU), not --device {cfg.device}")
     try:
         fsdp_passes.chosen(cfg.fsdp_passes)
+        if cfg.profile is not None:
+            profiling.parse_steps(cfg.profile, cfg.steps)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.scan and cfg.mode == "compile":

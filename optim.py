@@ -33,18 +33,19 @@ def adamw(params, grads, state, step, lr, betas=(0.9, 0.95), eps=1e-8, weight_de
       p <- p * (1 - lr * wd);  m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2
       p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
     """
-    b1, b2 = betas
-    mask = [True] * len(params) if mask is None else mask
-    bias1 = 1 - b1 ** step
-    bias2_sqrt = (1 - b2 ** step) ** 0.5
-    exp_avg = torch._foreach_lerp(state["exp_avg"], grads, 1 - b1)
-    exp_avg_sq = torch._foreach_addcmul(torch._foreach_mul(state["exp_avg_sq"], b2), grads, grads,
-                                        value=1 - b2)
-    decayed = [p * (1 - lr * weight_decay) if m else p for p, m in zip(params, mask)]
-    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(exp_avg_sq), bias2_sqrt), eps)
-    updates = torch._foreach_div(exp_avg, denom)
-    new_params = [p - (lr / bias1) * u for p, u in zip(decayed, updates)]
-    return new_params, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    with torch.profiler.record_function("minititan::optimizer"):  # (its range in a trace: profiling.py)
+        b1, b2 = betas
+        mask = [True] * len(params) if mask is None else mask
+        bias1 = 1 - b1 ** step
+        bias2_sqrt = (1 - b2 ** step) ** 0.5
+        exp_avg = torch._foreach_lerp(state["exp_avg"], grads, 1 - b1)
+        exp_avg_sq = torch._foreach_addcmul(torch._foreach_mul(state["exp_avg_sq"], b2), grads, grads,
+                                            value=1 - b2)
+        decayed = [p * (1 - lr * weight_decay) if m else p for p, m in zip(params, mask)]
+        denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(exp_avg_sq), bias2_sqrt), eps)
+        updates = torch._foreach_div(exp_avg, denom)
+        new_params = [p - (lr / bias1) * u for p, u in zip(decayed, updates)]
+        return new_params, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
 def global_norm(tensors, reduce_sq=None):
@@ -58,11 +59,12 @@ def global_norm(tensors, reduce_sq=None):
 
 def clip_by_global_norm(grads, max_norm, reduce_sq=None):
     """(clipped grads, pre-clip norm): the rule of torch.nn.utils.clip_grad_norm_ (coef capped at 1)."""
-    norm = global_norm(grads, reduce_sq)
-    if max_norm is None or max_norm <= 0:
-        return list(grads), norm
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    return torch._foreach_mul(grads, coef.to(grads[0].dtype)), norm
+    with torch.profiler.record_function("minititan::clip"):
+        norm = global_norm(grads, reduce_sq)
+        if max_norm is None or max_norm <= 0:
+            return list(grads), norm
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        return torch._foreach_mul(grads, coef.to(grads[0].dtype)), norm
 
 
 def lr_at(step, base_lr, warmup, total, min_ratio=0.1):

@@ -30,6 +30,7 @@ import fsdp_passes
 import graph_trainer
 import mesh
 import optim
+import profiling
 import rundir
 from cli import RESUME_CHECKED, parse_config
 from errors import (EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, ConfigError,
@@ -238,8 +239,13 @@ class Trainer:
         self.run_dir = rundir.RunDir(self.out_dir, self.parallel.global_rank, self.cfg.tensorboard).open()
         self.watchdog = rundir.Watchdog(self.cfg.watchdog, self.parallel.global_rank,
                                         peers=self.parallel.n_devices > 1 and self.parallel.mesh_spec is not None)
+        self.profiler = profiling.Profiler(profiling.parse_steps(self.cfg.profile, self.cfg.steps) if self.cfg.profile
+                                           else (), self.out_dir, self.parallel.global_rank, self.device,
+                                           prints=self.parallel.writes_files)
         try:
-            return self.loop()
+            rc = self.loop()
+            self.profiler.close()  # (the traced steps' breakdown, printed at the end of the run)
+            return rc
         finally:
             self.task.close()
             self.watchdog.stop()
@@ -254,7 +260,8 @@ class Trainer:
         self.clock = (time.perf_counter(), self.step, time.perf_counter(), self.step)
         while self.step < cfg.steps:
             self.step += 1
-            loss, gnorm = self.train_step()
+            with self.profiler.step(self.step):  # (--profile: traced, or nothing)
+                loss, gnorm = self.train_step()
             for what, value in (("loss", loss), ("grad_norm", gnorm)):
                 if not math.isfinite(value):  # the update was applied: these weights must not be saved
                     return self.stop_nonfinite(what, value)

@@ -7,6 +7,8 @@ so the non-matmul bytes are counted on the step as it runs (EagerBytes), not tak
 fused table.
 
     python -m planner.anchor [--flux]   # measure rates and the step; print predicted / measured (--flux: FLUX too)
+    python -m planner.anchor --profile  # also each term beside a traced step's category (profiling.py),
+                                        # drawn into ./<flavor>_profile.png
 
 Everything is measured in one process, one after the other, because the machine is shared and noisy:
 a ratio of numbers taken together means more than any one of them. The arithmetic (`predict_step`)
@@ -192,6 +194,21 @@ def EagerBytes():
     return _eager_bytes_mode()()
 
 
+def optimizer_bytes(trainer):
+    """Bytes the eager step's clipping and AdamW move (EagerBytes on one call of each, on zero gradients
+    of the trainer's parameters; pure functions, nothing updated): a part of the step's counted bytes
+    that stepmodel's optimizer term prices on its own."""
+    import torch
+    import optim
+    params = [p.detach() for p in trainer.parallel.local(trainer.params)]
+    grads = [torch.zeros_like(p) for p in params]
+    counter = EagerBytes()
+    with counter, torch.no_grad():
+        clipped, _ = optim.clip_by_global_norm(grads, 1.0)
+        optim.adamw(params, clipped, trainer.opt.state, 1, 1e-3, mask=trainer.opt.mask)
+    return counter.total
+
+
 def anchor_layout(cfg):
     """A debug run as the planner sees it: one device, fp32 everything, nothing recomputed, no causal
     block skipping (the CPU's SDPA computes the whole S x S)."""
@@ -211,15 +228,21 @@ def run_shape(cfg):
     return lm_shape(FLAVORS[cfg["flavor"]], cfg["tokens"], cfg["flavor"])
 
 
-def predict_step(peak_flops, mem_bw, cfg, eager_bytes, host_s=0.0, matmul_rates=None, attention_rate=None):
+def predict_step(peak_flops, mem_bw, cfg, eager_bytes, host_s=0.0, matmul_rates=None, attention_rate=None,
+                 optimizer_bytes=None):
     """The planner's step for a debug run on a chip with this peak and bandwidth: matmuls at the
     measured peak (it was measured on a matmul) less stepmodel's short-dim law, the non-matmul bytes
     the eager step moves (`eager_bytes`, counted as it ran: it replaces the shape's fused count,
     because eager PyTorch fuses nothing) at the measured eager bandwidth; the host overhead `host_s`.
     With `matmul_rates` ({(rows, k, n): FLOP/s}, shape_matmul_rates) each matmul runs forward and
     backward at its own measured rate instead of the short-dim law; with `attention_rate`
-    (FLOP/s, attention_rate) attention runs at it instead of peak x ATTENTION_RELATIVE_EFFICIENCY."""
+    (FLOP/s, attention_rate) attention runs at it instead of peak x ATTENTION_RELATIVE_EFFICIENCY.
+    With `optimizer_bytes` (optimizer_bytes: the clipping's and AdamW's share of `eager_bytes`) those
+    bytes are the optimizer term at the eager bandwidth and leave the elementwise term (without it they
+    are in both: the elementwise term counts every op of the step, AdamW's too)."""
     import dataclasses
+    if optimizer_bytes is not None:
+        eager_bytes -= optimizer_bytes
     shape = run_shape(cfg)
     tokens_layers = shape.tokens * cfg["batch_size"] * shape.layers
     lay = anchor_layout(cfg)
@@ -235,6 +258,9 @@ def predict_step(peak_flops, mem_bw, cfg, eager_bytes, host_s=0.0, matmul_rates=
         a = shape.attention
         c["attention"] = 3.5 * 4 * a["seq"] ** 2 * a["heads"] * a["head_dim"] * a["layers"] * b / attention_rate
     pred["step_s"] += c["matmul"] + c["attention"] - before
+    if optimizer_bytes is not None:
+        pred["step_s"] += optimizer_bytes / mem_bw - c["optimizer"]
+        c["optimizer"] = optimizer_bytes / mem_bw
     return pred
 
 
@@ -251,7 +277,7 @@ def attention_rate(cfg, shape):
     return 3.5 * 4 * a["seq"] ** 2 * a["heads"] * a["head_dim"] * cfg["batch_size"] / (time.perf_counter() - t0)
 
 
-def measure(cfg, steps=12):
+def measure(cfg, steps=12, profile=False):
     """Medians of a debug run's eager training step and, between its steps (so under the same load),
     of the GEMM rate, the step's own matmuls' and attention's rates, the eager bandwidth, the dispatch
     latency of an empty op and the per-op cost through autograd (3 warm-up steps not counted); the
@@ -283,14 +309,55 @@ def measure(cfg, steps=12):
     with counter:   # one more step, counted (not timed)
         run(steps + 1)
     wall, secs, counts, top = step_profile(lambda: run(steps + 2))
+    if profile:   # three more steps traced, each into a file, broken down by category (profiling.py):
+        import profiling  # the fastest, the least disturbed by the other jobs on this machine
+        breakdown = min((profiling.profile_call(lambda: run(steps + 3 + i), trainer.out_dir, f"{cfg['flavor']}{i}")
+                         for i in range(3)), key=lambda r: r["measured_s"])
+    opt_bytes = optimizer_bytes(trainer)
     med = statistics.median
     return {"measured_step_s": med(times[3:]), "peak_flops": med(peaks[9:]),
             "mem_bw": med(bws[9:]), "eager_bytes": counter.total,
-            "host_s": counter.ops * med(lats[3:]), "eager_ops": counter.ops,
+            "host_s": counter.ops * med(lats[3:]), "eager_ops": counter.ops, "optimizer_bytes": opt_bytes,
             "forward_ops": counter.forward_ops, "dispatch_s": med(lats[3:]), "autograd_op_s": med(autograd_lats[3:]),
             "matmul_rates": {key: med(r[key] for r in mm_rates[3:]) for key in mm_rates[0]},
             "attention_rate": med(att_rates[3:]),
-            "profile": {"wall_s": wall, "self_s": secs, "ops": counts, "top": top}}
+            "profile": {"wall_s": wall, "self_s": secs, "ops": counts, "top": top},
+            **({"breakdown": breakdown} if profile else {})}
+
+
+# The planner's terms (stepmodel.predict) as the trace's categories (profiling.ORDER) count them
+AS_MEASURED = {"matmuls": ("matmul", "recompute"), "attention": ("attention",),
+               "elementwise": ("elementwise", "logits", "gathered copies"), "optimizer": ("optimizer",)}
+
+
+def predicted_by_category(pred):
+    """{category: predicted seconds}: the compute terms grouped, the exposed collectives, the host."""
+    out = {cat: sum(pred["compute"].get(t, 0.0) for t in terms) for cat, terms in AS_MEASURED.items()}
+    return {**out, "collectives": pred["exposed_comm_s"], "host / idle": pred["host_overhead_s"]}
+
+
+def beside(name, pred, report, step_s, chart_path=None):
+    """Predicted terms beside the traced step's categories, each category scaled from the traced step
+    to `step_s` (the median untraced step: the trace gives the shares, the clock the step; a traced
+    step on this shared machine runs 1-2x the median): ms each, the ratio, and whether a term that is
+    >= 10% of the step lands within +-30% (the goal); optionally the chart of both."""
+    import profiling
+    want = predicted_by_category(pred)
+    scale = step_s / report["traced_s"]
+    got = {k: v * scale for k, v in report["category_s"].items()}
+    lines = [f"  {name}: predicted beside measured (the fastest of 3 traced steps, {report['measured_s'] * 1e3:.0f} ms, "
+             f"its categories scaled x{scale:.2f} to the {step_s * 1e3:.0f} ms median step)",
+             f"    {'category':<13} {'predicted':>10} {'measured':>10}  ratio  share  within 30%"]
+    for cat in profiling.ORDER:
+        p, m = want.get(cat, 0.0), got[cat]
+        ratio = f"{p / m:5.2f}" if m > 0 else "    -"
+        verdict = ("yes" if abs(p / m - 1) <= 0.3 else "NO") if m >= 0.1 * step_s else "(< 10%)"
+        lines.append(f"    {cat:<13} {p * 1e3:8.1f}ms {m * 1e3:8.1f}ms  {ratio}  {100 * m / step_s:4.0f}%  {verdict}")
+    lines.append(f"    {'step':<13} {pred['step_s'] * 1e3:8.1f}ms {step_s * 1e3:8.1f}ms  {pred['step_s'] / step_s:5.2f}")
+    if chart_path:
+        profiling.chart({**report, "category_s": got}, chart_path, predicted=want, title=f"{name} on this CPU: measured "
+                        f"{step_s * 1e3:.0f} ms (median), predicted {pred['step_s'] * 1e3:.0f} ms")
+    return "\n".join(lines)
 
 
 # The default runs (train.py's defaults: batch 32; the LM at 128 tokens, FLUX on 8 x 8 digits), with
@@ -303,22 +370,25 @@ RUNS = {
 DEFAULT_RUN = RUNS["llama3_debug"]
 
 
-USAGE = ("usage: python -m planner.anchor [--flux]\n  this CPU as the chip: the default llama3_debug step "
-         "measured and predicted (~2 min); --flux: the flux_debug step too (~4.5 min)")
+USAGE = ("usage: python -m planner.anchor [--flux] [--profile]\n  this CPU as the chip: the default llama3_debug step "
+         "measured and predicted (~2 min); --flux: the flux_debug step too (~4.5 min); --profile: the predicted "
+         "terms beside a traced step's categories, and a chart")
 
 
 def main(argv=()):
     if set(argv) & {"-h", "--help"}:
         print(USAGE)
         return 0
-    if set(argv) - {"--flux"}:
-        raise ValueError(f"python -m planner.anchor takes only --flux (the FLUX debug step too), got {' '.join(argv)}")
+    if set(argv) - {"--flux", "--profile"}:
+        raise ValueError(f"python -m planner.anchor takes only --flux (the FLUX debug step too) and --profile "
+                         f"(predicted terms beside a traced step's categories), got {' '.join(argv)}")
     for name in ["llama3_debug"] + (["flux_debug"] if "--flux" in argv else []):
         cfg = RUNS[name]
-        m = measure(cfg)
+        m = measure(cfg, profile="--profile" in argv)
         old = predict_step(m["peak_flops"], m["mem_bw"], cfg, m["eager_bytes"], m["host_s"])
         host = host_overhead(m["forward_ops"], m["autograd_op_s"])
-        pred = predict_step(m["peak_flops"], m["mem_bw"], cfg, m["eager_bytes"], host, m["matmul_rates"], m["attention_rate"])
+        pred = predict_step(m["peak_flops"], m["mem_bw"], cfg, m["eager_bytes"], host, m["matmul_rates"], m["attention_rate"],
+                            m["optimizer_bytes"])
         print(f"CPU anchor, {name} (batch {cfg['batch_size']} x {cfg['tokens']} tokens, eager fp32): fp32 GEMM "
               f"{m['peak_flops'] / 1e9:.1f} GFLOP/s, eager bandwidth (norm + gated activation, forward + backward) {m['mem_bw'] / 1e9:.2f} GB/s, "
               f"{m['eager_bytes'] / 1e9:.3f} GB of non-matmul traffic and {m['eager_ops']} ops a step (measured now)")
@@ -334,6 +404,8 @@ def main(argv=()):
         print(f"  profiled step (torch.profiler, self CPU): wall {p['wall_s'] * 1e3:.1f} ms, "
               + ", ".join(f"{k} {v * 1e3:.1f} ms / {p['ops'][k]} ops" for k, v in sorted(p["self_s"].items())))
         print("  profiled step, top ops by self CPU: " + "; ".join(f"{k} {t * 1e3:.0f} ms x{n}" for t, n, k in p["top"]))
+        if "--profile" in argv:
+            print(beside(name, pred, m.pop("breakdown"), m["measured_step_s"], f"{cfg['flavor']}_profile.png"))
         print(f"  recorded inputs: {m}")
     return 0
 
