@@ -87,6 +87,7 @@ class TorchrunMesh(Parallel):
         # a tp group reads one batch slice: data-parallel rank = position on (dcn, ici)
         self.global_rank, self.dp_rank, self.dp_size = dist.get_rank(), dist.get_rank() // tp, world // tp
         self.n_devices = world
+        self.hosts = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))  # (torchrun: ranks per node)
         self.dp_impl, self.param_dtype = dp_impl, param_dtype
         self.sq_weights = None  # per parameter: 1 / (ranks holding the same copy), set by parallelize
         self.graph_passes = fsdp_passes.PASSES if dp_impl == "simple" else ()  # (graph mode's default)
@@ -98,6 +99,12 @@ class TorchrunMesh(Parallel):
         """train.py's --mesh / --device / --dp-impl (flag combinations were checked by cli.validate)."""
         if not launched_by_torchrun():
             raise MeshError("--mesh needs a torchrun launch, e.g. torchrun --nproc-per-node 2 train.py --mesh ici=2")
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and \
+                os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # Measured here: the restarted ranks read the dead attempt's gloo addresses (connection refused, exit 4).
+            raise MeshError("torchrun --max-restarts with the rendezvous store shared with the ranks: a restarted job "
+                            "would read the first attempt's addresses from it and fail (torch 2.9, pytorch#135712); "
+                            "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv-backend c10d (or --standalone)")
         return cls(spec or f"ici={os.environ['WORLD_SIZE']}", dp_impl, param_dtype)
 
     def model_args(self, args):
