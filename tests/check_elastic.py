@@ -138,7 +138,8 @@ def test_resume_auto_starts_fresh_or_resumes_from_the_newest_checkpoint_that_ver
     """--resume auto on an empty directory starts at step 0; past a broken newest checkpoint (a truncated
     shard) it resumes from the newest good one, says so in one note and sets the broken one aside
     (kept), where bare --resume refuses naming it; the steps it trains again equal the first attempt's.
-    Without --resume a directory holding checkpoints is still refused."""
+    Where no checkpoint verifies it refuses (starting over would overwrite them); without --resume a
+    directory holding checkpoints is still refused."""
     out = str(tmp_path / "r")
     common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "2", "--eval-batches", "0", "--out-dir", out]
     assert _main([*common, "--resume", "auto", "--halt-at", "4"]) == 0
@@ -159,6 +160,10 @@ def test_resume_auto_starts_fresh_or_resumes_from_the_newest_checkpoint_that_ver
     seen = [(r["step"], r["loss"]) for r in _records(out) if "loss" in r]
     assert [s for s, _ in seen] == [1, 2, 3, 4, 3, 4, 5, 6]
     assert seen[2:4] == seen[4:6]  # steps 3 and 4 again, bit for bit
+    for step in ("step_000002", "step_000004", "step_000006"):  # none verifies: refused, nothing overwritten
+        os.remove(os.path.join(out, "checkpoints", step, "meta.json"))
+    assert _main([*common, "--resume", "auto"]) == 2
+    assert "no good checkpoint remains" in capsys.readouterr().err
 
 
 def test_max_restarts_with_the_store_shared_with_the_ranks_is_refused_in_one_line(corpus, tmp_path, capsys, monkeypatch):
