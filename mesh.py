@@ -5,10 +5,13 @@ parallelism; torchrun launches.
     torchrun --nproc-per-node 4 train.py --mesh dcn=2,ici=2       # HSDP: 2 replicas x 2 shards
     torchrun --nproc-per-node 4 train.py --mesh ici=2,tp=2        # FSDP x tensor parallel (tensor_parallel.py)
     torchrun --nproc-per-node 2 train.py --mesh ici=2,ep=2 --flavor qwen3_moe_debug   # experts over 2 (expert_parallel.py)
+    torchrun --nnodes 2 --node-rank N --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \
+        train.py --mesh dcn=2,ici=4                               # HSDP over 2 hosts, one launcher each (README)
 
 Names follow TPU pods: `ici` is the fast inter-chip interconnect inside a slice (shard there: the
 all-gathers and reduce-scatters of FSDP run on it), `dcn` the data-center network between slices
-(replicate there: only one gradient all-reduce per step crosses it). `tp` is the innermost dim (its
+(replicate there: only one gradient all-reduce per step crosses it). torchrun numbers ranks host by
+host, so with ici x tp = the ranks of a host, dcn is the hosts. `tp` is the innermost dim (its
 ranks are neighbours: TP's collectives sit on the critical path); `ep`, as in torchtitan, borrows
 data-parallel ranks and adds none. The backend is gloo on CPU, nccl on CUDA; on TPU, TorchTPU
 provides its own backend for torch.distributed (not run here). Every collective has a timeout, so a
