@@ -19,7 +19,7 @@ import sys
 import torch
 
 from tests.check_parallel import _dp_args
-from tests.common import HERE, TINY, _main, _ranks_equal_one_process, losses, shared_run
+from tests.common import HERE, TINY, _files, _main, _ranks_equal_one_process, losses, shared_run
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # (a restart's workers get a store of their own: mesh.py)
@@ -167,8 +167,9 @@ def test_resume_auto_starts_fresh_or_resumes_from_the_newest_checkpoint_that_ver
     assert seen[2:4] == seen[4:6]  # steps 3 and 4 again, bit for bit
     for step in ("step_000002", "step_000004", "step_000006"):  # none verifies: refused, nothing overwritten
         os.remove(os.path.join(out, "checkpoints", step, "meta.json"))
+    before = _files(out)
     assert _main([*common, "--resume", "auto"]) == 2
-    assert "no good checkpoint remains" in capsys.readouterr().err
+    assert "no good checkpoint remains" in capsys.readouterr().err and _files(out) == before
 
 
 def test_max_restarts_with_the_store_shared_with_the_ranks_is_refused_in_one_line(corpus, tmp_path, capsys, monkeypatch):
