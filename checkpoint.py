@@ -183,11 +183,14 @@ def verify(path):
     return None
 
 
-def find_resumable(ckpt_dir):
+def find_resumable(ckpt_dir, fall_back=False):
     """(path, note) of the newest checkpoint to resume from, or (None, note) if there is none.
 
     The newest `step_N` must verify: if it does not, the run is refused with the newest good one
     named (resume from it explicitly with --resume-from), rather than silently going back in time.
+    `fall_back` (--resume auto: a restart nobody watches) takes that good one instead, saying so in
+    the note; the trainer then sets the broken newer ones aside (set_aside_newer), as --resume-from
+    does. With no good one left it refuses all the same: starting over would overwrite them.
     """
     found = step_dirs(ckpt_dir)
     if not found:
@@ -196,6 +199,9 @@ def find_resumable(ckpt_dir):
     problem = verify(newest)
     if problem:
         good = next((p for _, p in found[1:] if verify(p) is None), None)
+        if good and fall_back:
+            return good, (f"checkpoint {newest} is broken: {problem}; --resume auto resumes from the newest good "
+                          f"one, {os.path.basename(good)} (the newer ones are set aside as *.superseded)")
         hint = (f"the newest good checkpoint is {good}: pass --resume-from {os.path.basename(good)}"
                 if good else "no good checkpoint remains")
         raise CheckpointError(f"checkpoint {newest} is broken: {problem}; {hint}")
@@ -213,14 +219,15 @@ def find_resumable(ckpt_dir):
 
 def choose(ckpt_dir, resume, resume_from, meta, allow_change=(), refusal=lambda key, saved, now: None):
     """(checkpoint to resume from or None, a note or None), refusing what would lose data or silently
-    change the run: checkpoints without --resume, a broken newest one, another model, mesh, layout
-    or training config, a checkpoint already at or past --steps."""
+    change the run: checkpoints without --resume, a broken newest one (--resume auto: the newest good
+    one), another model, mesh, layout or training config, a checkpoint already at or past --steps.
+    `resume`: None, "newest" (--resume) or "auto"."""
     if not (resume or resume_from):
         if holds_checkpoints(ckpt_dir):
             raise CheckpointError(f"{os.path.dirname(ckpt_dir)} already holds checkpoints; pass --resume or "
                                   f"another --out-dir")
         return None, None
-    path, note = (resolve(ckpt_dir, resume_from), None) if resume_from else find_resumable(ckpt_dir)
+    path, note = (resolve(ckpt_dir, resume_from), None) if resume_from else find_resumable(ckpt_dir, resume == "auto")
     if path is not None:
         check_compatible(path, meta, allow_change, refusal)
     return path, note

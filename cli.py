@@ -109,7 +109,11 @@ class TrainConfig:
     log_interval: int = flag(10, "log every N steps")
     out_dir: Optional[str] = flag(None, "run directory (default runs/<flavor>-<time>)")
     ckpt_interval: int = flag(250, "checkpoint every N steps (0: only at the end)")
-    resume: bool = flag(False, "continue from the newest verified checkpoint in --out-dir")
+    resume: Optional[str] = flag(None, "continue from the newest checkpoint in --out-dir (refused if it does not "
+                                 "verify); --resume auto: from the newest one that verifies (broken newer ones "
+                                 "set aside), or start at step 0 if there is none: one command line for the first "
+                                 "start and every restart (torchrun --max-restarts)", nargs="?", const="newest",
+                                 choices=["newest", "auto"])
     resume_from: Optional[str] = flag(None, "continue from this checkpoint (e.g. step_000010; newer ones are set "
                                       "aside as *.superseded)", metavar="STEP_DIR")
     allow_change: str = flag("", f"on resume, accept these changed settings (comma list of "

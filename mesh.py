@@ -5,10 +5,13 @@ parallelism; torchrun launches.
     torchrun --nproc-per-node 4 train.py --mesh dcn=2,ici=2       # HSDP: 2 replicas x 2 shards
     torchrun --nproc-per-node 4 train.py --mesh ici=2,tp=2        # FSDP x tensor parallel (tensor_parallel.py)
     torchrun --nproc-per-node 2 train.py --mesh ici=2,ep=2 --flavor qwen3_moe_debug   # experts over 2 (expert_parallel.py)
+    torchrun --nnodes 2 --node-rank N --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \
+        train.py --mesh dcn=2,ici=4                               # HSDP over 2 hosts, one launcher each (README)
 
 Names follow TPU pods: `ici` is the fast inter-chip interconnect inside a slice (shard there: the
 all-gathers and reduce-scatters of FSDP run on it), `dcn` the data-center network between slices
-(replicate there: only one gradient all-reduce per step crosses it). `tp` is the innermost dim (its
+(replicate there: only one gradient all-reduce per step crosses it). torchrun numbers ranks host by
+host, so with ici x tp = the ranks of a host, dcn is the hosts. `tp` is the innermost dim (its
 ranks are neighbours: TP's collectives sit on the critical path); `ep`, as in torchtitan, borrows
 data-parallel ranks and adds none. The backend is gloo on CPU, nccl on CUDA; on TPU, TorchTPU
 provides its own backend for torch.distributed (not run here). Every collective has a timeout, so a
@@ -87,6 +90,7 @@ class TorchrunMesh(Parallel):
         # a tp group reads one batch slice: data-parallel rank = position on (dcn, ici)
         self.global_rank, self.dp_rank, self.dp_size = dist.get_rank(), dist.get_rank() // tp, world // tp
         self.n_devices = world
+        self.hosts = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))  # (torchrun: ranks per node)
         self.dp_impl, self.param_dtype = dp_impl, param_dtype
         self.sq_weights = None  # per parameter: 1 / (ranks holding the same copy), set by parallelize
         self.graph_passes = fsdp_passes.PASSES if dp_impl == "simple" else ()  # (graph mode's default)
@@ -98,6 +102,12 @@ class TorchrunMesh(Parallel):
         """train.py's --mesh / --device / --dp-impl (flag combinations were checked by cli.validate)."""
         if not launched_by_torchrun():
             raise MeshError("--mesh needs a torchrun launch, e.g. torchrun --nproc-per-node 2 train.py --mesh ici=2")
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and \
+                os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # Measured here: the restarted ranks read the dead attempt's gloo addresses (connection refused, exit 4).
+            raise MeshError("torchrun --max-restarts with the rendezvous store shared with the ranks: a restarted job "
+                            "would read the first attempt's addresses from it and fail (torch 2.9, pytorch#135712); "
+                            "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv-backend c10d (or --standalone)")
         return cls(spec or f"ici={os.environ['WORLD_SIZE']}", dp_impl, param_dtype)
 
     def model_args(self, args):

@@ -11,7 +11,8 @@ implementations, one per way of running:
                   collectives (spmd.py)
 
 What a layout must answer, and nothing more:
-  - where: `device`, `n_devices`, `mesh_spec` (recorded in checkpoints; None for one device);
+  - where: `device`, `n_devices`, `hosts` (the processes' machines: torchrun's nodes, SPMD's processes),
+    `mesh_spec` (recorded in checkpoints; None for one device);
   - who: `dp_rank` / `dp_size` (which slice of each global batch this process reads) and
     `writes_files` (the ONE process that writes notes, metrics and renames: global rank 0);
   - the model: `model_args(args)` (a config rewrite the layout needs, e.g. TP's split loss) and
@@ -75,7 +76,7 @@ def local_box(like):
 
 class Parallel:
     """One device. The base class is also the interface: subclasses override what differs."""
-    dp_rank, dp_size, global_rank, n_devices, mesh_spec = 0, 1, 0, 1, None
+    dp_rank, dp_size, global_rank, n_devices, hosts, mesh_spec = 0, 1, 0, 1, 1, None
     traceable = None  # None: graph mode can trace the step; else the reason it cannot
     graph_passes = ()  # the graph passes (fsdp_passes.py) --fsdp-passes auto applies
 

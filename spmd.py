@@ -50,6 +50,7 @@ class XlaSpmd(Parallel):
         super().__init__(torch_xla.device())
         self.xs = xs
         self.mesh_spec, self.n_devices, self.ici = f"xla-spmd {spec}", n, ici
+        self.hosts = xr.process_count()  # (one process a host on a pod; always 1 on XLA:CPU: docs/tpu.md)
 
     def spec(self, t, stacked=False):
         """Partition spec: one dim over ici (FSDP), the rest whole; replicated over dcn. Dim 0, unless

@@ -289,15 +289,16 @@ class Trainer:
         return 0
 
     def start(self):
-        """Set aside what --resume-from supersedes, print the notes, log the start line."""
+        """Set aside what the resumed checkpoint supersedes (--resume-from; --resume auto past a broken
+        one), print the notes, log the start line."""
         cfg, p = self.cfg, self.parallel
-        if cfg.resume_from and p.writes_files:
+        if self.resume_from and p.writes_files:
             checkpoint.set_aside_newer(self.ckpt_dir, self.step)
         for note in self.notes if p.writes_files else ():
             print(note, file=sys.stderr, flush=True)
         n_params = sum(t.numel() for t in self.model.parameters())
         self.log({"event": "start", "params": n_params, "device": str(self.device), "resumed_at": self.step,
-                  "devices": p.n_devices, "param_bytes_local": p.local_bytes(self.params),
+                  "devices": p.n_devices, "hosts": p.hosts, "param_bytes_local": p.local_bytes(self.params),
                   "optim_bytes_local": p.local_bytes(self.opt.state["exp_avg"] + self.opt.state["exp_avg_sq"])},
                  f"{self.meta['flavor']}: {n_params / 1e6:.2f}M params on {self.device}, mode {cfg.mode}, "
                  f"{self.task.units_per_step} {self.task.unit}/step, start at step {self.step}, out {self.out_dir}")
