@@ -169,6 +169,9 @@ def main(argv=None):
     except BadInput as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
+    except KeyboardInterrupt:
+        sys.stderr.write(f"interrupted: the finished batches stay in {cfg.out}.partial/; the same command resumes\n")
+        return 130
     print(f"{n} images -> {cfg.out}")
     return 0
 

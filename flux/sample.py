@@ -241,7 +241,13 @@ def main(argv=None):
             model.guidance = guidance
             latent, _ = sample_grid(model, src, cfg.seed, per_class=cfg.per_class, steps=cfg.steps, guidance=g, judge=False)
             out = pipeline.save_rgb_grid(parts.decode(latent), cfg.per_class, os.path.join(cfg.run_dir, f"decoded_g{g:g}.png"))
-            print(f"guidance {g:g}: {len(latent)} samples of the file's held-out prompts, decoded; {out}")
+            classes, judged = grid_prompts(src)[1], ""
+            if classes is not None:  # a labelled file: an SVC on its real latents judges the sampled ones
+                clf, real = digits.latent_classifier(src)
+                hit = (torch.from_numpy(clf.predict(latent.flatten(1).numpy())) == classes.repeat_interleave(cfg.per_class))
+                judged = (f" an SVC on the file's latents labels {100 * hit.float().mean():.1f}% as their prompt's class "
+                          f"({100 * real:.1f}% of its held-out real latents);")
+            print(f"guidance {g:g}: {len(latent)} samples of the file's held-out prompts, decoded;{judged} {out}")
         else:
             out = os.path.join(cfg.run_dir, f"samples_g{g:g}.png")
             images, accuracy = sample_grid(model, digits.DigitsSource(cfg.seed), cfg.seed, out, per_class=cfg.per_class,

@@ -4,8 +4,9 @@ a diffusers directory (the layout of black-forest-labs/FLUX.1-dev, every part a 
     python -m flux.tiny OUT_DIR        # or build(OUT_DIR) from a test fixture
 
 Its parts are FLUX's own classes with random weights: the transformer (FluxTransformer2DModel, with
-flux-dev's guidance embedding), the 16-channel AutoencoderKL with FLUX's shift / scaling factors and no
-quant convs (4 blocks: 8x down, as FLUX's), CLIP (CLIPTextModel, pooled) and T5 (T5EncoderModel, gated
+flux-dev's guidance embedding), the 16-channel AutoencoderKL without quant convs (4 blocks: 8x down, as
+FLUX's), its shift / scaling factors set, as FLUX's were, so that its latents of real pictures (64
+upscaled digits) have mean 0 and variance 1, CLIP (CLIPTextModel, pooled) and T5 (T5EncoderModel, gated
 GELU as T5 v1.1), the flow-matching Euler scheduler with FLUX's dynamic shift. The tokenizers are
 built here, with no download: CLIP's byte-level BPE from a vocabulary of the 256 byte symbols (no
 merges: a word is its letters) and T5's Unigram over lowercase letters and digits (`tokenizers`).
@@ -19,6 +20,8 @@ import sys
 import tempfile
 
 import torch
+
+from flux import digits
 
 T5_TOKENS = 12       # the T5 prompt length (FLUX.1-dev: 512) the tiny pipeline is used with ("digit 3": 9)
 CLIP_TOKENS = 16     # CLIP's tokenizer pads to model_max_length (FLUX: 77)
@@ -81,6 +84,9 @@ def build(out, seed=0):
         for name, p in transformer.named_parameters():
             p.copy_(torch.rand_like(p) + 0.5 if p.ndim == 1 and ".attn.norm_" in name else torch.randn_like(p) * 0.1)
     vae = AutoencoderKL(**VAE).eval()
+    with torch.no_grad():  # FLUX's shift / scale make its latents ~N(0, 1) on its data: these, on 64 digits
+        z = vae.encode(torch.from_numpy(digits.upscaled()[0][:64]).permute(0, 3, 1, 2) / 127.5 - 1).latent_dist.mode()
+    vae.register_to_config(shift_factor=round(z.mean().item(), 4), scaling_factor=round(1 / z.std().item(), 4))
     pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae, text_encoder=clip,
                         tokenizer=tok, text_encoder_2=t5, tokenizer_2=tok2, transformer=transformer)
     pipe.save_pretrained(out, safe_serialization=True)

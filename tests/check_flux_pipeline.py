@@ -49,8 +49,8 @@ def _pipe(path):
 
 def test_flux_prepare_rows_equal_fluxpipeline_encodings_and_a_stopped_run_resumes(tiny_flux, tmp_path, monkeypatch):
     """Every row of prepare's file is one image: its latents equal FluxPipeline's VAE on diffusers' own
-    preprocessing ((mode - shift) * scale), its txt / pooled equal FluxPipeline.encode_prompt of its
-    caption, its label its own; empty_txt / empty_pooled encode_prompt(""). A run stopped in its second
+    preprocessing ((mode - shift) * scale; to 1e-5: batches of 5 against one of 12, latents ~N(0, 1)),
+    its txt / pooled equal FluxPipeline.encode_prompt of its caption (to 1e-6), its label its own; empty_txt / empty_pooled encode_prompt(""). A run stopped in its second
     batch keeps the first (and no file), the rerun encodes only the rest and writes the file the
     uninterrupted run wrote, bit for bit, then removes its partial batches."""
     from PIL import Image
@@ -65,7 +65,7 @@ def test_flux_prepare_rows_equal_fluxpipeline_encodings_and_a_stopped_run_resume
         c = pipe.vae.config
         want_lat = (pipe.vae.encode(pixels).latent_dist.mode() - c.shift_factor) * c.scaling_factor
         want_txt, want_pooled, _ = pipe.encode_prompt(CAPTIONS + [""], prompt_2=None, max_sequence_length=tiny.T5_TOKENS)
-    rows = [[r for r in range(12) if torch.allclose(got["latents"][r], want_lat[i], rtol=0, atol=1e-6)] for i in range(12)]
+    rows = [[r for r in range(12) if torch.allclose(got["latents"][r], want_lat[i], rtol=0, atol=1e-5)] for i in range(12)]
     assert sorted(sum(rows, [])) == list(range(12)) and all(len(r) == 1 for r in rows), rows  # a permutation
     assert [r[0] for r in rows] != list(range(12))  # (shuffled: latents.py holds out the last tenth)
     for i, (r,) in enumerate(rows):
@@ -86,8 +86,7 @@ def test_flux_prepare_rows_equal_fluxpipeline_encodings_and_a_stopped_run_resume
         return real(parts, rows)
     monkeypatch.setattr(prepare, "encode_batch", stop_in_second)
     args = [tiny_flux["images"], tiny_flux["dir"], out, "--batch-size", "5", "--max-sequence-length", str(tiny.T5_TOKENS)]
-    with pytest.raises(KeyboardInterrupt):
-        prepare.main(args)
+    assert prepare.main(args) == 130  # (Ctrl-C: one line, the finished batch kept)
     assert not os.path.exists(out) and sorted(os.listdir(out + ".partial")) == ["batch_000000.safetensors", "inputs.json"]
     calls.clear()
     monkeypatch.setattr(prepare, "encode_batch", lambda parts, rows: calls.append(len(rows)) or real(parts, rows))
@@ -185,7 +184,7 @@ def test_flux_latent_run_decodes_exports_back_and_fluxpipeline_loads_it(tiny_flu
     model.guidance = 3.5
     lat, _ = flux_sample.sample_grid(model, latents.LatentFile(file, model.flux.args), 0, per_class=2, steps=2, judge=False)
     want = (parts.decode(lat) * 255).round().to(torch.uint8)  # rows: the held-out prompts, 2 samples each
-    png = torch.from_numpy(np.asarray(Image.open(os.path.join(run, "decoded_g2.png")))).permute(2, 0, 1)
+    png = torch.from_numpy(np.array(Image.open(os.path.join(run, "decoded_g2.png")))).permute(2, 0, 1)
     n = len(lat)  # (a row per class among the 2 held-out rows: 1 or 2 rows)
     assert n in (2, 4) and lat.shape[1:] == (16, 4, 6) and png.shape == (3, n // 2 * 32, 2 * 48)
     for i in range(n):
@@ -194,6 +193,7 @@ def test_flux_latent_run_decodes_exports_back_and_fluxpipeline_loads_it(tiny_flu
     other = load_file(file)
     other["latents"] = other["latents"] + 1
     save_file(other, str(tmp_path / "other.safetensors"))
+    capsys.readouterr()
     assert flux_sample.main([run, "--flux", d, "--data", str(tmp_path / "other.safetensors")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "is not the file" in err and len(err.splitlines()) == 1, err
