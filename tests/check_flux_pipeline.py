@@ -139,11 +139,11 @@ def test_flux_prepare_refuses_bad_input_in_one_line_exit_2_nothing_written(tiny_
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 2.0])
-def test_flux_sampler_and_vae_decode_equal_fluxpipeline_images(tiny_flux, cfg_scale):
+def test_flux_sampler_and_vae_decode_equal_fluxpipeline_images(tiny_flux, cfg_scale, tmp_path):
     """flux.Flux loaded from the directory's transformer/, our Euler sampler on the scheduler config's
     time shift, then the VAE decode, give FluxPipeline's images for the same prompts, seed, steps,
     distilled guidance 3.5 (and true classifier-free guidance 2 against the empty prompt) to 1e-4, on a
-    non-square 32 x 48 image."""
+    non-square 32 x 48 image; so does `python -m flux.sample --flux DIR --prompt ...`'s PNG (to 1/255)."""
     from flux import hf as flux_hf, pipeline, tiny
     pipe, d = _pipe(tiny_flux["dir"]), tiny_flux["dir"]
     prompts = ["digit 3", "a seven"]
@@ -159,6 +159,14 @@ def test_flux_sampler_and_vae_decode_equal_fluxpipeline_images(tiny_flux, cfg_sc
     off = pipeline.text_to_image(flux_hf.load(os.path.join(d, "transformer")), parts, prompts, (32, 48), steps=3,
                                  seed=5, cfg_scale=cfg_scale, guidance=1.0)
     assert (off - want).abs().max() > 1e-3  # (the comparison sees the distilled guidance)
+    from PIL import Image
+    from flux import sample as flux_sample  # the CLI, without a run: the directory's own transformer samples
+    png = os.path.join(str(tmp_path), "prompts.png")
+    assert flux_sample.main(["--flux", d, "--prompt", prompts[0], "--prompt", prompts[1], "--size", "32x48", "--steps", "3",
+                             "--seed", "5", "--guidance", f"{cfg_scale:g}", "--distilled-guidance", "3.5", "--per-class", "1",
+                             "--max-sequence-length", str(tiny.T5_TOKENS), "--out", png]) == 0
+    grid = torch.from_numpy(np.array(Image.open(png))).permute(2, 0, 1).int()  # a row per prompt: one above the other
+    assert (grid - (torch.cat(list(want), dim=1) * 255).round().int()).abs().max() <= 1
 
 
 def test_flux_latent_run_decodes_exports_back_and_fluxpipeline_loads_it(tiny_flux, tmp_path, capsys):
