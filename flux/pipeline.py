@@ -138,23 +138,3 @@ def save_rgb_grid(images_Nx3xHxW, per_row, path):
     os.replace(tmp, path)
     return path
 
-
-def text_to_image(flux_model, parts, prompts, size_HxW, steps=20, seed=0, cfg_scale=1.0, guidance=3.5):
-    """FluxPipeline's text-to-image with our sampler (flux/sample.py) and transformer (flux.Flux): prompts ->
-    pixels in [0, 1], (B, 3, H, W). The noise is FluxPipeline's (one CPU generator seeded `seed`, (B, 16,
-    H / 8, W / 8)); cfg_scale != 1 is true classifier-free guidance against the empty prompt (its
-    `true_cfg_scale` with negative_prompt ""); `guidance` flux-dev's distilled scale (its `guidance_scale`)."""
-    from flux.sample import sample
-    H, W = size_HxW
-    if H <= 0 or W <= 0 or H % (2 * parts.down) or W % (2 * parts.down):
-        raise FluxDirError(f"image size {H}x{W}: FLUX needs positive sides that are multiples of {2 * parts.down}")
-    a, dims = flux_model.args, (parts.t5.config.d_model, parts.clip.config.hidden_size)
-    if dims != (a.context_in_dim, a.vec_in_dim):
-        raise FluxDirError(f"the encoders give T5 width {dims[0]} and CLIP width {dims[1]}; the transformer reads "
-                           f"{a.context_in_dim} and {a.vec_in_dim} (another FLUX directory's model?)")
-    txt, pooled = parts.prompts(prompts)
-    uncond = parts.prompts([""]) if cfg_scale != 1 else None
-    latents = sample(flux_model, txt, pooled, (parts.channels, H // parts.down, W // parts.down), steps=steps,
-                     seed=seed, cfg_scale=cfg_scale, uncond=uncond,
-                     guidance=guidance if flux_model.args.guidance_embed else None, schedule_kw=parts.schedule)
-    return parts.decode(latents)

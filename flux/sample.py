@@ -15,7 +15,9 @@ flux-dev instead takes its distilled guidance scale as a model input (`guidance`
 
 Grids: `sample_grid` samples a row per class (or prompt) of a run's model, judged on the digits by an
 independent classifier (digits.py); `python -m flux.sample RUN_DIR --guidance 1,2,4` does it for a
-digits run's newest checkpoint, loaded by its own family (checkpoint.load_run).
+digits run's newest checkpoint, loaded by its own family (checkpoint.load_run). Through a diffusers FLUX
+directory's parts (flux/pipeline.py): `text_to_image` is FluxPipeline's call on our transformer and
+sampler, and `--flux DIR` decodes a latent run's grid through its VAE or samples `--prompt`s.
 """
 import math
 import os
@@ -164,6 +166,28 @@ def save_grid(images_Nx1xHxW, per_row, path):
     os.replace(tmp, path)
 
 
+def text_to_image(flux_model, parts, prompts, size_HxW, steps=20, seed=0, cfg_scale=1.0, guidance=3.5):
+    """FluxPipeline's text-to-image with our sampler and transformer (flux.Flux), through `parts`
+    (flux/pipeline.py's FluxParts: the directory's encoders and VAE): prompts ->
+    pixels in [0, 1], (B, 3, H, W). The noise is FluxPipeline's (one CPU generator seeded `seed`, (B, 16,
+    H / 8, W / 8)); cfg_scale != 1 is true classifier-free guidance against the empty prompt (its
+    `true_cfg_scale` with negative_prompt ""); `guidance` flux-dev's distilled scale (its `guidance_scale`)."""
+    from flux.pipeline import FluxDirError
+    H, W = size_HxW
+    if H <= 0 or W <= 0 or H % (2 * parts.down) or W % (2 * parts.down):
+        raise FluxDirError(f"image size {H}x{W}: FLUX needs positive sides that are multiples of {2 * parts.down}")
+    a, dims = flux_model.args, (parts.t5.config.d_model, parts.clip.config.hidden_size)
+    if dims != (a.context_in_dim, a.vec_in_dim):
+        raise FluxDirError(f"the encoders give T5 width {dims[0]} and CLIP width {dims[1]}; the transformer reads "
+                           f"{a.context_in_dim} and {a.vec_in_dim} (another FLUX directory's model?)")
+    txt, pooled = parts.prompts(prompts)
+    uncond = parts.prompts([""]) if cfg_scale != 1 else None
+    latents = sample(flux_model, txt, pooled, (parts.channels, H // parts.down, W // parts.down), steps=steps,
+                     seed=seed, cfg_scale=cfg_scale, uncond=uncond,
+                     guidance=guidance if flux_model.args.guidance_embed else None, schedule_kw=parts.schedule)
+    return parts.decode(latents)
+
+
 def main(argv=None):
     """python -m flux.sample [RUN_DIR] [--flux FLUX_DIR [--data FILE | --prompt TEXT ...]]: sample a FLUX run's
     newest checkpoint, a grid per guidance scale. A digits run: RUN_DIR/samples_g<scale>.png, judged. A run
@@ -229,7 +253,7 @@ def main(argv=None):
     for g in scales:
         if cfg.prompt:
             try:
-                images = pipeline.text_to_image(flux_model, parts, [t for t in cfg.prompt for _ in range(cfg.per_class)],
+                images = text_to_image(flux_model, parts, [t for t in cfg.prompt for _ in range(cfg.per_class)],
                                                 size, cfg.steps, cfg.seed, g, guidance)
             except BadInput as e:
                 sys.stderr.write(f"error: {e}\n")

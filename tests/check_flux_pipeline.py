@@ -144,7 +144,7 @@ def test_flux_sampler_and_vae_decode_equal_fluxpipeline_images(tiny_flux, cfg_sc
     time shift, then the VAE decode, give FluxPipeline's images for the same prompts, seed, steps,
     distilled guidance 3.5 (and true classifier-free guidance 2 against the empty prompt) to 1e-4, on a
     non-square 32 x 48 image; so does `python -m flux.sample --flux DIR --prompt ...`'s PNG (to 1/255)."""
-    from flux import hf as flux_hf, pipeline, tiny
+    from flux import hf as flux_hf, pipeline, sample as flux_sample, tiny
     pipe, d = _pipe(tiny_flux["dir"]), tiny_flux["dir"]
     prompts = ["digit 3", "a seven"]
     extra = dict(true_cfg_scale=cfg_scale, negative_prompt=[""] * 2) if cfg_scale != 1 else {}
@@ -152,15 +152,15 @@ def test_flux_sampler_and_vae_decode_equal_fluxpipeline_images(tiny_flux, cfg_sc
         want = pipe(prompts, height=32, width=48, num_inference_steps=3, guidance_scale=3.5, output_type="pt",
                     generator=torch.Generator().manual_seed(5), max_sequence_length=tiny.T5_TOKENS, **extra).images
     parts = pipeline.FluxParts(d, tiny.T5_TOKENS)
-    got = pipeline.text_to_image(flux_hf.load(os.path.join(d, "transformer")), parts, prompts, (32, 48), steps=3,
+    got = flux_sample.text_to_image(flux_hf.load(os.path.join(d, "transformer")), parts, prompts, (32, 48), steps=3,
                                  seed=5, cfg_scale=cfg_scale, guidance=3.5)
     assert got.shape == want.shape == (2, 3, 32, 48) and want.std() > 0.05
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
-    off = pipeline.text_to_image(flux_hf.load(os.path.join(d, "transformer")), parts, prompts, (32, 48), steps=3,
+    off = flux_sample.text_to_image(flux_hf.load(os.path.join(d, "transformer")), parts, prompts, (32, 48), steps=3,
                                  seed=5, cfg_scale=cfg_scale, guidance=1.0)
     assert (off - want).abs().max() > 1e-3  # (the comparison sees the distilled guidance)
     from PIL import Image
-    from flux import sample as flux_sample  # the CLI, without a run: the directory's own transformer samples
+    # the CLI, without a run: the directory's own transformer samples
     png = os.path.join(str(tmp_path), "prompts.png")
     assert flux_sample.main(["--flux", d, "--prompt", prompts[0], "--prompt", prompts[1], "--size", "32x48", "--steps", "3",
                              "--seed", "5", "--guidance", f"{cfg_scale:g}", "--distilled-guidance", "3.5", "--per-class", "1",
@@ -217,5 +217,5 @@ def test_flux_latent_run_decodes_exports_back_and_fluxpipeline_loads_it(tiny_flu
     with torch.no_grad():
         want = pipe(["digit 3"], height=32, width=32, num_inference_steps=2, guidance_scale=3.5, output_type="pt",
                     generator=torch.Generator().manual_seed(1), max_sequence_length=tiny.T5_TOKENS).images
-    got = pipeline.text_to_image(model.flux, parts, ["digit 3"], (32, 32), steps=2, seed=1, guidance=3.5)
+    got = flux_sample.text_to_image(model.flux, parts, ["digit 3"], (32, 32), steps=2, seed=1, guidance=3.5)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
