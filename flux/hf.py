@@ -4,6 +4,7 @@ like torchtitan's flux state_dict_adapter.
     model = flux_hf.load("FLUX.1-dev/transformer/")   # -> flux.Flux, BFL's layout
     args = flux_hf.read_args(d); state = flux_hf.read_state(d, args)   # the pieces (train.py --init-from)
     flux_hf.save(model, "out/")                       # the other way: loads back bit for bit
+    python -m flux.hf export RUN_DIR PIPE_COPY/transformer   # a run's transformer, for FluxPipeline
 
 diffusers renames every module, and differs in layout in three places, mapped both ways here:
 - a double block's fused `qkv` (per stream) is three Linears: to_q / to_k / to_v (image),
