@@ -47,14 +47,15 @@ def _pipe(path):
     return FluxPipeline.from_pretrained(path, local_files_only=True)
 
 
-def test_flux_prepare_rows_equal_fluxpipeline_encodings_and_a_stopped_run_resumes(tiny_flux, tmp_path, monkeypatch):
+def test_flux_prepare_rows_equal_fluxpipeline_encodings_and_a_stopped_run_resumes(tiny_flux, tmp_path, monkeypatch, capsys):
     """Every row of prepare's file is one image: its latents equal FluxPipeline's VAE on diffusers' own
     preprocessing ((mode - shift) * scale; to 1e-5: batches of 5 against one of 12, latents ~N(0, 1)),
     its txt / pooled equal FluxPipeline.encode_prompt of its caption (to 1e-6), its label its own; empty_txt / empty_pooled encode_prompt(""). A run stopped in its second
     batch keeps the first (and no file), the rerun encodes only the rest and writes the file the
-    uninterrupted run wrote, bit for bit, then removes its partial batches."""
+    uninterrupted run wrote, bit for bit, then removes its partial batches; partial batches of other
+    inputs are dropped, not mixed in."""
     from PIL import Image
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
     from flux import prepare, tiny
     pipe = _pipe(tiny_flux["dir"])
     got = load_file(tiny_flux["file"])
@@ -95,6 +96,15 @@ def test_flux_prepare_rows_equal_fluxpipeline_encodings_and_a_stopped_run_resume
     again = load_file(out)
     assert again.keys() == got.keys() and all(torch.equal(again[k], got[k]) for k in got)
     assert prepare.main(args) == 2  # the file exists: not overwritten
+    stale = str(tmp_path / "stale.safetensors")  # batches of other inputs are never mixed in: started over
+    os.makedirs(stale + ".partial")
+    with open(os.path.join(stale + ".partial", "inputs.json"), "w") as f:
+        json.dump({"fingerprint": "another folder's"}, f)
+    save_file({"latents": torch.zeros(5, 16, 4, 6), "txt": torch.zeros(5, 12, 32), "pooled": torch.zeros(5, 24)},
+              os.path.join(stale + ".partial", "batch_000000.safetensors"))
+    assert prepare.main([*args[:2], stale, *args[3:]]) == 0 and "starting over" in capsys.readouterr().err
+    again = load_file(stale)
+    assert all(torch.equal(again[k], got[k]) for k in got)
 
 
 def _refusal_cases(tmp_path, tiny_dir):
