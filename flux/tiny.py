@@ -64,10 +64,16 @@ def t5_tokenizer():
 
 
 def build(out, seed=0):
-    """Write the tiny pipeline to `out` (a diffusers FLUX directory); returns `out`."""
+    """Write the tiny pipeline to `out` (a diffusers FLUX directory); returns `out`. (The caller's global
+    RNG state is left as it was.)"""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return _build(out)
+
+
+def _build(out):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-    torch.manual_seed(seed)
     with tempfile.TemporaryDirectory() as tmp:
         tok = clip_tokenizer(tmp)
     tok2 = t5_tokenizer()
