@@ -6,10 +6,13 @@ Read in this order (each file imports only those above it, and the core at the r
                  over image and text), single-stream blocks, adaLN-Zero modulation, 3-axis RoPE; 2x2
                  latent packing; flux_dev / flux_schnell (11.9B) and flux_debug; torchtitan's FLOP formula
     sample.py    the rectified flow (x_t = (1 - t) x0 + t eps, target eps - x0), timestep samplers, seeded
-                 Euler sampling with classifier-free guidance
+                 Euler sampling with classifier-free guidance; text to image through a FLUX directory's parts
     hf.py        diffusers FluxTransformer2DModel directories in and out
     latents.py   the data FLUX trains on at scale: VAE latents + T5 / CLIP outputs cached in a file
+    pipeline.py  FLUX's frozen parts from a diffusers FLUX directory (VAE, CLIP, T5): encode, decode
+    prepare.py   captioned images -> that latent file (`python -m flux.prepare`), batched, resumable
     digits.py    real images without a download: scikit-learn's 8x8 digits, and an SVC judge
+    tiny.py      a tiny FLUX pipeline built offline (random weights): the tests' and the demo's directory
     jax_step.py  the same training step in pure JAX: the oracle its test holds model.py to, and the
                  competitor bench.py races (TorchTitan's "99% of MaxDiffusion")
     task.py      FluxFamily (the model behind its conditioning) and FluxDigits (the workload: batches,
@@ -17,4 +20,7 @@ Read in this order (each file imports only those above it, and the core at the r
 
     python train.py --task flux --steps 800 --batch-size 64 --lr 1e-3 --warmup 50 --out-dir runs/flux
     python -m flux.sample runs/flux --guidance 1,2,4     # sample a digits run, judged by the SVC
+    python -m flux.prepare IMAGES_DIR FLUX_DIR cache.safetensors             # images + captions -> latents
+    python train.py --task flux --data cache.safetensors --init-from FLUX_DIR/transformer
+    python -m flux.sample RUN_DIR --flux FLUX_DIR --data cache.safetensors   # decoded through FLUX's VAE
 """

@@ -52,6 +52,16 @@ def classifier(seed=0, held_out=0.2):
     return clf, (classify(clf, hx) == hy).sum().item() / len(hy)
 
 
+def latent_classifier(src):
+    """An SVC fitted on a latent file's labelled training rows (flattened latents -> class), and its accuracy
+    on the file's held-out rows: the judge of sampled latents where the decoder shows nothing (the tiny
+    pipeline's random VAE, flux/tiny.py). Latents are not pixels: gamma from their variance ("scale")."""
+    from sklearn.svm import SVC
+    clf = SVC(C=10).fit(src.train["latents"].flatten(1).numpy(), src.train["labels"].numpy())
+    held = clf.predict(src.held["latents"].flatten(1).numpy())
+    return clf, float((held == src.held["labels"].numpy()).mean())
+
+
 class DigitsSource:
     """The digits as a data source: images (N, 1, 8, 8) in [-1, 1], the class as the prompt."""
     cond_keys, hw, fingerprint = ("labels",), (SIDE, SIDE), None
@@ -60,3 +70,32 @@ class DigitsSource:
         self.train = dict(zip(("latents", "labels"), load("train", seed)))
         self.held = dict(zip(("latents", "labels"), load("held_out", seed)))
         self.empty = (torch.tensor([N_CLASSES]),)
+
+
+def upscaled(scale=4):
+    """All 1797 digits as RGB uint8 (N, 8 * scale, 8 * scale, 3) pictures (nearest-neighbour: dark ink on
+    white), and their labels (N,)."""
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    grey = np.kron(255 - d.images * (255 / LEVELS), np.ones((1, scale, scale))).round().astype(np.uint8)
+    return np.repeat(grey[..., None], 3, axis=3), d.target
+
+
+def write_images(folder, scale=4):
+    """The upscaled digits as captioned PNGs in `folder`, with the metadata.jsonl flux/prepare.py reads:
+    {"file_name", "text": "digit 3", "label": 3}. -> the number written."""
+    import json
+    import os
+    from PIL import Image
+    images, labels = upscaled(scale)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "metadata.jsonl"), "w") as f:
+        for i, (img, label) in enumerate(zip(images, labels)):
+            Image.fromarray(img).save(os.path.join(folder, f"{i:04d}.png"))
+            f.write(json.dumps({"file_name": f"{i:04d}.png", "text": f"digit {label}", "label": int(label)}) + "\n")
+    return len(labels)
+
+
+if __name__ == "__main__":  # python -m flux.digits OUT_DIR: the captioned images of the README's latent demo
+    import sys
+    print(f"{write_images(sys.argv[1])} images -> {sys.argv[1]}")

@@ -4,6 +4,7 @@ like torchtitan's flux state_dict_adapter.
     model = flux_hf.load("FLUX.1-dev/transformer/")   # -> flux.Flux, BFL's layout
     args = flux_hf.read_args(d); state = flux_hf.read_state(d, args)   # the pieces (train.py --init-from)
     flux_hf.save(model, "out/")                       # the other way: loads back bit for bit
+    python -m flux.hf export RUN_DIR PIPE_COPY/transformer   # a run's transformer, for FluxPipeline
 
 diffusers renames every module, and differs in layout in three places, mapped both ways here:
 - a double block's fused `qkv` (per stream) is three Linears: to_q / to_k / to_v (image),
@@ -268,3 +269,27 @@ def save(model, path):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def main(argv=None):
+    """python -m flux.hf export RUN_DIR OUT_DIR: a FLUX run's transformer as a diffusers FluxTransformer2DModel
+    directory (e.g. a FLUX pipeline's transformer/, in a copy of the pipeline: FluxPipeline loads it)."""
+    import sys
+    import checkpoint
+    from flux.model import KIND
+    if not argv or argv[0] != "export" or len(argv) != 3:
+        sys.stderr.write(f"usage: {main.__doc__.splitlines()[0]}\n")
+        return 2
+    try:
+        model, _ = checkpoint.load_run(argv[1], kind=KIND)
+        save(model.flux, argv[2])
+    except (ValueError, OSError) as e:  # (FluxHFError, CheckpointError: BadInput)
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    print(f"{argv[1]} -> {argv[2]}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,7 +1,7 @@
 """flux/latents.py: the data real FLUX training at scale reads: VAE latents and text-encoder outputs
 computed once, ahead of training, and stored in a file (MLPerf Training's Flux.1 reference, built on
 torchtitan's flux, caches the autoencoder's latents and the T5 / CLIP outputs the same way, so the
-step runs the transformer alone).
+step runs the transformer alone). `python -m flux.prepare` writes it from captioned images (flux/prepare.py).
 
     python train.py --task flux --data cache.safetensors [--init-from FLUX_DIR]
 

@@ -15,7 +15,9 @@ flux-dev instead takes its distilled guidance scale as a model input (`guidance`
 
 Grids: `sample_grid` samples a row per class (or prompt) of a run's model, judged on the digits by an
 independent classifier (digits.py); `python -m flux.sample RUN_DIR --guidance 1,2,4` does it for a
-digits run's newest checkpoint, loaded by its own family (checkpoint.load_run).
+digits run's newest checkpoint, loaded by its own family (checkpoint.load_run). Through a diffusers FLUX
+directory's parts (flux/pipeline.py): `text_to_image` is FluxPipeline's call on our transformer and
+sampler, and `--flux DIR` decodes a latent run's grid through its VAE or samples `--prompt`s.
 """
 import math
 import os
@@ -62,12 +64,14 @@ def time_shift(mu, t):
     return math.exp(mu) / (math.exp(mu) + (1 / t - 1)) if 0 < t < 1 else t
 
 
-def schedule(steps, image_tokens, base_shift=0.5, max_shift=1.15, shift=True):
-    """steps + 1 times from 1 to 0; shifted towards 1 by mu = a line through (256, base), (4096, max)."""
+def schedule(steps, image_tokens, base_shift=0.5, max_shift=1.15, shift=True, base_image_seq_len=256,
+             max_image_seq_len=4096):
+    """steps + 1 times from 1 to 0; shifted towards 1 by mu = a line through (256, base), (4096, max)
+    (the lengths and shifts are a diffusers scheduler config's: flux/pipeline.py reads them)."""
     ts = [1 - i / steps for i in range(steps + 1)]
     if not shift:
         return ts
-    mu = base_shift + (max_shift - base_shift) * (image_tokens - 256) / (4096 - 256)
+    mu = base_shift + (max_shift - base_shift) * (image_tokens - base_image_seq_len) / (max_image_seq_len - base_image_seq_len)
     return [time_shift(mu, t) for t in ts]
 
 
@@ -88,10 +92,10 @@ def euler(velocity, x_BxSxC, times, cfg_scale=1.0):
 
 @torch.no_grad()
 def sample(model, txt_BxTxE, y_BxV, shape_CxHxW, steps=20, seed=0, cfg_scale=1.0, uncond=None, guidance=None,
-           shift=True):
+           shift=True, schedule_kw=None):
     """Images (B, C, H, W) for B prompts (text embeddings + pooled vectors), from seeded noise.
     `uncond` = (txt_1xTxE, y_1xV), the empty prompt, needed when cfg_scale != 1; `guidance` is
-    flux-dev's distilled scale (a model with guidance_embed only)."""
+    flux-dev's distilled scale (a model with guidance_embed only); `schedule_kw` schedule()'s shifts."""
     C, H, W = shape_CxHxW
     B, dev = txt_BxTxE.shape[0], txt_BxTxE.device
     if cfg_scale != 1.0 and uncond is None:
@@ -105,7 +109,7 @@ def sample(model, txt_BxTxE, y_BxV, shape_CxHxW, steps=20, seed=0, cfg_scale=1.0
         txt, y = (txt_BxTxE, y_BxV) if cond else (uncond[0].expand(B, -1, -1), uncond[1].expand(B, -1))
         return model(x, img_ids, txt, txt_ids, t_B, y, g_B)
 
-    x = euler(velocity, noise, schedule(steps, noise.shape[1], shift=shift), cfg_scale)
+    x = euler(velocity, noise, schedule(steps, noise.shape[1], shift=shift, **(schedule_kw or {})), cfg_scale)
     return unpatchify(x, H, W)
 
 
@@ -162,38 +166,124 @@ def save_grid(images_Nx1xHxW, per_row, path):
     os.replace(tmp, path)
 
 
+def text_to_image(flux_model, parts, prompts, size_HxW, steps=20, seed=0, cfg_scale=1.0, guidance=3.5):
+    """FluxPipeline's text-to-image with our sampler and transformer (flux.Flux), through `parts`
+    (flux/pipeline.py's FluxParts: the directory's encoders and VAE): prompts ->
+    pixels in [0, 1], (B, 3, H, W). The noise is FluxPipeline's (one CPU generator seeded `seed`, (B, 16,
+    H / 8, W / 8)); cfg_scale != 1 is true classifier-free guidance against the empty prompt (its
+    `true_cfg_scale` with negative_prompt ""); `guidance` flux-dev's distilled scale (its `guidance_scale`)."""
+    from flux.pipeline import FluxDirError
+    H, W = size_HxW
+    if H <= 0 or W <= 0 or H % (2 * parts.down) or W % (2 * parts.down):
+        raise FluxDirError(f"image size {H}x{W}: FLUX needs positive sides that are multiples of {2 * parts.down}")
+    a, dims = flux_model.args, (parts.t5.config.d_model, parts.clip.config.hidden_size)
+    if dims != (a.context_in_dim, a.vec_in_dim):
+        raise FluxDirError(f"the encoders give T5 width {dims[0]} and CLIP width {dims[1]}; the transformer reads "
+                           f"{a.context_in_dim} and {a.vec_in_dim} (another FLUX directory's model?)")
+    txt, pooled = parts.prompts(prompts)
+    uncond = parts.prompts([""]) if cfg_scale != 1 else None
+    latents = sample(flux_model, txt, pooled, (parts.channels, H // parts.down, W // parts.down), steps=steps,
+                     seed=seed, cfg_scale=cfg_scale, uncond=uncond,
+                     guidance=guidance if flux_model.args.guidance_embed else None, schedule_kw=parts.schedule)
+    return parts.decode(latents)
+
+
 def main(argv=None):
-    """python -m flux.sample RUN_DIR [--per-class N] [--guidance 1,2,4]: sample a FLUX run's newest
-    checkpoint, a grid per guidance scale (RUN_DIR/samples_g<scale>.png) and the judge's accuracy."""
+    """python -m flux.sample [RUN_DIR] [--flux FLUX_DIR [--data FILE | --prompt TEXT ...]]: sample a FLUX run's
+    newest checkpoint, a grid per guidance scale. A digits run: RUN_DIR/samples_g<scale>.png, judged. A run
+    trained on a latent file: its held-out prompts (--data, the file it trained on) decoded through
+    FLUX_DIR's VAE into RUN_DIR/decoded_g<scale>.png. --prompt: text through FLUX_DIR's encoders, sampled
+    by the run (or without RUN_DIR by FLUX_DIR's own transformer), decoded into --out."""
     import argparse
     import sys
     import checkpoint
+    from errors import BadInput
     p = argparse.ArgumentParser(description=main.__doc__.split(":")[0])
-    p.add_argument("run_dir")
-    p.add_argument("--per-class", type=int, default=10)
-    p.add_argument("--guidance", default=str(GUIDANCE), help="comma list of guidance scales")
+    p.add_argument("run_dir", nargs="?")
+    p.add_argument("--per-class", type=int, default=10, help="images per class / prompt")
+    p.add_argument("--guidance", default=str(GUIDANCE), help="comma list of classifier-free guidance scales")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--flux", help="a diffusers FLUX directory: its VAE decodes, its encoders read --prompt")
+    p.add_argument("--data", help="the latent file a latent run trained on (its prompts; checked by content)")
+    p.add_argument("--prompt", action="append", help="a text prompt (repeatable; needs --flux)")
+    p.add_argument("--size", default="", help="HxW pixels for --prompt (default: the --data file's, else 1024x1024)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--distilled-guidance", type=float, default=None,
+                   help="flux-dev's guidance input (default: 1 for a run, as it trains; 3.5 for FLUX_DIR's transformer)")
+    p.add_argument("--max-sequence-length", type=int, default=512, help="T5 tokens for --prompt without --data")
+    p.add_argument("--out", default=None, help="--prompt's grid (default: RUN_DIR/prompts_g<scale>.png, or ./)")
     cfg = p.parse_args(argv)
     try:
         scales = [float(g) for g in cfg.guidance.split(",")]
-        if cfg.per_class < 1 or not all(0 < g < float("inf") for g in scales):
-            raise ValueError(f"--per-class must be >= 1 and --guidance positive numbers, got {cfg.per_class}, {cfg.guidance}")
-        path, meta = checkpoint.run_checkpoint(cfg.run_dir)
-        if meta.get("task") != "flux":
-            raise ValueError(f"{path} is not a FLUX run (task {meta.get('task')!r})")
-        if meta["train"].get("data"):
-            raise ValueError(f"{path} trained on a latent file: its prompts are the file's (the run's grids "
-                             f"are written at each evaluation); this CLI samples digits runs")
-        model, _ = checkpoint.load_run(path, kind=KIND)  # (the run's own family builds it: flux/task.py)
-    except (ValueError, TypeError, OSError) as e:
+        if cfg.per_class < 1 or cfg.steps < 1 or not all(0 < g < float("inf") for g in scales):
+            raise ValueError(f"--per-class and --steps must be >= 1 and --guidance positive numbers, got "
+                             f"{cfg.per_class}, {cfg.steps}, {cfg.guidance}")
+        if (cfg.prompt or cfg.data) and not cfg.flux:
+            raise ValueError("--prompt and --data decode through a FLUX directory's VAE: give --flux FLUX_DIR")
+        model = meta = src = parts = None
+        if cfg.run_dir:
+            path, meta = checkpoint.run_checkpoint(cfg.run_dir)
+            if meta.get("task") != "flux":
+                raise ValueError(f"{path} is not a FLUX run (task {meta.get('task')!r})")
+            latent_run = bool(meta["train"].get("data"))
+            if latent_run and not (cfg.flux and (cfg.data or cfg.prompt)):
+                raise ValueError(f"{path} trained on a latent file: decode its samples with --flux FLUX_DIR and "
+                                 f"--data FILE (the file it trained on) or --prompt TEXT")
+            if not latent_run and cfg.flux:
+                raise ValueError(f"{path} is a digits run (pixels, no latents): it samples without --flux")
+            model, _ = checkpoint.load_run(path, kind=KIND)  # (the run's own family builds it: flux/task.py)
+        elif not cfg.prompt:
+            raise ValueError("give a RUN_DIR, or --flux FLUX_DIR with --prompt (its own transformer samples)")
+        if cfg.flux:
+            from flux import latents, pipeline
+            flux_model = model.flux if model is not None else _directory_transformer(cfg.flux)
+            if cfg.data:
+                src = latents.LatentFile(cfg.data, flux_model.args)
+                if meta is not None and src.fingerprint != meta["train"]["data"]:
+                    raise ValueError(f"--data {cfg.data} is not the file {cfg.run_dir} trained on (its contents differ)")
+            parts = pipeline.FluxParts(cfg.flux, src.train["txt"].shape[1] if src else cfg.max_sequence_length)
+            size = tuple(int(v) for v in cfg.size.lower().split("x")) if cfg.size else \
+                tuple(parts.down * v for v in src.hw) if src else (1024, 1024)
+            if len(size) != 2:
+                raise ValueError(f"--size {cfg.size!r} is not HxW")
+    except (ValueError, TypeError, OSError) as e:  # (BadInput too: a directory that is not FLUX's)
         sys.stderr.write(f"error: {e}\n")
         return 2
+    guidance = cfg.distilled_guidance if cfg.distilled_guidance is not None else (3.5 if model is None else 1.0)
     for g in scales:
-        out = os.path.join(cfg.run_dir, f"samples_g{g:g}.png")
-        images, accuracy = sample_grid(model, digits.DigitsSource(cfg.seed), cfg.seed, out, per_class=cfg.per_class,
-                                       guidance=g)
-        print(f"guidance {g:g}: {100 * accuracy:.1f}% of {len(images)} samples labelled as their prompt's class; {out}")
+        if cfg.prompt:
+            try:
+                images = text_to_image(flux_model, parts, [t for t in cfg.prompt for _ in range(cfg.per_class)],
+                                                size, cfg.steps, cfg.seed, g, guidance)
+            except BadInput as e:
+                sys.stderr.write(f"error: {e}\n")
+                return 2
+            out = cfg.out or os.path.join(cfg.run_dir or ".", f"prompts_g{g:g}.png")
+            print(f"guidance {g:g}: {len(images)} images of {len(cfg.prompt)} prompt(s); "
+                  f"{pipeline.save_rgb_grid(images, cfg.per_class, out if len(scales) == 1 else f'{out[:-4]}_g{g:g}.png')}")
+        elif parts is not None:
+            model.guidance = guidance
+            latent, _ = sample_grid(model, src, cfg.seed, per_class=cfg.per_class, steps=cfg.steps, guidance=g, judge=False)
+            out = pipeline.save_rgb_grid(parts.decode(latent), cfg.per_class, os.path.join(cfg.run_dir, f"decoded_g{g:g}.png"))
+            classes, judged = grid_prompts(src)[1], ""
+            if classes is not None:  # a labelled file: an SVC on its real latents judges the sampled ones
+                clf, real = digits.latent_classifier(src)
+                hit = (torch.from_numpy(clf.predict(latent.flatten(1).numpy())) == classes.repeat_interleave(cfg.per_class))
+                judged = (f" an SVC on the file's latents labels {100 * hit.float().mean():.1f}% as their prompt's class "
+                          f"({100 * real:.1f}% of its held-out real latents);")
+            print(f"guidance {g:g}: {len(latent)} samples of the file's held-out prompts, decoded;{judged} {out}")
+        else:
+            out = os.path.join(cfg.run_dir, f"samples_g{g:g}.png")
+            images, accuracy = sample_grid(model, digits.DigitsSource(cfg.seed), cfg.seed, out, per_class=cfg.per_class,
+                                           guidance=g)
+            print(f"guidance {g:g}: {100 * accuracy:.1f}% of {len(images)} samples labelled as their prompt's class; {out}")
     return 0
+
+
+def _directory_transformer(flux_dir):
+    from flux import hf as flux_hf, pipeline
+    pipeline.check_dir(flux_dir)
+    return flux_hf.load(os.path.join(flux_dir, "transformer"))
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ is FLUX's own, after torchtitan's `models/flux` (its train.py / validate.py):
   - pictures: at each evaluation a quick grid (a row per class / prompt, 8 Euler steps) named by the
     step (samples_step_000200.png); at the end --sample-images per class (20 steps, guidance scale
     `GUIDANCE`) into samples.png, and, for the digits, the share an independent classifier (an SVC
-    on the real digits, flux/digits.py) labels as the prompt's class. A latent file's grid shows the
-    latents' first channel (no VAE decoder here).
+    on the real digits, flux/digits.py) labels as the prompt's class. A latent file's grid here shows the
+    latents' first channel; `python -m flux.sample RUN --flux FLUX_DIR --data FILE` decodes them through
+    the directory's VAE (flux/pipeline.py).
 
 The dry run (`--dry-run [--plan --chips N]`, dryrun.py) plans the published flavors at full scale
 through `plan_workload`: FLUX itself on cached VAE latents and T5 / CLIP outputs (the frozen encoders
