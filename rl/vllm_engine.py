@@ -83,6 +83,7 @@ class VLLMEngineProcess(EngineHandle):
                  bucket_bytes=weight_sync.BUCKET_BYTES):
         check_model(model_args)
         self.args, self.python, self.bucket_bytes, self.buckets = model_args, vllm_python(python), bucket_bytes, None
+        self.group_killed = False
         self.cache_dir = tempfile.mkdtemp(prefix="minititan-vllm-")  # vLLM's and inductor's caches, its log: removed on close
         self.log_path = os.path.join(self.cache_dir, "engine.log")
         super().__init__(timeout_s)
@@ -112,9 +113,10 @@ class VLLMEngineProcess(EngineHandle):
         bucket's fp32 bytes go over the socket as they are and vLLM loads them in place before the next;
         the sync's {"version", "bytes" (written to the engine), "seconds"}."""
         t0, sent, named_params = time.perf_counter(), self.bytes_sent, list(named_params)
-        if self.buckets is None:
-            self.buckets = weight_sync.Buckets([(n, p.shape) for n, p in named_params], self.bucket_bytes)
-            self.hf_name = {n: hf_name(n, p.shape) for n, p in named_params}
+        shapes = [(n, tuple(p.shape)) for n, p in named_params]
+        if self.buckets is None or self.shapes != shapes:  # (another layout: planned anew, for the engine to check)
+            self.buckets, self.shapes = weight_sync.Buckets(shapes, self.bucket_bytes), shapes
+            self.hf_name = {n: hf_name(n, s) for n, s in shapes}
         b = self.buckets
         manifest = {self.hf_name[n]: shape for entries in b.plan for n, shape, _ in entries}
         self._send("push", {"version": version, "manifest": manifest, "buckets": len(b.plan),
@@ -160,10 +162,12 @@ class VLLMEngineProcess(EngineHandle):
 
     def _kill(self):
         """SIGKILL the engine's whole process group (vLLM's helpers too), reap it, remove its caches."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # (its group: start_new_session; kills a stopped one too)
-        except ProcessLookupError:
-            pass
+        if not self.group_killed:  # (once: afterwards the group's id could be another's)
+            self.group_killed = True
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # (its group: start_new_session; a stopped one too)
+            except ProcessLookupError:
+                pass
         self.proc.wait()
         self._close_socket()
         shutil.rmtree(self.cache_dir, ignore_errors=True)  # (nothing of the engine's stays behind)
