@@ -127,7 +127,9 @@ class PolicyFlags:
     vllm_python: str = flag("", "--engine vllm: the vLLM environment's python (default: $MINITITAN_VLLM_PYTHON, or "
                             ".venv-tpu/bin/python beside train.py)")
     engine_dtype: str = flag("fp32", "the rollout engine's weights", choices=["fp32", "bf16"])
-    engine_timeout: float = flag(120.0, "seconds without a reply before the engine counts as stalled (exit 4)")
+    engine_timeout: float = flag(120.0, "seconds without a reply before the engine counts as stalled (exit 4); it "
+                                 "also bounds the engine's start (vLLM's takes ~40 s on 2 cores) and every message "
+                                 "to and from it, a weight push's included")
     halt_at_accuracy: float = flag(0.0, "stop at the first evaluation after step 0 whose held-out accuracy is >= "
                                    "this, saving that checkpoint (the newest: what --init-from RUN takes); 0: off")
 

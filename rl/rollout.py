@@ -5,7 +5,7 @@ In torchtitan's experiments/rl (and VeRL) the samples come from a separate infer
 not from the trainer: different process, different layout, different precision. This is ours, small:
 
     engine = EngineProcess(model_args, dtype=torch.bfloat16, timeout_s=60)   # spawns the server loop
-    engine.sync(model.named_parameters(), version=step)     # rl/weight_sync.py: gloo broadcast, in place
+    engine.sync(model.named_parameters(), version=step)     # rl/weight_sync.py: gloo broadcasts, bucket by bucket
     ro = engine.generate(prompts, group_size=8, max_new_tokens=4, temperature=1.0, seed=step, eos_id=10)
     ro.completions_BxC, ro.logprobs_BxC, ro.mask_BxC, ro.version
     engine.close()
@@ -18,38 +18,26 @@ is at temperature T from one seeded generator on the host, so a seed reproduces 
 logprob returned is log softmax(logits / T) of the sampled token, the quantity the trainer's
 grpo.completion_logprobs recomputes for the importance ratio.
 
-A dead or stalled engine must not hang the trainer: every reply is awaited with a deadline while
-watching the process; either failure raises EngineError with one line (the caller exits 4).
+The handle (EngineProcess) is rl/engine.py's contract, shared with the vLLM engine: every message to
+and from the process is bounded by timeout_s while watching it; a dead or stalled engine raises
+EngineError with one line (the caller exits 4).
 """
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import device as dev
-from errors import PeerGone
 from rl import weight_sync
+from rl.engine import EngineError, EngineHandle, Rollout, check_prompts, through_first_eos  # (Rollout, EngineError: re-exported)
 from generate import KVCache
 from model import Transformer
 
-
-class EngineError(PeerGone):
-    pass
-
-
-@dataclass
-class Rollout:
-    prompts_BxP: torch.Tensor       # long; rows grouped: prompt i's G samples are rows i*G .. i*G+G-1
-    completions_BxC: torch.Tensor   # long; C = max_new_tokens
-    logprobs_BxC: torch.Tensor      # float32: the engine's log softmax(logits / T) of each sampled token
-    mask_BxC: torch.Tensor          # bool: tokens through the first eos_id
-    version: int                    # the policy version (weight sync) that sampled it
-    seconds: float = 0.0
 
 
 @torch.no_grad()
@@ -90,14 +78,6 @@ def sample_batch(model, prompts_BxP, max_new_tokens, temperature, generator, eos
     return out_BxC, logp_BxC, mask_BxC
 
 
-def through_first_eos(out_BxC, eos_id):
-    """The mask of the tokens a row wrote, through its first eos_id (every token if eos_id is None)."""
-    if eos_id is None:
-        return torch.ones(out_BxC.shape, dtype=torch.bool)
-    is_eos = (out_BxC == eos_id).int()
-    return (torch.cumsum(is_eos, 1) - is_eos) == 0
-
-
 class Engine:
     """The engine's state in whatever process holds it: a policy copy and its version."""
 
@@ -107,8 +87,7 @@ class Engine:
 
     def generate(self, prompts, group_size, max_new_tokens, temperature=1.0, seed=0, eos_id=None, batch_size=256):
         """G completions of each prompt (lists of token ids, one length), in batches of batch_size rows."""
-        if not prompts or len({len(p) for p in prompts}) != 1 or not prompts[0]:
-            raise ValueError("prompts must be a non-empty list of non-empty token lists of one length")
+        check_prompts(prompts)
         if group_size < 1 or max_new_tokens < 1 or batch_size < 1 or temperature < 0:
             raise ValueError("need group_size, max_new_tokens, batch_size >= 1 and temperature >= 0")
         t0 = time.perf_counter()
@@ -165,14 +144,25 @@ def _serve_loop(conn, model_args, dtype, port, timeout_s):
             conn.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
 
 
-class EngineProcess:
-    """The trainer's handle on an engine process. Every call waits at most timeout_s for its reply."""
+class EngineProcess(EngineHandle):
+    """The trainer's handle on our engine process (rl/engine.py's contract); weights go over gloo."""
+    name = "rollout engine"
 
-    def __init__(self, model_args, dtype=torch.float32, timeout_s=60.0):
-        self.timeout_s = timeout_s
+    def __init__(self, model_args, dtype=torch.float32, timeout_s=60.0, bucket_bytes=weight_sync.BUCKET_BYTES):
+        self.model_args, self.dtype, self.bucket_bytes = model_args, dtype, bucket_bytes
+        self.store = weight_sync.host_store(timeout_s)
+        super().__init__(timeout_s)
+        self.sender = None
+        self._start()
+        try:
+            self.pg = weight_sync.join(0, timeout_s, store=self.store)
+        except RuntimeError as e:
+            self._kill()
+            raise EngineError(f"rollout engine did not join the sync group: {str(e).splitlines()[0]}") from None
+
+    def _spawn(self, child_sock):
         ctx = mp.get_context("spawn")  # a fresh interpreter: no state inherited from the trainer
-        store = weight_sync.host_store(timeout_s)
-        self.conn, child_conn = ctx.Pipe()
+        child_conn = Connection(child_sock.detach())
         # A Ctrl-C during the child's bootstrap (importing torch, before _serve can catch it) would print a
         # traceback from multiprocessing's spawn_main: start it with SIGINT ignored, and let _serve take the
         # trainer's disposition back (kept ignored where the trainer ignores it: a background job).
@@ -181,27 +171,21 @@ class EngineProcess:
         except ValueError:  # (not the main thread: dispositions cannot change here)
             sigint = None
         restore = signal.default_int_handler if callable(sigint) else sigint
-        self.proc = ctx.Process(target=_serve, args=(child_conn, model_args, dtype, store.port, timeout_s, restore),
-                                daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child_conn, self.model_args, self.dtype, self.store.port,
+                                                     self.timeout_s, restore), daemon=True)
         try:
             self.proc.start()
         finally:
             if sigint is not None:
                 signal.signal(signal.SIGINT, sigint)
-        child_conn.close()
-        self.sender = None
-        self._reply("start")
-        try:
-            self.pg = weight_sync.join(0, timeout_s, store=store)
-        except RuntimeError as e:
-            self._kill()
-            raise EngineError(f"rollout engine did not join the sync group: {str(e).splitlines()[0]}") from None
+            child_conn.close()
 
     def sync(self, named_params, version):
-        """Push the trainer's weights as policy `version`; the sync's {"version", "bytes", "seconds"}."""
+        """Push the trainer's weights as policy `version`, bucket by bucket over gloo; the sync's
+        {"version", "bytes", "seconds"}."""
         named_params = list(named_params)
         if self.sender is None:
-            self.sender = weight_sync.Sender(self.pg, named_params)
+            self.sender = weight_sync.Sender(self.pg, named_params, self.bucket_bytes)
         self._send("sync", {})
         self._reply("sync")  # the engine is alive and waiting in the broadcast
         try:
@@ -209,9 +193,8 @@ class EngineProcess:
         except weight_sync.SyncError as e:
             # A killed engine resets the socket before the OS reaps it: give it a moment to show as
             # dead so that the line names the cause (the process), not the symptom (the socket).
-            self.proc.join(2.0)
-            if not self.proc.is_alive():
-                raise EngineError(f"rollout engine process died (exit code {self.proc.exitcode}) during sync") from None
+            if self._exit_code(wait_s=2.0) is not None:
+                self._died("sync")
             self._kill()
             raise EngineError(str(e)) from None
         got = self._reply("sync")
@@ -219,52 +202,17 @@ class EngineProcess:
             raise EngineError(f"engine reports policy version {got} after syncing {version}")
         return stats
 
-    def generate(self, prompts, group_size, max_new_tokens, temperature=1.0, seed=0, eos_id=None, batch_size=256):
-        self._send("generate", dict(prompts=prompts, group_size=group_size, max_new_tokens=max_new_tokens,
-                                    temperature=temperature, seed=seed, eos_id=eos_id, batch_size=batch_size))
-        return self._reply("generate")
-
     def state(self):
         self._send("state", {})
         return self._reply("state")
 
-    def close(self):
-        """Stop the server loop (or kill it if it does not answer); safe to call twice."""
-        if self.proc.is_alive():
-            try:
-                self._send("stop", {})
-                self._reply("stop", timeout_s=min(self.timeout_s, 10))
-                self.proc.join(10)
-            except EngineError:
-                pass
-        self._kill()
-
-    def _send(self, cmd, kw):
-        try:
-            self.conn.send((cmd, kw))
-        except (BrokenPipeError, OSError):
-            self._kill()
-            raise EngineError(f"rollout engine process died (exit code {self.proc.exitcode}) before {cmd}") from None
-
-    def _reply(self, what, timeout_s=None):
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        while not self.conn.poll(0.05):
-            if not self.proc.is_alive():
-                self._kill()
-                raise EngineError(f"rollout engine process died (exit code {self.proc.exitcode}) during {what}")
-            if time.monotonic() > deadline:
-                self._kill()
-                raise EngineError(f"rollout engine stalled: no reply to {what} within {timeout_s or self.timeout_s:g} s")
-        try:
-            status, value = self.conn.recv()
-        except (EOFError, OSError):
-            self._kill()
-            raise EngineError(f"rollout engine process died (exit code {self.proc.exitcode}) during {what}") from None
-        if status == "error":
-            raise EngineError(f"rollout engine failed during {what}: {value}")
-        return value
+    def _exit_code(self, wait_s=0.0):
+        if wait_s:
+            self.proc.join(wait_s)
+        return self.proc.exitcode
 
     def _kill(self):
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(5)
+        self._close_socket()

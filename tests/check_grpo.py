@@ -194,6 +194,46 @@ def test_engine_process_sync_in_place_bit_equal_logprobs_and_failures_in_one_lin
 
 
 
+# A policy 15.5x the push's bucket: 4.07 M parameters (15.5 MiB fp32), buckets of 1 MiB (its largest tensor)
+PUSH_POLICY = ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1024, max_seq_len=32)
+PUSH_BUCKET = 1 << 20
+
+
+def test_a_push_streams_the_policy_in_buckets_its_peak_extra_memory_is_a_bucket_not_the_policy():
+    """rl/weight_sync.py's buckets through our engine process: a policy 15.5x the bucket arrives bit-equal
+    in the engine's own buffers (state: weights, data_ptrs), in >= 15 gloo broadcasts; the peak resident
+    memory a push adds, measured in the trainer and in the engine process (/proc VmHWM), is about one
+    bucket in each, never the policy (whole-policy staging, the design before, added 17 MB on each
+    side); the second push adds nothing (the buffers are reused)."""
+    from rl import rollout, weight_sync
+    from tests.common import peak_extra_rss
+    torch.manual_seed(0)
+    trainer = Transformer(PUSH_POLICY)
+    policy_bytes = 4 * sum(p.numel() for p in trainer.parameters())
+    engine = rollout.EngineProcess(PUSH_POLICY, timeout_s=60, bucket_bytes=PUSH_BUCKET)
+    try:
+        ptrs = engine.state()["ptrs"]
+        pids = (os.getpid(), engine.proc.pid)
+        for version in (1, 2):
+            stats, extra = peak_extra_rss(pids, lambda: engine.sync(trainer.named_parameters(), version))
+            buckets = engine.sender.buckets
+            print(f"\npush v{version}: {len(buckets.plan)} buckets of <= {PUSH_BUCKET >> 20} MiB, policy "
+                  f"{policy_bytes / 2**20:.1f} MiB; peak extra resident memory: trainer "
+                  f"{extra[pids[0]] / 2**20:.2f} MiB, engine {extra[pids[1]] / 2**20:.2f} MiB, {stats['seconds']:.2f} s")
+            assert policy_bytes >= 15 * PUSH_BUCKET and len(buckets.plan) >= 15 and stats["bytes"] == policy_bytes
+            limit = 2 * PUSH_BUCKET if version == 1 else PUSH_BUCKET  # (v1 allocates the buffer: one bucket)
+            assert all(e < limit for e in extra.values()), (version, extra)
+            state = engine.state()
+            assert state["version"] == version and state["ptrs"] == ptrs
+            assert all(torch.equal(state["weights"][n], p) for n, p in trainer.named_parameters())
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(torch.randn_like(p) * 0.01)
+    finally:
+        engine.close()
+    assert issubclass(weight_sync.SyncError, __import__("errors").PeerGone)  # (issue 42: an errors.py kind, exit 4)
+
+
 def test_sft_loss_is_the_cross_entropy_of_the_answer_bytes_only_and_ranks_split_it_exactly(tmp_path, capsys):
     """rl/sft_task.py (GRPO's warm start): the batch is the problems GRPO's prompts(step) draws, and its
     loss equals F.cross_entropy over the answer positions only, sliced by hand from the unpadded
@@ -484,7 +524,7 @@ def test_the_engine_process_ends_without_a_word_on_ctrl_c_or_when_its_trainer_is
         if how == "SIGINT":
             os.kill(engine.proc.pid, signal.SIGINT)
         else:
-            engine.conn.close()  # what the engine sees of a SIGKILLed trainer
+            engine.sock.close()  # what the engine sees of a SIGKILLed trainer
         engine.proc.join(60)
         assert engine.proc.exitcode == 0, engine.proc.exitcode
     finally:

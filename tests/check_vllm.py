@@ -111,6 +111,156 @@ def test_vllm_engine_logprobs_and_greedy_equal_our_policy_after_each_push_and_fa
     assert engine.proc.pid not in _engine_pids() and not os.path.exists(engine.cache_dir)
 
 
+# Llama-style (untied, no q/k norms), 4.1 M parameters: 15.5x the push's 1 MiB bucket; max_seq_len 160 for
+# prompts longer than one of vLLM's KV blocks (128 tokens on CPU), the length from which its prefix cache
+# serves a prompt's KV again
+VLLM_LONG = ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, ffn_dim=1024, max_seq_len=160)
+
+
+def test_vllm_push_streams_buckets_in_place_resets_the_prefix_cache_and_a_stall_is_one_line():
+    """One vLLM engine, one policy 15.5x the push's bucket (rl/weight_sync.Buckets over the socket, vLLM's
+    reload_weights per bucket; q/k/v and gate/up split over buckets wait for their fused module):
+    - after the push of version 0 and of version 1 (other weights), the logprobs of the same 130-token
+      prompts equal that version's own forward to 1e-4: every bucket reached vLLM whole, and the prefix
+      cache did not serve version 0's KV to version 1 (without reset_prefix_cache: off by ~1);
+    - the peak resident memory a push adds (/proc VmHWM) is about one bucket in the trainer; in the
+      engine, less than 2 policies at the first push (whole-policy staging, the design before, added
+      the bytes received and the tensors loaded from them, plus vLLM's first reload), half a policy later;
+    - the engine stopped (SIGSTOP) before a push: "stalled" within the timeout, not a blocking write;
+      afterwards no process of the engine's group is left."""
+    from rl import grpo, vllm_engine
+    from rl.engine import EngineError
+    from tests.common import peak_extra_rss
+
+    def hang(*_):
+        raise TimeoutError("the push blocked past the engine timeout")
+    previous = signal.signal(signal.SIGALRM, hang)
+    engine = vllm_engine.VLLMEngineProcess(VLLM_LONG, timeout_s=300, bucket_bytes=1 << 20)
+    pid = engine.proc.pid
+    try:
+        prompts = torch.randint(0, 256, (3, 130), generator=torch.Generator().manual_seed(0)).tolist()
+        for version in (0, 1):
+            policy = _policy(VLLM_LONG, seed=version)
+            policy_bytes = 4 * sum(p.numel() for p in policy.parameters())
+            stats, extra = peak_extra_rss((os.getpid(), pid), lambda: engine.sync(policy.named_parameters(), version))
+            print(f"\nvLLM push v{version}: {len(engine.buckets.plan)} buckets of <= 1 MiB, policy "
+                  f"{policy_bytes / 2**20:.1f} MiB, {stats['seconds']:.2f} s; peak extra resident memory: trainer "
+                  f"{extra[os.getpid()] / 2**20:.2f} MiB, engine {extra[pid] / 2**20:.2f} MiB")
+            assert len(engine.buckets.plan) >= 15 and policy_bytes < stats["bytes"] < policy_bytes + 2**16
+            # (the engine's first push also pays vLLM's first reload, code and allocator: 11-15 MiB measured;
+            # the second 0.0-4 MiB, as the allocator settles)
+            assert extra[os.getpid()] < 2 << 20 and extra[pid] < policy_bytes * (2 if version == 0 else 0.5), extra
+            ro = engine.generate(prompts, 2, 4, temperature=0.8, seed=3)
+            assert ro.version == version and ro.mask_BxC.all()
+            with torch.no_grad():
+                want = grpo.completion_logprobs(policy, torch.cat([ro.prompts_BxP, ro.completions_BxC], 1), 130, 0.8)
+            err = (want - ro.logprobs_BxC).abs().max().item()
+            assert err < 1e-4, (version, err)
+
+        engine.timeout_s = 2.0
+        os.kill(pid, signal.SIGSTOP)
+        signal.alarm(60)
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match=r"^vLLM engine stalled: no reply to push within 2 s$"):
+            engine.sync(policy.named_parameters(), 2)
+        signal.alarm(0)
+        assert time.monotonic() - t0 < 15 and engine.proc.returncode == -9
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        engine.close()
+    assert not _group(pid) and not os.path.exists(engine.cache_dir)
+
+
+def test_vllm_engine_interrupted_during_its_start_leaves_no_process_of_its_group(ctrl_c_as_in_a_terminal):
+    """Ctrl-C while vLLM starts (its model registry's subprocess running, ~15 s in): the handle kills
+    the engine's whole process group before the KeyboardInterrupt goes on, and nothing of it comes
+    back (no process, no recreated cache directory). A timeout during the start takes the same path."""
+    import threading
+    from rl import vllm_engine
+    seen = {}
+
+    def interrupt_when_vllm_has_a_helper():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            mine = [p for p in _engine_pids() if _parent(p) == os.getpid()]
+            helpers = [c for p in mine for c in _children(p)]
+            if helpers:
+                seen.update(engine=mine[0], helpers=helpers, cache=_cache_dir_of(mine[0]))
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+    watcher = threading.Thread(target=interrupt_when_vllm_has_a_helper, daemon=True)
+    watcher.start()
+    with pytest.raises(KeyboardInterrupt):
+        vllm_engine.VLLMEngineProcess(VLLM_QWEN, timeout_s=300)
+    watcher.join()
+    assert seen, "vLLM started no helper process"
+    time.sleep(2)  # (what an orphan would do meanwhile: recreate the cache directory)
+    assert _parent(seen["engine"]) is None and not _group(seen["engine"]), "the engine outlived its start"
+    assert not any(_parent(p) for p in seen["helpers"]), "vLLM's helper outlived the engine"
+    assert seen["cache"] and not os.path.exists(seen["cache"])
+
+
+def test_vllm_engine_a_full_disk_during_its_start_is_a_failed_write_exit_5_not_a_compiler_error():
+    """vLLM compiles a kernel during its start (its logprobs' count, warmed up there): with the engine's
+    file-size limit at 64 KiB (set on the running process, as `ulimit -f` would), the compiler's write
+    fails, and the handle says so as EngineWriteFailed (errors.WriteFailed: exit 5, "a write failed"),
+    one line, the engine's group gone; not "InductorError: CppCompileError" as an engine failure (exit 4)."""
+    import resource
+    import threading
+    from rl import vllm_engine
+    from rl.engine import EngineWriteFailed
+    seen = {}
+
+    def limit_its_writes():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not seen:
+            for pid in (p for p in _engine_pids() if _parent(p) == os.getpid()):
+                resource.prlimit(pid, resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+                seen["engine"] = pid
+            time.sleep(0.01)
+    watcher = threading.Thread(target=limit_its_writes, daemon=True)
+    watcher.start()
+    with pytest.raises(EngineWriteFailed) as e:
+        vllm_engine.VLLMEngineProcess(VLLM_QWEN, timeout_s=300)
+    watcher.join()
+    line = str(e.value)
+    assert line.startswith("vLLM engine could not write a file during start: ") and "\n" not in line, line
+    assert e.value.exit_code == 5 and seen and not _group(seen["engine"])
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _group(pgid):
+    """The live processes of process group pgid."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(pid))
+    return found
+
+
+def _cache_dir_of(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        return env[b"VLLM_CACHE_ROOT"].decode()
+    except (OSError, KeyError):
+        return None
+
+
 def test_vllm_engine_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys):
     """--engine vllm with no vLLM environment at --vllm-python, a policy whose heads vLLM's CPU attention
     refuses (head_dim 16), --vllm-python without --engine vllm: one `error:` line, exit 2, nothing written."""
@@ -123,6 +273,25 @@ def test_vllm_engine_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and msg in err and err.count("\n") == 1, (extra, err)
         assert not os.path.exists(out)
+
+
+def test_a_vllm_python_without_vllm_is_exit_2_before_anything_is_written_and_help_says_the_timeout_bounds_the_start(
+        tmp_path, capsys):
+    """--vllm-python naming a python without vLLM (this environment's, the system's) or a program that is
+    not python (`true`): one `error:` line, exit 2, no run directory (it was an engine failure, exit 4,
+    after the run directory was written). --help says that --engine-timeout bounds the engine's start."""
+    import shutil
+    out = str(tmp_path / "run")
+    pythons = [sys.executable, shutil.which("true")] + [p for p in ("/usr/bin/python3",) if os.path.exists(p)]
+    for python in pythons:
+        assert _main(["--task", "grpo", *VLLM_POLICY, "--engine", "vllm", "--vllm-python", python, "--steps", "2",
+                      "--out-dir", out]) == 2, python
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --engine vllm: {python} is not a python with vLLM") and err.count("\n") == 1, err
+        assert not os.path.exists(out)
+    assert _main(["--task", "grpo", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "stalled (exit 4); it also bounds the engine's start" in help_text, help_text
 
 
 @pytest.fixture(scope="session")

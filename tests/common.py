@@ -243,3 +243,19 @@ def _files(run_dir):
     root = os.path.join(run_dir, "checkpoints")
     return {os.path.relpath(os.path.join(d, f), root): checkpoint.sha256_of(os.path.join(d, f))
             for d, _, fs in os.walk(root) for f in fs}
+
+
+def peak_extra_rss(pids, fn):
+    """(fn(), {pid: bytes}): each process's peak resident memory during fn() above its resident memory
+    before it (Linux: /proc/PID/clear_refs "5" resets the peak, VmHWM; VmRSS is the memory now). What
+    a process allocated and touched, torch's tensors and Python's bytes alike."""
+    def kib(pid, field):
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    before = {}
+    for pid in pids:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        before[pid] = kib(pid, "VmRSS")
+    out = fn()
+    return out, {pid: (kib(pid, "VmHWM") - before[pid]) * 1024 for pid in pids}
