@@ -40,8 +40,26 @@ def parse_as(kind, text):
             raise ValueError(text)
         return text.lower() in ("true", "1")
     if kind is tuple:
-        return tuple(float(x) if any(c in x for c in ".eE") else int(x) for x in text.split(","))
+        return tuple(float(x) if any(c in x for c in ".eEnN") else int(x) for x in text.split(","))
     return kind(text)
+
+
+def finite(value):
+    """True unless `value` (a number, or a tuple of them) holds a NaN or an infinity: no config value
+    or flag of ours means anything as one, and NaN passes every `x < 0` check (NaN < 0 is False)."""
+    values = value if isinstance(value, tuple) else (value,)
+    return all(not isinstance(v, float) or math.isfinite(v) for v in values)
+
+
+def finite_float(text):
+    """argparse's type for every float flag: a finite number (`--temperature nan` is refused)."""
+    value = float(text)  # (ValueError: argparse's "invalid float value")
+    if not finite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+finite_float.__name__ = "float"  # (argparse names the type in "invalid float value: 'x'")
 
 
 def with_overrides(args, items):
@@ -53,9 +71,12 @@ def with_overrides(args, items):
         if not sep or key not in kinds:
             raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(kinds)}")
         try:
-            args = dataclasses.replace(args, **{key: parse_as(kinds[key], value)})
+            parsed = parse_as(kinds[key], value)
         except ValueError:
             raise ValueError(f"--set {item!r}: {value!r} is not a {getattr(kinds[key], '__name__', kinds[key])}") from None
+        if not finite(parsed):
+            raise ValueError(f"--set {item!r}: not a finite number")
+        args = dataclasses.replace(args, **{key: parsed})
     return args
 
 
@@ -151,6 +172,7 @@ def _kind(annotation):
 def _add_flag(parser, field, **extra):
     name, kw = "--" + field.name.replace("_", "-"), {**field.metadata, **extra}
     kind = _kind(field.type)
+    kind = finite_float if kind is float else kind
     if kind is bool:
         parser.add_argument(name, action="store_true", **kw)
     elif kind is list:
