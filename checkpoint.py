@@ -263,6 +263,11 @@ def check_compatible(path, meta, allow_change=(), refusal=lambda key, saved, now
     Training-config keys named in `allow_change` may differ (a deliberate change), unless the
     workload's `refusal(key, saved, now)` says why that change cannot be (Workload.resume_refusal)."""
     saved = read_meta(path)
+    was, now = saved.get("task", "lm"), meta.get("task", "lm")  # (a record without one: an lm run's)
+    if was != now:  # named first: every setting of the two workloads would differ, none --allow-change's
+        raise CheckpointError(f"checkpoint {path} is from a --task {was} run, this run is --task {now}: a run "
+                              f"resumes with its own workload (resume it with --task {was}, or give --task {now} "
+                              f"another --out-dir)")
     for key in ("flavor", "model_args"):
         if saved.get(key) != meta.get(key):
             raise CheckpointError(f"checkpoint {path} is from another model ({key}: saved "

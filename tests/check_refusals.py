@@ -65,3 +65,20 @@ def test_the_vllm_head_dim_hint_works_when_followed(explicit):
     fixed = cli.with_overrides(args, [hint])
     check_args(fixed)
     vllm_engine.check_model(fixed)
+
+
+def test_resuming_a_run_of_another_task_names_both_and_the_remedy_works(corpus, tmp_path, capsys):
+    """Issue 42 item 8: `--task sft --resume` on an lm run was told to pass `--allow-change steps,sft`,
+    which cli.py then refused as unknown; meta.json records the task, which was never named."""
+    out = str(tmp_path / "lm")
+    base = [*TINY, "--eval-batches", "0", "--out-dir", out]
+    lm = ["--data", corpus, "--sample-tokens", "0"]
+    assert _main([*base, *lm, "--steps", "2"]) == 0
+    capsys.readouterr()
+    assert _main(["--task", "sft", *base, "--steps", "4", "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is from a --task lm run, this run is --task sft" in err, err
+    assert "--allow-change" not in err and sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000002"]
+    # the remedy it names: resume with the run's own task (another --out-dir is a fresh run)
+    assert _main([*base, *lm, "--steps", "3", "--resume", "--allow-change", "steps"]) == 0
+    assert "step_000003" in os.listdir(os.path.join(out, "checkpoints"))
