@@ -32,7 +32,7 @@ import mesh
 import optim
 import rundir
 from cli import RESUME_CHECKED, parse_config
-from errors import (EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, ConfigError,
+from errors import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, ConfigError,
                     MinititanError, PeerGone, error_line, peer_failure)
 from parallel import Parallel, layout_kind
 from task import workload_class
@@ -394,6 +394,9 @@ def main(argv=None):
         parallel.close()  # only on the happy path: after a peer failure it could wait on the dead
         return rc
     except MinititanError as e:  # bad input (2), a peer or engine gone (4), a failed write (5): by kind
+        rank = parallel.global_rank if parallel is not None else int(os.environ.get("RANK", "0"))
+        if e.exit_code == EXIT_BAD_INPUT and rank != 0:
+            return _refused_on_a_rank(e, rank)
         where = f" at step {trainer.step if trainer else 0}" if isinstance(e, PeerGone) else ""
         error_line(f"a write failed: {_describe_os_error(e)}" if e.exit_code == EXIT_WRITE_FAILED else f"{e}{where}")
         return e.exit_code
@@ -408,6 +411,25 @@ def main(argv=None):
         return EXIT_WRITE_FAILED
     except (RuntimeError, torch.distributed.DistError, CheckpointException) as e:  # (DCP's: a BaseException)
         return _runtime_failure(e, trainer, parallel)
+
+
+REFUSAL_GRACE_S = 10.0  # how long a rank > 0 waits, silent, for rank 0 to say the same refusal
+
+
+def _refused_on_a_rank(e, rank):
+    """Bad input on torchrun's rank `rank` > 0 (exit 2). The checks are the same on every rank, so rank 0
+    refuses too and says it: one line, not one per rank. torchrun then stops this rank (SIGTERM), which
+    ends it quietly with the same exit code. Still running after the grace period, rank 0 did not refuse
+    (input that differs between ranks, e.g. files on another host): this rank says it, named."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(EXIT_BAD_INPUT))
+    try:
+        time.sleep(REFUSAL_GRACE_S)
+    except KeyboardInterrupt:  # (Ctrl-C reaches every rank: rank 0 has said what happened)
+        return EXIT_BAD_INPUT
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    error_line(f"rank {rank}: {e}")
+    return EXIT_BAD_INPUT
 
 
 def _runtime_failure(e, trainer, parallel):

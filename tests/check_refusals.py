@@ -82,3 +82,22 @@ def test_resuming_a_run_of_another_task_names_both_and_the_remedy_works(corpus, 
     # the remedy it names: resume with the run's own task (another --out-dir is a fresh run)
     assert _main([*base, *lm, "--steps", "3", "--resume", "--allow-change", "steps"]) == 0
     assert "step_000003" in os.listdir(os.path.join(out, "checkpoints"))
+
+
+def test_a_refusal_on_a_rank_above_0_waits_silent_for_rank_0_and_then_speaks_named(tmp_path, monkeypatch, capsys):
+    """Issue 42 item 5: under torchrun every rank said the same `error:` line. Now a rank > 0 says
+    nothing while rank 0 (which runs the same checks) speaks and torchrun stops the others (SIGTERM:
+    exit 2, quietly); only if it is still running after the grace period (rank 0 did not refuse) does it
+    speak, naming itself. The whole launch: test_mesh_that_does_not_match_world_size_fails_fast."""
+    import signal
+    import train
+    monkeypatch.setenv("RANK", "1")
+    heard = []
+    monkeypatch.setattr(train.time, "sleep", lambda s: heard.append((s, capsys.readouterr().err,
+                                                                     signal.getsignal(signal.SIGTERM))))
+    before = signal.getsignal(signal.SIGTERM)
+    assert _main(["--steps", "0", "--out-dir", str(tmp_path / "r")]) == 2
+    (waited, said_meanwhile, on_sigterm), = heard
+    assert waited == train.REFUSAL_GRACE_S and said_meanwhile == "" and on_sigterm not in (before, train._raise_interrupted)
+    assert capsys.readouterr().err == "error: rank 1: --steps must be positive, got 0\n"
+    assert signal.getsignal(signal.SIGTERM) == train._raise_interrupted  # (the grace's handler is undone)
