@@ -23,7 +23,13 @@ from errors import EXIT_BAD_INPUT, ConfigError, error_line
 
 # What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
 RESUME_CHECKED = ("seed", "batch_size", "seq_len", "lr", "warmup", "clip", "weight_decay", "dtype", "steps")
-# (and what a workload's meta() records beside them: its `resume_changeable`, task.py)
+# (and what a workload's meta() records beside them, as its `resume_policy` says: task.py)
+
+
+def resume_refusal(cls, key, saved, now):
+    """Why a resume of workload `cls` cannot change setting `key` (checkpoint.check_compatible's `refusal`):
+    the shared settings above may change with --allow-change, the workload's as its resume_policy says."""
+    return None if key in RESUME_CHECKED else cls.resume_refusal(key, saved, now)
 
 
 # `--set FIELD=VALUE`: a model config (model.ModelArgs, flux.FluxArgs) with fields replaced by name
@@ -249,10 +255,10 @@ def validate(cfg):
         if not (getattr(cfg, name) >= 0 and math.isfinite(getattr(cfg, name))):
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0{' seconds' if name == 'watchdog' else ''}, "
                               f"got {getattr(cfg, name)}")
-    unknown = set(filter(None, cfg.allow_change.split(","))) - set(RESUME_CHECKED) - set(cls.resume_changeable)
+    unknown = set(filter(None, cfg.allow_change.split(","))) - set(RESUME_CHECKED) - set(cls.resume_changeable())
     if unknown:
         raise ConfigError(f"--allow-change {cfg.allow_change!r}: unknown {sorted(unknown)}; choose from "
-                          f"{', '.join(RESUME_CHECKED + tuple(cls.resume_changeable))}")
+                          f"{', '.join(RESUME_CHECKED + cls.resume_changeable())}")
     graph_only = [f for f, on in (("--remat", cfg.remat), ("--offload", cfg.offload), ("--split", cfg.split),
                                   ("--backend", cfg.backend)) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:

@@ -122,7 +122,7 @@ class PretrainingFlags:
 class Pretraining(Workload):
     """Next-token prediction on a text corpus: the batches are data.Batches, the loss model.next_token_loss."""
     name, default_flavor, Flags, unit = "lm", "llama3_debug", PretrainingFlags, "tok"
-    family_class, resume_changeable = LanguageModelFamily, ("data",)
+    family_class, resume_policy = LanguageModelFamily, {"data": True, "tokenizer": True}
 
     @classmethod
     def check_flags(cls, cfg):

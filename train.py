@@ -14,6 +14,7 @@ line); 130 / 143 interrupted (SIGINT / SIGTERM). The last good checkpoint always
 """
 import contextlib
 import faulthandler
+import functools
 import json
 import math
 import os
@@ -31,7 +32,7 @@ import graph_trainer
 import mesh
 import optim
 import rundir
-from cli import RESUME_CHECKED, parse_config
+from cli import RESUME_CHECKED, parse_config, resume_refusal
 from errors import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, ConfigError,
                     MinititanError, PeerGone, error_line, peer_failure)
 from parallel import Parallel, layout_kind
@@ -81,7 +82,8 @@ class Trainer:
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
         self.meta = self.run_meta()
         self.resume_from, note = checkpoint.choose(self.ckpt_dir, cfg.resume, cfg.resume_from, self.meta,
-                                                   set(cfg.allow_change.split(",")), self.task.resume_refusal)
+                                                   set(cfg.allow_change.split(",")),
+                                                   functools.partial(resume_refusal, type(self.task)))
         self.notes += [f"note: {note}"] if note else []
         self.check_memory()
         self.model = self.build_model()
@@ -106,7 +108,6 @@ class Trainer:
         meta = {"flavor": self.family.label(), "task": cfg.task, "model_args": self.family.record(self.model_args),
                 "mesh": self.parallel.mesh_spec,
                 "train": {**{k: getattr(cfg, k) for k in RESUME_CHECKED}, **self.task.meta()}}
-        meta["tokenizer"] = meta["train"].pop("tokenizer", None)  # (recorded for generate.py, not compared)
         if cfg.scan:
             meta["layers"] = "stacked"
         return json.loads(json.dumps(meta))  # as meta.json will hold it (tuples become lists), so it compares

@@ -138,8 +138,7 @@ class ArithmeticPolicy(Workload):
     accuracy on the held-out prompts."""
     unit, evaluates, default_flavor = "seq", True, "llama3_debug"
     Flags, family_class = PolicyFlags, PolicyFamily
-    resume_changeable = ("init_from", "reward_task", "format_credit", "max_new_tokens", "engine", "vllm_python",
-                         "engine_dtype")
+    # resume_policy (task.Workload): the warm start, and each of its own flags a checkpoint records (meta())
 
     @classmethod
     def check_flags(cls, cfg):
@@ -252,6 +251,11 @@ class ArithmeticPolicy(Workload):
                 f"held-out completions at step {step}: " + "  ".join(shown))
         return {"held_out_accuracy": (reward_B == 1.0).float().mean().item()}
 
+    def meta(self):
+        """The flags its resume_policy names, under the workload's name, and the warm start."""
+        return {self.name: {k: getattr(self.cfg, k) for k in self.resume_policy if k != "init_from"},
+                "init_from": self.warm_record}
+
     def close(self):
         if self.engine is not None:
             self.engine.close()
@@ -276,10 +280,11 @@ class GRPOFlags(PolicyFlags):
 class GRPOArithmetic(ArithmeticPolicy):
     """The policy learns from its own samples: batches are rollouts, the loss is the clipped surrogate."""
     name, Flags, plotted = "grpo", GRPOFlags, ("reward", "held_out_accuracy")
-    resume_changeable = ArithmeticPolicy.resume_changeable + ("group_size", "prompts_per_step", "clip_eps",
-                                                              "aggregation", "kl_beta", "temperature")
-    resume_fixed = {"updates_per_batch": "a checkpoint falls on a rollout-batch boundary of the run's "
-                                         "--updates-per-batch (another one would split a rollout batch)"}
+    resume_policy = {**dict.fromkeys(("init_from", "reward_task", "format_credit", "group_size", "prompts_per_step"), True),
+                     "updates_per_batch": "a checkpoint falls on a rollout-batch boundary of the run's "
+                                          "--updates-per-batch (another one would split a rollout batch)",
+                     **dict.fromkeys(("clip_eps", "aggregation", "kl_beta", "max_new_tokens", "temperature", "engine",
+                                      "engine_dtype"), True)}
 
     @staticmethod
     def algorithm(cfg):
@@ -373,9 +378,3 @@ class GRPOArithmetic(ArithmeticPolicy):
     def flops_per_step(self, args):
         T = self.prompt_len + self.cfg.max_new_tokens
         return flops_per_token(args, T) * self.rows * T
-
-    def meta(self):
-        keys = ("reward_task", "format_credit", "group_size", "prompts_per_step", "updates_per_batch", "clip_eps", "aggregation",
-                "kl_beta", "max_new_tokens", "temperature", "engine", "engine_dtype")
-        return {"grpo": {k: getattr(self.cfg, k) for k in keys},
-                "init_from": self.warm_record}

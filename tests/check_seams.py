@@ -164,3 +164,69 @@ def test_a_new_workload_trains_through_the_task_interface_like_a_plain_loop(mode
     torch.testing.assert_close(tr.model.weight.detach(), ref.weight.detach(), rtol=1e-5, atol=1e-6)
     assert sorted(_records(out, "val_loss")) == [0, 6, 12]
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000006", "step_000012"]
+
+
+def _read_attributes(path, owner):
+    """Names of the attributes a file reads from `self.<owner>` (e.g. the trainer's `self.task.X`)."""
+    import ast
+    return {node.attr for node in ast.walk(ast.parse(open(path).read()))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+            and node.value.attr == owner and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"}
+
+
+def test_the_trainer_uses_only_members_the_interfaces_declare():
+    """Issue 42 item 12: `units_per_step` was used by the trainer but not declared by task.Workload.
+    Every member train.py reads of its workload and its family is one task.py declares."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    declared = set(dir(task_lib.Workload)) | set(vars(task_lib.Workload(None)))  # (cfg, family: set in __init__)
+    used = _read_attributes(os.path.join(root, "train.py"), "task")
+    assert used and used <= declared, used - declared
+    used = _read_attributes(os.path.join(root, "train.py"), "family")
+    assert used and used <= set(dir(task_lib.ModelFamily)), used - set(dir(task_lib.ModelFamily))
+
+
+def test_a_resume_offers_only_changes_cli_accepts_and_grpo_records_what_its_policy_names(tmp_path):
+    """Issue 42 items 8, 12: a resume's policy is one form (Workload.resume_policy). GRPO records exactly the
+    keys its policy names (its key lists were written three times, and disagreed: vllm_python); a
+    recorded setting this version does not know (a checkpoint of another version) is refused, not offered
+    to --allow-change, which cli.py would refuse; what it offers, cli.py takes."""
+    import functools
+    import json
+    import checkpoint
+    import cli
+    import train
+    cfg = cli.parse_config(["--task", "grpo", "--set", "dim=64", "--set", "n_heads=4", "--set", "n_layers=1"])
+    workload = train.make_workload(cfg)
+    cls = type(workload)
+    assert set(workload.meta()["grpo"]) | {"init_from"} == set(cls.resume_policy)
+    assert set(cls.resume_changeable()) == set(cls.resume_policy) - {"updates_per_batch"}
+    meta = {"task": "grpo", "train": {**{k: getattr(cfg, k) for k in cli.RESUME_CHECKED}, **workload.meta()}}
+    saved = json.loads(json.dumps(meta))
+    saved["train"]["grpo"].update(colour=1, temperature=0.5)
+    os.makedirs(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(saved))
+    refusal = functools.partial(cli.resume_refusal, cls)
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        checkpoint.check_compatible(str(tmp_path / "ckpt"), meta, (), refusal)
+    assert "colour: saved 1, now None" in str(refused.value) and "--allow-change" not in str(refused.value)
+    del saved["train"]["grpo"]["colour"]
+    (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(saved))
+    with pytest.raises(checkpoint.CheckpointError, match="pass --allow-change temperature to continue"):
+        checkpoint.check_compatible(str(tmp_path / "ckpt"), meta, (), refusal)
+    offered = cli.parse_config(["--task", "grpo", "--allow-change", "temperature"]).allow_change.split(",")
+    checkpoint.check_compatible(str(tmp_path / "ckpt"), meta, offered, refusal)
+
+
+def test_the_flux_family_is_whole_when_the_workload_is_built(tmp_path):
+    """Issue 42 item 12: FluxFamily.configure changed the family from inside setup_data, so what was asked
+    of it before (its parameter count: the trainer's memory check) depended on the call order. On a
+    latent file (no learned class prompts) the count before setup_data is the built model's."""
+    import train
+    from tests.check_flux_trainer import _latent_file
+    path = _latent_file(tmp_path / "lat.safetensors")
+    workload = train.make_workload(train.parse_config(["--task", "flux", "--data", path, "--batch-size", "4"]))
+    before = workload.family.param_count(workload.args)
+    model = workload.family.build(workload.args)
+    assert before == sum(p.numel() for p in model.parameters()) and model.prompt is None
+    workload.setup_data(0, 1)
+    assert workload.family.param_count(workload.args) == before
