@@ -3,8 +3,9 @@ bad input becomes one `error:` line and exit code 2 before anything is touched.
 
 Each field of `TrainConfig` is a shared flag (`batch_size` -> `--batch-size`), with its type, default
 and help declared once, here. Each workload declares its own flags beside it (its `Flags` dataclass,
-task.py) with its own checks (`check_flags`); `build_parser()` shows them as the workload's group, and
-a flag of another workload than --task's is refused. Checks of one layer's flags live with that layer
+task.py; declared with flags.py, as these are) with its own checks (`check_flags`); `build_parser()`
+shows them as the workload's group, and a flag of another workload than --task's is refused. A parse
+imports --task's workload only (the others only for --help, or to name a flag's owner). Checks of one layer's flags live with that layer
 (mesh.mesh_dims, fsdp_passes.chosen, parallel.layout_kind); this module calls them all, in one place.
 """
 import argparse
@@ -12,7 +13,6 @@ import dataclasses
 import math
 import sys
 import types
-import typing
 from typing import Optional
 
 import fsdp_passes
@@ -20,6 +20,7 @@ import mesh
 import parallel
 import task as workloads
 from errors import EXIT_BAD_INPUT, ConfigError, error_line
+from flags import finite_float, flag, with_overrides  # noqa: F401  (with_overrides: also reached as cli's)
 
 # What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
 RESUME_CHECKED = ("seed", "batch_size", "seq_len", "lr", "warmup", "clip", "weight_decay", "dtype", "steps")
@@ -30,64 +31,6 @@ def resume_refusal(cls, key, saved, now):
     """Why a resume of workload `cls` cannot change setting `key` (checkpoint.check_compatible's `refusal`):
     the shared settings above may change with --allow-change, the workload's as its resume_policy says."""
     return None if key in RESUME_CHECKED else cls.resume_refusal(key, saved, now)
-
-
-# `--set FIELD=VALUE`: a model config (model.ModelArgs, flux.FluxArgs) with fields replaced by name
-
-def parse_as(kind, text):
-    """`text` as the declared type of a config field: int, float, str, bool (true/false/1/0),
-    tuple (comma-separated numbers, e.g. rope_scaling=8,1,4,8192); Optional[...] also takes 'none'."""
-    if typing.get_origin(kind) is typing.Union:
-        if text.lower() == "none":
-            return None
-        kind = next(k for k in typing.get_args(kind) if k is not type(None))
-    if kind is bool:
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(text)
-        return text.lower() in ("true", "1")
-    if kind is tuple:
-        return tuple(float(x) if any(c in x for c in ".eEnN") else int(x) for x in text.split(","))
-    return kind(text)
-
-
-def finite(value):
-    """True unless `value` (a number, or a tuple of them) holds a NaN or an infinity: no config value
-    or flag of ours means anything as one, and NaN passes every `x < 0` check (NaN < 0 is False)."""
-    values = value if isinstance(value, tuple) else (value,)
-    return all(not isinstance(v, float) or math.isfinite(v) for v in values)
-
-
-def finite_float(text):
-    """argparse's type for every float flag: a finite number (`--temperature nan` is refused)."""
-    value = float(text)  # (ValueError: argparse's "invalid float value")
-    if not finite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
-
-
-finite_float.__name__ = "float"  # (argparse names the type in "invalid float value: 'x'")
-
-
-def with_overrides(args, items):
-    """A config dataclass (ModelArgs, flux.FluxArgs) with `FIELD=VALUE` strings applied (train.py
-    --set), each parsed by its declared type."""
-    kinds = typing.get_type_hints(type(args))
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in kinds:
-            raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(kinds)}")
-        try:
-            parsed = parse_as(kinds[key], value)
-        except ValueError:
-            raise ValueError(f"--set {item!r}: {value!r} is not a {getattr(kinds[key], '__name__', kinds[key])}") from None
-        if not finite(parsed):
-            raise ValueError(f"--set {item!r}: not a finite number")
-        args = dataclasses.replace(args, **{key: parsed})
-    return args
-
-
-def flag(default, help, **argparse_kw):
-    return dataclasses.field(default=default, metadata={"help": help, **argparse_kw})
 
 
 @dataclasses.dataclass
@@ -187,26 +130,28 @@ def _add_flag(parser, field, **extra):
         parser.add_argument(name, type=kind, **{"default": field.default, **kw})
 
 
-def workload_flags():
-    """{flag name: [(workload, its dataclass field), ...]} over the registry."""
+def workload_flags(names=None):
+    """{flag name: [(workload, its dataclass field), ...]} over the workloads `names` (default: the
+    registry's, each imported)."""
     owners = {}
-    for name in workloads.WORKLOADS:
+    for name in names or workloads.WORKLOADS:
         for f in dataclasses.fields(workloads.workload_class(name).Flags):
             owners.setdefault(f.name, []).append((name, f))
     return owners
 
 
-def build_parser():
+def build_parser(names=None):
     """The shared flags, then one group per workload with the flags it declares (a flag several
     workloads declare is shown once, in the first one's group, with each one's help). Workload flags
-    default to 'not given', so a flag of another workload can be told from a default."""
+    default to 'not given', so a flag of another workload can be told from a default. `names`: the
+    workloads whose groups it holds (default: every one, as --help shows them)."""
     p = _Parser(description="train.py: the one trainer, for every workload (--task) on every layout (--mesh)",
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
         if f.metadata.get("cli", True):
             _add_flag(p, f, **({"choices": list(workloads.WORKLOADS)} if f.name == "task" else {}))
-    owners, shown = workload_flags(), set()
-    for name in workloads.WORKLOADS:
+    owners, shown = workload_flags(names), set()
+    for name in names or workloads.WORKLOADS:
         cls = workloads.workload_class(name)
         group = p.add_argument_group(f"--task {name}", (cls.__doc__ or "").strip().split("\n")[0])
         for f in dataclasses.fields(cls.Flags):
@@ -221,9 +166,19 @@ def build_parser():
 
 
 def parse_config(argv=None):
-    """The command line -> a validated TrainConfig (ConfigError: one line, exit 2)."""
-    given = vars(build_parser().parse_args(argv))
-    owners = workload_flags()
+    """The command line -> a validated TrainConfig (ConfigError: one line, exit 2). Parsed with --task's
+    own flags only, so that a run imports only its own workload; a flag that parse does not know (another
+    workload's, or none's) is parsed again with every workload's, which names its owner."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = _Parser(add_help=False)
+    pre.add_argument("--task", default=TrainConfig.task)
+    name = pre.parse_known_args(argv)[0].task
+    names = [name] if name in workloads.WORKLOADS and not {"-h", "--help"} & set(argv) else None
+    given, unknown = build_parser(names).parse_known_args(argv)
+    if unknown:
+        names, given = None, build_parser().parse_args(argv)
+    given = vars(given)
+    owners = workload_flags(names)
     core = {k: v for k, v in given.items() if k not in owners}
     cfg = TrainConfig(**core)
     cls = workloads.workload_class(cfg.task)

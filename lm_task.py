@@ -15,7 +15,7 @@ from typing import Optional
 import data
 import hf
 from checkpoint import CheckpointError
-from cli import flag, with_overrides
+from flags import flag, with_overrides
 from errors import ConfigError
 from model import (FLAVORS, KIND, ModelArgs, Transformer, check_args, dynamic_shapes_reason, flops_per_token,
                    next_token_loss, param_counts, tpu_config)

@@ -41,7 +41,7 @@ These are all the members the trainer uses (tests/check_seams.py holds it to tha
 
 A new workload is one file (a Workload subclass and, if the model is new, a ModelFamily) and one line
 in WORKLOADS. This file imports nothing of ours: the registry names classes by "module:Class" and
-imports the one a run asks for.
+imports the one a run asks for; a run imports no other workload (tests/check_seams.py runs one to see).
 """
 import dataclasses
 import importlib

@@ -48,7 +48,7 @@ from flux import model as flux
 from flux import latents as flux_latents
 from flux import sample as flux_sample
 from flux.sample import GUIDANCE, sample_grid
-from cli import flag, with_overrides
+from flags import flag, with_overrides
 from errors import ConfigError
 from parallel import local_block, local_tensor
 from task import ModelFamily, Workload

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-from cli import flag
+from flags import flag
 from errors import ConfigError
 from lm_task import LanguageModelFamily
 from model import flops_per_token

@@ -62,8 +62,8 @@ def _imports(path):
 
 def test_the_layers_import_downwards_only():
     """task.py and parallel.py import nothing of ours but the lowest layer (errors, device); cli.py and
-    train.py import no workload (they reach one through task.WORKLOADS); no import cycle among our
-    modules, function-level imports included."""
+    train.py import no workload (they reach one through task.WORKLOADS), and no workload imports cli.py
+    (a flag is declared with flags.py); no import cycle among our modules, function-level imports included."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ours = {}
     for d in ("", "flux", "rl", "planner"):
@@ -75,6 +75,7 @@ def test_the_layers_import_downwards_only():
     assert graph["parallel"] <= {"device", "errors"}, graph["parallel"]
     workload_modules = {m for m in ours if m.startswith(("flux.", "rl.")) or m == "lm_task"}
     assert not graph["cli"] & workload_modules and not graph["train"] & workload_modules
+    assert graph["flags"] == set() and not any("cli" in graph[m] for m in workload_modules)  # (flags.py declares them)
     state = {}
 
     def visit(m, path):  # depth-first: a module met again on the current path is a cycle
@@ -230,3 +231,23 @@ def test_the_flux_family_is_whole_when_the_workload_is_built(tmp_path):
     assert before == sum(p.numel() for p in model.parameters()) and model.prompt is None
     workload.setup_data(0, 1)
     assert workload.family.param_count(workload.args) == before
+
+
+RUN_AND_LIST_WORKLOAD_MODULES = """
+import sys, train
+assert train.main(sys.argv[1:]) == 0
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("flux", "rl", "lm_task")))
+"""
+
+
+def test_a_run_imports_only_its_own_workload(corpus, tmp_path):
+    """Issue 42 items 13, 16: each parse imported every workload (`--task lm` loaded flux.*, rl.* and the
+    vLLM handle), although task.py said a run imports only its own. A `--task lm` run of one step in a
+    fresh process (a fork of one that has imported torch and train.py only: tests/launch.py) imports no
+    flux or rl module; a flag of another workload still names its owner (cli.py parses again with every
+    workload: test_a_flag_of_another_workload_or_a_bad_own_flag_is_one_line_exit_2)."""
+    from tests import launch
+    from tests.common import TINY
+    rc, out, err = launch.python(["-c", RUN_AND_LIST_WORKLOAD_MODULES, *TINY, "--data", corpus, "--steps", "1",
+                                  "--eval-batches", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path / "r")])
+    assert rc == 0 and out.strip().splitlines()[-1] == "['lm_task']", (out[-2000:], err[-2000:])
