@@ -183,6 +183,17 @@ def verify(path):
     return None
 
 
+def newest_verified(paths, instead):
+    """The first of `paths` (checkpoints, newest first) if it verifies. If not, refused in one line naming
+    its problem and the newest one that verifies, with `instead(good)`: how to use that one instead."""
+    problem = verify(paths[0])
+    if problem:
+        good = next((p for p in paths[1:] if verify(p) is None), None)
+        raise CheckpointError(f"checkpoint {paths[0]} is broken: {problem}; "
+                              f"{instead(good) if good else 'no good checkpoint remains'}")
+    return paths[0]
+
+
 def find_resumable(ckpt_dir):
     """(path, note) of the newest checkpoint to resume from, or (None, note) if there is none.
 
@@ -192,13 +203,8 @@ def find_resumable(ckpt_dir):
     found = step_dirs(ckpt_dir)
     if not found:
         return None, f"no checkpoint in {ckpt_dir}: starting at step 0"
-    newest = found[0][1]
-    problem = verify(newest)
-    if problem:
-        good = next((p for _, p in found[1:] if verify(p) is None), None)
-        hint = (f"the newest good checkpoint is {good}: pass --resume-from {os.path.basename(good)}"
-                if good else "no good checkpoint remains")
-        raise CheckpointError(f"checkpoint {newest} is broken: {problem}; {hint}")
+    newest = newest_verified([p for _, p in found], lambda good: f"the newest good checkpoint is {good}: pass "
+                                                                 f"--resume-from {os.path.basename(good)}")
     note = None
     try:
         with open(os.path.join(ckpt_dir, "latest"), encoding="utf-8") as f:
@@ -215,15 +221,21 @@ def choose(ckpt_dir, resume, resume_from, meta, allow_change=(), refusal=lambda 
     """(checkpoint to resume from or None, a note or None), refusing what would lose data or silently
     change the run: checkpoints without --resume, a broken newest one, another model, mesh, layout
     or training config, a checkpoint already at or past --steps."""
+    path, note = resume_path(ckpt_dir, resume, resume_from)
+    if path is not None:
+        check_compatible(path, meta, allow_change, refusal)
+    return path, note
+
+
+def resume_path(ckpt_dir, resume, resume_from):
+    """(the checkpoint a resume takes or None, a note or None): the one decision of which, for `choose` and
+    for what a workload reads of it before the trainer checks it (GRPO's recorded warm start)."""
     if not (resume or resume_from):
         if holds_checkpoints(ckpt_dir):
             raise CheckpointError(f"{os.path.dirname(ckpt_dir)} already holds checkpoints; pass --resume or "
                                   f"another --out-dir")
         return None, None
-    path, note = (resolve(ckpt_dir, resume_from), None) if resume_from else find_resumable(ckpt_dir)
-    if path is not None:
-        check_compatible(path, meta, allow_change, refusal)
-    return path, note
+    return (resolve(ckpt_dir, resume_from), None) if resume_from else find_resumable(ckpt_dir)
 
 
 def resolve(ckpt_dir, name):
@@ -334,11 +346,7 @@ def run_checkpoint(path):
     else:
         raise CheckpointError(f"{path} holds no checkpoint to read (give a run directory "
                                          f"or one of its checkpoints/step_N)")
-    problem = verify(chosen)
-    if problem:
-        good = next((p for p in older if verify(p) is None), None)
-        hint = f"the newest good one is {good}: pass it in place of {path}" if good else "no good checkpoint remains"
-        raise CheckpointError(f"checkpoint {chosen} is broken: {problem}; {hint}")
+    chosen = newest_verified([chosen, *older], lambda good: f"the newest good one is {good}: pass it in place of {path}")
     return chosen, read_meta(chosen)
 
 

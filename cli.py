@@ -249,6 +249,9 @@ def _validate_mesh(cfg, model_parallel):
         return
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--mesh with --device {cfg.device} is not supported (use cpu or cuda)")
+    dp = sizes["dcn"] * sizes["ici"]  # torchrun ranks that each read a slice of the batch (tp ranks share one)
+    if cfg.batch_size % dp:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {dp} data-parallel ranks")
     if sizes["tp"] > 1 or sizes["ep"] > 1:
         if cfg.scan:
             raise ConfigError(f"--mesh {cfg.mesh!r}: --scan with tp or ep is not built")

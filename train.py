@@ -69,9 +69,7 @@ class Trainer:
     def __init__(self, cfg, parallel=None, task=None):
         self.cfg, self.parallel = cfg, parallel or choose_parallel(cfg)
         self.device = self.parallel.device
-        dp = self.parallel.dp_size
-        if cfg.batch_size % dp:
-            raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {dp} data-parallel ranks")
+        dp = self.parallel.dp_size  # (--batch-size divides over it: cli.py's checks)
         self.out_dir = cfg.out_dir or os.path.join("runs", f"{cfg.flavor}-{time.strftime('%Y%m%d-%H%M%S')}")
         rundir.check_writable(self.out_dir)
         self.task = task or make_workload(cfg)

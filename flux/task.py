@@ -49,6 +49,7 @@ from flux import latents as flux_latents
 from flux import sample as flux_sample
 from flux.sample import GUIDANCE, sample_grid
 from flags import flag, with_overrides
+from checkpoint import CheckpointError
 from errors import ConfigError
 from parallel import local_block, local_tensor
 from task import ModelFamily, Workload
@@ -159,13 +160,13 @@ class FluxFamily(ModelFamily):
         saved = meta.get("model_args")
         known = {f.name for f in dataclasses.fields(flux.FluxArgs)}
         if not isinstance(saved, dict) or set(saved) - known:
-            raise ConfigError(f"{where}: model_args {sorted(set(saved or {}) - known) or '(none)'} describe no "
+            raise CheckpointError(f"{where}: model_args {sorted(set(saved or {}) - known) or '(none)'} describe no "
                               f"FLUX model of this version")
         try:
             args = flux.FluxArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
             flux.check_args(args)
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"{where}: model_args describe no FLUX model ({str(e).splitlines()[0]})") from None
+            raise CheckpointError(f"{where}: model_args describe no FLUX model ({str(e).splitlines()[0]})") from None
         return cls(None, args, classes=not meta["train"].get("data"))
 
     def build(self, args):

@@ -69,14 +69,11 @@ def _recorded_warm_start(cfg):
     """(path, sha256) of the warm-start checkpoint recorded by the checkpoint this run resumes from, or None."""
     if not (cfg.resume or cfg.resume_from) or not cfg.out_dir:
         return None
-    ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
-    found = checkpoint.step_dirs(ckpt_dir)
-    path = (cfg.resume_from if os.path.isdir(cfg.resume_from) else os.path.join(ckpt_dir, cfg.resume_from)) \
-        if cfg.resume_from else found[0][1] if found else None  # (as checkpoint.choose picks it)
-    try:
+    try:  # (the trainer's own choice, checkpoint.resume_path; it refuses a broken or absent one itself)
+        path, _ = checkpoint.resume_path(os.path.join(cfg.out_dir, "checkpoints"), cfg.resume, cfg.resume_from)
         record = checkpoint.read_meta(path)["train"]["init_from"] if path else None
     except (checkpoint.CheckpointError, KeyError, TypeError):
-        return None  # (broken or absent: the trainer's resume check says so)
+        return None
     if not isinstance(record, str) or " sha256:" not in record:
         return None
     return tuple(record.rsplit(" sha256:", 1))

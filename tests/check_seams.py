@@ -251,3 +251,39 @@ def test_a_run_imports_only_its_own_workload(corpus, tmp_path):
     rc, out, err = launch.python(["-c", RUN_AND_LIST_WORKLOAD_MODULES, *TINY, "--data", corpus, "--steps", "1",
                                   "--eval-batches", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path / "r")])
     assert rc == 0 and out.strip().splitlines()[-1] == "['lm_task']", (out[-2000:], err[-2000:])
+
+
+def _calls(path):
+    """{function defined in the file: names it calls (f(...) and x.f(...))}."""
+    import ast
+    out = {}
+    for fn in ast.walk(ast.parse(open(path).read())):
+        if isinstance(fn, ast.FunctionDef):
+            out[fn.name] = {c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", None)
+                            for c in ast.walk(fn) if isinstance(c, ast.Call)}
+    return out
+
+
+def test_each_decision_has_one_home(tmp_path):
+    """Issue 42 item 14: which checkpoint a resume takes was chosen again in rl/grpo_task.py; "the newest
+    checkpoint that verifies" was written twice in checkpoint.py; the same bad record raised
+    CheckpointError from the LM family and ConfigError from FLUX's; --batch-size's split over the mesh was
+    checked by the trainer, not with the other flags in cli.py."""
+    import json
+    import checkpoint
+    import cli
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for d in ("", "flux", "rl"):
+        for f in os.listdir(os.path.join(root, d)):
+            if f.endswith(".py") and f != "checkpoint.py":  # nobody else lists a run's checkpoints to pick one
+                assert not any("step_dirs" in called for called in _calls(os.path.join(root, d, f)).values()), f
+    verifying = {fn for fn, called in _calls(os.path.join(root, "checkpoint.py")).items() if "verify" in called}
+    assert verifying == {"newest_verified", "resolve"}, verifying
+    for name in ("lm", "flux"):  # a record of no model of this version: the same kind from either family
+        run = tmp_path / name
+        os.makedirs(run)
+        (run / "meta.json").write_text(json.dumps({"task": name, "model_args": {"warp": 9}, "train": {}, "files": {}}))
+        with pytest.raises(checkpoint.CheckpointError, match="model_args"):
+            checkpoint.load_run(str(run))
+    with pytest.raises(cli.ConfigError, match="--batch-size 3 is not divisible by 2 data-parallel ranks"):
+        cli.parse_config(["--batch-size", "3", "--mesh", "ici=2"])  # (before any rank starts)
