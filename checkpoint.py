@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 
 import layer_scan
 import task
-from errors import BadInput, WriteFailed, peer_failure
+from errors import BadInput, WriteFailed, interrupted, peer_failure
 
 
 class CheckpointError(BadInput):
@@ -98,7 +98,7 @@ def save(ckpt_dir, step, state, meta):
             _write_meta(tmp, dict(meta, step=step))            # 2.
     except BaseException as e:  # disk full, size limit, I/O error, a dead peer, SIGINT / SIGTERM
         shutil.rmtree(tmp, ignore_errors=True)  # leave nothing half-written behind
-        if isinstance(e, dist.DistError) or peer_failure(e) or _interrupted(e) or \
+        if isinstance(e, dist.DistError) or peer_failure(e) or interrupted(e) or \
                 not isinstance(e, (Exception, dcp.api.CheckpointException)):  # (DCP's is a BaseException)
             raise  # interrupted, or a peer died mid-save: train.py's own one-line errors
         raise _write_error(ckpt_dir, name, e) from None
@@ -107,12 +107,6 @@ def save(ckpt_dir, step, state, meta):
         _point_latest(ckpt_dir, name)                          # 4.
     _barrier()
     return final
-
-
-def _interrupted(e):
-    """SIGINT / SIGTERM (train.Interrupted); DCP wraps what its writer raised, so look inside too."""
-    return isinstance(e, KeyboardInterrupt) or type(e).__name__ == "Interrupted" or "KeyboardInterrupt" in str(e) \
-        or "Interrupted(" in str(e)
 
 
 def write_shards(tmp, state):
@@ -324,7 +318,7 @@ def load(path, state):
     except (Exception, dcp.api.CheckpointException) as e:  # verified files DCP still cannot read (written by
         # another version, or a state of other names: a model of another layout). DCP's CheckpointException
         # is a BaseException, which `except Exception` would let through as a traceback.
-        if isinstance(e, dist.DistError) or peer_failure(e) or _interrupted(e):
+        if isinstance(e, dist.DistError) or peer_failure(e) or interrupted(e):
             raise  # a dead peer, SIGINT / SIGTERM mid-load: train.py's own lines
         raise CheckpointError(f"checkpoint {path} could not be loaded ({str(e).strip().splitlines()[-1][:200]})") from None
     return state

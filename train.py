@@ -34,7 +34,7 @@ import optim
 import rundir
 from cli import RESUME_CHECKED, parse_config, resume_refusal
 from errors import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, ConfigError,
-                    MinititanError, PeerGone, error_line, peer_failure)
+                    Interrupted, MinititanError, PeerGone, error_line, peer_failure)
 from parallel import Parallel, layout_kind
 from task import workload_class
 
@@ -354,14 +354,6 @@ class Trainer:
 
 # ------------------------------------------------------------------------------------------------
 # main: every failure ends in one line and an exit code that says what happened
-
-class Interrupted(BaseException):
-    """SIGTERM (or SIGINT, as KeyboardInterrupt): end like a shell does, 128 + the signal number."""
-
-    def __init__(self, signum):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
 
 def _raise_interrupted(signum, frame):
     raise Interrupted(signum)

@@ -101,3 +101,23 @@ def test_a_refusal_on_a_rank_above_0_waits_silent_for_rank_0_and_then_speaks_nam
     assert waited == train.REFUSAL_GRACE_S and said_meanwhile == "" and on_sigterm not in (before, train._raise_interrupted)
     assert capsys.readouterr().err == "error: rank 1: --steps must be positive, got 0\n"
     assert signal.getsignal(signal.SIGTERM) == train._raise_interrupted  # (the grace's handler is undone)
+
+
+def test_checkpoint_knows_an_interruption_by_its_class_not_its_name():
+    """Issue 42 item 15: checkpoint.py recognised train.Interrupted by its class name (any class called
+    `Interrupted`, or a message holding "Interrupted(", passed). It is errors.Interrupted now, found by
+    isinstance, also inside the CheckpointException DCP gathers its writers' errors into."""
+    import signal
+    import traceback
+    from torch.distributed.checkpoint.api import CheckpointException
+    import errors
+    import train
+    assert train.Interrupted is errors.Interrupted and str(errors.Interrupted(signal.SIGTERM)) == "SIGTERM"
+    stop = errors.Interrupted(signal.SIGTERM)
+    assert errors.interrupted(stop) and errors.interrupted(KeyboardInterrupt())
+    assert errors.interrupted(CheckpointException("save failed", {0: (stop, traceback.StackSummary())}))
+    Interrupted = type("Interrupted", (Exception,), {})  # a stranger of the same name: not ours
+    assert not errors.interrupted(Interrupted()) and not errors.interrupted(RuntimeError("Interrupted(15)"))
+    assert not errors.interrupted(CheckpointException("disk full", {0: (OSError(28, "No space"), traceback.StackSummary())}))
+    import pickle  # (DCP moves errors between ranks pickled)
+    assert pickle.loads(pickle.dumps(stop)).signum == signal.SIGTERM
