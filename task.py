@@ -33,7 +33,7 @@ model, parallelize function and loss beside the shared trainer):
     one process would), val_batches, loss(model, batch) -> (reported, differentiated), units_per_step
     and unit (what the log counts a step in), flops_per_step(args), meta() (what a resume must match), notes
     preview(model, log, out_dir, step, final)   something to look at (one device only)
-    attach(model), step_metrics(), evaluate(model, step, log), evaluates, plotted, close()
+    attach(model, parallel), step_metrics(), evaluate(model, step, log), evaluates, plotted, close()
                                 for a workload with state beside the model (GRPO's rollout engine)
     halt(record)                end the run after an evaluation (sft's --halt-at-accuracy)
 
@@ -181,8 +181,9 @@ class Workload:
         """Called by the writing process where the weights are whole (one device): after each
         evaluation (final=False: something quick), and once after the last step (final=True)."""
 
-    def attach(self, model):
-        """The live (possibly sharded) model the trainer updates, before its first step."""
+    def attach(self, model, parallel):
+        """The live (possibly sharded) model the trainer updates, and its layout (parallel.Parallel: how
+        the workload's own exchanges between processes go), before its first step."""
 
     def step_metrics(self):
         return {}

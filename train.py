@@ -93,7 +93,7 @@ class Trainer:
         self.step = 0
         if self.resume_from:
             self.restore(self.resume_from)
-        self.task.attach(self.model)
+        self.task.attach(self.model, self.parallel)
         self.evaluates = bool(self.task.val_batches) or self.task.evaluates
         self.flops_per_step = self.task.flops_per_step(self.model_args)
         self.peak, self.peak_label = dev.peak_flops(self.device)

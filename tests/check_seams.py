@@ -176,14 +176,20 @@ def _read_attributes(path, owner):
 
 
 def test_the_trainer_uses_only_members_the_interfaces_declare():
-    """Issue 42 item 12: `units_per_step` was used by the trainer but not declared by task.Workload.
-    Every member train.py reads of its workload and its family is one task.py declares."""
+    """Issue 42 items 12, 15: `units_per_step` was used by the trainer but not declared by task.Workload.
+    Every member train.py reads of its workload and its family is one task.py declares, and it names
+    no workload's flag."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     declared = set(dir(task_lib.Workload)) | set(vars(task_lib.Workload(None)))  # (cfg, family: set in __init__)
     used = _read_attributes(os.path.join(root, "train.py"), "task")
     assert used and used <= declared, used - declared
     used = _read_attributes(os.path.join(root, "train.py"), "family")
     assert used and used <= set(dir(task_lib.ModelFamily)), used - set(dir(task_lib.ModelFamily))
+    import ast  # (item 15) nor does it know a workload's settings: it popped the LM's "tokenizer" from meta()
+    strings = {n.value for n in ast.walk(ast.parse(open(os.path.join(root, "train.py")).read()))
+               if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    flags = {f.name for name in task_lib.WORKLOADS for f in dataclasses.fields(task_lib.workload_class(name).Flags)}
+    assert not strings & flags, strings & flags
 
 
 def test_a_resume_offers_only_changes_cli_accepts_and_grpo_records_what_its_policy_names(tmp_path):
@@ -287,3 +293,71 @@ def test_each_decision_has_one_home(tmp_path):
             checkpoint.load_run(str(run))
     with pytest.raises(cli.ConfigError, match="--batch-size 3 is not divisible by 2 data-parallel ranks"):
         cli.parse_config(["--batch-size", "3", "--mesh", "ici=2"])  # (before any rank starts)
+
+
+class _Exchange:
+    """A Parallel for rank `rank` of `n` data-parallel ranks in one process: rank 0's scatters and
+    broadcasts are recorded, and replayed to the other ranks in the same order (what gloo would carry)."""
+
+    def __new__(cls, rank, n, wire):
+        import parallel
+
+        class Exchange(parallel.Parallel):
+            dp_rank, dp_size, global_rank = rank, n, rank
+
+            def scatter_from_first(self, chunks, out):
+                if rank == 0:
+                    wire.append(chunks)
+                return out.copy_((chunks if rank == 0 else wire[self._next()])[rank])
+
+            def broadcast_from_first(self, x):
+                if rank == 0:
+                    wire.append(x.clone())
+                return x if rank == 0 else x.copy_(wire[self._next()])
+
+            def _next(self):
+                self.i = getattr(self, "i", -1) + 1
+                return self.i
+        return Exchange("cpu")
+
+
+class _StubEngine:
+    """A rollout engine of seeded random completions (the exchange is under test, not the sampling)."""
+
+    def sync(self, named, version):
+        self.version = version
+        return {"bytes": 0, "seconds": 0.0}
+
+    def generate(self, prompts, group_size, C, temperature, seed, eos_id, batch_size):
+        from rl.rollout import Rollout
+        g = torch.Generator().manual_seed(seed)
+        B = len(prompts) * group_size
+        comp = torch.randint(48, 58, (B, C), generator=g)
+        return Rollout(torch.tensor(prompts).repeat_interleave(group_size, 0), comp,
+                       -torch.rand(B, C, generator=g), torch.rand(B, C, generator=g) < 0.8, self.version)
+
+
+def test_grpo_exchanges_go_through_the_parallel_and_each_rank_receives_only_its_rows():
+    """Issue 42 item 15: rl/grpo_task.py called torch.distributed itself, and rank 0 broadcast the whole
+    rollout batch packed as float64 to ranks that keep B/N of it. Now two scatters (int64 completions and
+    mask, float32 logprobs and advantages) through parallel.Parallel carry each rank its B/N rows, and
+    the two ranks' batches are the one-process batch's halves (oracle: the one-process workload)."""
+    import train
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert not any(n.startswith("torch.distributed") for n in _imports(os.path.join(root, "rl", "grpo_task.py")))
+    argv = ["--task", "grpo", "--set", "dim=64", "--set", "n_heads=4", "--set", "n_layers=1", "--set", "max_seq_len=16",
+            "--prompts-per-step", "4", "--group-size", "4"]
+    batches, wire = [], []
+    for rank, n in ((0, 1), (0, 2), (1, 2)):
+        workload = train.make_workload(train.parse_config(argv))
+        workload.setup_data(rank, n)
+        workload.attach(workload.family.build(workload.args), _Exchange(rank, n, [] if n == 1 else wire))
+        workload.engine = _StubEngine()
+        batches.append(workload.batch(1))
+    one, first, second = batches
+    sent = [chunks for chunks in wire if isinstance(chunks, tuple)]
+    assert len(sent) == 2 and all(len(c) == 2 and c[0].shape[0] == 8 for c in sent)  # B = 16 rows, 8 a rank
+    assert {c[0].dtype for c in sent} == {torch.int64, torch.float32}
+    for whole, a, b in zip(one[:4], first, second):  # tokens, mask, engine logprobs, advantages
+        assert torch.equal(torch.cat([a, b]), whole)
+    assert first[4] == second[4] == one[4] / 2  # the DAPO normalizer: the global token count over N
