@@ -5,7 +5,8 @@ Each field of `TrainConfig` is a shared flag (`batch_size` -> `--batch-size`), w
 and help declared once, here. Each workload declares its own flags beside it (its `Flags` dataclass,
 task.py; declared with flags.py, as these are) with its own checks (`check_flags`); `build_parser()`
 shows them as the workload's group, and a flag of another workload than --task's is refused. A parse
-imports --task's workload only (the others only for --help, or to name a flag's owner). Checks of one layer's flags live with that layer
+imports --task's workload only (the others only for --help, or to name a flag's owner); the run's
+config is one flat dataclass of both, TrainConfig's fields and the workload's (`config_class`). Checks of one layer's flags live with that layer
 (mesh.mesh_dims, fsdp_passes.chosen, parallel.layout_kind); this module calls them all, in one place.
 """
 import argparse
@@ -95,14 +96,19 @@ class TrainConfig:
     chip: str = flag("tpu_v5p", "TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")
     plan: bool = flag(False, "with --dry-run: rank every mesh layout of --chips N (dcn x ici x tp, ep; remat)")
     chips: int = flag(0, "chips for --plan")
-    # the chosen workload's own flags (its `Flags` dataclass), read as cfg.NAME like the fields above
-    workload_flags: object = dataclasses.field(default=None, repr=False, metadata={"cli": False})
 
-    def __getattr__(self, name):  # (only called for names that are not fields: a workload's flag)
-        flags = self.__dict__.get("workload_flags")
-        if flags is not None and name in {f.name for f in dataclasses.fields(flags)}:
-            return getattr(flags, name)
-        raise AttributeError(f"{type(self).__name__} has no flag {name!r} (for --task {self.__dict__.get('task')})")
+
+def config_class(cls):
+    """A run's configuration class: TrainConfig's fields and workload `cls`'s own flags (its `Flags`) as
+    fields of its own, one flat declared dataclass (`TrainConfig_grpo`): `dataclasses.fields(cfg)` lists
+    every flag the run has, and another workload's flag is no attribute of it."""
+    name = f"TrainConfig_{cls.name}"
+    if name not in globals():  # (a module-level name: a config pickles like TrainConfig)
+        own = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+               for f in dataclasses.fields(cls.Flags)]
+        globals()[name] = dataclasses.make_dataclass(name, own, bases=(TrainConfig,))
+        globals()[name].__module__ = __name__
+    return globals()[name]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -180,15 +186,14 @@ def parse_config(argv=None):
     given = vars(given)
     owners = workload_flags(names)
     core = {k: v for k, v in given.items() if k not in owners}
-    cfg = TrainConfig(**core)
-    cls = workloads.workload_class(cfg.task)
+    cls = workloads.workload_class(core["task"])
     own = {f.name for f in dataclasses.fields(cls.Flags)}
     foreign = [k for k in given if k in owners and k not in own]
     if foreign:
         k = foreign[0]
         raise ConfigError(f"--{k.replace('_', '-')} is a flag of --task {', '.join(w for w, _ in owners[k])}, "
-                          f"not of --task {cfg.task}")
-    cfg.workload_flags = cls.Flags(**{k: v for k, v in given.items() if k in own})
+                          f"not of --task {core['task']}")
+    cfg = config_class(cls)(**core, **{k: v for k, v in given.items() if k in own})
     validate(cfg)
     return cfg
 

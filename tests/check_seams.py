@@ -24,9 +24,12 @@ def test_every_config_field_is_a_flag_with_its_type_and_help():
     assert all(name in helps["fsdp_passes"] for name in __import__("fsdp_passes").PASSES)  # (prefetch was missing)
     cfg = cli.parse_config(["--steps", "7", "--lr", "0.5", "--set", "dim=8", "--set", "n_layers=1", "--scan"])
     assert (cfg.steps, cfg.lr, cfg.set, cfg.scan, cfg.init_from) == (7, 0.5, ["dim=8", "n_layers=1"], True, None)
-    assert cli.parse_config([]) == cli.TrainConfig(set=[], flavor="llama3_debug",
-                                                   workload_flags=task_lib.workload_class("lm").Flags())
+    lm, grpo = (cli.config_class(task_lib.workload_class(name)) for name in ("lm", "grpo"))
+    assert cli.parse_config([]) == lm(set=[], flavor="llama3_debug")
     assert (cfg.sample_tokens, cli.parse_config(["--task", "grpo"]).group_size) == (64, 8)  # a workload's flag
+    # each a declared field of the run's config class (TrainConfig.__getattr__ hid where they came from)
+    assert "group_size" in {f.name for f in dataclasses.fields(grpo)} and not hasattr(cfg, "group_size")
+    assert "__getattr__" not in vars(cli.TrainConfig) and issubclass(grpo, cli.TrainConfig)
 
 
 @pytest.mark.parametrize("argv, message", [
