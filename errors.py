@@ -9,7 +9,7 @@ torchrun rank). The lowest layer: it imports nothing.
     exit 3  (NonFinite)  a NaN / Inf loss, gradient norm or validation loss: the trainer's own return
     exit 4  PeerGone     another process the run needs died or stalled (a torchrun rank, an engine)
     exit 5  WriteFailed  a write failed (disk full, file-size limit); the last good checkpoint stays
-    130 / 143            interrupted by SIGINT / SIGTERM (128 + the signal's number)
+    130 / 143            Interrupted (or KeyboardInterrupt): SIGTERM / SIGINT (128 + the signal's number)
 """
 import signal
 import sys
