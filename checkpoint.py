@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 
 import layer_scan
 import task
-from errors import BadInput, WriteFailed, peer_failure
+from errors import BadInput, WriteFailed, interrupted, peer_failure
 
 
 class CheckpointError(BadInput):
@@ -98,7 +98,7 @@ def save(ckpt_dir, step, state, meta):
             _write_meta(tmp, dict(meta, step=step))            # 2.
     except BaseException as e:  # disk full, size limit, I/O error, a dead peer, SIGINT / SIGTERM
         shutil.rmtree(tmp, ignore_errors=True)  # leave nothing half-written behind
-        if isinstance(e, dist.DistError) or peer_failure(e) or _interrupted(e) or \
+        if isinstance(e, dist.DistError) or peer_failure(e) or interrupted(e) or \
                 not isinstance(e, (Exception, dcp.api.CheckpointException)):  # (DCP's is a BaseException)
             raise  # interrupted, or a peer died mid-save: train.py's own one-line errors
         raise _write_error(ckpt_dir, name, e) from None
@@ -107,12 +107,6 @@ def save(ckpt_dir, step, state, meta):
         _point_latest(ckpt_dir, name)                          # 4.
     _barrier()
     return final
-
-
-def _interrupted(e):
-    """SIGINT / SIGTERM (train.Interrupted); DCP wraps what its writer raised, so look inside too."""
-    return isinstance(e, KeyboardInterrupt) or type(e).__name__ == "Interrupted" or "KeyboardInterrupt" in str(e) \
-        or "Interrupted(" in str(e)
 
 
 def write_shards(tmp, state):
@@ -183,6 +177,20 @@ def verify(path):
     return None
 
 
+def newest_verified(paths, instead, fall_back=False):
+    """(path, problem): the first of `paths` (checkpoints, newest first) and None if it verifies. If not:
+    with `fall_back`, the newest one that verifies and the first one's problem; else refused in one line
+    naming its problem and the newest one that verifies, with `instead(good)`: how to use that one instead."""
+    problem = verify(paths[0])
+    if not problem:
+        return paths[0], None
+    good = next((p for p in paths[1:] if verify(p) is None), None)
+    if good and fall_back:
+        return good, problem
+    raise CheckpointError(f"checkpoint {paths[0]} is broken: {problem}; "
+                          f"{instead(good) if good else 'no good checkpoint remains'}")
+
+
 def find_resumable(ckpt_dir, fall_back=False):
     """(path, note) of the newest checkpoint to resume from, or (None, note) if there is none.
 
@@ -195,16 +203,11 @@ def find_resumable(ckpt_dir, fall_back=False):
     found = step_dirs(ckpt_dir)
     if not found:
         return None, f"no checkpoint in {ckpt_dir}: starting at step 0"
-    newest = found[0][1]
-    problem = verify(newest)
+    newest, problem = newest_verified([p for _, p in found], lambda good: f"the newest good checkpoint is {good}: "
+                                      f"pass --resume-from {os.path.basename(good)}", fall_back)
     if problem:
-        good = next((p for _, p in found[1:] if verify(p) is None), None)
-        if good and fall_back:
-            return good, (f"checkpoint {newest} is broken: {problem}; --resume auto resumes from the newest good "
-                          f"one, {os.path.basename(good)} (the newer ones are set aside as *.superseded)")
-        hint = (f"the newest good checkpoint is {good}: pass --resume-from {os.path.basename(good)}"
-                if good else "no good checkpoint remains")
-        raise CheckpointError(f"checkpoint {newest} is broken: {problem}; {hint}")
+        return newest, (f"checkpoint {found[0][1]} is broken: {problem}; --resume auto resumes from the newest good "
+                        f"one, {os.path.basename(newest)} (the newer ones are set aside as *.superseded)")
     note = None
     try:
         with open(os.path.join(ckpt_dir, "latest"), encoding="utf-8") as f:
@@ -222,15 +225,21 @@ def choose(ckpt_dir, resume, resume_from, meta, allow_change=(), refusal=lambda 
     change the run: checkpoints without --resume, a broken newest one (--resume auto: the newest good
     one), another model, mesh, layout or training config, a checkpoint already at or past --steps.
     `resume`: None, "newest" (--resume) or "auto"."""
+    path, note = resume_path(ckpt_dir, resume, resume_from)
+    if path is not None:
+        check_compatible(path, meta, allow_change, refusal)
+    return path, note
+
+
+def resume_path(ckpt_dir, resume, resume_from):
+    """(the checkpoint a resume takes or None, a note or None): the one decision of which, for `choose` and
+    for what a workload reads of it before the trainer checks it (GRPO's recorded warm start)."""
     if not (resume or resume_from):
         if holds_checkpoints(ckpt_dir):
             raise CheckpointError(f"{os.path.dirname(ckpt_dir)} already holds checkpoints; pass --resume or "
                                   f"another --out-dir")
         return None, None
-    path, note = (resolve(ckpt_dir, resume_from), None) if resume_from else find_resumable(ckpt_dir, resume == "auto")
-    if path is not None:
-        check_compatible(path, meta, allow_change, refusal)
-    return path, note
+    return (resolve(ckpt_dir, resume_from), None) if resume_from else find_resumable(ckpt_dir, resume == "auto")
 
 
 def resolve(ckpt_dir, name):
@@ -270,6 +279,11 @@ def check_compatible(path, meta, allow_change=(), refusal=lambda key, saved, now
     Training-config keys named in `allow_change` may differ (a deliberate change), unless the
     workload's `refusal(key, saved, now)` says why that change cannot be (Workload.resume_refusal)."""
     saved = read_meta(path)
+    was, now = saved.get("task", "lm"), meta.get("task", "lm")  # (a record without one: an lm run's)
+    if was != now:  # named first: every setting of the two workloads would differ, none --allow-change's
+        raise CheckpointError(f"checkpoint {path} is from a --task {was} run, this run is --task {now}: a run "
+                              f"resumes with its own workload (resume it with --task {was}, or give --task {now} "
+                              f"another --out-dir)")
     for key in ("flavor", "model_args"):
         if saved.get(key) != meta.get(key):
             raise CheckpointError(f"checkpoint {path} is from another model ({key}: saved "
@@ -314,7 +328,7 @@ def load(path, state):
     except (Exception, dcp.api.CheckpointException) as e:  # verified files DCP still cannot read (written by
         # another version, or a state of other names: a model of another layout). DCP's CheckpointException
         # is a BaseException, which `except Exception` would let through as a traceback.
-        if isinstance(e, dist.DistError) or peer_failure(e) or _interrupted(e):
+        if isinstance(e, dist.DistError) or peer_failure(e) or interrupted(e):
             raise  # a dead peer, SIGINT / SIGTERM mid-load: train.py's own lines
         raise CheckpointError(f"checkpoint {path} could not be loaded ({str(e).strip().splitlines()[-1][:200]})") from None
     return state
@@ -336,11 +350,7 @@ def run_checkpoint(path):
     else:
         raise CheckpointError(f"{path} holds no checkpoint to read (give a run directory "
                                          f"or one of its checkpoints/step_N)")
-    problem = verify(chosen)
-    if problem:
-        good = next((p for p in older if verify(p) is None), None)
-        hint = f"the newest good one is {good}: pass it in place of {path}" if good else "no good checkpoint remains"
-        raise CheckpointError(f"checkpoint {chosen} is broken: {problem}; {hint}")
+    chosen, _ = newest_verified([chosen, *older], lambda good: f"the newest good one is {good}: pass it in place of {path}")
     return chosen, read_meta(chosen)
 
 

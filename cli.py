@@ -3,8 +3,10 @@ bad input becomes one `error:` line and exit code 2 before anything is touched.
 
 Each field of `TrainConfig` is a shared flag (`batch_size` -> `--batch-size`), with its type, default
 and help declared once, here. Each workload declares its own flags beside it (its `Flags` dataclass,
-task.py) with its own checks (`check_flags`); `build_parser()` shows them as the workload's group, and
-a flag of another workload than --task's is refused. Checks of one layer's flags live with that layer
+task.py; declared with flags.py, as these are) with its own checks (`check_flags`); `build_parser()`
+shows them as the workload's group, and a flag of another workload than --task's is refused. A parse
+imports --task's workload only (the others only for --help, or to name a flag's owner); the run's
+config is one flat dataclass of both, TrainConfig's fields and the workload's (`config_class`). Checks of one layer's flags live with that layer
 (mesh.mesh_dims, fsdp_passes.chosen, parallel.layout_kind); this module calls them all, in one place.
 """
 import argparse
@@ -12,7 +14,6 @@ import dataclasses
 import math
 import sys
 import types
-import typing
 from typing import Optional
 
 import fsdp_passes
@@ -21,47 +22,17 @@ import parallel
 import profiling
 import task as workloads
 from errors import EXIT_BAD_INPUT, ConfigError, error_line
+from flags import finite_float, flag, with_overrides  # noqa: F401  (with_overrides: also reached as cli's)
 
 # What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
 RESUME_CHECKED = ("seed", "batch_size", "seq_len", "lr", "warmup", "clip", "weight_decay", "dtype", "steps")
-# (and what a workload's meta() records beside them: its `resume_changeable`, task.py)
+# (and what a workload's meta() records beside them, as its `resume_policy` says: task.py)
 
 
-# `--set FIELD=VALUE`: a model config (model.ModelArgs, flux.FluxArgs) with fields replaced by name
-
-def parse_as(kind, text):
-    """`text` as the declared type of a config field: int, float, str, bool (true/false/1/0),
-    tuple (comma-separated numbers, e.g. rope_scaling=8,1,4,8192); Optional[...] also takes 'none'."""
-    if typing.get_origin(kind) is typing.Union:
-        if text.lower() == "none":
-            return None
-        kind = next(k for k in typing.get_args(kind) if k is not type(None))
-    if kind is bool:
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(text)
-        return text.lower() in ("true", "1")
-    if kind is tuple:
-        return tuple(float(x) if any(c in x for c in ".eE") else int(x) for x in text.split(","))
-    return kind(text)
-
-
-def with_overrides(args, items):
-    """A config dataclass (ModelArgs, flux.FluxArgs) with `FIELD=VALUE` strings applied (train.py
-    --set), each parsed by its declared type."""
-    kinds = typing.get_type_hints(type(args))
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in kinds:
-            raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(kinds)}")
-        try:
-            args = dataclasses.replace(args, **{key: parse_as(kinds[key], value)})
-        except ValueError:
-            raise ValueError(f"--set {item!r}: {value!r} is not a {getattr(kinds[key], '__name__', kinds[key])}") from None
-    return args
-
-
-def flag(default, help, **argparse_kw):
-    return dataclasses.field(default=default, metadata={"help": help, **argparse_kw})
+def resume_refusal(cls, key, saved, now):
+    """Why a resume of workload `cls` cannot change setting `key` (checkpoint.check_compatible's `refusal`):
+    the shared settings above may change with --allow-change, the workload's as its resume_policy says."""
+    return None if key in RESUME_CHECKED else cls.resume_refusal(key, saved, now)
 
 
 @dataclasses.dataclass
@@ -133,14 +104,19 @@ class TrainConfig:
     chip: str = flag("tpu_v5p", "TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")
     plan: bool = flag(False, "with --dry-run: rank every mesh layout of --chips N (dcn x ici x tp, ep; remat)")
     chips: int = flag(0, "chips for --plan")
-    # the chosen workload's own flags (its `Flags` dataclass), read as cfg.NAME like the fields above
-    workload_flags: object = dataclasses.field(default=None, repr=False, metadata={"cli": False})
 
-    def __getattr__(self, name):  # (only called for names that are not fields: a workload's flag)
-        flags = self.__dict__.get("workload_flags")
-        if flags is not None and name in {f.name for f in dataclasses.fields(flags)}:
-            return getattr(flags, name)
-        raise AttributeError(f"{type(self).__name__} has no flag {name!r} (for --task {self.__dict__.get('task')})")
+
+def config_class(cls):
+    """A run's configuration class: TrainConfig's fields and workload `cls`'s own flags (its `Flags`) as
+    fields of its own, one flat declared dataclass (`TrainConfig_grpo`): `dataclasses.fields(cfg)` lists
+    every flag the run has, and another workload's flag is no attribute of it."""
+    name = f"TrainConfig_{cls.name}"
+    if name not in globals():  # (a module-level name: a config pickles like TrainConfig)
+        own = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+               for f in dataclasses.fields(cls.Flags)]
+        globals()[name] = dataclasses.make_dataclass(name, own, bases=(TrainConfig,))
+        globals()[name].__module__ = __name__
+    return globals()[name]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -159,6 +135,7 @@ def _kind(annotation):
 def _add_flag(parser, field, **extra):
     name, kw = "--" + field.name.replace("_", "-"), {**field.metadata, **extra}
     kind = _kind(field.type)
+    kind = finite_float if kind is float else kind
     if kind is bool:
         parser.add_argument(name, action="store_true", **kw)
     elif kind is list:
@@ -167,26 +144,28 @@ def _add_flag(parser, field, **extra):
         parser.add_argument(name, type=kind, **{"default": field.default, **kw})
 
 
-def workload_flags():
-    """{flag name: [(workload, its dataclass field), ...]} over the registry."""
+def workload_flags(names=None):
+    """{flag name: [(workload, its dataclass field), ...]} over the workloads `names` (default: the
+    registry's, each imported)."""
     owners = {}
-    for name in workloads.WORKLOADS:
+    for name in names or workloads.WORKLOADS:
         for f in dataclasses.fields(workloads.workload_class(name).Flags):
             owners.setdefault(f.name, []).append((name, f))
     return owners
 
 
-def build_parser():
+def build_parser(names=None):
     """The shared flags, then one group per workload with the flags it declares (a flag several
     workloads declare is shown once, in the first one's group, with each one's help). Workload flags
-    default to 'not given', so a flag of another workload can be told from a default."""
+    default to 'not given', so a flag of another workload can be told from a default. `names`: the
+    workloads whose groups it holds (default: every one, as --help shows them)."""
     p = _Parser(description="train.py: the one trainer, for every workload (--task) on every layout (--mesh)",
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
         if f.metadata.get("cli", True):
             _add_flag(p, f, **({"choices": list(workloads.WORKLOADS)} if f.name == "task" else {}))
-    owners, shown = workload_flags(), set()
-    for name in workloads.WORKLOADS:
+    owners, shown = workload_flags(names), set()
+    for name in names or workloads.WORKLOADS:
         cls = workloads.workload_class(name)
         group = p.add_argument_group(f"--task {name}", (cls.__doc__ or "").strip().split("\n")[0])
         for f in dataclasses.fields(cls.Flags):
@@ -201,19 +180,28 @@ def build_parser():
 
 
 def parse_config(argv=None):
-    """The command line -> a validated TrainConfig (ConfigError: one line, exit 2)."""
-    given = vars(build_parser().parse_args(argv))
-    owners = workload_flags()
+    """The command line -> a validated TrainConfig (ConfigError: one line, exit 2). Parsed with --task's
+    own flags only, so that a run imports only its own workload; a flag that parse does not know (another
+    workload's, or none's) is parsed again with every workload's, which names its owner."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = _Parser(add_help=False)
+    pre.add_argument("--task", default=TrainConfig.task)
+    name = pre.parse_known_args(argv)[0].task
+    names = [name] if name in workloads.WORKLOADS and not {"-h", "--help"} & set(argv) else None
+    given, unknown = build_parser(names).parse_known_args(argv)
+    if unknown:
+        names, given = None, build_parser().parse_args(argv)
+    given = vars(given)
+    owners = workload_flags(names)
     core = {k: v for k, v in given.items() if k not in owners}
-    cfg = TrainConfig(**core)
-    cls = workloads.workload_class(cfg.task)
+    cls = workloads.workload_class(core["task"])
     own = {f.name for f in dataclasses.fields(cls.Flags)}
     foreign = [k for k in given if k in owners and k not in own]
     if foreign:
         k = foreign[0]
         raise ConfigError(f"--{k.replace('_', '-')} is a flag of --task {', '.join(w for w, _ in owners[k])}, "
-                          f"not of --task {cfg.task}")
-    cfg.workload_flags = cls.Flags(**{k: v for k, v in given.items() if k in own})
+                          f"not of --task {core['task']}")
+    cfg = config_class(cls)(**core, **{k: v for k, v in given.items() if k in own})
     validate(cfg)
     return cfg
 
@@ -235,10 +223,10 @@ def validate(cfg):
         if not (getattr(cfg, name) >= 0 and math.isfinite(getattr(cfg, name))):
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0{' seconds' if name == 'watchdog' else ''}, "
                               f"got {getattr(cfg, name)}")
-    unknown = set(filter(None, cfg.allow_change.split(","))) - set(RESUME_CHECKED) - set(cls.resume_changeable)
+    unknown = set(filter(None, cfg.allow_change.split(","))) - set(RESUME_CHECKED) - set(cls.resume_changeable())
     if unknown:
         raise ConfigError(f"--allow-change {cfg.allow_change!r}: unknown {sorted(unknown)}; choose from "
-                          f"{', '.join(RESUME_CHECKED + tuple(cls.resume_changeable))}")
+                          f"{', '.join(RESUME_CHECKED + cls.resume_changeable())}")
     graph_only = [f for f, on in (("--remat", cfg.remat), ("--offload", cfg.offload), ("--split", cfg.split),
                                   ("--backend", cfg.backend)) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:
@@ -276,6 +264,9 @@ def _validate_mesh(cfg, model_parallel):
         return
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--mesh with --device {cfg.device} is not supported (use cpu or cuda)")
+    dp = sizes["dcn"] * sizes["ici"]  # torchrun ranks that each read a slice of the batch (tp ranks share one)
+    if cfg.batch_size % dp:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {dp} data-parallel ranks")
     if sizes["tp"] > 1 or sizes["ep"] > 1:
         if cfg.scan:
             raise ConfigError(f"--mesh {cfg.mesh!r}: --scan with tp or ep is not built")

@@ -9,8 +9,9 @@ torchrun rank). The lowest layer: it imports nothing.
     exit 3  (NonFinite)  a NaN / Inf loss, gradient norm or validation loss: the trainer's own return
     exit 4  PeerGone     another process the run needs died or stalled (a torchrun rank, an engine)
     exit 5  WriteFailed  a write failed (disk full, file-size limit); the last good checkpoint stays
-    130 / 143            interrupted by SIGINT / SIGTERM (128 + the signal's number)
+    130 / 143            Interrupted (or KeyboardInterrupt): SIGTERM / SIGINT (128 + the signal's number)
 """
+import signal
 import sys
 
 EXIT_OWN_FAILURE, EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED = 1, 2, 3, 4, 5
@@ -38,6 +39,29 @@ class WriteFailed(MinititanError, OSError):
 
 class ConfigError(BadInput):
     """A flag or a combination of flags (cli.py, a workload's own flags, a model config)."""
+
+
+class Interrupted(BaseException):
+    """SIGTERM (or SIGINT, as KeyboardInterrupt): end like a shell does, 128 + the signal number. Not an
+    Exception, so no `except Exception` on the way swallows it; here, so that a layer that must let it
+    through (checkpoint.py) knows it by its class."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+    def __str__(self):
+        return signal.Signals(self.signum).name
+
+
+def interrupted(e):
+    """True if `e` is SIGINT / SIGTERM, or wraps it: DCP gathers what its writers raised into a
+    CheckpointException's `failures` ({rank: (exception, traceback)}); or chains it as the cause."""
+    if isinstance(e, (KeyboardInterrupt, Interrupted)):
+        return True
+    failures = getattr(e, "failures", None)
+    inner = [pair[0] for pair in failures.values()] if isinstance(failures, dict) else []
+    return any(interrupted(x) for x in inner + ([e.__cause__] if e.__cause__ is not None else []))
 
 
 def error_line(message):

@@ -15,7 +15,7 @@ from typing import Optional
 import data
 import hf
 from checkpoint import CheckpointError
-from cli import flag, with_overrides
+from flags import flag, with_overrides
 from errors import ConfigError
 from model import (FLAVORS, KIND, ModelArgs, Transformer, check_args, dynamic_shapes_reason, flops_per_token,
                    next_token_loss, param_counts, tpu_config)
@@ -122,7 +122,7 @@ class PretrainingFlags:
 class Pretraining(Workload):
     """Next-token prediction on a text corpus: the batches are data.Batches, the loss model.next_token_loss."""
     name, default_flavor, Flags, unit = "lm", "llama3_debug", PretrainingFlags, "tok"
-    family_class, resume_changeable = LanguageModelFamily, ("data",)
+    family_class, resume_policy = LanguageModelFamily, {"data": True, "tokenizer": True}
 
     @classmethod
     def check_flags(cls, cfg):

@@ -188,6 +188,16 @@ class TorchrunMesh(Parallel):
         """The mean over data-parallel ranks (a tp group's ranks hold the same value: all ranks count)."""
         return funcol.all_reduce(x.detach(), "sum", dist.group.WORLD) / (self.dp_size * self.tp)
 
+    def broadcast_from_first(self, x):
+        dist.broadcast(x, 0)
+        return x
+
+    def scatter_from_first(self, chunks, out):
+        """(dist.scatter over every rank: a tp group's ranks each get their dp rank's chunk)"""
+        dist.scatter(out, [chunks[r // self.tp] for r in range(self.dp_size * self.tp)] if self.global_rank == 0
+                     else None, src=0)
+        return out
+
     def close(self):
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -86,13 +86,21 @@ def check_args(args):
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
         if getattr(args, name) <= 0:
             raise ValueError(f"{name} must be positive, got {getattr(args, name)}")
-    if args.rope_scaling is not None and len(args.rope_scaling) != 4:
-        raise ValueError(f"rope_scaling is (factor, low_freq_factor, high_freq_factor, original_ctx), got "
-                         f"{args.rope_scaling}")
+    for f in dataclasses.fields(args):  # NaN passes every `x <= 0` below (a config.json may hold one)
+        value = getattr(args, f.name)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, tuple) else (value,))):
+            raise ValueError(f"{f.name} must be finite, got {value}")
+    if args.rope_scaling is not None:  # rope_inv_freq divides by factor, low and high - low
+        if len(args.rope_scaling) != 4 or not (args.rope_scaling[0] > 0 and 0 < args.rope_scaling[1] <
+                                               args.rope_scaling[2] and args.rope_scaling[3] > 0):
+            raise ValueError(f"rope_scaling is (factor, low_freq_factor, high_freq_factor, original_ctx) with "
+                             f"factor > 0, 0 < low < high, original_ctx > 0; got {args.rope_scaling}")
     if args.n_heads % args.n_kv_heads:
         raise ValueError(f"n_heads ({args.n_heads}) must be divisible by n_kv_heads ({args.n_kv_heads})")
-    if args.hd % 2:
-        raise ValueError(f"head_dim must be even for rotary embeddings, got {args.hd}")
+    if args.hd <= 0 or args.hd % 2:
+        raise ValueError(f"head_dim must be positive and even for rotary embeddings, got {args.hd}")
+    if args.aux_loss_coef < 0:
+        raise ValueError(f"aux_loss_coef must be >= 0, got {args.aux_loss_coef}")
     if args.n_experts and not (0 < args.top_k <= args.n_experts and args.moe_ffn_dim > 0):
         raise ValueError(f"MoE needs 0 < top_k <= n_experts and moe_ffn_dim > 0, got top_k="
                          f"{args.top_k}, n_experts={args.n_experts}, moe_ffn_dim={args.moe_ffn_dim}")

@@ -123,6 +123,16 @@ class Parallel:
     def local_bytes(self, tensors):
         return sum(t.numel() * t.element_size() for t in self.local(tensors))
 
+    # A workload's own exchanges (GRPO: what rank 0 alone draws from its rollout engine)
+    def broadcast_from_first(self, x):
+        """`x` as global rank 0 holds it, on every process (filled in place)."""
+        return x
+
+    def scatter_from_first(self, chunks, out):
+        """`out` filled with this process's chunk: `chunks` (one tensor per data-parallel rank, `out`'s
+        shape) is given on global rank 0 only (None elsewhere); ranks of one dp rank get the same."""
+        return out.copy_(chunks[self.dp_rank])
+
     def close(self):
         pass
 

@@ -22,22 +22,26 @@ model, parallelize function and loss beside the shared trainer):
   Workload: the data, the loss and what a run of it does besides the loop
     name, default_flavor        registered in WORKLOADS below; `Flags`: a dataclass of its own flags
                                 (cli.py shows them as the workload's group; another's are refused);
-    family_class                its ModelFamily's class; `resume_changeable`: meta() keys a resume
-                                may change with --allow-change; `resume_refusal`: the changes it may not
+    family_class                its ModelFamily's class (for checks before it is built)
+    resume_policy               what a resume may change, the one form: each meta() key -> True (with
+                                --allow-change KEY), why not (a clause), or f(saved, now) -> None or why;
+                                a key it does not name cannot change (resume_refusal, resume_changeable)
     check_flags(cfg)            its own validation (classmethod; ConfigError: one line, exit 2)
-    family                      its ModelFamily (GRPO and SFT use the LM family; none inherits another
-                                workload)
+    family                      its ModelFamily, whole when the workload is (GRPO and SFT use the LM
+                                family; none inherits another workload)
     setup_data(rank, size), batch(step) (a pure function of (seed, step): resume and N ranks see what
-    one process would), val_batches, loss(model, batch) -> (reported, differentiated), units_per_step,
-    unit, flops_per_step(args), meta() (what a resume must match), notes
+    one process would), val_batches, loss(model, batch) -> (reported, differentiated), units_per_step
+    and unit (what the log counts a step in), flops_per_step(args), meta() (what a resume must match), notes
     preview(model, log, out_dir, step, final)   something to look at (one device only)
-    attach(model), step_metrics(), evaluate(model, step, log), evaluates, plotted, close()
+    attach(model, parallel), step_metrics(), evaluate(model, step, log), evaluates, plotted, close()
                                 for a workload with state beside the model (GRPO's rollout engine)
     halt(record)                end the run after an evaluation (sft's --halt-at-accuracy)
 
+These are all the members the trainer uses (tests/check_seams.py holds it to that).
+
 A new workload is one file (a Workload subclass and, if the model is new, a ModelFamily) and one line
 in WORKLOADS. This file imports nothing of ours: the registry names classes by "module:Class" and
-imports the one a run asks for.
+imports the one a run asks for; a run imports no other workload (tests/check_seams.py runs one to see).
 """
 import dataclasses
 import importlib
@@ -122,9 +126,8 @@ class Workload:
     name = default_flavor = None
     Flags = NoFlags
     family_class = ModelFamily  # the kind of model it trains (for checks before it is built)
-    resume_changeable = ()      # keys of meta() that --allow-change may let differ on a resume
-    resume_fixed = {}           # keys of meta() that cannot change on a resume -> why (one clause)
-    unit = "samples"
+    resume_policy = {}          # meta() key -> True (--allow-change KEY), why it cannot change, or f(saved, now)
+    unit = "samples"            # what units_per_step counts
     notes = ()
     val_batches = ()
     evaluates = False
@@ -137,8 +140,14 @@ class Workload:
     @classmethod
     def resume_refusal(cls, key, saved, now):
         """Why meta() key `key` cannot go from `saved` to `now` on a resume (not even with --allow-change:
-        the checkpoint would not fit the run), or None. Default: the keys in `resume_fixed`."""
-        return cls.resume_fixed.get(key)
+        the checkpoint would not fit the run), or None, as `resume_policy` says."""
+        rule = cls.resume_policy.get(key, "this version does not take a change of it")
+        return None if rule is True else rule(saved, now) if callable(rule) else rule
+
+    @classmethod
+    def resume_changeable(cls):
+        """The meta() keys --allow-change may name (a refusal never offers another)."""
+        return tuple(k for k, rule in cls.resume_policy.items() if not isinstance(rule, str))
 
     @classmethod
     def check_flags(cls, cfg):
@@ -157,6 +166,11 @@ class Workload:
     def loss(self, model, batch):
         raise NotImplementedError
 
+    @property
+    def units_per_step(self):
+        """How many `unit`s one optimizer step trains on (the log's throughput)."""
+        raise NotImplementedError
+
     def flops_per_step(self, args):
         raise NotImplementedError
 
@@ -167,8 +181,9 @@ class Workload:
         """Called by the writing process where the weights are whole (one device): after each
         evaluation (final=False: something quick), and once after the last step (final=True)."""
 
-    def attach(self, model):
-        """The live (possibly sharded) model the trainer updates, before its first step."""
+    def attach(self, model, parallel):
+        """The live (possibly sharded) model the trainer updates, and its layout (parallel.Parallel: how
+        the workload's own exchanges between processes go), before its first step."""
 
     def step_metrics(self):
         return {}

@@ -22,6 +22,7 @@ from tests.check_launch import *  # noqa: E402,F401,F403
 from tests.check_model import *  # noqa: E402,F401,F403
 from tests.check_optim_data import *  # noqa: E402,F401,F403
 from tests.check_checkpoint import *  # noqa: E402,F401,F403
+from tests.check_refusals import *  # noqa: E402,F401,F403
 from tests.check_kernels import *  # noqa: E402,F401,F403
 from tests.check_parallel import *  # noqa: E402,F401,F403
 from tests.check_elastic import *  # noqa: E402,F401,F403

@@ -14,6 +14,7 @@ line); 130 / 143 interrupted (SIGINT / SIGTERM). The last good checkpoint always
 """
 import contextlib
 import faulthandler
+import functools
 import json
 import math
 import os
@@ -32,9 +33,9 @@ import mesh
 import optim
 import profiling
 import rundir
-from cli import RESUME_CHECKED, parse_config
-from errors import (EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, ConfigError,
-                    MinititanError, PeerGone, error_line, peer_failure)
+from cli import RESUME_CHECKED, parse_config, resume_refusal
+from errors import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, ConfigError,
+                    Interrupted, MinititanError, PeerGone, error_line, peer_failure)
 from parallel import Parallel, layout_kind
 from task import workload_class
 
@@ -69,9 +70,7 @@ class Trainer:
     def __init__(self, cfg, parallel=None, task=None):
         self.cfg, self.parallel = cfg, parallel or choose_parallel(cfg)
         self.device = self.parallel.device
-        dp = self.parallel.dp_size
-        if cfg.batch_size % dp:
-            raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {dp} data-parallel ranks")
+        dp = self.parallel.dp_size  # (--batch-size divides over it: cli.py's checks)
         self.out_dir = cfg.out_dir or os.path.join("runs", f"{cfg.flavor}-{time.strftime('%Y%m%d-%H%M%S')}")
         rundir.check_writable(self.out_dir)
         self.task = task or make_workload(cfg)
@@ -82,7 +81,8 @@ class Trainer:
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
         self.meta = self.run_meta()
         self.resume_from, note = checkpoint.choose(self.ckpt_dir, cfg.resume, cfg.resume_from, self.meta,
-                                                   set(cfg.allow_change.split(",")), self.task.resume_refusal)
+                                                   set(cfg.allow_change.split(",")),
+                                                   functools.partial(resume_refusal, type(self.task)))
         self.notes += [f"note: {note}"] if note else []
         self.check_memory()
         self.model = self.build_model()
@@ -94,7 +94,7 @@ class Trainer:
         self.step = 0
         if self.resume_from:
             self.restore(self.resume_from)
-        self.task.attach(self.model)
+        self.task.attach(self.model, self.parallel)
         self.evaluates = bool(self.task.val_batches) or self.task.evaluates
         self.flops_per_step = self.task.flops_per_step(self.model_args)
         self.peak, self.peak_label = dev.peak_flops(self.device)
@@ -107,7 +107,6 @@ class Trainer:
         meta = {"flavor": self.family.label(), "task": cfg.task, "model_args": self.family.record(self.model_args),
                 "mesh": self.parallel.mesh_spec,
                 "train": {**{k: getattr(cfg, k) for k in RESUME_CHECKED}, **self.task.meta()}}
-        meta["tokenizer"] = meta["train"].pop("tokenizer", None)  # (recorded for generate.py, not compared)
         if cfg.scan:
             meta["layers"] = "stacked"
         return json.loads(json.dumps(meta))  # as meta.json will hold it (tuples become lists), so it compares
@@ -364,14 +363,6 @@ class Trainer:
 # ------------------------------------------------------------------------------------------------
 # main: every failure ends in one line and an exit code that says what happened
 
-class Interrupted(BaseException):
-    """SIGTERM (or SIGINT, as KeyboardInterrupt): end like a shell does, 128 + the signal number."""
-
-    def __init__(self, signum):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 def _raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
@@ -402,6 +393,9 @@ def main(argv=None):
         parallel.close()  # only on the happy path: after a peer failure it could wait on the dead
         return rc
     except MinititanError as e:  # bad input (2), a peer or engine gone (4), a failed write (5): by kind
+        rank = parallel.global_rank if parallel is not None else int(os.environ.get("RANK", "0"))
+        if e.exit_code == EXIT_BAD_INPUT and rank != 0:
+            return _refused_on_a_rank(e, rank)
         where = f" at step {trainer.step if trainer else 0}" if isinstance(e, PeerGone) else ""
         error_line(f"a write failed: {_describe_os_error(e)}" if e.exit_code == EXIT_WRITE_FAILED else f"{e}{where}")
         return e.exit_code
@@ -416,6 +410,25 @@ def main(argv=None):
         return EXIT_WRITE_FAILED
     except (RuntimeError, torch.distributed.DistError, CheckpointException) as e:  # (DCP's: a BaseException)
         return _runtime_failure(e, trainer, parallel)
+
+
+REFUSAL_GRACE_S = 10.0  # how long a rank > 0 waits, silent, for rank 0 to say the same refusal
+
+
+def _refused_on_a_rank(e, rank):
+    """Bad input on torchrun's rank `rank` > 0 (exit 2). The checks are the same on every rank, so rank 0
+    refuses too and says it: one line, not one per rank. torchrun then stops this rank (SIGTERM), which
+    ends it quietly with the same exit code. Still running after the grace period, rank 0 did not refuse
+    (input that differs between ranks, e.g. files on another host): this rank says it, named."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(EXIT_BAD_INPUT))
+    try:
+        time.sleep(REFUSAL_GRACE_S)
+    except KeyboardInterrupt:  # (Ctrl-C reaches every rank: rank 0 has said what happened)
+        return EXIT_BAD_INPUT
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    error_line(f"rank {rank}: {e}")
+    return EXIT_BAD_INPUT
 
 
 def _runtime_failure(e, trainer, parallel):

@@ -49,7 +49,8 @@ from flux import model as flux
 from flux import latents as flux_latents
 from flux import sample as flux_sample
 from flux.sample import GUIDANCE, sample_grid
-from cli import flag, with_overrides
+from flags import flag, with_overrides
+from checkpoint import CheckpointError
 from errors import ConfigError
 from parallel import local_block, local_tensor
 from task import ModelFamily, Workload
@@ -123,12 +124,18 @@ class ConditionedFlux(nn.Module):
 
 class FluxFamily(ModelFamily):
     """flux.Flux behind its conditioning (ConditionedFlux): from a flavor or a diffusers directory's
-    config, --set applied; the data source fixes the image grid and whether prompts are learned
-    classes (`configure`, before the model is built)."""
+    config, --set applied; the data source fixes the image grid `hw`, whether prompts are learned
+    `classes`, and the text tokens (given when the family is made, whole: FluxDigits loads its source first)."""
     kind = flux.KIND
 
-    def __init__(self, cfg):
-        self.cfg = cfg
+    def __init__(self, cfg, args=None, hw=(SIDE, SIDE), classes=True, guidance=1.0, text_tokens=PROMPT_TOKENS):
+        self.cfg = cfg  # (None for a family made from a checkpoint's record)
+        super().__init__(args if args is not None else self.args_from_cli(cfg))
+        self.hw, self.classes, self.guidance, self.text_tokens = tuple(hw), classes, guidance, text_tokens
+
+    @staticmethod
+    def args_from_cli(cfg):
+        """FluxArgs from --flavor or --init-from's config, --set applied, checked (ConfigError: one line)."""
         try:
             if cfg.init_from:
                 from flux import hf as flux_hf
@@ -146,8 +153,7 @@ class FluxFamily(ModelFamily):
                               f"a velocity has its input's channels")
         if cfg.kernels == "pallas":  # the joint attention as the Pallas splash kernel, every block live
             args = dataclasses.replace(args, attn_impl="splash")
-        super().__init__(args)
-        self.hw, self.classes, self.guidance, self.text_tokens = (SIDE, SIDE), True, 1.0, PROMPT_TOKENS
+        return args
 
     @classmethod
     def from_record(cls, meta, where):
@@ -155,21 +161,14 @@ class FluxFamily(ModelFamily):
         saved = meta.get("model_args")
         known = {f.name for f in dataclasses.fields(flux.FluxArgs)}
         if not isinstance(saved, dict) or set(saved) - known:
-            raise ConfigError(f"{where}: model_args {sorted(set(saved or {}) - known) or '(none)'} describe no "
+            raise CheckpointError(f"{where}: model_args {sorted(set(saved or {}) - known) or '(none)'} describe no "
                               f"FLUX model of this version")
         try:
             args = flux.FluxArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
             flux.check_args(args)
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"{where}: model_args describe no FLUX model ({str(e).splitlines()[0]})") from None
-        family = cls.__new__(cls)
-        ModelFamily.__init__(family, args)
-        family.cfg = None
-        family.hw, family.classes, family.guidance, family.text_tokens = (SIDE, SIDE), not meta["train"].get("data"), 1.0, PROMPT_TOKENS
-        return family
-
-    def configure(self, hw, classes, guidance, text_tokens):
-        self.hw, self.classes, self.guidance, self.text_tokens = tuple(hw), classes, guidance, text_tokens
+            raise CheckpointError(f"{where}: model_args describe no FLUX model ({str(e).splitlines()[0]})") from None
+        return cls(None, args, classes=not meta["train"].get("data"))
 
     def build(self, args):
         return ConditionedFlux(args, self.hw, classes=self.classes, guidance=self.guidance)
@@ -224,15 +223,10 @@ class FluxFlags:
 class FluxDigits(Workload):
     """Rectified flow on the digits (or a latent file): the batches, the flow-matching loss, the grids."""
     name, default_flavor, Flags, unit = "flux", "flux_debug", FluxFlags, "img"
-    family_class, resume_changeable = FluxFamily, ("data",)
-
-    @classmethod
-    def resume_refusal(cls, key, saved, now):
-        """Another latent file may replace one (--allow-change data); digits <-> a file may not."""
-        if key == "data" and (saved is None) != (now is None):
-            return ("the data source (the digits or a --data latent file) fixes the model's conditioning "
-                    "weights: resume with the run's --data")
-        return super().resume_refusal(key, saved, now)
+    family_class = FluxFamily
+    resume_policy = {"data": lambda saved, now: None if (saved is None) == (now is None) else (  # (None: the digits)
+        "the data source (the digits or a --data latent file) fixes the model's conditioning weights: resume "
+        "with the run's --data")}  # another latent file may replace one (--allow-change data); digits <-> a file may not
 
     @classmethod
     def check_flags(cls, cfg):
@@ -245,8 +239,7 @@ class FluxDigits(Workload):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.family = FluxFamily(cfg)
-        a = self.args
+        a = FluxFamily.args_from_cli(cfg)
         published = a.in_channels == 4 * VAE_CHANNELS
         self.image_size = cfg.image_size or (PUBLISHED_SIZE if published else SIDE)
         self.guidance = 1.0 if cfg.distilled_guidance is None else cfg.distilled_guidance
@@ -255,6 +248,7 @@ class FluxDigits(Workload):
                 latent_geometry(a, self.image_size)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+            self.family = FluxFamily(cfg, a)
             return
         if not cfg.data and a.in_channels != 4:
             raise ConfigError(f"the digits are 1 channel packed 2x2 (4 channels a token), the model takes "
@@ -266,11 +260,13 @@ class FluxDigits(Workload):
         if cfg.distilled_guidance is not None and not a.guidance_embed:
             raise ConfigError(f"--distilled-guidance {cfg.distilled_guidance}: this model has no guidance "
                               f"embedding (flux-dev's; guidance_embed=False)")
+        # the data source, then the family it fixes (the image grid, learned class prompts or given text)
+        self.src = flux_latents.LatentFile(cfg.data, a) if cfg.data else DigitsSource(cfg.seed)
+        self.family = FluxFamily(cfg, a, self.src.hw, self.src.cond_keys == ("labels",), self.guidance,
+                                 self._text_tokens())
 
     def setup_data(self, dp_rank, dp_size):
         cfg = self.cfg
-        self.src = flux_latents.LatentFile(cfg.data, self.args) if cfg.data else DigitsSource(cfg.seed)
-        self.family.configure(self.src.hw, self.src.cond_keys == ("labels",), self.guidance, self._text_tokens())
         self.rank, self.size = dp_rank, dp_size
         held, n = self.src.held, min(len(self.src.held["latents"]), cfg.batch_size) // dp_size * dp_size
         if cfg.eval_batches and not n:  # (a small file's held-out tenth: fewer rows than ranks)

@@ -24,6 +24,7 @@ How l_t becomes one number is the aggregation (TRL's loss_type):
 Under data parallelism the trainer passes the global token count (dapo) or the global constant
 (dr_grpo) so that ranks' gradients add up to the one-process gradient.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,16 +47,17 @@ class GRPOConfig:
         """ValueError (one line) for a setting the algorithm cannot run with."""
         if self.group_size < 2:
             raise ValueError(f"group size G must be >= 2 (a group of one has no baseline), got {self.group_size}")
-        if self.eps_low <= 0 or self.eps_high <= 0:
-            raise ValueError(f"clip bounds must be > 0, got eps_low={self.eps_low} eps_high={self.eps_high}")
+        # (written so that NaN fails them: NaN <= 0 is False; cli.py refuses NaN flags before this)
+        if not (0 < self.eps_low < math.inf and 0 < self.eps_high < math.inf):
+            raise ValueError(f"clip bounds must be > 0 and finite, got eps_low={self.eps_low} eps_high={self.eps_high}")
         if self.eps_low >= 1:
             raise ValueError(f"eps_low must be < 1 (the ratio's lower bound 1 - eps_low > 0), got {self.eps_low}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"unknown loss aggregation {self.aggregation!r}; known: {', '.join(AGGREGATIONS)}")
-        if self.beta < 0:
-            raise ValueError(f"KL coefficient beta must be >= 0, got {self.beta}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 <= self.beta < math.inf):
+            raise ValueError(f"KL coefficient beta must be finite and >= 0, got {self.beta}")
+        if not (0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         return self
 
 

@@ -4,7 +4,7 @@ own samples, scored by a program (a verifiable reward), drawn by a separate roll
     python train.py --task sft --out-dir runs/sft ...                      # warm start: rl/sft_task.py
     python train.py --task grpo --init-from runs/sft --steps 100 ...       # then GRPO on its policy
 
-The trainer (train.py) runs it like any Task: the loop, AdamW, clipping, checkpoints, graph mode and
+The trainer (train.py) runs it like any Workload (task.py): the loop, AdamW, clipping, checkpoints, graph mode and
 the SimpleFSDP mesh are its. What is GRPO's own, after torchtitan's experiments/rl and TRL's
 GRPOTrainer (the pieces: rl/grpo.py the algorithm, rl/rollout.py the engine, rl/weight_sync.py the pipe;
 or rl/vllm_engine.py, --engine vllm, for both):
@@ -14,14 +14,16 @@ or rl/vllm_engine.py, --engine vllm, for both):
     of optimizer steps in them: every trainer rank gathers its shards in the same order, global rank 0
     broadcasts to the engine), and the engine samples G completions of each of the P prompts of
     rollout batch r, seeded by (seed, r), with their sampling logprobs;
-  - rank 0 scores them (rl/arithmetic.py), and the completions, logprobs, masks and rewards reach every
-    rank in one broadcast on the default group; advantages per group (grpo.group_advantages); each
-    rank trains on its own P G / N rows. The DAPO normalizer is the global token count over N, so
-    the ranks' averaged gradients are one process's on the whole batch;
+  - rank 0 scores them (rl/arithmetic.py) and computes the advantages per group (grpo.group_advantages);
+    each rank receives only its own P G / N rows (completions and mask, logprobs and advantages: two
+    scatters through parallel.Parallel) and the batch's token count and mean reward. The DAPO
+    normalizer is the global token count over N, so the ranks' averaged gradients are one process's
+    on the whole batch;
   - the loss is grpo.policy_loss on the policy's logprobs of the completions (graph mode traces it
     whole); --kl-beta > 0 adds k3 KL to a frozen copy of the warm start, scored on each rank's rows;
   - the batch is a pure function of (seed, step) and the weights at the batch's first step, so a
-    checkpoint on a rollout-batch boundary (cli.py enforces it) resumes bit for bit;
+    checkpoint on a rollout-batch boundary (GRPOArithmetic.check_flags, called by cli.py's checks,
+    refuses any other) resumes bit for bit;
   - evaluations: greedy accuracy on the task's 500 held-out prompts, sampled by the engine from the
     policy at that step; a few completions in the log at the first and last evaluation. The warm
     start (--init-from) is a train.py run directory (checkpoint.load_run) or a HF directory.
@@ -33,10 +35,9 @@ import math
 import os
 
 import torch
-import torch.distributed as dist
 
 import checkpoint
-from cli import flag
+from flags import flag
 from errors import ConfigError
 from lm_task import LanguageModelFamily
 from model import flops_per_token
@@ -69,14 +70,11 @@ def _recorded_warm_start(cfg):
     """(path, sha256) of the warm-start checkpoint recorded by the checkpoint this run resumes from, or None."""
     if not (cfg.resume or cfg.resume_from) or not cfg.out_dir:
         return None
-    ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
-    found = checkpoint.step_dirs(ckpt_dir)
-    path = (cfg.resume_from if os.path.isdir(cfg.resume_from) else os.path.join(ckpt_dir, cfg.resume_from)) \
-        if cfg.resume_from else found[0][1] if found else None  # (as checkpoint.choose picks it)
-    try:
+    try:  # (the trainer's own choice, checkpoint.resume_path; it refuses a broken or absent one itself)
+        path, _ = checkpoint.resume_path(os.path.join(cfg.out_dir, "checkpoints"), cfg.resume, cfg.resume_from)
         record = checkpoint.read_meta(path)["train"]["init_from"] if path else None
     except (checkpoint.CheckpointError, KeyError, TypeError):
-        return None  # (broken or absent: the trainer's resume check says so)
+        return None
     if not isinstance(record, str) or " sha256:" not in record:
         return None
     return tuple(record.rsplit(" sha256:", 1))
@@ -140,8 +138,7 @@ class ArithmeticPolicy(Workload):
     accuracy on the held-out prompts."""
     unit, evaluates, default_flavor = "seq", True, "llama3_debug"
     Flags, family_class = PolicyFlags, PolicyFamily
-    resume_changeable = ("init_from", "reward_task", "format_credit", "max_new_tokens", "engine", "vllm_python",
-                         "engine_dtype")
+    # resume_policy (task.Workload): the warm start, and each of its own flags a checkpoint records (meta())
 
     @classmethod
     def check_flags(cls, cfg):
@@ -193,11 +190,10 @@ class ArithmeticPolicy(Workload):
 
     def setup_data(self, dp_rank, dp_size):
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
-        self.talks_to_engine = not dist.is_initialized() or dist.get_rank() == 0
 
-    def attach(self, model):
-        self.model = model
+    def attach(self, model, parallel):
+        self.model, self.parallel = model, parallel
+        self.talks_to_engine = parallel.global_rank == 0  # (rank 0 alone holds the engine)
 
     # ---------------------------------------------------------------------------------------------
     def _sync(self, version):
@@ -225,34 +221,39 @@ class ArithmeticPolicy(Workload):
         return rollout.EngineProcess(self.args, dtype=dtype, timeout_s=self.cfg.engine_timeout)
 
     def _generate(self, prompts, group_size, temperature, seed):
-        """Rank 0 asks the engine; every rank gets (completions, engine logprobs, mask, reward) (B, ...)."""
+        """Rank 0 asks the engine: (completions, engine logprobs, mask, reward) (B, ...) there; None on the
+        other ranks (what they need of it reaches them through the Parallel)."""
+        if not self.talks_to_engine:
+            return None
         B, C = len(prompts) * group_size, self.cfg.max_new_tokens
-        buf_BxW = torch.zeros(B, 3 * C + 1, dtype=torch.float64)  # exact for byte ids and fp32 logprobs
-        if self.talks_to_engine:
-            ro = self.engine.generate(prompts, group_size, C, temperature=temperature, seed=seed,
-                                      eos_id=arithmetic.EOS, batch_size=B)
-            if ro.version != self.synced:  # the ratio would compare the wrong policies
-                raise rollout.EngineError(f"rollout carries policy version {ro.version}, expected {self.synced}")
-            rewards = [self.reward_task.reward(p, c) for p, c in zip(ro.prompts_BxP.tolist(), ro.completions_BxC.tolist())]
-            buf_BxW[:, :C], buf_BxW[:, C:2 * C], buf_BxW[:, 2 * C:3 * C] = ro.completions_BxC, ro.logprobs_BxC, ro.mask_BxC
-            buf_BxW[:, 3 * C] = torch.tensor(rewards, dtype=torch.float64)
-            self.stats["rollout_s"] = ro.seconds
-        if self.distributed:
-            dist.broadcast(buf_BxW, 0)
-        return (buf_BxW[:, :C].long(), buf_BxW[:, C:2 * C].float(), buf_BxW[:, 2 * C:3 * C].bool(),
-                buf_BxW[:, 3 * C].float())
+        ro = self.engine.generate(prompts, group_size, C, temperature=temperature, seed=seed,
+                                  eos_id=arithmetic.EOS, batch_size=B)
+        if ro.version != self.synced:  # the ratio would compare the wrong policies
+            raise rollout.EngineError(f"rollout carries policy version {ro.version}, expected {self.synced}")
+        rewards = [self.reward_task.reward(p, c) for p, c in zip(ro.prompts_BxP.tolist(), ro.completions_BxC.tolist())]
+        self.stats["rollout_s"] = ro.seconds
+        return ro.completions_BxC.long(), ro.logprobs_BxC.float(), ro.mask_BxC.bool(), torch.tensor(rewards)
 
     def evaluate(self, model, step, log):
         """Greedy exact-answer rate on the held-out prompts, sampled by the engine from the policy at `step`."""
         self._sync(step)
         test = self.reward_task.test_set()
-        comp_BxC, _, _, reward_B = self._generate(test, 1, 0.0, 0)
-        if step in (0, self.cfg.steps):
-            shown = [bytes(p).decode() + repr(bytes(c).split(b"\n")[0].decode("utf-8", "replace"))
-                     for p, c in zip(test[:SHOWN], comp_BxC[:SHOWN].tolist())]
-            log({"event": "completions", "step": step, "text": shown},
-                f"held-out completions at step {step}: " + "  ".join(shown))
-        return {"held_out_accuracy": (reward_B == 1.0).float().mean().item()}
+        accuracy_1 = torch.zeros(1)
+        drawn = self._generate(test, 1, 0.0, 0)
+        if drawn is not None:
+            comp_BxC, _, _, reward_B = drawn
+            accuracy_1[0] = (reward_B == 1.0).float().mean()
+            if step in (0, self.cfg.steps):
+                shown = [bytes(p).decode() + repr(bytes(c).split(b"\n")[0].decode("utf-8", "replace"))
+                         for p, c in zip(test[:SHOWN], comp_BxC[:SHOWN].tolist())]
+                log({"event": "completions", "step": step, "text": shown},
+                    f"held-out completions at step {step}: " + "  ".join(shown))
+        return {"held_out_accuracy": self.parallel.broadcast_from_first(accuracy_1).item()}  # (every rank halts alike)
+
+    def meta(self):
+        """The flags its resume_policy names, under the workload's name, and the warm start."""
+        return {self.name: {k: getattr(self.cfg, k) for k in self.resume_policy if k != "init_from"},
+                "init_from": self.warm_record}
 
     def close(self):
         if self.engine is not None:
@@ -278,10 +279,11 @@ class GRPOFlags(PolicyFlags):
 class GRPOArithmetic(ArithmeticPolicy):
     """The policy learns from its own samples: batches are rollouts, the loss is the clipped surrogate."""
     name, Flags, plotted = "grpo", GRPOFlags, ("reward", "held_out_accuracy")
-    resume_changeable = ArithmeticPolicy.resume_changeable + ("group_size", "prompts_per_step", "clip_eps",
-                                                              "aggregation", "kl_beta", "temperature")
-    resume_fixed = {"updates_per_batch": "a checkpoint falls on a rollout-batch boundary of the run's "
-                                         "--updates-per-batch (another one would split a rollout batch)"}
+    resume_policy = {**dict.fromkeys(("init_from", "reward_task", "format_credit", "group_size", "prompts_per_step"), True),
+                     "updates_per_batch": "a checkpoint falls on a rollout-batch boundary of the run's "
+                                          "--updates-per-batch (another one would split a rollout batch)",
+                     **dict.fromkeys(("clip_eps", "aggregation", "kl_beta", "max_new_tokens", "temperature", "engine",
+                                      "engine_dtype"), True)}
 
     @staticmethod
     def algorithm(cfg):
@@ -324,19 +326,28 @@ class GRPOArithmetic(ArithmeticPolicy):
         cfg, G = self.cfg, self.algo.group_size
         self._sync(r * cfg.updates_per_batch)
         prompts = self.reward_task.prompts(r, cfg.prompts_per_step)
-        comp_BxC, logp_BxC, mask_BxC, reward_B = self._generate(prompts, G, self.algo.temperature,
-                                                                 cfg.seed * 1_000_003 + r)
-        adv_B = grpo.group_advantages(reward_B, G, self.algo.std_norm)
-        tokens_BxT = torch.cat([torch.tensor(prompts).repeat_interleave(G, 0), comp_BxC], 1)
-        n_tokens = mask_BxC.sum().float() / self.dp_size  # dapo: the global count, per rank's share
-        mine = slice(self.dp_rank * self.rows // self.dp_size, (self.dp_rank + 1) * self.rows // self.dp_size)
-        batch = (tokens_BxT[mine], mask_BxC[mine], logp_BxC[mine], adv_B[mine], n_tokens)
+        N, C = self.dp_size, cfg.max_new_tokens
+        ints_Nx_bxW, floats_Nx_bxW, totals_2 = None, None, torch.zeros(2)  # b = B / N rows of this rank
+        drawn = self._generate(prompts, G, self.algo.temperature, cfg.seed * 1_000_003 + r)
+        if drawn is not None:  # rank 0: the advantages need every group's rewards; each rank gets its rows
+            comp_BxC, logp_BxC, mask_BxC, reward_B = drawn
+            adv_B = grpo.group_advantages(reward_B, G, self.algo.std_norm)
+            ints_Nx_bxW = torch.cat([comp_BxC, mask_BxC.long()], 1).chunk(N)
+            floats_Nx_bxW = torch.cat([logp_BxC, adv_B[:, None]], 1).chunk(N)
+            totals_2 = torch.stack([mask_BxC.sum().float(), reward_B.mean()])
+        ints_bxW = self.parallel.scatter_from_first(ints_Nx_bxW, torch.zeros(self.rows // N, 2 * C, dtype=torch.long))
+        floats_bxW = self.parallel.scatter_from_first(floats_Nx_bxW, torch.zeros(self.rows // N, C + 1))
+        n_mask, reward = self.parallel.broadcast_from_first(totals_2).tolist()
+        mine = slice(self.dp_rank * self.rows // N, (self.dp_rank + 1) * self.rows // N)
+        tokens_bxT = torch.cat([torch.tensor(prompts).repeat_interleave(G, 0)[mine], ints_bxW[:, :C]], 1)
+        n_tokens = torch.tensor(n_mask) / N  # dapo: the global count, per rank's share
+        batch = (tokens_bxT, ints_bxW[:, C:].bool(), floats_bxW[:, :C], floats_bxW[:, C], n_tokens)
         if self.algo.beta > 0:
             with torch.no_grad():
-                batch += (grpo.completion_logprobs(self._reference(), tokens_BxT[mine], self.prompt_len,
+                batch += (grpo.completion_logprobs(self._reference(), tokens_bxT, self.prompt_len,
                                                    self.algo.temperature),)
         self.current = (r, batch)
-        self.stats.update(reward=reward_B.mean().item(), policy_version=self.synced)
+        self.stats.update(reward=reward, policy_version=self.synced)
 
     def _reference(self):
         """The frozen warm start (or the seeded initial weights) on the host: the KL's reference."""
@@ -375,9 +386,3 @@ class GRPOArithmetic(ArithmeticPolicy):
     def flops_per_step(self, args):
         T = self.prompt_len + self.cfg.max_new_tokens
         return flops_per_token(args, T) * self.rows * T
-
-    def meta(self):
-        keys = ("reward_task", "format_credit", "group_size", "prompts_per_step", "updates_per_batch", "clip_eps", "aggregation",
-                "kl_beta", "max_new_tokens", "temperature", "engine", "engine_dtype")
-        return {"grpo": {k: getattr(self.cfg, k) for k in keys},
-                "init_from": self.warm_record}

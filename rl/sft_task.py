@@ -31,6 +31,7 @@ IGNORE = -100  # F.cross_entropy's ignore_index: positions that are not an answe
 class SFTArithmetic(ArithmeticPolicy):
     """Batches of solved problems; the loss is the cross-entropy of the answer bytes."""
     name, plotted = "sft", ("held_out_accuracy",)
+    resume_policy = {"init_from": True, "reward_task": True}  # (what meta() records: ArithmeticPolicy.meta)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -65,6 +66,3 @@ class SFTArithmetic(ArithmeticPolicy):
     def flops_per_step(self, args):
         return flops_per_token(args, self.width - 1) * self.cfg.batch_size * (self.width - 1)
 
-    def meta(self):
-        return {"sft": {"reward_task": self.cfg.reward_task},
-                "init_from": self.warm_record}

@@ -72,7 +72,8 @@ def check_model(args):
         raise ConfigError("--engine vllm: a mixture-of-experts policy is not wired to the vLLM engine here")
     if args.hd < MIN_HEAD_DIM:
         raise ConfigError(f"--engine vllm: head_dim {args.hd} < {MIN_HEAD_DIM}, which vLLM's CPU attention needs "
-                          f"(e.g. --set n_heads={max(1, args.dim // MIN_HEAD_DIM)})")
+                          f"(e.g. --set head_dim={MIN_HEAD_DIM}: an explicit head_dim, which fewer --set n_heads "
+                          f"would not change)")
 
 
 class VLLMEngineProcess(EngineHandle):

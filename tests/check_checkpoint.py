@@ -60,7 +60,7 @@ BAD_INPUTS = [
     (["--set", "warp=9"], "expected FIELD=VALUE"),
     (["--data", "/nonexistent/path"], "no such file"),
     (["--device", "cuda"], "no CUDA device"),
-    (["--lr", "nan"], "--lr must be"),
+    (["--lr", "nan"], "argument --lr: 'nan' is not a finite number"),  # (every float flag: flags.finite_float)
     (["--steps", "ten"], "invalid int value"),
     (["--remat"], "add --mode graph"),
     (["--mode", "graph", "--flavor", "qwen3_moe_debug"], "graph mode traces ahead of time; the reference MoE dispatch"),

@@ -24,9 +24,12 @@ def test_every_config_field_is_a_flag_with_its_type_and_help():
     assert all(name in helps["fsdp_passes"] for name in __import__("fsdp_passes").PASSES)  # (prefetch was missing)
     cfg = cli.parse_config(["--steps", "7", "--lr", "0.5", "--set", "dim=8", "--set", "n_layers=1", "--scan"])
     assert (cfg.steps, cfg.lr, cfg.set, cfg.scan, cfg.init_from) == (7, 0.5, ["dim=8", "n_layers=1"], True, None)
-    assert cli.parse_config([]) == cli.TrainConfig(set=[], flavor="llama3_debug",
-                                                   workload_flags=task_lib.workload_class("lm").Flags())
+    lm, grpo = (cli.config_class(task_lib.workload_class(name)) for name in ("lm", "grpo"))
+    assert cli.parse_config([]) == lm(set=[], flavor="llama3_debug")
     assert (cfg.sample_tokens, cli.parse_config(["--task", "grpo"]).group_size) == (64, 8)  # a workload's flag
+    # each a declared field of the run's config class (TrainConfig.__getattr__ hid where they came from)
+    assert "group_size" in {f.name for f in dataclasses.fields(grpo)} and not hasattr(cfg, "group_size")
+    assert "__getattr__" not in vars(cli.TrainConfig) and issubclass(grpo, cli.TrainConfig)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -62,8 +65,9 @@ def _imports(path):
 
 def test_the_layers_import_downwards_only():
     """task.py and parallel.py import nothing of ours but the lowest layer (errors, device); cli.py,
-    train.py and planner/ import no workload (they reach one through task.WORKLOADS); no import cycle
-    among our modules, function-level imports included."""
+    train.py and planner/ import no workload (they reach one through task.WORKLOADS), and no workload
+    imports cli.py (a flag is declared with flags.py); no import cycle among our modules, function-level
+    imports included."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ours = {}
     for d in ("", "flux", "rl", "planner"):
@@ -78,6 +82,7 @@ def test_the_layers_import_downwards_only():
     # the planner learns a model's shape from its family (ModelFamily.plan), never from a workload module
     planner = {m for m in ours if m.startswith("planner.")}
     assert planner and all(not graph[m] & workload_modules for m in planner), {m: graph[m] & workload_modules for m in planner}
+    assert graph["flags"] == set() and not any("cli" in graph[m] for m in workload_modules)  # (flags.py declares them)
     state = {}
 
     def visit(m, path):  # depth-first: a module met again on the current path is a cycle
@@ -167,3 +172,199 @@ def test_a_new_workload_trains_through_the_task_interface_like_a_plain_loop(mode
     torch.testing.assert_close(tr.model.weight.detach(), ref.weight.detach(), rtol=1e-5, atol=1e-6)
     assert sorted(_records(out, "val_loss")) == [0, 6, 12]
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000006", "step_000012"]
+
+
+def _read_attributes(path, owner):
+    """Names of the attributes a file reads from `self.<owner>` (e.g. the trainer's `self.task.X`)."""
+    import ast
+    return {node.attr for node in ast.walk(ast.parse(open(path).read()))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+            and node.value.attr == owner and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"}
+
+
+def test_the_trainer_uses_only_members_the_interfaces_declare():
+    """Issue 42 items 12, 15: `units_per_step` was used by the trainer but not declared by task.Workload.
+    Every member train.py reads of its workload and its family is one task.py declares, and it names
+    no workload's flag."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    declared = set(dir(task_lib.Workload)) | set(vars(task_lib.Workload(None)))  # (cfg, family: set in __init__)
+    used = _read_attributes(os.path.join(root, "train.py"), "task")
+    assert used and used <= declared, used - declared
+    used = _read_attributes(os.path.join(root, "train.py"), "family")
+    assert used and used <= set(dir(task_lib.ModelFamily)), used - set(dir(task_lib.ModelFamily))
+    import ast  # (item 15) nor does it know a workload's settings: it popped the LM's "tokenizer" from meta()
+    strings = {n.value for n in ast.walk(ast.parse(open(os.path.join(root, "train.py")).read()))
+               if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    flags = {f.name for name in task_lib.WORKLOADS for f in dataclasses.fields(task_lib.workload_class(name).Flags)}
+    assert not strings & flags, strings & flags
+
+
+def test_a_resume_offers_only_changes_cli_accepts_and_grpo_records_what_its_policy_names(tmp_path):
+    """Issue 42 items 8, 12: a resume's policy is one form (Workload.resume_policy). GRPO records exactly the
+    keys its policy names (its key lists were written three times, and disagreed: vllm_python); a
+    recorded setting this version does not know (a checkpoint of another version) is refused, not offered
+    to --allow-change, which cli.py would refuse; what it offers, cli.py takes."""
+    import functools
+    import json
+    import checkpoint
+    import cli
+    import train
+    cfg = cli.parse_config(["--task", "grpo", "--set", "dim=64", "--set", "n_heads=4", "--set", "n_layers=1"])
+    workload = train.make_workload(cfg)
+    cls = type(workload)
+    assert set(workload.meta()["grpo"]) | {"init_from"} == set(cls.resume_policy)
+    assert set(cls.resume_changeable()) == set(cls.resume_policy) - {"updates_per_batch"}
+    meta = {"task": "grpo", "train": {**{k: getattr(cfg, k) for k in cli.RESUME_CHECKED}, **workload.meta()}}
+    saved = json.loads(json.dumps(meta))
+    saved["train"]["grpo"].update(colour=1, temperature=0.5)
+    os.makedirs(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(saved))
+    refusal = functools.partial(cli.resume_refusal, cls)
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        checkpoint.check_compatible(str(tmp_path / "ckpt"), meta, (), refusal)
+    assert "colour: saved 1, now None" in str(refused.value) and "--allow-change" not in str(refused.value)
+    del saved["train"]["grpo"]["colour"]
+    (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(saved))
+    with pytest.raises(checkpoint.CheckpointError, match="pass --allow-change temperature to continue"):
+        checkpoint.check_compatible(str(tmp_path / "ckpt"), meta, (), refusal)
+    offered = cli.parse_config(["--task", "grpo", "--allow-change", "temperature"]).allow_change.split(",")
+    checkpoint.check_compatible(str(tmp_path / "ckpt"), meta, offered, refusal)
+
+
+def test_the_flux_family_is_whole_when_the_workload_is_built(tmp_path):
+    """Issue 42 item 12: FluxFamily.configure changed the family from inside setup_data, so what was asked
+    of it before (its parameter count: the trainer's memory check) depended on the call order. On a
+    latent file (no learned class prompts) the count before setup_data is the built model's."""
+    import train
+    from tests.check_flux_trainer import _latent_file
+    path = _latent_file(tmp_path / "lat.safetensors")
+    workload = train.make_workload(train.parse_config(["--task", "flux", "--data", path, "--batch-size", "4"]))
+    before = workload.family.param_count(workload.args)
+    model = workload.family.build(workload.args)
+    assert before == sum(p.numel() for p in model.parameters()) and model.prompt is None
+    workload.setup_data(0, 1)
+    assert workload.family.param_count(workload.args) == before
+
+
+RUN_AND_LIST_WORKLOAD_MODULES = """
+import sys, train
+assert train.main(sys.argv[1:]) == 0
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("flux", "rl", "lm_task")))
+"""
+
+
+def test_a_run_imports_only_its_own_workload(corpus, tmp_path):
+    """Issue 42 items 13, 16: each parse imported every workload (`--task lm` loaded flux.*, rl.* and the
+    vLLM handle), although task.py said a run imports only its own. A `--task lm` run of one step in a
+    fresh process (a fork of one that has imported torch and train.py only: tests/launch.py) imports no
+    flux or rl module; a flag of another workload still names its owner (cli.py parses again with every
+    workload: test_a_flag_of_another_workload_or_a_bad_own_flag_is_one_line_exit_2)."""
+    from tests import launch
+    from tests.common import TINY
+    rc, out, err = launch.python(["-c", RUN_AND_LIST_WORKLOAD_MODULES, *TINY, "--data", corpus, "--steps", "1",
+                                  "--eval-batches", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path / "r")])
+    assert rc == 0 and out.strip().splitlines()[-1] == "['lm_task']", (out[-2000:], err[-2000:])
+
+
+def _calls(path):
+    """{function defined in the file: names it calls (f(...) and x.f(...))}."""
+    import ast
+    out = {}
+    for fn in ast.walk(ast.parse(open(path).read())):
+        if isinstance(fn, ast.FunctionDef):
+            out[fn.name] = {c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", None)
+                            for c in ast.walk(fn) if isinstance(c, ast.Call)}
+    return out
+
+
+def test_each_decision_has_one_home(tmp_path):
+    """Issue 42 item 14: which checkpoint a resume takes was chosen again in rl/grpo_task.py; "the newest
+    checkpoint that verifies" was written twice in checkpoint.py; the same bad record raised
+    CheckpointError from the LM family and ConfigError from FLUX's; --batch-size's split over the mesh was
+    checked by the trainer, not with the other flags in cli.py."""
+    import json
+    import checkpoint
+    import cli
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for d in ("", "flux", "rl"):
+        for f in os.listdir(os.path.join(root, d)):
+            if f.endswith(".py") and f != "checkpoint.py":  # nobody else lists a run's checkpoints to pick one
+                assert not any("step_dirs" in called for called in _calls(os.path.join(root, d, f)).values()), f
+    verifying = {fn for fn, called in _calls(os.path.join(root, "checkpoint.py")).items() if "verify" in called}
+    assert verifying == {"newest_verified", "resolve"}, verifying
+    for name in ("lm", "flux"):  # a record of no model of this version: the same kind from either family
+        run = tmp_path / name
+        os.makedirs(run)
+        (run / "meta.json").write_text(json.dumps({"task": name, "model_args": {"warp": 9}, "train": {}, "files": {}}))
+        with pytest.raises(checkpoint.CheckpointError, match="model_args"):
+            checkpoint.load_run(str(run))
+    with pytest.raises(cli.ConfigError, match="--batch-size 3 is not divisible by 2 data-parallel ranks"):
+        cli.parse_config(["--batch-size", "3", "--mesh", "ici=2"])  # (before any rank starts)
+
+
+class _Exchange:
+    """A Parallel for rank `rank` of `n` data-parallel ranks in one process: rank 0's scatters and
+    broadcasts are recorded, and replayed to the other ranks in the same order (what gloo would carry)."""
+
+    def __new__(cls, rank, n, wire):
+        import parallel
+
+        class Exchange(parallel.Parallel):
+            dp_rank, dp_size, global_rank = rank, n, rank
+
+            def scatter_from_first(self, chunks, out):
+                if rank == 0:
+                    wire.append(chunks)
+                return out.copy_((chunks if rank == 0 else wire[self._next()])[rank])
+
+            def broadcast_from_first(self, x):
+                if rank == 0:
+                    wire.append(x.clone())
+                return x if rank == 0 else x.copy_(wire[self._next()])
+
+            def _next(self):
+                self.i = getattr(self, "i", -1) + 1
+                return self.i
+        return Exchange("cpu")
+
+
+class _StubEngine:
+    """A rollout engine of seeded random completions (the exchange is under test, not the sampling)."""
+
+    def sync(self, named, version):
+        self.version = version
+        return {"bytes": 0, "seconds": 0.0}
+
+    def generate(self, prompts, group_size, C, temperature, seed, eos_id, batch_size):
+        from rl.rollout import Rollout
+        g = torch.Generator().manual_seed(seed)
+        B = len(prompts) * group_size
+        comp = torch.randint(48, 58, (B, C), generator=g)
+        return Rollout(torch.tensor(prompts).repeat_interleave(group_size, 0), comp,
+                       -torch.rand(B, C, generator=g), torch.rand(B, C, generator=g) < 0.8, self.version)
+
+
+def test_grpo_exchanges_go_through_the_parallel_and_each_rank_receives_only_its_rows():
+    """Issue 42 item 15: rl/grpo_task.py called torch.distributed itself, and rank 0 broadcast the whole
+    rollout batch packed as float64 to ranks that keep B/N of it. Now two scatters (int64 completions and
+    mask, float32 logprobs and advantages) through parallel.Parallel carry each rank its B/N rows, and
+    the two ranks' batches are the one-process batch's halves (oracle: the one-process workload)."""
+    import train
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert not any(n.startswith("torch.distributed") for n in _imports(os.path.join(root, "rl", "grpo_task.py")))
+    argv = ["--task", "grpo", "--set", "dim=64", "--set", "n_heads=4", "--set", "n_layers=1", "--set", "max_seq_len=16",
+            "--prompts-per-step", "4", "--group-size", "4"]
+    batches, wire = [], []
+    for rank, n in ((0, 1), (0, 2), (1, 2)):
+        workload = train.make_workload(train.parse_config(argv))
+        workload.setup_data(rank, n)
+        workload.attach(workload.family.build(workload.args), _Exchange(rank, n, [] if n == 1 else wire))
+        workload.engine = _StubEngine()
+        batches.append(workload.batch(1))
+    one, first, second = batches
+    sent = [chunks for chunks in wire if isinstance(chunks, tuple)]
+    assert len(sent) == 2 and all(len(c) == 2 and c[0].shape[0] == 8 for c in sent)  # B = 16 rows, 8 a rank
+    assert {c[0].dtype for c in sent} == {torch.int64, torch.float32}
+    for whole, a, b in zip(one[:4], first, second):  # tokens, mask, engine logprobs, advantages
+        assert torch.equal(torch.cat([a, b]), whole)
+    assert first[4] == second[4] == one[4] / 2  # the DAPO normalizer: the global token count over N

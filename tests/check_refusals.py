@@ -1,0 +1,123 @@
+# Bad input found before anything runs (issue 42's hostile pass). Oracles: the refusal itself (one
+# `error:` line, exit 2, no run directory), and for a suggested remedy, that doing what it says works.
+"""Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
+import math
+import os
+import re
+
+import pytest
+
+from tests.common import TINY, _main
+
+
+GRPO_TINY = ["--task", "grpo", *TINY[:10], "--set", "head_dim=32", "--set", "max_seq_len=16"]
+
+NONFINITE_OR_OUT_OF_RANGE = [  # each ran on (or was a traceback) before: the issue's item in brackets
+    (["--task", "grpo", "--temperature", "nan"], "argument --temperature: 'nan' is not a finite number"),  # (2)
+    (["--task", "grpo", "--kl-beta", "nan"], "argument --kl-beta: 'nan' is not a finite number"),  # (2)
+    (["--task", "grpo", "--clip-eps", "nan"], "argument --clip-eps: 'nan' is not a finite number"),  # (10)
+    (["--task", "sft", "--format-credit", "inf"], "argument --format-credit: 'inf' is not a finite number"),
+    (["--flavor", "qwen3_moe_debug", "--set", "aux_loss_coef=nan"], "'aux_loss_coef=nan': not a finite number"),  # (10)
+    (["--set", "rope_scaling=0.0,1.0,4.0,8192"], "factor > 0, 0 < low < high"),  # (10: a division by 0)
+    (["--set", "rope_scaling=8,4,4,8192"], "factor > 0, 0 < low < high"),
+    (["--set", "rope_scaling=8,nan,4,8192"], "'rope_scaling=8,nan,4,8192': not a finite number"),
+    (["--set", "head_dim=-2"], "head_dim must be positive and even"),  # (4: a traceback, exit 1)
+]
+
+
+@pytest.mark.parametrize("args,message", NONFINITE_OR_OUT_OF_RANGE)
+def test_nonfinite_flags_and_config_values_are_one_line_exit_2_nothing_written(args, message, tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    rc = _main([*args, "--out-dir", out_dir, "--steps", "2"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
+    assert not os.path.exists(out_dir)
+
+
+def test_the_checks_refuse_nan_wherever_the_value_comes_from():
+    """A config.json or a checkpoint's record reaches model.check_args without cli.py, and GRPO's config
+    is built by code too: NaN passed each of these checks (`x < 0` is False for NaN)."""
+    from model import ModelArgs, check_args
+    from rl.grpo import GRPOConfig
+    for bad in ({"aux_loss_coef": math.nan}, {"norm_eps": math.nan}, {"rope_scaling": (8.0, 1.0, math.nan, 8192)},
+                {"head_dim": -2}):
+        with pytest.raises(ValueError):
+            check_args(ModelArgs(**bad))
+    check_args(ModelArgs(rope_scaling=(8.0, 1.0, 4.0, 8192)))  # (Llama 3.1's own passes)
+    for bad in ({"temperature": math.nan}, {"beta": math.nan}, {"eps_low": math.nan}, {"eps_high": math.inf}):
+        with pytest.raises(ValueError):
+            GRPOConfig(**bad).check()
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_the_vllm_head_dim_hint_works_when_followed(explicit):
+    """Issue 42 item 11: the hint was `--set n_heads=2`, which leaves an explicit head_dim as it was: the
+    same error again. Following the hint must give a config the engine takes."""
+    import cli
+    from errors import ConfigError
+    from model import check_args
+    from rl import vllm_engine
+    from tests.common import tiny_args
+    args = tiny_args(head_dim=16) if explicit else tiny_args()  # dim 64, 4 heads: 16 either way
+    with pytest.raises(ConfigError) as refused:
+        vllm_engine.check_model(args)
+    hint = re.search(r"--set (\w+=\w+)", str(refused.value)).group(1)
+    fixed = cli.with_overrides(args, [hint])
+    check_args(fixed)
+    vllm_engine.check_model(fixed)
+
+
+def test_resuming_a_run_of_another_task_names_both_and_the_remedy_works(corpus, tmp_path, capsys):
+    """Issue 42 item 8: `--task sft --resume` on an lm run was told to pass `--allow-change steps,sft`,
+    which cli.py then refused as unknown; meta.json records the task, which was never named."""
+    out = str(tmp_path / "lm")
+    base = [*TINY, "--eval-batches", "0", "--out-dir", out]
+    lm = ["--data", corpus, "--sample-tokens", "0"]
+    assert _main([*base, *lm, "--steps", "2"]) == 0
+    capsys.readouterr()
+    assert _main(["--task", "sft", *base, "--steps", "4", "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is from a --task lm run, this run is --task sft" in err, err
+    assert "--allow-change" not in err and sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000002"]
+    # the remedy it names: resume with the run's own task (another --out-dir is a fresh run)
+    assert _main([*base, *lm, "--steps", "3", "--resume", "--allow-change", "steps"]) == 0
+    assert "step_000003" in os.listdir(os.path.join(out, "checkpoints"))
+
+
+def test_a_refusal_on_a_rank_above_0_waits_silent_for_rank_0_and_then_speaks_named(tmp_path, monkeypatch, capsys):
+    """Issue 42 item 5: under torchrun every rank said the same `error:` line. Now a rank > 0 says
+    nothing while rank 0 (which runs the same checks) speaks and torchrun stops the others (SIGTERM:
+    exit 2, quietly); only if it is still running after the grace period (rank 0 did not refuse) does it
+    speak, naming itself. The whole launch: test_mesh_that_does_not_match_world_size_fails_fast."""
+    import signal
+    import train
+    monkeypatch.setenv("RANK", "1")
+    heard = []
+    monkeypatch.setattr(train.time, "sleep", lambda s: heard.append((s, capsys.readouterr().err,
+                                                                     signal.getsignal(signal.SIGTERM))))
+    before = signal.getsignal(signal.SIGTERM)
+    assert _main(["--steps", "0", "--out-dir", str(tmp_path / "r")]) == 2
+    (waited, said_meanwhile, on_sigterm), = heard
+    assert waited == train.REFUSAL_GRACE_S and said_meanwhile == "" and on_sigterm not in (before, train._raise_interrupted)
+    assert capsys.readouterr().err == "error: rank 1: --steps must be positive, got 0\n"
+    assert signal.getsignal(signal.SIGTERM) == train._raise_interrupted  # (the grace's handler is undone)
+
+
+def test_checkpoint_knows_an_interruption_by_its_class_not_its_name():
+    """Issue 42 item 15: checkpoint.py recognised train.Interrupted by its class name (any class called
+    `Interrupted`, or a message holding "Interrupted(", passed). It is errors.Interrupted now, found by
+    isinstance, also inside the CheckpointException DCP gathers its writers' errors into."""
+    import signal
+    import traceback
+    from torch.distributed.checkpoint.api import CheckpointException
+    import errors
+    import train
+    assert train.Interrupted is errors.Interrupted and str(errors.Interrupted(signal.SIGTERM)) == "SIGTERM"
+    stop = errors.Interrupted(signal.SIGTERM)
+    assert errors.interrupted(stop) and errors.interrupted(KeyboardInterrupt())
+    assert errors.interrupted(CheckpointException("save failed", {0: (stop, traceback.StackSummary())}))
+    Interrupted = type("Interrupted", (Exception,), {})  # a stranger of the same name: not ours
+    assert not errors.interrupted(Interrupted()) and not errors.interrupted(RuntimeError("Interrupted(15)"))
+    assert not errors.interrupted(CheckpointException("disk full", {0: (OSError(28, "No space"), traceback.StackSummary())}))
+    import pickle  # (DCP moves errors between ranks pickled)
+    assert pickle.loads(pickle.dumps(stop)).signum == signal.SIGTERM
