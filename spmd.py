@@ -49,7 +49,7 @@ class XlaSpmd(Parallel):
             self.mesh = xs.Mesh(np.arange(n), (dcn, ici), ("dcn", "ici"))
         super().__init__(torch_xla.device())
         self.xs = xs
-        self.mesh_spec, self.n_devices, self.ici = f"xla-spmd {spec}", n, ici
+        self.mesh_spec, self.n_devices, self.ici, self.param_split = f"xla-spmd {spec}", n, ici, ici
 
     def spec(self, t, stacked=False):
         """Partition spec: one dim over ici (FSDP), the rest whole; replicated over dcn. Dim 0, unless
@@ -60,21 +60,36 @@ class XlaSpmd(Parallel):
         dim = next((d for d in dims if t.shape[d] % self.ici == 0), dims[0])
         return tuple("ici" if d == dim else None for d in range(t.dim()))
 
-    def parallelize(self, model, units=()):
+    def parallelize(self, model, units=(), family=None):
         """Every parameter gets a partition spec; a parameter of a --scan stack (a StackedLayers unit)
-        keeps its layer axis whole."""
-        model = model.to(self.device)
+        keeps its layer axis whole. A model on the meta device is allocated on the XLA device (its
+        values set by `fill`)."""
         stacked = {id(p) for u in units if isinstance(u, StackedLayers) for p in u.parameters()}
+        specs = [self.spec(p, stacked=id(p) in stacked) for p in model.parameters()]
+        model = Parallel.parallelize(self, model)
         params = list(model.parameters())
-        self.specs = [self.spec(p, stacked=id(p) in stacked) for p in params]
+        self.specs, self.spec_of = specs, {id(p): s for p, s in zip(params, specs)}
         self.mark(params)
         return model
+
+    def fill(self, param, whole):
+        """The whole tensor to the device, then its partition spec again (a copy from an unannotated
+        tensor leaves the parameter replicated). One process drives every device here: on a pod each
+        host's process would transfer only its addressable shards (not built; docs/tpu.md)."""
+        param.copy_(whole.to(self.device))
+        self.xs.mark_sharding(param, self.mesh, self.spec_of[id(param)])
 
     def mark(self, tensors):
         """Mark tensors that correspond, in order, to the model's parameters (or AdamW's moments)."""
         for t, spec in zip(tensors, self.specs):
             self.xs.mark_sharding(t, self.mesh, spec)
         return tensors
+
+    @staticmethod
+    def checkpoint_planners():
+        """Each distinct device shard written once, read back into the shards (spmd_checkpoint.py)."""
+        import spmd_checkpoint
+        return spmd_checkpoint.SaveShards(), spmd_checkpoint.LoadShards()
 
     def place_state(self, state):
         """AdamW's moments like their parameters (zeros_like does not carry the spec); after a
