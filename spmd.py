@@ -73,10 +73,11 @@ class XlaSpmd(Parallel):
         return model
 
     def fill(self, param, whole):
-        """The whole tensor to the device, then its partition spec again (a copy from an unannotated
-        tensor leaves the parameter replicated). One process drives every device here: on a pod each
-        host's process would transfer only its addressable shards (not built; docs/tpu.md)."""
-        param.copy_(whole.to(self.device))
+        """The whole tensor to the device as the parameter's data (as `model.to` does: an in-place copy
+        would leave a pending, unannotated value), then its partition spec. One process drives every
+        device here: on a pod each host's process would transfer only its addressable shards (not built;
+        docs/tpu.md)."""
+        param.data = whole.to(self.device)
         self.xs.mark_sharding(param, self.mesh, self.spec_of[id(param)])
 
     def mark(self, tensors):

@@ -85,7 +85,10 @@ class Trainer:
                                                    set(cfg.allow_change.split(",")), self.task.resume_refusal)
         self.notes += [f"note: {note}"] if note else []
         self.check_memory()
+        dev.reset_peak_memory("cpu")  # the build's host peak, measured (README: what a rank holds at start)
+        rss_before = dev.host_peak_rss_bytes()
         self.model = self.build_model()
+        self.build_host_bytes = dev.host_peak_rss_bytes() - rss_before
         self.params = list(self.model.parameters())
         self.param_names = [n for n, _ in self.model.named_parameters()]
         # The optimizer works on local shards (plain tensors sharing the parameters' storage).
@@ -333,6 +336,7 @@ class Trainer:
         n_params = sum(t.numel() for t in self.model.parameters())
         self.log({"event": "start", "params": n_params, "device": str(self.device), "resumed_at": self.step,
                   "devices": p.n_devices, "param_bytes_local": p.local_bytes(self.params),
+                  "build_host_bytes": self.build_host_bytes,
                   "optim_bytes_local": p.local_bytes(self.opt.state["exp_avg"] + self.opt.state["exp_avg_sq"])},
                  f"{self.meta['flavor']}: {n_params / 1e6:.2f}M params on {self.device}, mode {cfg.mode}, "
                  f"{self.task.units_per_step} {self.task.unit}/step, start at step {self.step}, out {self.out_dir}")
