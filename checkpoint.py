@@ -122,7 +122,10 @@ def _interrupted(e):
 def write_shards(tmp, state, planner=None):
     # per_thread_copy_ahead=0: our state is already on the host; it also keeps DCP off its
     # stream-overlapping loader, which breaks once torchax (imported by call_jax) claims PrivateUse1.
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0), planner=planner)
+    # A layout's planner (XLA SPMD) writes a file per shard: torch.save into one open file keeps what it
+    # wrote in host memory until the file closes (measured, torch 2.9), which would be the whole state.
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0, single_file_per_rank=planner is None),
+             planner=planner)
 
 
 def _write_meta(tmp, meta):

@@ -14,10 +14,14 @@ devices; eager mode, graph mode (the make_fx step graph on XLA tensors) and --sc
 loop over stacked weights) run as they are, and XLA sees the whole step.
 
 What needs care, found on torch_xla 2.9: `zeros_like` drops the partition spec (AdamW's state is
-marked explicitly), and an in-place copy from an unannotated tensor makes a parameter replicated
-(checkpoint restore re-marks what it wrote). The mesh is `Mesh` here and `HybridMesh` on a TPU
-pod slice (ICI inside a slice, DCN across). Checkpoints are written as full tensors by this one
-process (DCP, like a single-process run); a multi-host pod would use torch_xla's SPMD planners.
+marked explicitly), an in-place copy from an unannotated tensor makes a parameter replicated, and a
+parameter filled by an in-place copy loses its spec after the first update (`fill` sets its data, as
+`model.to` does). The model comes built on the meta device (materialize.py): `parallelize` allocates
+it and `fill` sends each whole parameter, one at a time, to its shards. The mesh is `Mesh` here and
+`HybridMesh` on a TPU pod slice (ICI inside a slice, DCN across). Checkpoints are written and read
+shard by shard (`checkpoint_planners`: spmd_checkpoint.py), each distinct device shard once, in DCP's
+format, so one process or a torchrun mesh resumes from them (--allow-change mesh); what a multi-host
+pod adds (a process group for DCP across hosts) is not run here (docs/tpu.md).
 The Pallas kernels under SPMD would need manual sharding around the custom call: refused for now.
 """
 import numpy as np

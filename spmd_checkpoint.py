@@ -72,7 +72,9 @@ class SaveShards(DefaultSavePlanner):
         fqn = write_item.index.fqn
         if fqn not in self.xla:
             return super().resolve_data(write_item)
+        import gc
         import torch_xla
+        gc.collect()  # (DCP's writer leaves the shards it wrote in reference cycles: free them before the next)
         t = self.xla[fqn]
         offsets, sizes, where = distinct_shards(t)[write_item.index.index]
         data, _ = torch_xla._XLAC._get_local_shards([t])[0][where[0]]  # (this tensor's shards only)

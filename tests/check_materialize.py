@@ -141,6 +141,7 @@ def test_spmd_checkpoint_is_written_shard_by_shard_and_resumes_on_any_layout(cor
     ckpt = os.path.join(part, "checkpoints", "step_000003")
     counts = _chunks_cover_once(ckpt)
     sharded = [n for n in counts if n.startswith(("model.", "optim."))]
+    assert len(os.listdir(ckpt)) == sum(counts.values()) + 2  # (a file per shard, the step, the rng; .metadata, meta.json)
     assert sharded and all(counts[n] == 2 for n in sharded), counts  # ici=2 shards; the 2 dcn replicas once
     assert full_run.result()[0] == 0
     want = losses(full)
