@@ -75,3 +75,18 @@ def fill_from_seed(model, names, init, fill, seed):
         fill(p, whole.to(p.dtype))
         del whole
 
+
+
+def largest_whole(family, args, scan, init_from):
+    """Elements of the largest whole tensor a process holds while it fills its shards: one parameter (a
+    --scan stack's (L, ...) one under --scan), or the whole model where the trainer builds it whole (a
+    family without an initializer; --scan with --init-from). Counted on the meta device."""
+    with torch.device("meta"):
+        model = family.build(args)
+    if not family.initializer or (scan and init_from):
+        return sum(p.numel() for p in model.parameters())
+    sizes = [p.numel() for p in model.parameters()]
+    for owner, attr in (family.scan_stacks(model) if scan else []):
+        blocks = list(getattr(owner, attr))
+        sizes += [len(blocks) * p.numel() for p in blocks[0].parameters()]
+    return max(sizes, default=0)

@@ -123,25 +123,11 @@ class Trainer:
         cfg, family = self.cfg, self.family
         local_batch = cfg.batch_size // self.parallel.dp_size
         weights = 16 * family.param_count(self.model_args) / self.parallel.param_split
-        weights += 4 * self.largest_whole()
+        weights += 4 * materialize.largest_whole(family, self.model_args, cfg.scan, cfg.init_from)
         acts = family.activation_bytes(self.model_args, local_batch, cfg.seq_len, dev.free_memory_bytes(self.device))
         dev.check_fits(weights + acts, self.device, "the model's shards of weights, gradients and AdamW state (16 "
                        f"bytes a parameter), the largest whole tensor it is filled from and the activations of "
                        f"{local_batch} sequences")
-
-    def largest_whole(self):
-        """Elements of the largest whole tensor a process holds while it fills its shards: one parameter
-        (a --scan stack's (L, ...) one under --scan), or the whole model where it is built whole."""
-        cfg, family = self.cfg, self.family
-        with torch.device("meta"):
-            model = family.build(self.model_args)
-        if not family.initializer or (cfg.scan and cfg.init_from):
-            return sum(p.numel() for p in model.parameters())
-        sizes = [p.numel() for p in model.parameters()]
-        for owner, attr in (family.scan_stacks(model) if cfg.scan else []):
-            blocks = list(getattr(owner, attr))
-            sizes += [len(blocks) * p.numel() for p in blocks[0].parameters()]
-        return max(sizes, default=0)
 
     def build_model(self):
         """The model built on the meta device, maybe stacked (--scan), parallelized, and only then filled,
