@@ -387,7 +387,10 @@ def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, ex
     common = _tp_ep_args(flavor, corpus)
     single = shared_run([*common, *[a for a in extra if a in MOE_EXACT]], tmp_path_factory)
     multi = shared_run([*common, *extra, "--mesh", mesh], tmp_path_factory, nproc)
-    p_single = _ranks_equal_one_process(single, multi, 10, [*common, *extra])
+    # (the Pallas gmm sums in its own order: after 10 AdamW steps the weights were 2.4e-5 apart at most,
+    # measured, where Adam's normalization amplifies a near-zero gradient's last bits; losses and norms to 1e-5)
+    p_single = _ranks_equal_one_process(single, multi, 10, [*common, *extra],
+                                        weights_atol=5e-5 if "pallas" in extra else 1e-5)
     dims = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
     ici, tp = dims["ici"], dims.get("tp", 1)
     share = lambda n: nproc if "_Ex" in n else ici * (tp if any(k in n for k in TP_SPLIT) else 1)
