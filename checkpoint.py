@@ -1,7 +1,9 @@
 """checkpoint.py: atomic, verified checkpoints with torch.distributed.checkpoint (DCP).
 
 DCP writes each rank's shards in parallel, so the same code serves one process and a sharded
-(SimpleFSDP) run; a checkpoint is loaded on the mesh it was saved on (another one is refused).
+(SimpleFSDP) run; XLA SPMD writes its devices' shards through its own planners (spmd_checkpoint.py).
+A checkpoint is loaded on the mesh it was saved on; another layout (one process, a torchrun mesh, XLA
+SPMD) only with --allow-change mesh, and DCP reshards it on load.
 
 The write protocol, in order (a crash between any two steps leaves the previous checkpoint usable):
   1. DCP writes every rank's files into `step_N.tmp/` (a failed write removes it again);
@@ -82,9 +84,11 @@ def holds_checkpoints(ckpt_dir):
     return bool(step_dirs(ckpt_dir)) or os.path.exists(os.path.join(ckpt_dir, "latest"))
 
 
-def save(ckpt_dir, step, state, meta):
+def save(ckpt_dir, step, state, meta, planner=None):
     """Write `state` (a nested dict of tensors / picklable values) as checkpoint `step`, atomically:
-    the four steps of the protocol in the module docstring, one function each."""
+    the four steps of the protocol in the module docstring, one function each. Tensors are copied to
+    the host first (to_cpu), unless a layout's DCP `planner` copies them shard by shard (spmd_checkpoint.py)."""
+    state = state if planner is not None else to_cpu(state)
     name = f"step_{step:06d}"
     final, tmp = os.path.join(ckpt_dir, name), os.path.join(ckpt_dir, name + ".tmp")
     if _rank() == 0:
@@ -92,7 +96,7 @@ def save(ckpt_dir, step, state, meta):
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed write
     _barrier()
     try:
-        write_shards(tmp, state)                              # 1.
+        write_shards(tmp, state, planner)                     # 1.
         _barrier()
         if _rank() == 0:
             _write_meta(tmp, dict(meta, step=step))            # 2.
@@ -109,10 +113,13 @@ def save(ckpt_dir, step, state, meta):
     return final
 
 
-def write_shards(tmp, state):
+def write_shards(tmp, state, planner=None):
     # per_thread_copy_ahead=0: our state is already on the host; it also keeps DCP off its
     # stream-overlapping loader, which breaks once torchax (imported by call_jax) claims PrivateUse1.
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0))
+    # A layout's planner (XLA SPMD) writes a file per shard: torch.save into one open file keeps what it
+    # wrote in host memory until the file closes (measured, torch 2.9), which would be the whole state.
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0, single_file_per_rank=planner is None),
+             planner=planner)
 
 
 def _write_meta(tmp, meta):
@@ -288,9 +295,9 @@ def check_compatible(path, meta, allow_change=(), refusal=lambda key, saved, now
         if saved.get(key) != meta.get(key):
             raise CheckpointError(f"checkpoint {path} is from another model ({key}: saved "
                                   f"{saved.get(key)!r}, this run {meta.get(key)!r})")
-    if saved.get("mesh") != meta.get("mesh"):
+    if saved.get("mesh") != meta.get("mesh") and "mesh" not in allow_change:  # (DCP reshards on load)
         raise CheckpointError(f"checkpoint {path} was saved on mesh {saved.get('mesh')!r}, this run "
-                              f"uses {meta.get('mesh')!r} (resharding on load is not supported)")
+                              f"uses {meta.get('mesh')!r} (pass --allow-change mesh to reshard it on load)")
     if saved.get("layers", "per-layer") != meta.get("layers", "per-layer"):  # parameter names differ
         raise CheckpointError(f"checkpoint {path} holds {saved.get('layers', 'per-layer')} layer weights, this "
                               f"run {meta.get('layers', 'per-layer')}: resume with{'out' if meta.get('layers') else ''} --scan")
@@ -321,10 +328,11 @@ def check_compatible(path, meta, allow_change=(), refusal=lambda key, saved, now
     return saved
 
 
-def load(path, state):
-    """Fill `state` (same structure as saved, tensors preallocated) in place from `path`."""
+def load(path, state, planner=None):
+    """Fill `state` (same structure as saved, tensors preallocated) in place from `path` (through a
+    layout's DCP `planner`, if it has one: spmd_checkpoint.py)."""
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, planner=planner)
     except (Exception, dcp.api.CheckpointException) as e:  # verified files DCP still cannot read (written by
         # another version, or a state of other names: a model of another layout). DCP's CheckpointException
         # is a BaseException, which `except Exception` would let through as a traceback.

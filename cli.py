@@ -26,6 +26,7 @@ from flags import finite_float, flag, with_overrides  # noqa: F401  (with_overri
 
 # What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
 RESUME_CHECKED = ("seed", "batch_size", "seq_len", "lr", "warmup", "clip", "weight_decay", "dtype", "steps")
+RESHARD = "mesh"  # --allow-change mesh: resume on another layout (DCP reshards the checkpoint on load)
 # (and what a workload's meta() records beside them, as its `resume_policy` says: task.py)
 
 
@@ -88,8 +89,8 @@ class TrainConfig:
     resume_from: Optional[str] = flag(None, "continue from this checkpoint (e.g. step_000010; newer ones are set "
                                       "aside as *.superseded)", metavar="STEP_DIR")
     allow_change: str = flag("", f"on resume, accept these changed settings (comma list of "
-                             f"{', '.join(RESUME_CHECKED)}, and the workload's own: lm, flux: data; sft, grpo: "
-                             f"init_from and their flags but --updates-per-batch)", metavar="NAMES")
+                             f"{', '.join(RESUME_CHECKED)}, {RESHARD} (another layout), and the workload's own: lm, flux: "
+                             f"data; sft, grpo: init_from and their flags but --updates-per-batch)", metavar="NAMES")
     watchdog: float = flag(300.0, "end the run (exit 4) after this many seconds without progress, e.g. a stalled "
                            "peer (0: off; raise it for long first-step compiles)")
     halt_at: int = flag(0, "stop after this step as if preempted (tests resume)")
@@ -223,10 +224,10 @@ def validate(cfg):
         if not (getattr(cfg, name) >= 0 and math.isfinite(getattr(cfg, name))):
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0{' seconds' if name == 'watchdog' else ''}, "
                               f"got {getattr(cfg, name)}")
-    unknown = set(filter(None, cfg.allow_change.split(","))) - set(RESUME_CHECKED) - set(cls.resume_changeable())
+    unknown = set(filter(None, cfg.allow_change.split(","))) - {*RESUME_CHECKED, RESHARD, *cls.resume_changeable()}
     if unknown:
         raise ConfigError(f"--allow-change {cfg.allow_change!r}: unknown {sorted(unknown)}; choose from "
-                          f"{', '.join(RESUME_CHECKED + cls.resume_changeable())}")
+                          f"{', '.join(RESUME_CHECKED + (RESHARD,) + cls.resume_changeable())}")
     graph_only = [f for f, on in (("--remat", cfg.remat), ("--offload", cfg.offload), ("--split", cfg.split),
                                   ("--backend", cfg.backend)) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:

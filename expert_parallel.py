@@ -29,7 +29,6 @@ and FSDP-shards them over the remaining data-parallel ranks).
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch._guards import detect_fake_mode
-from torch.distributed.device_mesh import DeviceMesh
 
 from model import MoE
 
@@ -40,11 +39,6 @@ def check(args, ep):
     if args.n_experts % ep:
         return f"n_experts={args.n_experts} is not divisible by ep={ep}"
     return None
-
-
-def expert_mesh(device_type, world, ep):
-    """(efsdp, ep) over all ranks: ep groups are neighbours; efsdp pairs equal positions across them."""
-    return DeviceMesh(device_type, torch.arange(world).view(world // ep, ep), mesh_dim_names=("efsdp", "ep"))
 
 
 class AllToAll:

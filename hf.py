@@ -310,7 +310,7 @@ def load(path, device="cpu"):
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
-    model.init_weights()  # buffers (rope frequencies); every parameter is overwritten below
+    model.init_buffers()  # the rope frequencies; every parameter is overwritten below
     return load_into(model, path)
 
 

@@ -136,6 +136,8 @@ def gmm_jax(x, w, group_sizes, *, block_m):
 
 def gmm(x_MxK, w_GxKxN, group_sizes_G, block_m=128):
     """PyTorch entry point, same contract as model.gmm_reference."""
+    if x_MxK.shape[0] == 0:  # (an expert-parallel rank sent no rows: nothing to tile; w's gradient is zero)
+        return x_MxK.new_zeros((0, w_GxKxN.shape[2])) + 0 * w_GxKxN.sum().to(x_MxK.dtype)
     return gmm_jax(x_MxK, w_GxKxN, group_sizes_G, block_m=min(block_m, round_up(x_MxK.shape[0], NUM_SUBLANES)))
 
 

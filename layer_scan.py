@@ -201,13 +201,16 @@ scan_layers.register_autograd(_backward, setup_context=_setup)
 class StackedLayers(nn.Module):
     """All blocks' weights as (L, ...) parameters named like one block's, dots as '__'."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, built=None):
         super().__init__()
         template = copy.deepcopy(layers[0]).to("meta")  # shapes and code only; weights come stacked
         self.names = [n for n, _ in layers[0].named_parameters()]
         for name in self.names:
             stacked = torch.stack([dict(layer.named_parameters())[name].detach() for layer in layers])
             self.register_parameter(name.replace(".", "__"), nn.Parameter(stacked))
+        # each stacked weight's layer names in the model as built (materialize.seed_names fills it from them)
+        self.origins = {n.replace(".", "__"): [built[id(dict(layer.named_parameters())[n])] for layer in layers]
+                        for n in self.names} if built is not None else None
         self.block_id = len(_BLOCKS)
         _BLOCKS[self.block_id] = ScannedBlock(template, self.names)
         self.n_layers = len(layers)
@@ -228,11 +231,12 @@ class StackedLayers(nn.Module):
         return self.n_layers
 
 
-def stack_layers(model, stacks=None):
+def stack_layers(model, stacks=None, built=None):
     """Swap each stack, (owner module, attribute) of a ModuleList of identical blocks (default: the
-    model's `layers`), for one StackedLayers, in place."""
+    model's `layers`), for one StackedLayers, in place. `built`: {id(parameter): name} of the model as
+    built (materialize.built_names), recorded per stacked weight so the seed fill can find its layers."""
     for owner, name in stacks or [(model, "layers")]:
-        setattr(owner, name, StackedLayers(list(getattr(owner, name))))
+        setattr(owner, name, StackedLayers(list(getattr(owner, name)), built))
     return model
 
 

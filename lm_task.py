@@ -17,8 +17,8 @@ import hf
 from checkpoint import CheckpointError
 from flags import flag, with_overrides
 from errors import ConfigError
-from model import (FLAVORS, KIND, ModelArgs, Transformer, check_args, dynamic_shapes_reason, flops_per_token,
-                   next_token_loss, param_counts, tpu_config)
+from model import (FLAVORS, KIND, ModelArgs, MoE, Transformer, check_args, dynamic_shapes_reason, flops_per_token,
+                   init_value, next_token_loss, param_counts, tpu_config)
 from task import ModelFamily, Workload
 
 
@@ -71,6 +71,34 @@ class LanguageModelFamily(ModelFamily):
 
     def param_count(self, args):
         return param_counts(args)[0]
+
+    def initializer(self, model):
+        return lambda name, shape, generator: init_value(model.args, name, shape, generator)
+
+    def init_buffers(self, model):
+        model.init_buffers()
+
+    def layout_args(self, args, tp, ep):
+        """Refuse what tensor / expert parallelism cannot split; under tp, the loss over the vocabulary split."""
+        import expert_parallel
+        import tensor_parallel
+        for lib, size in ((tensor_parallel, tp), (expert_parallel, ep)):
+            refusal = lib.check(args, size) if size > 1 else None
+            if refusal:
+                raise ValueError(refusal)
+        return tensor_parallel.config(args) if tp > 1 else args
+
+    def split(self, model, tp_mesh, ep_mesh):
+        """Megatron TP + sequence parallel over tp_mesh (tensor_parallel.py), then the MoE blocks' rows
+        routed over ep_mesh (expert_parallel.py): their experts are what SimpleFSDP places over it."""
+        import expert_parallel
+        import tensor_parallel
+        if tp_mesh is not None:
+            tensor_parallel.parallelize(model, tp_mesh)
+        if ep_mesh is None:
+            return []
+        expert_parallel.parallelize(model, ep_mesh)
+        return [m for m in model.modules() if isinstance(m, MoE)]
 
     def scan_stacks(self, model):
         return [(model, "layers")]

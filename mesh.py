@@ -3,8 +3,8 @@ parallelism; torchrun launches.
 
     torchrun --nproc-per-node 2 train.py --mesh ici=2             # FSDP: shard over 2
     torchrun --nproc-per-node 4 train.py --mesh dcn=2,ici=2       # HSDP: 2 replicas x 2 shards
-    torchrun --nproc-per-node 4 train.py --mesh ici=2,tp=2        # FSDP x tensor parallel (tensor_parallel.py)
-    torchrun --nproc-per-node 2 train.py --mesh ici=2,ep=2 --flavor qwen3_moe_debug   # experts over 2 (expert_parallel.py)
+    torchrun --nproc-per-node 4 train.py --mesh ici=2,tp=2        # FSDP x tensor parallel (the family's plan)
+    torchrun --nproc-per-node 2 train.py --mesh ici=2,ep=2 --flavor qwen3_moe_debug   # experts over 2 (the family's routing)
     torchrun --nnodes 2 --node-rank N --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \
         train.py --mesh dcn=2,ici=4                               # HSDP over 2 hosts, one launcher each (README)
 
@@ -26,16 +26,14 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 import device as dev
 from errors import BadInput
-import expert_parallel
 import fsdp_passes
 import simplefsdp
-import tensor_parallel
-from parallel import Parallel, launched_by_torchrun
+from parallel import Parallel, launched_by_torchrun, local_block, local_tensor
 
 
 class MeshError(BadInput):
@@ -89,7 +87,7 @@ class TorchrunMesh(Parallel):
         self.mesh_spec, self.dcn, self.ici, self.tp, self.ep = spec, dcn, ici, tp, ep
         # a tp group reads one batch slice: data-parallel rank = position on (dcn, ici)
         self.global_rank, self.dp_rank, self.dp_size = dist.get_rank(), dist.get_rank() // tp, world // tp
-        self.n_devices = world
+        self.n_devices, self.param_split = world, ici * tp  # (replicated over dcn; experts split further)
         self.hosts = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))  # (torchrun: ranks per node)
         self.dp_impl, self.param_dtype = dp_impl, param_dtype
         self.sq_weights = None  # per parameter: 1 / (ranks holding the same copy), set by parallelize
@@ -110,34 +108,37 @@ class TorchrunMesh(Parallel):
                             "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv-backend c10d (or --standalone)")
         return cls(spec or f"ici={os.environ['WORLD_SIZE']}", dp_impl, param_dtype)
 
-    def model_args(self, args):
-        """Refuse what the layout cannot split; under tp, the loss over the vocabulary split."""
-        for lib, size in ((tensor_parallel, self.tp), (expert_parallel, self.ep)):
-            refusal = lib.check(args, size) if size > 1 else None
-            if refusal:
-                raise MeshError(f"--mesh {self.mesh_spec!r}: {refusal}")
-        return tensor_parallel.config(args) if self.tp > 1 else args
+    def model_args(self, args, family):
+        """The family's config for this layout's tp / ep (a refusal is one line: MeshError)."""
+        try:
+            return family.layout_args(args, self.tp, self.ep)
+        except ValueError as e:
+            raise MeshError(f"--mesh {self.mesh_spec!r}: {e}") from None
 
-    def parallelize(self, model, units=()):
-        """Tensor parallel, then expert parallel, then data parallel (SimpleFSDP, or FSDP2: the oracle,
-        one fully_shard unit per block of `units`, then the rest)."""
-        model = model.to(self.device)
+    def parallelize(self, model, units=(), family=None):
+        """The family's own split (tensor parallel, then expert parallel: ModelFamily.split), then data
+        parallel (SimpleFSDP, or FSDP2: the oracle, one fully_shard unit per block of `units`, then the
+        rest). A model on the meta device stays there until the shards are placed, then each rank
+        allocates only its own (materialize.py fills them)."""
+        meta = any(p.is_meta for p in model.parameters())
+        model = model if meta else model.to(self.device)
         tp_mesh = self.mesh["tp"] if self.tp > 1 else None
-        if tp_mesh is not None:
-            tensor_parallel.parallelize(model, tp_mesh)
-        ep_mesh = None
-        if self.ep > 1:
-            ep_mesh = expert_parallel.expert_mesh(self.device.type, dist.get_world_size(), self.ep)
-            expert_parallel.parallelize(model, ep_mesh)
+        ep_mesh = expert_mesh(self.device.type, dist.get_world_size(), self.ep) if self.ep > 1 else None
+        experts = family.split(model, tp_mesh, ep_mesh) if family is not None else []
         dp_mesh = self.mesh["dcn", "ici"] if self.dcn > 1 else self.mesh["ici"]  # 1-D: nothing to replicate
         if self.dp_impl == "fsdp2":
-            return self._fsdp2(model, dp_mesh, units)
-        if tp_mesh is not None:
-            dp_mesh = self.mesh["dcn", "ici", "tp"] if self.dcn > 1 else self.mesh["ici", "tp"]
-        model = simplefsdp.data_parallel(model, dp_mesh, param_dtype=self.param_dtype, tp_mesh=tp_mesh,
-                                         expert_mesh=ep_mesh)
-        self.sq_weights = [1.0 / _copies(p) for p in model.parameters()]
-        return model
+            model = self._fsdp2(model, dp_mesh, units)
+        else:
+            if tp_mesh is not None:
+                dp_mesh = self.mesh["dcn", "ici", "tp"] if self.dcn > 1 else self.mesh["ici", "tp"]
+            model = simplefsdp.data_parallel(model, dp_mesh, param_dtype=self.param_dtype, tp_mesh=tp_mesh,
+                                             expert_mesh=ep_mesh, experts=experts)
+            self.sq_weights = [1.0 / _copies(p) for p in model.parameters()]
+        return model.to_empty(device=self.device) if meta else model
+
+    def fill(self, param, whole):
+        """This rank's block of the whole tensor into its shard (parallel.local_block: DTensor's split)."""
+        local_tensor(param).copy_(local_block(whole, param))
 
     def _fsdp2(self, model, dp_mesh, units):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -201,6 +202,11 @@ class TorchrunMesh(Parallel):
     def close(self):
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def expert_mesh(device_type, world, ep):
+    """(efsdp, ep) over all ranks: ep groups are neighbours; efsdp pairs equal positions across them."""
+    return DeviceMesh(device_type, torch.arange(world).view(world // ep, ep), mesh_dim_names=("efsdp", "ep"))
 
 
 def _copies(p):

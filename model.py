@@ -353,20 +353,21 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
-        self.init_weights()
+        if not self.inv_freq.is_meta:  # (on the meta device the trainer fills it later: materialize.py)
+            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self):
-        """GPT-2 style: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * layers); also the
-        way to fill a model first built on the meta device (to_empty + init_weights)."""
-        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
+        """Each parameter from its own (torch.initial_seed(), name) stream by `init_value`: the values the
+        trainer's seed fill gives every layout (materialize.py); and the rope frequencies (a buffer)."""
+        import materialize
+        self.init_buffers()
+        materialize.init_module(self, lambda name, shape, g: init_value(self.args, name, shape, g))
+
+    @torch.no_grad()
+    def init_buffers(self):
+        """What is not a parameter: the rope frequencies (after to_empty they are unset)."""
         self.inv_freq.copy_(rope_inv_freq(self.args))
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.ones_(p)  # norm weights
-            else:
-                is_out = name.endswith(("o_proj.weight", "down_proj.weight", "w_down_ExFxD"))
-                nn.init.normal_(p, std=out_std if is_out else std)
 
     def output_weight(self):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -404,6 +405,15 @@ class Transformer(nn.Module):
         loss_fn = lookup_impl(LOSS_IMPLS, self.args.loss_impl, "loss")
         ce = loss_fn(h.reshape(-1, h.shape[-1]), self.output_weight(), targets_BxS.reshape(-1))
         return ce, self.args.aux_loss_coef * aux
+
+
+def init_value(args, name, shape, generator):
+    """Parameter `name`'s initial values (GPT-2 style): norms 1; N(0, 0.02) with the residual output
+    projections scaled by 1/sqrt(2 * layers); drawn from `generator` alone (fp32, on the host)."""
+    if len(shape) == 1:
+        return torch.ones(shape)  # norm weights
+    std = 0.02 / math.sqrt(2 * args.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight", "w_down_ExFxD")) else 0.02
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
 def next_token_loss(model, batch):

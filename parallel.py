@@ -15,13 +15,16 @@ What a layout must answer, and nothing more:
     `mesh_spec` (recorded in checkpoints; None for one device);
   - who: `dp_rank` / `dp_size` (which slice of each global batch this process reads) and
     `writes_files` (the ONE process that writes notes, metrics and renames: global rank 0);
-  - the model: `model_args(args)` (a config rewrite the layout needs, e.g. TP's split loss) and
-    `parallelize(model, units)` (tensor parallel, then expert parallel, then data parallel, in that
-    order; `units` are the model's repeated modules as the trainer gets them from the workload);
+  - the model: `model_args(args, family)` (the family's config for the layout, e.g. TP's split loss),
+    `parallelize(model, units, family)` (the family's own tensor / expert split, ModelFamily.split, then
+    data parallel; `units` are the model's repeated modules as the trainer gets them from the workload;
+    a model on the meta device comes back allocated, each process holding only its own shards) and
+    `fill(param, whole)` (this process's block of a whole tensor into `param`: materialize.py);
+  - checkpoints: `checkpoint_planners()` (DCP planners where the host cannot take the state whole);
   - the step: `local(params)` (what the elementwise optimizer updates), `like(shards, params)` (back
     to the parameters' form for checkpoints and the traced step), `place_state`, `place_batch`,
     `grads(loss, params)`, `global_sq_norm(sq_N)` (clipping), `mean_over_dp(x)` (logged losses);
-  - bookkeeping: `local_bytes(tensors)`, `traceable` (None, or why graph mode cannot trace it),
+  - bookkeeping: `param_split` (a device's share of a weight: 1 / param_split), `local_bytes(tensors)`, `traceable` (None, or why graph mode cannot trace it),
     `graph_passes` (the passes graph mode applies by default), `close()`.
 `layout_kind(mesh, device)` is the one decision of which implementation a command line gets: cli.py
 validates the flags against it and train.choose_parallel builds it.
@@ -77,6 +80,7 @@ def local_box(like):
 class Parallel:
     """One device. The base class is also the interface: subclasses override what differs."""
     dp_rank, dp_size, global_rank, n_devices, hosts, mesh_spec = 0, 1, 0, 1, 1, None
+    param_split = 1  # the ways a parameter is split for one device (its shard: 1 / param_split of it)
     traceable = None  # None: graph mode can trace the step; else the reason it cannot
     graph_passes = ()  # the graph passes (fsdp_passes.py) --fsdp-passes auto applies
 
@@ -88,13 +92,26 @@ class Parallel:
         """True in exactly one process of the run: it prints notes and writes metrics and renames."""
         return self.global_rank == 0
 
-    def model_args(self, args):
+    def model_args(self, args, family=None):
         return args
 
-    def parallelize(self, model, units=()):
+    def parallelize(self, model, units=(), family=None):
         """`units`: the model's repeated modules (the workload's blocks, or --scan's stacks), which a
-        layout may shard one by one; the layout never looks into the model for them itself."""
+        layout may shard one by one; the layout never looks into the model for them itself. A model on
+        the meta device is allocated on the device, its values unset (`fill` sets them)."""
+        if any(p.is_meta for p in model.parameters()):
+            return model.to_empty(device=self.device)
         return model.to(self.device)
+
+    @staticmethod
+    def checkpoint_planners():
+        """(save, load) DCP planners for this layout's state, or (None, None): DCP's own, on the host."""
+        return None, None
+
+    @staticmethod
+    def fill(param, whole):
+        """The whole tensor's values into `param` (one device: all of it)."""
+        param.copy_(whole)
 
     @staticmethod
     def local(tensors):

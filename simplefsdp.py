@@ -31,7 +31,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from layer_scan import StackedLayers
-from model import MoE
 
 c10d = torch.ops._c10d_functional
 
@@ -78,16 +77,21 @@ def _placements(p, dp_ndim, tp_mesh):
         return p.data, [Replicate()] * (dp_ndim - 1) + [Shard(0)]
     tp = p.placements[0] if isinstance(p, DTensor) else Replicate()
     fsdp_dim = 1 if tp == Shard(0) else 0
-    full = p.data.full_tensor() if isinstance(p, DTensor) else p.data
+    if p.is_meta:  # (built on the meta device: a whole-shaped meta tensor, no gather)
+        full = torch.empty(p.shape, dtype=p.dtype, device="meta")
+    else:
+        full = p.data.full_tensor() if isinstance(p, DTensor) else p.data
     return full, [Replicate()] * (dp_ndim - 1) + [Shard(fsdp_dim), tp]
 
 
-def data_parallel(model, mesh, param_dtype=None, tp_mesh=None, expert_mesh=None):
+def data_parallel(model, mesh, param_dtype=None, tp_mesh=None, expert_mesh=None, experts=()):
     """Shard every parameter of `model` over `mesh` (dims ("dcn", "ici"), then "tp" when tp_mesh is
-    given and tensor_parallel.py has made the planned weights DTensors on it) in place. Two kinds of
-    module are placed their own way, recognised by their declared types: a --scan stack
-    (layer_scan.StackedLayers: the scan gathers one layer at a time) and, when `expert_mesh` is given
-    (expert_parallel.py routed the MoE blocks over it), the experts of a model.MoE block."""
+    given and the family's tensor-parallel plan has made the planned weights DTensors on it) in place.
+    Two kinds of module are placed their own way: a --scan stack (its declared type,
+    layer_scan.StackedLayers: the scan gathers one layer at a time) and the `experts` modules the
+    family routed over `expert_mesh` (ModelFamily.split). Every rank holds the same whole tensor (or a
+    meta one): each keeps its own block, no communication (src_data_rank=None)."""
+    experts = {id(m) for m in experts}
     placements = [Replicate(), Shard(0)] if mesh.ndim - (tp_mesh is not None) == 2 else [Shard(0)]
     classes = {}
     for module in model.modules():
@@ -97,14 +101,15 @@ def data_parallel(model, mesh, param_dtype=None, tp_mesh=None, expert_mesh=None)
         if isinstance(module, StackedLayers):
             _shard_per_layer(module, mesh, placements[:-1], param_dtype)
             continue
-        if expert_mesh is not None and isinstance(module, MoE):
+        if id(module) in experts:
             _shard_experts(module, expert_mesh, param_dtype)  # (its router `gate` is a child: below)
             continue
         planned = tuple(isinstance(module._parameters[n], DTensor) for n in names)  # by tensor_parallel.py
         for name in names:
             p = module._parameters[name]
             full, where = _placements(p, len(placements), tp_mesh)
-            module._parameters[name] = nn.Parameter(distribute_tensor(full, mesh, where), requires_grad=p.requires_grad)
+            module._parameters[name] = nn.Parameter(distribute_tensor(full, mesh, where, src_data_rank=None),
+                                                    requires_grad=p.requires_grad)
         _add_properties(module, classes, {n: _property(n, param_dtype, tp_mesh, tp) for n, tp in zip(names, planned)},
                         (tuple(names), planned))
     return model
@@ -136,8 +141,8 @@ def _shard_per_layer(stack, mesh, replicate, param_dtype):
     n, dims = ici.size(), []
     for name, p in list(stack._parameters.items()):
         dims.append(layer_shard_dim(p.shape[1:], n))
-        stack._parameters[name] = nn.Parameter(distribute_tensor(p.data, mesh, [*replicate, Shard(1 + dims[-1])]),
-                                               requires_grad=p.requires_grad)
+        stack._parameters[name] = nn.Parameter(distribute_tensor(p.data, mesh, [*replicate, Shard(1 + dims[-1])],
+                                                                 src_data_rank=None), requires_grad=p.requires_grad)
     dcn = mesh["dcn"].get_group().group_name if mesh.ndim == 2 else ""
     stack.gather_per_layer(LayerGather(ici.get_group().group_name, n, dcn, dims, param_dtype))
 
@@ -215,11 +220,11 @@ def _expert_property(name, param_dtype, ep):
     return property(get)
 
 
-def _shard_experts(moe, mesh, param_dtype):
+def _shard_experts(moe, mesh, param_dtype):  # (an MoE module: its (E, ...) weights, the router a child)
     """mesh: ("efsdp", "ep"); expert weights Shard(1) over efsdp, Shard(0) (the expert dim) over ep."""
     names = [n for n, p in moe._parameters.items() if p is not None]
     for name in names:
         p = moe._parameters[name]
-        moe._parameters[name] = nn.Parameter(distribute_tensor(p.data, mesh, [Shard(1), Shard(0)]),
+        moe._parameters[name] = nn.Parameter(distribute_tensor(p.data, mesh, [Shard(1), Shard(0)], src_data_rank=None),
                                              requires_grad=p.requires_grad)
     _add_properties(moe, {}, {n: _expert_property(n, param_dtype, mesh.size(1)) for n in names}, tuple(names))

@@ -14,10 +14,14 @@ devices; eager mode, graph mode (the make_fx step graph on XLA tensors) and --sc
 loop over stacked weights) run as they are, and XLA sees the whole step.
 
 What needs care, found on torch_xla 2.9: `zeros_like` drops the partition spec (AdamW's state is
-marked explicitly), and an in-place copy from an unannotated tensor makes a parameter replicated
-(checkpoint restore re-marks what it wrote). The mesh is `Mesh` here and `HybridMesh` on a TPU
-pod slice (ICI inside a slice, DCN across). Checkpoints are written as full tensors by this one
-process (DCP, like a single-process run); a multi-host pod would use torch_xla's SPMD planners.
+marked explicitly), an in-place copy from an unannotated tensor makes a parameter replicated, and a
+parameter filled by an in-place copy loses its spec after the first update (`fill` sets its data, as
+`model.to` does). The model comes built on the meta device (materialize.py): `parallelize` allocates
+it and `fill` sends each whole parameter, one at a time, to its shards. The mesh is `Mesh` here and
+`HybridMesh` on a TPU pod slice (ICI inside a slice, DCN across). Checkpoints are written and read
+shard by shard (`checkpoint_planners`: spmd_checkpoint.py), each distinct device shard once, in DCP's
+format, so one process or a torchrun mesh resumes from them (--allow-change mesh); what a multi-host
+pod adds (a process group for DCP across hosts) is not run here (docs/tpu.md).
 The Pallas kernels under SPMD would need manual sharding around the custom call: refused for now.
 """
 import numpy as np
@@ -49,7 +53,7 @@ class XlaSpmd(Parallel):
             self.mesh = xs.Mesh(np.arange(n), (dcn, ici), ("dcn", "ici"))
         super().__init__(torch_xla.device())
         self.xs = xs
-        self.mesh_spec, self.n_devices, self.ici = f"xla-spmd {spec}", n, ici
+        self.mesh_spec, self.n_devices, self.ici, self.param_split = f"xla-spmd {spec}", n, ici, ici
         self.hosts = xr.process_count()  # (one process a host on a pod; always 1 on XLA:CPU: docs/tpu.md)
 
     def spec(self, t, stacked=False):
@@ -61,21 +65,37 @@ class XlaSpmd(Parallel):
         dim = next((d for d in dims if t.shape[d] % self.ici == 0), dims[0])
         return tuple("ici" if d == dim else None for d in range(t.dim()))
 
-    def parallelize(self, model, units=()):
+    def parallelize(self, model, units=(), family=None):
         """Every parameter gets a partition spec; a parameter of a --scan stack (a StackedLayers unit)
-        keeps its layer axis whole."""
-        model = model.to(self.device)
+        keeps its layer axis whole. A model on the meta device is allocated on the XLA device (its
+        values set by `fill`)."""
         stacked = {id(p) for u in units if isinstance(u, StackedLayers) for p in u.parameters()}
+        specs = [self.spec(p, stacked=id(p) in stacked) for p in model.parameters()]
+        model = Parallel.parallelize(self, model)
         params = list(model.parameters())
-        self.specs = [self.spec(p, stacked=id(p) in stacked) for p in params]
+        self.specs, self.spec_of = specs, {id(p): s for p, s in zip(params, specs)}
         self.mark(params)
         return model
+
+    def fill(self, param, whole):
+        """The whole tensor to the device as the parameter's data (as `model.to` does: an in-place copy
+        would leave a pending, unannotated value), then its partition spec. One process drives every
+        device here: on a pod each host's process would transfer only its addressable shards (not built;
+        docs/tpu.md)."""
+        param.data = whole.to(self.device)
+        self.xs.mark_sharding(param, self.mesh, self.spec_of[id(param)])
 
     def mark(self, tensors):
         """Mark tensors that correspond, in order, to the model's parameters (or AdamW's moments)."""
         for t, spec in zip(tensors, self.specs):
             self.xs.mark_sharding(t, self.mesh, spec)
         return tensors
+
+    @staticmethod
+    def checkpoint_planners():
+        """Each distinct device shard written once, read back into the shards (spmd_checkpoint.py)."""
+        import spmd_checkpoint
+        return spmd_checkpoint.SaveShards(), spmd_checkpoint.LoadShards()
 
     def place_state(self, state):
         """AdamW's moments like their parameters (zeros_like does not carry the spec); after a

@@ -7,7 +7,12 @@ model, parallelize function and loss beside the shared trainer):
 
   ModelFamily: the model, what the layout and the planner need of it (no data, no loss)
     args                        the model's config (a dataclass: flavor, --set, --init-from's config)
-    build(args)                 the model, initialized (the trainer seeds first, then stacks / shards it)
+    build(args)                 the model (the trainer builds it on the meta device, stacks / shards it,
+                                then fills each process's shards: materialize.py)
+    initializer(model)          init(name, shape, generator) -> the initial values of one parameter of the
+                                model as built, from its own (seed, name) stream (None: the trainer
+                                builds the model whole on the device, seeded, and shards it after)
+    init_buffers(model)         what is not a parameter (rope frequencies), after allocation
     load_pretrained(model)      --init-from's weights; after sharding each rank copies its own block
                                 (parallel.local_block); with --scan before stacking (stacking renames)
     blocks(model)               the repeated modules: FSDP2's units, --mode compile's units, the bucket
@@ -17,6 +22,10 @@ model, parallelize function and loss beside the shared trainer):
     --init-from RUN and the samplers load a run, checkpoint.load_run), dynamic_shapes_reason(args),
     activation_bytes(args, local_batch, seq_len, free_bytes), plan(args, cfg) (dryrun.Workload)
     model_parallel              the layout dims beyond data parallel it can be split over ("tp", "ep")
+    layout_args(args, tp, ep)   the config a layout splitting it over tp / ep ranks builds (ValueError: why not)
+    split(model, tp_mesh, ep_mesh)  its own tensor-parallel plan and expert routing (torchtitan: each
+                                model's parallelize function), called by the torchrun layout; returns
+                                the modules whose weights are experts split over ep_mesh
     kind                        what its models are, in words (a run of another kind is refused by name)
 
   Workload: the data, the loss and what a run of it does besides the loop
@@ -75,6 +84,20 @@ class ModelFamily:
 
     def load_pretrained(self, model):
         """Nothing to load unless the family was made from pretrained weights."""
+
+    initializer = None  # (a method in a family that can be filled by shard)
+
+    def init_buffers(self, model):
+        """Nothing but parameters by default."""
+
+    def layout_args(self, args, tp, ep):
+        if tp > 1 or ep > 1:
+            raise ValueError(f"{self.kind} splits over the data-parallel dims (dcn / ici) only")
+        return args
+
+    def split(self, model, tp_mesh, ep_mesh):
+        """No tensor or expert parallelism by default (layout_args refuses them)."""
+        return []
 
     def blocks(self, model):
         return [model]

@@ -102,14 +102,15 @@ def _rows(w):
 
 
 def parallelize(model, tp_mesh):
-    """Apply the plan in place; weights become DTensors on tp_mesh. Returns the model."""
+    """Apply the plan in place; weights become DTensors on tp_mesh (each rank keeps its own block of the
+    same whole weight, or of a meta one: src_data_rank=None, no communication). Returns the model."""
     parallelize_module(model, tp_mesh, {
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         **({} if model.lm_head is None else {"lm_head": ColwiseParallel()}),  # (only its weight is read)
-    })
+    }, src_data_rank=None)
     model.norm.register_forward_hook(_gather_sequence)  # the loss sees the whole sequence
     assert model.args.loss_impl == "vocab_parallel", "build the model from tensor_parallel.config(args)"
     for block in model.layers:
-        parallelize_module(block, tp_mesh, block_plan(model.args.qk_norm))
+        parallelize_module(block, tp_mesh, block_plan(model.args.qk_norm), src_data_rank=None)
     return model

@@ -29,6 +29,7 @@ import checkpoint
 import device as dev
 import fsdp_passes
 import graph_trainer
+import materialize
 import mesh
 import optim
 import profiling
@@ -76,7 +77,7 @@ class Trainer:
         self.task = task or make_workload(cfg)
         self.family = self.task.family
         self.task.setup_data(self.parallel.dp_rank, dp)
-        self.model_args = self.parallel.model_args(self.task.args)
+        self.model_args = self.parallel.model_args(self.task.args, self.family)
         self.notes = list(self.task.notes)
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
         self.meta = self.run_meta()
@@ -85,7 +86,10 @@ class Trainer:
                                                    functools.partial(resume_refusal, type(self.task)))
         self.notes += [f"note: {note}"] if note else []
         self.check_memory()
+        dev.reset_peak_memory("cpu")  # the build's host peak, measured (README: what a rank holds at start)
+        rss_before = dev.host_peak_rss_bytes()
         self.model = self.build_model()
+        self.build_host_bytes = dev.host_peak_rss_bytes() - rss_before
         self.params = list(self.model.parameters())
         self.param_names = [n for n, _ in self.model.named_parameters()]
         # The optimizer works on local shards (plain tensors sharing the parameters' storage).
@@ -112,37 +116,56 @@ class Trainer:
         return json.loads(json.dumps(meta))  # as meta.json will hold it (tuples become lists), so it compares
 
     def check_memory(self):
-        """Weights, gradients, AdamW state and the batch's activations must fit: refused before
-        anything is allocated or written (what the dry run estimates at full scale)."""
-        cfg = self.cfg
+        """What a process holds at start must fit: its shards of the weights, gradients and AdamW state
+        (16 bytes a parameter, split the layout's `param_split` ways), plus, while they are filled, one
+        whole parameter on the host (materialize.py; the whole model where it is built whole), plus the
+        batch's activations. Refused before anything is allocated or written (the dry run at full scale)."""
+        cfg, family = self.cfg, self.family
         local_batch = cfg.batch_size // self.parallel.dp_size
-        weights = 16 * self.family.param_count(self.model_args) / self.parallel.n_devices  # fp32 w, grad, 2 moments
-        acts = self.family.activation_bytes(self.model_args, local_batch, cfg.seq_len, dev.free_memory_bytes(self.device))
-        dev.check_fits(weights + acts, self.device, "the model's weights, gradients and AdamW state (16 bytes a "
-                       f"parameter) and the activations of {local_batch} sequences")
+        weights = 16 * family.param_count(self.model_args) / self.parallel.param_split
+        weights += 4 * materialize.largest_whole(family, self.model_args, cfg.scan, cfg.init_from)
+        acts = family.activation_bytes(self.model_args, local_batch, cfg.seq_len, dev.free_memory_bytes(self.device))
+        dev.check_fits(weights + acts, self.device, "the model's shards of weights, gradients and AdamW state (16 "
+                       f"bytes a parameter), the largest whole tensor it is filled from and the activations of "
+                       f"{local_batch} sequences")
 
     def build_model(self):
-        """The model, initialized (seeded, or --init-from), maybe stacked (--scan), then parallelized."""
+        """The model built on the meta device, maybe stacked (--scan), parallelized, and only then filled,
+        each process its own shards (materialize.py): from the seed, or --init-from, or (restore) the
+        resume checkpoint. A family without an `initializer`, and --scan with --init-from (stacking
+        renames the weights: they are loaded first), build it whole, seeded, as before."""
         cfg = self.cfg
         family = self.family
         dynamic = family.dynamic_shapes_reason(self.model_args)
         if dynamic and (cfg.mode == "graph" or cfg.scan):
             raise ConfigError(f"{'--scan' if cfg.scan else 'graph mode'} traces ahead of time; {dynamic}")
         dev.seed_all(cfg.seed)
-        model = family.build(self.model_args)
         pretrained = not self.resume_from
+        with torch.device("meta"):
+            model = family.build(self.model_args)
+        init = family.initializer(model) if family.initializer else None
+        whole = init is None or bool(cfg.scan and pretrained and cfg.init_from)
+        if whole:  # on the host, initialized by its constructor (seeded above: the same values)
+            model = family.build(self.model_args)
+        built = materialize.built_names(model)
         stacks = family.scan_stacks(model) if cfg.scan else []
         if cfg.scan and not stacks:
             raise ConfigError(f"--scan stacks a model's identical blocks; the {cfg.task} task's model has none")
         if cfg.scan:
-            if pretrained:  # (stacking renames the weights: load them first)
+            if pretrained and whole:  # (stacking renames the weights: load them first)
                 family.load_pretrained(model)
             import layer_scan
-            model = layer_scan.stack_layers(model, stacks)
+            model = layer_scan.stack_layers(model, stacks, built)
+        names = materialize.seed_names(model, built)
         # the layout's units: the stacks (each one scan over all its blocks), else the family's blocks
-        model = self.parallel.parallelize(model, self.units(model))
+        model = self.parallel.parallelize(model, self.units(model), family)
+        if not whole:
+            family.init_buffers(model)
+            if pretrained:  # (a resume fills the shards from the checkpoint: restore)
+                materialize.fill_from_seed(model, names, init, self.parallel.fill, cfg.seed)
         if pretrained and not cfg.scan:  # under a mesh each rank reads only its own pieces
             family.load_pretrained(model)
+        if pretrained:
             self.parallel.place_state({"params": list(model.parameters())})
         return model
 
@@ -199,23 +222,31 @@ class Trainer:
     def state(self):
         def named(tensors):  # optimizer shards as DTensors like their parameters, so DCP shards them
             return dict(zip(self.param_names, self.parallel.like(tensors, self.params)))
-        return {"model": self.model.state_dict(),
+        # (keep_vars: the parameters themselves; an XLA tensor's detached copy has lost its partition spec)
+        return {"model": self.model.state_dict(keep_vars=True),
                 "optim": {"exp_avg": named(self.opt.state["exp_avg"]),
                           "exp_avg_sq": named(self.opt.state["exp_avg_sq"])},
                 "step": torch.tensor(self.step), "rng": torch.get_rng_state()}
 
     def save(self):
-        checkpoint.save(self.ckpt_dir, self.step, checkpoint.to_cpu(self.state()), self.meta)
+        self.parallel.place_state({"params": self.params, **self.opt.state})  # (SPMD: specs after in-place updates)
+        save_planner, _ = self.parallel.checkpoint_planners()
+        checkpoint.save(self.ckpt_dir, self.step, self.state(), self.meta, save_planner)
 
     def restore(self, path):
+        """The resume checkpoint fills the model and AdamW state in place, each process its own shards
+        (DCP; XLA SPMD through its planners), whatever layout wrote it (checkpoint.check_compatible)."""
         live = self.state()
-        host = checkpoint.load(path, checkpoint.to_cpu(live))
+        _, load_planner = self.parallel.checkpoint_planners()
+        host = checkpoint.load(path, live if load_planner else checkpoint.to_cpu(live), load_planner)
         with torch.no_grad():
             for key, tensor in live["model"].items():
-                tensor.copy_(host["model"][key])
+                if host["model"][key] is not tensor:
+                    tensor.copy_(host["model"][key])
             for kind in ("exp_avg", "exp_avg_sq"):
                 for name, tensor in live["optim"][kind].items():
-                    tensor.copy_(host["optim"][kind][name])
+                    if host["optim"][kind][name] is not tensor:
+                        tensor.copy_(host["optim"][kind][name])
         self.parallel.place_state({"params": self.params, **self.opt.state})  # (SPMD: copies from the host)
         self.step = int(host["step"])
         self.opt.step_count = self.step
@@ -298,6 +329,7 @@ class Trainer:
         n_params = sum(t.numel() for t in self.model.parameters())
         self.log({"event": "start", "params": n_params, "device": str(self.device), "resumed_at": self.step,
                   "devices": p.n_devices, "hosts": p.hosts, "param_bytes_local": p.local_bytes(self.params),
+                  "build_host_bytes": self.build_host_bytes,
                   "optim_bytes_local": p.local_bytes(self.opt.state["exp_avg"] + self.opt.state["exp_avg_sq"])},
                  f"{self.meta['flavor']}: {n_params / 1e6:.2f}M params on {self.device}, mode {cfg.mode}, "
                  f"{self.task.units_per_step} {self.task.unit}/step, start at step {self.step}, out {self.out_dir}")

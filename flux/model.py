@@ -269,6 +269,35 @@ class LastLayer(nn.Module):
         return self.linear(_modulate(x_BxSxD, shift, scale))
 
 
+def initializer(root):
+    """init(name, shape, generator) for the parameters of `root` (a Flux, or a module holding one),
+    torchtitan's scheme: Xavier for the blocks' linears, N(0, 0.02) for the embedders (and anything
+    else: a prompt stand-in), zero biases, RMSNorm scales 1; modulation and the final layer zero. The
+    rule is read off the module types once; the values come from the generator alone."""
+    kinds, zero = {}, set()
+    for prefix, mod in root.named_modules():
+        if isinstance(mod, (Modulation, LastLayer)):
+            zero.add(prefix + ".")
+        for pname, p in mod.named_parameters(recurse=False):
+            name = f"{prefix}.{pname}" if prefix else pname
+            if any(name.startswith(z) for z in zero):
+                kinds[name] = "zeros"
+            elif isinstance(mod, RMSNorm) or (isinstance(mod, nn.Linear) and pname == "bias"):
+                kinds[name] = "ones" if isinstance(mod, RMSNorm) else "zeros"
+            elif isinstance(mod, nn.Linear) and ("double_blocks." in name or "single_blocks." in name):
+                kinds[name] = "xavier"
+
+    def init(name, shape, generator):
+        kind = kinds.get(name, "normal")
+        if kind in ("zeros", "ones"):
+            return torch.zeros(shape) if kind == "zeros" else torch.ones(shape)
+        if kind == "xavier":  # (out, in): U(-a, a), a = sqrt(6 / (fan_in + fan_out))
+            a = math.sqrt(6.0 / (shape[0] + shape[1]))
+            return torch.empty(shape).uniform_(-a, a, generator=generator)
+        return torch.empty(shape).normal_(0.0, 0.02, generator=generator)
+    return init
+
+
 class Flux(nn.Module):
     def __init__(self, args: FluxArgs):
         super().__init__()
@@ -287,23 +316,10 @@ class Flux(nn.Module):
         if self.img_in.weight.device.type != "meta":
             self.init_weights()
 
-    @torch.no_grad()
     def init_weights(self):
-        """torchtitan's scheme: Xavier for the blocks' linears, N(0, 0.02) for the embedders, zero bias;
-        modulation and the final layer zero."""
-        for name, mod in self.named_modules():
-            if isinstance(mod, nn.Linear):
-                if name.startswith(("double_blocks", "single_blocks")):
-                    nn.init.xavier_uniform_(mod.weight)
-                else:
-                    nn.init.normal_(mod.weight, std=0.02)
-                if mod.bias is not None:
-                    nn.init.zeros_(mod.bias)
-            elif isinstance(mod, RMSNorm):
-                nn.init.ones_(mod.scale)
-        for mod in [m.lin for m in self.modules() if isinstance(m, Modulation)] + [self.final_layer]:
-            for p in mod.parameters():
-                p.zero_()
+        """Each parameter from its own (torch.initial_seed(), name) stream (materialize.py), by `initializer`."""
+        import materialize
+        materialize.init_module(self, initializer(self))
 
     def pack_for_scan(self, n_txt):
         """Wrap every block as a PackedBlock (text length n_txt) and return the two stacks, as

@@ -49,8 +49,9 @@ from flux import model as flux
 from flux import latents as flux_latents
 from flux import sample as flux_sample
 from flux.sample import GUIDANCE, sample_grid
-from flags import flag, with_overrides
+import materialize
 from checkpoint import CheckpointError
+from flags import flag, with_overrides
 from errors import ConfigError
 from parallel import local_block, local_tensor
 from task import ModelFamily, Workload
@@ -93,8 +94,8 @@ class ClassPrompt(nn.Module):
 
     def __init__(self, args):
         super().__init__()
-        self.tokens_CxTxE = nn.Parameter(0.02 * torch.randn(N_CLASSES + 1, PROMPT_TOKENS, args.context_in_dim))
-        self.pooled_CxV = nn.Parameter(0.02 * torch.randn(N_CLASSES + 1, args.vec_in_dim))
+        self.tokens_CxTxE = nn.Parameter(torch.empty(N_CLASSES + 1, PROMPT_TOKENS, args.context_in_dim))
+        self.pooled_CxV = nn.Parameter(torch.empty(N_CLASSES + 1, args.vec_in_dim))  # (N(0, 0.02): flux.initializer)
 
     def forward(self, class_B):
         return self.tokens_CxTxE[class_B], self.pooled_CxV[class_B]
@@ -110,6 +111,8 @@ class ConditionedFlux(nn.Module):
         super().__init__()
         self.prompt = ClassPrompt(args) if classes else None
         self.flux, self.hw, self.guidance = flux.Flux(args), tuple(hw), guidance
+        if not self.flux.img_in.weight.is_meta:  # (the trainer builds on meta and fills: materialize.py)
+            materialize.init_module(self, flux.initializer(self))
 
     def encode(self, *cond):
         return self.prompt(*cond) if self.prompt is not None else cond

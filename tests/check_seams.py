@@ -83,6 +83,19 @@ def test_the_layers_import_downwards_only():
     planner = {m for m in ours if m.startswith("planner.")}
     assert planner and all(not graph[m] & workload_modules for m in planner), {m: graph[m] & workload_modules for m in planner}
     assert graph["flags"] == set() and not any("cli" in graph[m] for m in workload_modules)  # (flags.py declares them)
+    # The layout is the family's (ModelFamily.layout_args / split): no layout file imports a model's
+    # module or its parallel plans, nor names a class of one (a model class or config)
+    import ast
+    model_modules = {"model", "tensor_parallel", "expert_parallel"} | workload_modules
+    model_classes = {n.name for m in model_modules for n in ast.walk(ast.parse(open(ours[m]).read()))
+                     if isinstance(n, ast.ClassDef)}
+    assert {"ModelArgs", "Transformer", "MoE", "FluxArgs", "Flux"} <= model_classes
+    for layout in ("mesh", "spmd", "parallel", "simplefsdp"):
+        assert not graph[layout] & model_modules, (layout, graph[layout] & model_modules)
+        tree = ast.parse(open(ours[layout]).read())
+        named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+                {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not named & model_classes, (layout, named & model_classes)
     state = {}
 
     def visit(m, path):  # depth-first: a module met again on the current path is a cycle

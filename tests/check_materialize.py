@@ -1,0 +1,166 @@
+# materialize.py (build on meta, fill by shard) and spmd_checkpoint.py (SPMD checkpoints shard by shard).
+# Oracles: one process's initial weights (bit for bit), the whole model's bytes, DCP's own metadata,
+# the uninterrupted run.
+"""Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
+import json
+import os
+
+import pytest
+import torch
+
+from tests import launch
+from tests.common import DIST_TINY, _records, losses, run_train
+
+MIB = 2**20
+BASELINE = 48 * MIB  # what a build holds besides weights: the mesh, the meta model, allocator slack (measured ~10 MiB)
+# A model of 27M parameters (108 MB in fp32): 4 ranks each hold a quarter of it.
+BIG = ["--set", "dim=512", "--set", "n_layers=8", "--set", "ffn_dim=1536", "--set", "n_heads=8", "--set", "n_kv_heads=4",
+       "--set", "head_dim=64"]
+MOE = ["--flavor", "qwen3_moe_debug", "--set", "moe_ffn_dim=32"]
+LAYOUTS = [  # (flags, mesh, dp impl): every torchrun layout, both families, --scan stacks
+    ([], "ici=4", "simple"), ([], "dcn=2,ici=2", "simple"), ([], "ici=4", "fsdp2"), (["--set", "ffn_dim=128"], "ici=2,tp=2", "simple"),
+    (MOE, "ici=4,ep=2", "simple"), (["--scan"], "ici=4", "simple"), (["--scan"], "dcn=2,ici=2", "fsdp2"),
+    (["--task", "flux"], "ici=4", "simple"), (["--task", "flux"], "dcn=2,ici=2", "fsdp2")]
+FLUX = ["--batch-size", "8", "--sample-images", "0", "--no-plot"]
+
+
+def _common(corpus, extra):
+    model = FLUX if "flux" in extra else [*DIST_TINY, "--data", corpus]
+    return [*model, "--steps", "1", "--eval-batches", "0", *extra]
+
+
+def child_build_memory_and_layouts(corpus, out):
+    """(each of 4 ranks) the host peak of building BIG on SimpleFSDP ici=4 against its shards, one whole
+    parameter and what building the whole model holds; then every layout's initial weights, gathered,
+    against one process's (rank 0 compares, bit for bit)."""
+    import torch.distributed as dist
+    import device as dev
+    import train
+    from parallel import Parallel
+    cfg = train.parse_config([*_common(corpus, BIG), "--mesh", "ici=4", "--out-dir", os.path.join(out, "big")])
+    tr = train.Trainer(cfg)
+    rank = dist.get_rank()
+    report = {"build": tr.build_host_bytes, "shards": tr.parallel.local_bytes(tr.params),
+              "largest": 4 * max(p.numel() for p in tr.params), "whole": 4 * sum(p.numel() for p in tr.params)}
+    del tr
+    dev.reset_peak_memory("cpu")
+    before = dev.host_peak_rss_bytes()
+    whole = train.make_workload(cfg).family.build(train.model_args(cfg))  # what the trainer built before
+    report["whole_build"] = dev.host_peak_rss_bytes() - before
+    del whole
+    report["equal"] = []
+    for extra, mesh, impl in LAYOUTS:
+        flags = _common(corpus, extra)
+        tr = train.Trainer(train.parse_config([*flags, "--mesh", mesh, "--dp-impl", impl,
+                                               "--out-dir", os.path.join(out, f"{mesh}-{impl}")]))
+        full = {n: p.full_tensor() for n, p in zip(tr.param_names, tr.params)}
+        if rank == 0:
+            one = train.Trainer(train.parse_config([*flags, "--out-dir", os.path.join(out, "one")]), Parallel(torch.device("cpu")))
+            want = dict(zip(one.param_names, one.params))
+            report["equal"].append([" ".join([*extra, mesh, impl]), sorted(full) == sorted(want) and
+                                    all(torch.equal(full[n], want[n].detach()) for n in want)])
+    if rank == 0:
+        print(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_build_on_meta_holds_its_shards_and_every_layout_starts_from_one_process_weights(corpus, tmp_path):
+    """Built on the meta device and filled by shard: a rank's host peak while building a 108 MB model
+    split 4 ways is its quarter + one whole parameter + a fixed baseline (building the whole model, as
+    the trainer did, holds all of it); every torchrun layout (SimpleFSDP, HSDP, FSDP2, TP, EP, --scan
+    stacks; the LM and FLUX families) starts from exactly one process's initial weights."""
+    rc, out, err = launch.ranks(4, ["test_all.py", "child_build_memory_and_layouts", corpus, str(tmp_path)], timeout=600)
+    assert rc == 0, err[-3000:]
+    rep = json.loads(out.strip().splitlines()[-1])
+    assert rep["whole"] >= 4 * rep["shards"] - 4 * MIB, rep  # (an uneven split: a row more here and there)
+    assert rep["build"] <= rep["shards"] + rep["largest"] + BASELINE, rep
+    # the oracle of what it saves: the whole build's RSS growth (allocator reuse of the first trainer's
+    # freed pages makes it read below the whole model's bytes: measured 0.85x)
+    assert rep["whole_build"] >= rep["whole"] * 0.7 and rep["build"] < rep["whole"] / 2, rep
+    assert [ok for _, ok in rep["equal"]] == [True] * len(LAYOUTS), rep["equal"]
+    print(f"build peak {rep['build'] / MIB:.1f} MiB per rank (shards {rep['shards'] / MIB:.1f} MiB, largest parameter "
+          f"{rep['largest'] / MIB:.1f} MiB); building the whole model: {rep['whole_build'] / MIB:.1f} MiB")
+
+
+SPMD_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+# 12.8M parameters: a 154 MB state (weights, two moments), its largest tensor 1.5 MB
+CKPT_MODEL = ["--set", "dim=384", "--set", "n_layers=8", "--set", "ffn_dim=1024", "--set", "n_heads=6", "--set", "n_kv_heads=2",
+              "--set", "head_dim=64"]
+CKPT_BASELINE = 24 * MIB  # DCP's plan and files, XLA's transfers (measured ~10 MiB for a 100 MB state)
+
+
+def child_spmd_checkpoint_memory(corpus, out):
+    """(child) an XLA SPMD trainer (dcn=2,ici=2) of BIG: the host peak of one save and one restore, above
+    the RSS before each, against the state's bytes and its largest tensor."""
+    import device as dev
+    import train
+    cfg = train.parse_config([*_common(corpus, CKPT_MODEL), "--device", "xla", "--mesh", "dcn=2,ici=2", "--out-dir", out])
+    tr = train.Trainer(cfg)
+    dev.sync(tr.device)
+    report = {"state": 3 * 4 * sum(p.numel() for p in tr.params), "largest": 4 * max(p.numel() for p in tr.params)}
+    for what, call in (("save", tr.save), ("restore", lambda: tr.restore(os.path.join(out, "checkpoints", "step_000000")))):
+        dev.reset_peak_memory("cpu")
+        before = dev.host_peak_rss_bytes()
+        call()
+        dev.sync(tr.device)
+        report[what] = dev.host_peak_rss_bytes() - before
+    print(json.dumps(report))
+
+
+def _chunks_cover_once(path):
+    """{tensor: number of chunks} of a DCP checkpoint, asserting its chunks tile every tensor exactly
+    once (no overlap, nothing missing): the files hold each shard once."""
+    import itertools
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    counts = {}
+    for fqn, md in FileSystemReader(path).read_metadata().state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        boxes = [[(o, o + n) for o, n in zip(c.offsets, c.sizes)] for c in md.chunks]
+        volume = lambda box: int(torch.tensor([b - a for a, b in box], dtype=torch.int64).prod()) if box else 1
+        assert sum(volume(b) for b in boxes) == md.size.numel(), fqn
+        for a, b in itertools.combinations(boxes, 2):
+            assert any(x1 <= y0 or y1 <= x0 for (x0, x1), (y0, y1) in zip(a, b)), (fqn, a, b)
+        counts[fqn] = len(boxes)
+    return counts
+
+
+def test_spmd_checkpoint_is_written_shard_by_shard_and_resumes_on_any_layout(corpus, tmp_path):
+    """XLA SPMD on dcn=2,ici=2: the checkpoint's chunks are the distinct device shards, each once (the
+    dcn replicas not twice); save and restore hold one tensor's shards on the host at a time, not the
+    state (a 12.8M-parameter model); the checkpoint resumes on one process and on a torchrun mesh
+    (--allow-change mesh, DCP resharding) equal to the uninterrupted SPMD run."""
+    import shutil
+    from tests.common import torchrun
+    common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "1",
+              "--sample-tokens", "0"]
+    spmd = [*common, "--device", "xla", "--mesh", "dcn=2,ici=2"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    memory = launch.Child(["test_all.py", "child_spmd_checkpoint_memory", corpus, str(tmp_path / "big")], env=SPMD_ENV)
+    full_run = launch.Child(["train.py", *spmd, "--out-dir", full], env=SPMD_ENV)
+    rc, _, err = run_train([*spmd, "--out-dir", part, "--halt-at", "3"], env=SPMD_ENV, timeout=600)
+    assert rc == 0, err[-3000:]
+    ckpt = os.path.join(part, "checkpoints", "step_000003")
+    counts = _chunks_cover_once(ckpt)
+    sharded = [n for n in counts if n.startswith(("model.", "optim."))]
+    assert len(os.listdir(ckpt)) == sum(counts.values()) + 2  # (a file per shard, the step, the rng; .metadata, meta.json)
+    assert sharded and all(counts[n] == 2 for n in sharded), counts  # ici=2 shards; the 2 dcn replicas once
+    assert full_run.result(timeout=600)[0] == 0
+    want = losses(full)
+    for name, launcher in (("one", lambda a: run_train(a)), ("mesh", lambda a: torchrun(2, [*a, "--mesh", "ici=2"]))):
+        os.makedirs(os.path.join(tmp_path, name, "checkpoints"))
+        shutil.copytree(ckpt, os.path.join(tmp_path, name, "checkpoints", "step_000003"))
+        rc, _, err = launcher([*common, "--out-dir", str(tmp_path / name), "--resume", "--allow-change", "mesh"])
+        assert rc == 0, err[-3000:]
+        got = losses(str(tmp_path / name))
+        assert sorted(got) == [4, 5, 6] and all(abs(got[k] - want[k]) <= 1e-4 for k in got), (name, got, want)
+        assert _records(str(tmp_path / name), "val_loss")[6] == pytest.approx(_records(full, "val_loss")[6], abs=1e-4)
+    rc, out, err = memory.result(timeout=600)
+    assert rc == 0, err[-3000:]
+    rep = json.loads(out.strip().splitlines()[-1])
+    for what in ("save", "restore"):  # (XLA:CPU's devices live in this process: their shards are not counted twice)
+        assert rep[what] <= 2 * rep["largest"] + CKPT_BASELINE < rep["state"] / 4, rep
+    print(f"SPMD checkpoint host peak: save {rep['save'] / MIB:.1f} MiB, restore {rep['restore'] / MIB:.1f} MiB "
+          f"(state {rep['state'] / MIB:.0f} MiB, largest tensor {rep['largest'] / MIB:.1f} MiB)")
