@@ -18,7 +18,7 @@ The tracer is the library's, as torchtitan's profiling.py uses it (torchtitan/to
 
 The breakdown is read from the written trace, not from the profiler object: each event's self time
 (its span less its children's, on the step's own thread) goes to one category by its name (CATEGORIES)
-or, for the optimizer, by the `minititan::optimizer` range it runs in (optim.py names it); the gaps
+or, for the optimizer, by the `minititan/optimizer` range it runs in (optim.py names it); the gaps
 between events (Python, the loop) are host / idle. The sum is compared with the step's wall time
 measured by the loop's own clock. Under torchrun every rank writes its own trace; rank 0 prints.
 """
@@ -32,7 +32,7 @@ import time
 
 import torch
 
-OPTIMIZER_RANGE = re.compile(r"^(minititan::(optimizer|clip)|Optimizer\.(step|zero_grad))")  # (ours; torch.optim's)
+OPTIMIZER_RANGE = re.compile(r"^(minititan/(optimizer|clip)|Optimizer\.(step|zero_grad))")  # (ours; torch.optim's)
 
 # Self time goes to the first category whose patterns match the event's name (case-insensitive);
 # the autograd engine's node ranges first (their own time is the engine's, their aten ops are children).
