@@ -87,7 +87,6 @@ SPMD_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 # 12.8M parameters: a 154 MB state (weights, two moments), its largest tensor 1.5 MB
 CKPT_MODEL = ["--set", "dim=384", "--set", "n_layers=8", "--set", "ffn_dim=1024", "--set", "n_heads=6", "--set", "n_kv_heads=2",
               "--set", "head_dim=64"]
-CKPT_BASELINE = 24 * MIB  # DCP's plan and files, XLA's transfers (measured ~10 MiB for a 100 MB state)
 
 
 def child_spmd_checkpoint_memory(corpus, out):
@@ -129,16 +128,16 @@ def _chunks_cover_once(path):
 
 def test_spmd_checkpoint_is_written_shard_by_shard_and_resumes_on_any_layout(corpus, tmp_path):
     """XLA SPMD on dcn=2,ici=2: the checkpoint's chunks are the distinct device shards, each once (the
-    dcn replicas not twice); save and restore hold one tensor's shards on the host at a time, not the
-    state (a 12.8M-parameter model); the checkpoint resumes on one process and on a torchrun mesh
-    (--allow-change mesh, DCP resharding) equal to the uninterrupted SPMD run."""
+    dcn replicas not twice); the checkpoint resumes on one process and on a torchrun mesh
+    (--allow-change mesh, DCP resharding) equal to the uninterrupted SPMD run. (The host peak of a save
+    and a restore is measured by hand, child_spmd_checkpoint_memory: ~2.5 min of XLA:CPU, too slow for
+    the suite; README "Starting at pod scale" has its figures.)"""
     import shutil
     from tests.common import torchrun
     common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "1",
               "--sample-tokens", "0"]
     spmd = [*common, "--device", "xla", "--mesh", "dcn=2,ici=2"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    memory = launch.Child(["test_all.py", "child_spmd_checkpoint_memory", corpus, str(tmp_path / "big")], env=SPMD_ENV)
     full_run = launch.Child(["train.py", *spmd, "--out-dir", full], env=SPMD_ENV)
     rc, _, err = run_train([*spmd, "--out-dir", part, "--halt-at", "3"], env=SPMD_ENV, timeout=600)
     assert rc == 0, err[-3000:]
@@ -157,10 +156,3 @@ def test_spmd_checkpoint_is_written_shard_by_shard_and_resumes_on_any_layout(cor
         got = losses(str(tmp_path / name))
         assert sorted(got) == [4, 5, 6] and all(abs(got[k] - want[k]) <= 1e-4 for k in got), (name, got, want)
         assert _records(str(tmp_path / name), "val_loss")[6] == pytest.approx(_records(full, "val_loss")[6], abs=1e-4)
-    rc, out, err = memory.result(timeout=600)
-    assert rc == 0, err[-3000:]
-    rep = json.loads(out.strip().splitlines()[-1])
-    for what in ("save", "restore"):  # (XLA:CPU's devices live in this process: their shards are not counted twice)
-        assert rep[what] <= 2 * rep["largest"] + CKPT_BASELINE < rep["state"] / 4, rep
-    print(f"SPMD checkpoint host peak: save {rep['save'] / MIB:.1f} MiB, restore {rep['restore'] / MIB:.1f} MiB "
-          f"(state {rep['state'] / MIB:.0f} MiB, largest tensor {rep['largest'] / MIB:.1f} MiB)")
