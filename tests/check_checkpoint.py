@@ -328,8 +328,8 @@ def test_a_signal_during_a_checkpoint_removes_it_and_exits_like_a_shell(sig, cod
               "--sample-tokens", "0", "--out-dir", out]
     real = checkpoint.write_shards
 
-    def write_then_signal(tmp, state):
-        real(tmp, state)
+    def write_then_signal(tmp, state, planner=None):
+        real(tmp, state, planner)
         if tmp.endswith("step_000004.tmp"):
             os.kill(os.getpid(), getattr(signal, sig))  # delivered here, mid-save (before the rename)
     monkeypatch.setattr(checkpoint, "write_shards", write_then_signal)
@@ -371,7 +371,7 @@ def test_own_failures_and_peer_failures_are_told_apart(corpus, tmp_path, monkeyp
         f.write('{"step": 3, "lo')  # the crash cut this record
     real_write = checkpoint.write_shards
 
-    def peer_drops(tmp, state):
+    def peer_drops(tmp, state, planner=None):
         from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
         dropped = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
         raise CheckpointException("save", {1: _wrap_exception(dropped)})  # (what DCP raises on rank 0)
