@@ -14,7 +14,8 @@ same torch_xla calls:
          shards at a time. DCP's metadata records each shard as a chunk of the global tensor, the same
          format a torchrun DTensor checkpoint has, so one process or any torchrun layout reads it
          (DCP reshards on load: checkpoint.check_compatible lets the mesh change with --allow-change mesh).
-  load   each distinct local shard is a host buffer DCP reads into (from whatever chunks the files
+  load   (not used yet: on an ici=4 resume it gave wrong weights, found by the suite's SPMD resume test;
+         spmd.XlaSpmd reads checkpoints back through the host meanwhile) each distinct local shard is a host buffer DCP reads into (from whatever chunks the files
          hold: another layout's); when a tensor's shards are complete they are loaded into the live
          sharded tensor on its devices (`_load_local_shards`, the partition spec kept) and dropped.
 
