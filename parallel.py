@@ -110,8 +110,10 @@ class Parallel:
 
     @staticmethod
     def fill(param, whole):
-        """The whole tensor's values into `param` (one device: all of it)."""
-        param.copy_(whole)
+        """The whole tensor's values into `param` (one device: all of it). Its data is replaced, not
+        copied into: an in-place copy into an XLA tensor from to_empty made step 2 compile a second
+        program (test_xla_compiles_one_program_per_step_shape)."""
+        param.data = whole.to(param.device)
 
     @staticmethod
     def local(tensors):
