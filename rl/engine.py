@@ -72,6 +72,8 @@ class EngineHandle:
 
     def __init__(self, timeout_s):
         self.timeout_s, self.bytes_sent = timeout_s, 0
+        self.mid_message = False  # a message half sent or half read (an interrupt in between): the stream
+                                  # is out of step, so close() kills instead of asking the engine to stop
         self.sock, child = socket.socketpair()
         try:
             self._spawn(child)  # (sets self.proc; the child end is the engine's)
@@ -120,7 +122,7 @@ class EngineHandle:
 
     def close(self):
         """Stop the server loop (or kill it if it does not answer); safe to call twice."""
-        if self._exit_code() is None and self.sock.fileno() >= 0:
+        if self._exit_code() is None and self.sock.fileno() >= 0 and not self.mid_message:
             try:
                 self._send("stop", {}, timeout_s=min(self.timeout_s, 10))
                 self._reply("stop", timeout_s=min(self.timeout_s, 10))
@@ -143,6 +145,7 @@ class EngineHandle:
         header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         self.bytes_sent += len(header) + n
+        self.mid_message = True
         for part in (memoryview(header), view):
             while part.nbytes:
                 if self._wait(False, deadline, what, timeout_s):
@@ -152,14 +155,17 @@ class EngineHandle:
                         pass
                     except OSError:
                         self._died(what)
+        self.mid_message = False
 
     def _reply(self, what, timeout_s=None):
         """The engine's answer to `what`: its value, or the failure raised as above."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        self.mid_message = True
         (n,) = struct.unpack("!i", self._read(4, deadline, what, timeout_s))
         if n == -1:
             (n,) = struct.unpack("!Q", self._read(8, deadline, what, timeout_s))
         status, value = pickle.loads(self._read(n, deadline, what, timeout_s))
+        self.mid_message = False
         if status == "write_failed":  # (what failed may have left the engine wedged: it is stopped)
             self._kill()
             raise EngineWriteFailed(f"{self.name} could not write a file during {what}: {value}")
