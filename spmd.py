@@ -93,11 +93,9 @@ class XlaSpmd(Parallel):
 
     @staticmethod
     def checkpoint_planners():
-        """Each distinct device shard written once (spmd_checkpoint.py). Read back through the host, whole
-        tensors copied into the shards: spmd_checkpoint.LoadShards (each shard read into its device) gave
-        wrong weights on resume here (ici=4, found by test_spmd_resume_is_bit_for_bit_...; not yet fixed)."""
+        """Each distinct device shard written once, and read back into its devices (spmd_checkpoint.py)."""
         import spmd_checkpoint
-        return spmd_checkpoint.SaveShards(), None
+        return spmd_checkpoint.SaveShards(), spmd_checkpoint.LoadShards()
 
     def place_state(self, state):
         """AdamW's moments like their parameters (zeros_like does not carry the spec); after a

@@ -14,10 +14,10 @@ same torch_xla calls:
          shards at a time. DCP's metadata records each shard as a chunk of the global tensor, the same
          format a torchrun DTensor checkpoint has, so one process or any torchrun layout reads it
          (DCP reshards on load: checkpoint.check_compatible lets the mesh change with --allow-change mesh).
-  load   (not used yet: on an ici=4 resume it gave wrong weights, found by the suite's SPMD resume test;
-         spmd.XlaSpmd reads checkpoints back through the host meanwhile) each distinct local shard is a host buffer DCP reads into (from whatever chunks the files
+  load   each distinct local shard is a host buffer DCP reads into (from whatever chunks the files
          hold: another layout's); when a tensor's shards are complete they are loaded into the live
-         sharded tensor on its devices (`_load_local_shards`, the partition spec kept) and dropped.
+         sharded tensor on its devices (`_load_local_shards`, the partition spec kept) and dropped; a
+         replicated tensor (whole on every device anyway) is copied in whole.
 
 On a pod each host's process holds only its addressable devices' shards, and DCP's global plan keeps
 one copy of shards that several hosts hold; that needs a process group beside SPMD (not run here:
@@ -26,7 +26,8 @@ one host, XLA:CPU; docs/tpu.md).
 import math
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
+                                                          create_default_local_load_plan)
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -93,7 +94,9 @@ class LoadShards(DefaultLoadPlanner):
         self.buffers, self.pending = {}, {}
 
     def create_local_plan(self):
-        plan = super().create_local_plan()
+        # (not super(): DefaultLoadPlanner takes the XLA keys missing from self.state_dict for a pre-2.4
+        # checkpoint's names and plans them again, as whole tensors)
+        plan = create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
         for fqn, t in self.xla.items():
             md = self.metadata.state_dict_metadata[fqn]
             if md.size != t.size():
@@ -122,9 +125,13 @@ class LoadShards(DefaultLoadPlanner):
         self.pending[fqn] -= math.prod(read_item.lengths)
         if self.pending[fqn] == 0:
             import torch_xla
+            t = self.xla[fqn]
+            if torch_xla._XLAC._get_xla_sharding_spec(t) in ("", "{replicated}"):  # whole on every device
+                t.copy_(self.buffers.pop(fqn)[0][0])  # (torch_xla refuses to load a replicated one by shards)
+                return
             devices = torch_xla._XLAC._xla_get_runtime_devices()
             per_device = [None] * len(devices)
             for buf, _, where in self.buffers.pop(fqn):
                 for pos in where:
                     per_device[pos] = buf
-            torch_xla._XLAC._load_local_shards(self.xla[fqn], per_device, devices)
+            torch_xla._XLAC._load_local_shards(t, per_device, devices)

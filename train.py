@@ -236,6 +236,7 @@ class Trainer:
     def restore(self, path):
         """The resume checkpoint fills the model and AdamW state in place, each process its own shards
         (DCP; XLA SPMD through its planners), whatever layout wrote it (checkpoint.check_compatible)."""
+        self.parallel.place_state({"params": self.params, **self.opt.state})  # (SPMD: the specs DCP reads into)
         live = self.state()
         _, load_planner = self.parallel.checkpoint_planners()
         host = checkpoint.load(path, live if load_planner else checkpoint.to_cpu(live), load_planner)
