@@ -247,15 +247,18 @@ def _files(run_dir):
 
 def peak_extra_rss(pids, fn):
     """(fn(), {pid: bytes}): each process's peak resident memory during fn() above its resident memory
-    before it (Linux: /proc/PID/clear_refs "5" resets the peak, VmHWM; VmRSS is the memory now). What
-    a process allocated and touched, torch's tensors and Python's bytes alike."""
+    before it (Linux: /proc/PID/clear_refs "5" resets the peak, VmHWM; VmRSS is the memory now), less
+    the file-backed pages fn() faulted in (RssFile's growth: the code of a library called for the first
+    time, e.g. gloo's broadcast on a first push, ~0.2-1 MiB, which is not memory the code under test
+    allocated). What a process allocated and touched, torch's tensors and Python's bytes alike."""
     def kib(pid, field):
         with open(f"/proc/{pid}/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-    before = {}
+    before, files = {}, {}
     for pid in pids:
         with open(f"/proc/{pid}/clear_refs", "w") as f:
             f.write("5")
-        before[pid] = kib(pid, "VmRSS")
+        before[pid], files[pid] = kib(pid, "VmRSS"), kib(pid, "RssFile")
     out = fn()
-    return out, {pid: (kib(pid, "VmHWM") - before[pid]) * 1024 for pid in pids}
+    return out, {pid: (kib(pid, "VmHWM") - before[pid] - max(0, kib(pid, "RssFile") - files[pid])) * 1024
+                 for pid in pids}
