@@ -25,6 +25,10 @@ import hashlib
 
 import torch
 
+import device as dev
+import layer_scan
+from errors import ConfigError
+
 
 def param_generator(seed, name):
     """A CPU generator whose stream is a pure function of (seed, parameter name)."""
@@ -53,10 +57,10 @@ def seed_names(model, built):
     stacked (L, ...) one)}. Call before parallelize (which replaces the parameter objects)."""
     out = {}
     for prefix, module in model.named_modules():
-        stacked = getattr(module, "origins", None)  # (layer_scan.StackedLayers: layer i's built names)
+        stacked = isinstance(module, layer_scan.StackedLayers)  # (its `origins`: layer i's built names)
         for name, p in module.named_parameters(recurse=False):
             full = f"{prefix}.{name}" if prefix else name
-            out[full] = list(stacked[name]) if stacked is not None else built[id(p)]
+            out[full] = list(module.origins[name]) if stacked else built[id(p)]
     return out
 
 
@@ -75,6 +79,51 @@ def fill_from_seed(model, names, init, fill, seed):
         fill(p, whole.to(p.dtype))
         del whole
 
+
+def units(model, family, scan):
+    """The model's repeated units as a layout and the step see them: under --scan the stacks
+    (layer_scan.StackedLayers, each one scan over its blocks), else the family's blocks."""
+    if scan:
+        return [m for m in model.modules() if isinstance(m, layer_scan.StackedLayers)]
+    return family.blocks(model)
+
+
+def build(family, args, parallel, *, seed, scan, init_from, pretrained, traced):
+    """`family`'s model of `args` built on the meta device, maybe stacked (--scan), parallelized by
+    `parallel`, and only then filled, each process its own shards: from the seed (`pretrained`: not a
+    resume; the family's load_pretrained then reads --init-from over it). A resume leaves the shards
+    allocated, unfilled: its checkpoint fills them (train.Trainer.restore). A family without an
+    `initializer`, and --scan with --init-from (stacking renames the weights: they are loaded first),
+    build it whole, seeded, as before. `traced`: graph mode (ahead-of-time tracing, as --scan)."""
+    dynamic = family.dynamic_shapes_reason(args)
+    if dynamic and (traced or scan):
+        raise ConfigError(f"{'--scan' if scan else 'graph mode'} traces ahead of time; {dynamic}")
+    dev.seed_all(seed)
+    with torch.device("meta"):
+        model = family.build(args)
+    init = family.initializer(model) if family.initializer else None
+    whole = init is None or bool(scan and pretrained and init_from)
+    if whole:  # on the host, initialized by its constructor (seeded above: the same values)
+        model = family.build(args)
+    built = built_names(model)
+    stacks = family.scan_stacks(model) if scan else []
+    if scan and not stacks:
+        raise ConfigError(f"--scan stacks a model's identical blocks; the {family.label()} model has none")
+    if scan:
+        if pretrained and whole:  # (stacking renames the weights: load them first)
+            family.load_pretrained(model)
+        model = layer_scan.stack_layers(model, stacks, built)
+    names = seed_names(model, built)
+    model = parallel.parallelize(model, units(model, family, scan), family)
+    if not whole:
+        family.init_buffers(model)
+        if pretrained:
+            fill_from_seed(model, names, init, parallel.fill, seed)
+    if pretrained and not scan:  # under a mesh each rank reads only its own pieces
+        family.load_pretrained(model)
+    if pretrained:
+        parallel.place_state({"params": list(model.parameters())})
+    return model
 
 
 def largest_whole(family, args, scan, init_from):

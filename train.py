@@ -130,52 +130,14 @@ class Trainer:
                        f"{local_batch} sequences")
 
     def build_model(self):
-        """The model built on the meta device, maybe stacked (--scan), parallelized, and only then filled,
-        each process its own shards (materialize.py): from the seed, or --init-from, or (restore) the
-        resume checkpoint. A family without an `initializer`, and --scan with --init-from (stacking
-        renames the weights: they are loaded first), build it whole, seeded, as before."""
+        """Built on the meta device, parallelized, then filled shard by shard (materialize.build): from
+        the seed or --init-from; a resume's checkpoint fills it later (restore)."""
         cfg = self.cfg
-        family = self.family
-        dynamic = family.dynamic_shapes_reason(self.model_args)
-        if dynamic and (cfg.mode == "graph" or cfg.scan):
-            raise ConfigError(f"{'--scan' if cfg.scan else 'graph mode'} traces ahead of time; {dynamic}")
-        dev.seed_all(cfg.seed)
-        pretrained = not self.resume_from
-        with torch.device("meta"):
-            model = family.build(self.model_args)
-        init = family.initializer(model) if family.initializer else None
-        whole = init is None or bool(cfg.scan and pretrained and cfg.init_from)
-        if whole:  # on the host, initialized by its constructor (seeded above: the same values)
-            model = family.build(self.model_args)
-        built = materialize.built_names(model)
-        stacks = family.scan_stacks(model) if cfg.scan else []
-        if cfg.scan and not stacks:
-            raise ConfigError(f"--scan stacks a model's identical blocks; the {cfg.task} task's model has none")
-        if cfg.scan:
-            if pretrained and whole:  # (stacking renames the weights: load them first)
-                family.load_pretrained(model)
-            import layer_scan
-            model = layer_scan.stack_layers(model, stacks, built)
-        names = materialize.seed_names(model, built)
-        # the layout's units: the stacks (each one scan over all its blocks), else the family's blocks
-        model = self.parallel.parallelize(model, self.units(model), family)
-        if not whole:
-            family.init_buffers(model)
-            if pretrained:  # (a resume fills the shards from the checkpoint: restore)
-                materialize.fill_from_seed(model, names, init, self.parallel.fill, cfg.seed)
-        if pretrained and not cfg.scan:  # under a mesh each rank reads only its own pieces
-            family.load_pretrained(model)
-        if pretrained:
-            self.parallel.place_state({"params": list(model.parameters())})
-        return model
+        return materialize.build(self.family, self.model_args, self.parallel, seed=cfg.seed, scan=cfg.scan,
+                                 init_from=cfg.init_from, pretrained=not self.resume_from, traced=cfg.mode == "graph")
 
     def units(self, model):
-        """The model's repeated units as the layout and the step see them: under --scan the stacks
-        (layer_scan.StackedLayers), else the family's blocks."""
-        if self.cfg.scan:
-            import layer_scan
-            return [m for m in model.modules() if isinstance(m, layer_scan.StackedLayers)]
-        return self.family.blocks(model)
+        return materialize.units(model, self.family, self.cfg.scan)
 
     # ---------------------------------------------------------------------------------------------
     def autocast(self):
