@@ -242,15 +242,16 @@ def validate(cfg):
         raise ConfigError(str(e)) from None
     if cfg.scan and cfg.mode == "compile":
         raise ConfigError("--scan has no per-block modules for --mode compile to compile: use eager or graph")
-    _validate_mesh(cfg, cls.family_class.model_parallel)
+    _validate_mesh(cfg, cls)
     cls.check_flags(cfg)
 
 
-def _validate_mesh(cfg, model_parallel):
+def _validate_mesh(cfg, workload):
     """The layout's flags: the mesh spec itself, and what the layout (parallel.layout_kind: the one
-    decision, the trainer's too) and the model family support."""
+    decision, the trainer's too), the workload's batch and its model family support."""
     if not cfg.mesh:
         return
+    model_parallel = workload.family_class.model_parallel
     sizes = mesh.mesh_dims(cfg.mesh)  # (MeshError: a one-line refusal too)
     split = [d for d in ("tp", "ep") if sizes[d] > 1 and d not in model_parallel]
     if split:
@@ -266,8 +267,9 @@ def _validate_mesh(cfg, model_parallel):
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--mesh with --device {cfg.device} is not supported (use cpu or cuda)")
     dp = sizes["dcn"] * sizes["ici"]  # torchrun ranks that each read a slice of the batch (tp ranks share one)
-    if cfg.batch_size % dp:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by {dp} data-parallel ranks")
+    rows, named = workload.global_rows(cfg)
+    if rows % dp:
+        raise ConfigError(f"{named} is not divisible by {dp} data-parallel ranks")
     if sizes["tp"] > 1 or sizes["ep"] > 1:
         if cfg.scan:
             raise ConfigError(f"--mesh {cfg.mesh!r}: --scan with tp or ep is not built")

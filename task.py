@@ -36,6 +36,8 @@ model, parallelize function and loss beside the shared trainer):
                                 --allow-change KEY), why not (a clause), or f(saved, now) -> None or why;
                                 a key it does not name cannot change (resume_refusal, resume_changeable)
     check_flags(cfg)            its own validation (classmethod; ConfigError: one line, exit 2)
+    global_rows(cfg)            (rows of one global batch, as its flags name them): what must split evenly
+                                over the data-parallel ranks (classmethod; cli.py checks it before a rank starts)
     family                      its ModelFamily, whole when the workload is (GRPO and SFT use the LM
                                 family; none inherits another workload)
     setup_data(rank, size), batch(step) (a pure function of (seed, step): resume and N ranks see what
@@ -175,6 +177,11 @@ class Workload:
     @classmethod
     def check_flags(cls, cfg):
         """Validate this workload's flags and their combinations with the shared ones."""
+
+    @classmethod
+    def global_rows(cls, cfg):
+        """(rows of one global batch, their flags' words): each data-parallel rank takes an equal slice."""
+        return cfg.batch_size, f"--batch-size {cfg.batch_size}"
 
     @property
     def args(self):

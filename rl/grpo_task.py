@@ -309,17 +309,16 @@ class GRPOArithmetic(ArithmeticPolicy):
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is not a multiple of "
                                   f"--updates-per-batch {u} (checkpoints fall on rollout-batch boundaries)")
 
+    @classmethod
+    def global_rows(cls, cfg):
+        rows = cfg.prompts_per_step * cfg.group_size
+        return rows, f"--prompts-per-step x --group-size = {rows} rows"
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.algo = self.algorithm(cfg)
         self.rows = cfg.prompts_per_step * cfg.group_size  # rows of one rollout batch
         self.ref = self.current = None
-
-    def setup_data(self, dp_rank, dp_size):
-        if self.rows % dp_size:
-            raise ConfigError(f"--prompts-per-step x --group-size = {self.rows} rows do not split over "
-                              f"{dp_size} data-parallel ranks")
-        super().setup_data(dp_rank, dp_size)
 
     def _rollout(self, r):
         """Rollout batch r: sampled by the policy after r U optimizer steps; this rank's rows."""

@@ -313,6 +313,12 @@ def test_each_decision_has_one_home(tmp_path):
             checkpoint.load_run(str(run))
     with pytest.raises(cli.ConfigError, match="--batch-size 3 is not divisible by 2 data-parallel ranks"):
         cli.parse_config(["--batch-size", "3", "--mesh", "ici=2"])  # (before any rank starts)
+    # (issue 42 item 14) GRPO's rows split over the ranks: checked there too, by the workload's own count
+    # (it was a ConfigError raised in setup_data, once the ranks had started); its --batch-size is not its batch
+    with pytest.raises(cli.ConfigError, match=r"^--prompts-per-step x --group-size = 9 rows is not divisible by 2 "):
+        cli.parse_config(["--task", "grpo", "--prompts-per-step", "3", "--group-size", "3", "--mesh", "ici=2"])
+    assert cli.parse_config(["--task", "grpo", "--prompts-per-step", "2", "--group-size", "3", "--batch-size", "3",
+                             "--mesh", "ici=2"]).mesh == "ici=2"
 
 
 class _Exchange:
