@@ -7,7 +7,7 @@ The protocol is pickled plain Python (dicts, lists, ints, floats, bytes), never 
 two torch versions never have to agree on a pickle format:
 
     trainer -> engine                                   engine -> trainer
-    {"config": HF config.json, "dtype", "cache_dir"}    ("ok", {"vllm": version, "startup_s"})
+    {"config": HF config.json, "dtype", "tmp_dir"}    ("ok", {"vllm": version, "startup_s"})
     ("push", {"version", "manifest": {HF name: shape},  ("ok", "receiving")        names and shapes checked
               "buckets", "bucket_bytes"})
     per bucket: ("bucket", [(HF name, shape, offset)]), ("ok", i), or after the last  loaded in place
@@ -91,7 +91,7 @@ class Server:
         for name in self.want:
             module = module_of(name)
             self.parts[module] = self.parts.get(module, 0) + 1
-        model_dir = tempfile.mkdtemp(prefix="model-", dir=start["cache_dir"])
+        model_dir = tempfile.mkdtemp(prefix="model-", dir=start["tmp_dir"])
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(self.cfg, f)
         from vllm import LLM  # (slow: seconds; after the pipe is open so a failure can still be reported)

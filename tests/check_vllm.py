@@ -5,6 +5,7 @@
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def test_vllm_engine_logprobs_and_greedy_equal_our_policy_after_each_push_and_fa
     prompt: all rows differ); after a second push (version 1, same prompts: the prefix cache must not
     serve the old weights' KV) the logprobs equal the new policy's and greedy completions equal our
     own engine's; a push of another architecture is refused in one line and changes nothing. Stalled
-    (SIGSTOP), then killed: one line each; nothing left running, and its caches and log removed."""
+    (SIGSTOP), then killed: one line each; nothing left running, and its run's files and log removed."""
     from rl import arithmetic, grpo, rollout, vllm_engine
     engine = vllm_engine.VLLMEngineProcess(VLLM_QWEN, timeout_s=300)
     try:
@@ -108,7 +109,7 @@ def test_vllm_engine_logprobs_and_greedy_equal_our_policy_after_each_push_and_fa
             engine.sync(policy.named_parameters(), 3)
     finally:
         engine.close()
-    assert engine.proc.pid not in _engine_pids() and not os.path.exists(engine.cache_dir)
+    assert engine.proc.pid not in _engine_pids() and not os.path.exists(engine.tmp_dir)
 
 
 # Llama-style (untied, no q/k norms), 4.1 M parameters: 15.5x the push's 1 MiB bucket; max_seq_len 160 for
@@ -169,16 +170,21 @@ def test_vllm_push_streams_buckets_in_place_resets_the_prefix_cache_and_a_stall_
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
         engine.close()
-    assert not _group(pid) and not os.path.exists(engine.cache_dir)
+    assert not _group(pid) and not os.path.exists(engine.tmp_dir)
 
 
-def test_vllm_engine_interrupted_during_its_start_leaves_no_process_of_its_group(ctrl_c_as_in_a_terminal):
-    """Ctrl-C while vLLM starts (its model registry's subprocess running, ~15 s in): the handle kills
-    the engine's whole process group before the KeyboardInterrupt goes on, and nothing of it comes
-    back (no process, no recreated cache directory). A timeout during the start takes the same path."""
+def test_vllm_engine_interrupted_during_its_start_leaves_no_process_of_its_group(ctrl_c_as_in_a_terminal, tmp_path):
+    """Ctrl-C while vLLM starts (its model registry's subprocess running, ~15 s in: a first start, with
+    an empty cache root): the handle kills the engine's whole process group before the KeyboardInterrupt
+    goes on, and nothing of it comes back (no process; its cache root, removed here, not recreated, as
+    an orphan did; its run's files removed). A timeout during the start takes the same path."""
+    import glob
+    import tempfile
     import threading
     from rl import vllm_engine
-    seen = {}
+    seen, cold = {}, str(tmp_path / "cold-cache")
+    runs = lambda: set(glob.glob(os.path.join(tempfile.gettempdir(), "minititan-vllm-*")))
+    before = runs()
 
     def interrupt_when_vllm_has_a_helper():
         deadline = time.monotonic() + 240
@@ -193,17 +199,20 @@ def test_vllm_engine_interrupted_during_its_start_leaves_no_process_of_its_group
     watcher = threading.Thread(target=interrupt_when_vllm_has_a_helper, daemon=True)
     watcher.start()
     with pytest.raises(KeyboardInterrupt):
-        vllm_engine.VLLMEngineProcess(VLLM_QWEN, timeout_s=300)
+        vllm_engine.VLLMEngineProcess(VLLM_QWEN, timeout_s=300, cache_root=cold)
     watcher.join()
     assert seen, "vLLM started no helper process"
+    assert seen["cache"] == cold and runs() <= before
+    shutil.rmtree(cold, ignore_errors=True)
     time.sleep(2)  # (what an orphan would do meanwhile: recreate the cache directory)
     assert _parent(seen["engine"]) is None and not _group(seen["engine"]), "the engine outlived its start"
     assert not any(_parent(p) for p in seen["helpers"]), "vLLM's helper outlived the engine"
-    assert seen["cache"] and not os.path.exists(seen["cache"])
+    assert not os.path.exists(cold)
 
 
-def test_vllm_engine_a_full_disk_during_its_start_is_a_failed_write_exit_5_not_a_compiler_error():
-    """vLLM compiles a kernel during its start (its logprobs' count, warmed up there): with the engine's
+def test_vllm_engine_a_full_disk_during_its_start_is_a_failed_write_exit_5_not_a_compiler_error(tmp_path):
+    """vLLM compiles a kernel during a first start (its logprobs' count, warmed up there; an empty cache
+    root: no compiled kernel to reuse): with the engine's
     file-size limit at 64 KiB (set on the running process, as `ulimit -f` would), the compiler's write
     fails, and the handle says so as EngineWriteFailed (errors.WriteFailed: exit 5, "a write failed"),
     one line, the engine's group gone; not "InductorError: CppCompileError" as an engine failure (exit 4)."""
@@ -223,7 +232,7 @@ def test_vllm_engine_a_full_disk_during_its_start_is_a_failed_write_exit_5_not_a
     watcher = threading.Thread(target=limit_its_writes, daemon=True)
     watcher.start()
     with pytest.raises(EngineWriteFailed) as e:
-        vllm_engine.VLLMEngineProcess(VLLM_QWEN, timeout_s=300)
+        vllm_engine.VLLMEngineProcess(VLLM_QWEN, timeout_s=300, cache_root=str(tmp_path / "cold-cache"))
     watcher.join()
     line = str(e.value)
     assert line.startswith("vLLM engine could not write a file during start: ") and "\n" not in line, line
