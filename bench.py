@@ -3,6 +3,7 @@
     .venv/bin/python bench.py --quick        # < 5 min on 2 cores
     .venv/bin/python bench.py                # the full set
     .venv/bin/python bench.py --rollout      # only the rollout engines (ours vs vLLM, .venv-tpu)
+    .venv/bin/python bench.py --flux         # only FLUX's training step (bench_flux.py)
 
 Each configuration runs in its own process (so peak memory is its own), configurations alternate
 A B A B across repeats, and each figure is the median of several timed steps after warm-up. Ratios
@@ -21,6 +22,7 @@ import time
 
 import torch
 
+from bench_flux import flux_markdown, flux_table
 from bench_rollout import rollout_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -71,7 +73,7 @@ def _dense_attention(q, k, v):
     return torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v
 
 
-def _bench_trainer(config, argv):
+def bench_trainer(config, argv):
     """(trainer, step(*batch, lr) -> (reported loss, pre-clip norm)) for one configuration: `plain` (a
     torch.optim loop, what a nanoGPT user writes) or train.py flags such as "--mode graph --backend inductor"."""
     import train
@@ -93,11 +95,11 @@ def _bench_trainer(config, argv):
 
 
 def _child_train(config, steps, extra="", profile_dir=""):
-    """Tokens/s of the bench model for one configuration (see _bench_trainer); with `profile_dir`, one
+    """Tokens/s of the bench model for one configuration (see bench_trainer); with `profile_dir`, one
     more step traced there and its time by category (profiling.py)."""
     import device as dev
     import optim
-    trainer, step = _bench_trainer(config, ["--steps", str(steps), "--data", _bench_data(), *extra.split()])
+    trainer, step = bench_trainer(config, ["--steps", str(steps), "--data", _bench_data(), *extra.split()])
     cfg = trainer.cfg
     times = []
     for i in range(1, steps + 1):
@@ -131,58 +133,13 @@ def _bench_data():
     return data.stdlib_dir()
 
 
-# FLUX: flux_debug widened to 256 (8 heads, 2 + 2 blocks): 7.06M parameters (3.9x), 32 digits a step
-FLUX_FLAGS = ["--task", "flux", "--batch-size", "32", "--set", "hidden_size=256", "--set", "num_heads=8",
-              "--watchdog", "0"]  # (inductor compiling this step on a loaded 2-core machine took > 300 s)
-FLUX_CONFIGS = ["plain", "--mode graph --backend inductor", "--mode graph --device xla", "jax"]
-
-
-def _child_flux(config):
-    """Serve timed FLUX steps of one configuration: compile (2 warm-up steps), print {"ready"}, then for
-    each line N on stdin time N more steps and print their seconds. The parent keeps all configurations
-    warm and alternates them, so none pays a recompile per repeat. `jax`: flux/jax_step.py's jitted step from
-    the same init (the eager trainer's weights) on the same batches."""
-    import device as dev
-    import optim
-    import tempfile  # (a run directory each: the four run at once, and a run directory admits one run)
-    trainer, step = _bench_trainer("plain" if config == "jax" else config,
-                                   [*FLUX_FLAGS, "--out-dir", tempfile.mkdtemp(prefix="minititan-bench-")])
-    lr = lambda i: optim.lr_at(i, 1e-3, 5, 100)
-    if config == "jax":
-        import dataclasses
-        import jax.numpy as jnp
-        from flux import jax_step as flux_jax
-        state = [{k: jnp.array(v.detach().numpy()) for k, v in trainer.model.state_dict().items()}]
-        state.append(flux_jax.init_opt(state[0]))
-        jstep = flux_jax.make_train_step(dataclasses.asdict(trainer.model_args), weight_decay=trainer.cfg.weight_decay,
-                                         clip=trainer.cfg.clip)
-
-        def run(i):
-            batch = tuple(jnp.asarray(x.numpy()) for x in trainer.task.batch(i))
-            state[0], state[1], loss, _ = jstep(state[0], state[1], batch, jnp.float32(lr(i)), jnp.float32(i))
-            float(loss)  # waits for the step
-    else:
-        def run(i):
-            loss, _ = step(*trainer.parallel.place_batch(trainer.task.batch(i)), dev.scalar(lr(i), trainer.device))
-            dev.sync(trainer.device)
-            loss.item()
-    t0 = time.perf_counter()
-    run(1), run(2)
-    print(json.dumps({"ready": True, "warmup_s": time.perf_counter() - t0, "flops_per_step": trainer.flops_per_step,
-                      "units_per_step": trainer.task.units_per_step}), flush=True)
-    i = 2
-    for line in sys.stdin:
-        times = []
-        for _ in range(int(line)):
-            i += 1
-            t0 = time.perf_counter()
-            run(i)
-            times.append(time.perf_counter() - t0)
-        print(json.dumps({"times": times}), flush=True)
-
-
 # ------------------------------------------------------------------------------------------------
 # Parent side
+
+def cpu_peak_flops():
+    """This CPU's measured fp32 GEMM peak (a process of its own): every row's MFU is over it."""
+    return _spawn("peak")["flops"]
+
 
 def _spawn(*args):
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
@@ -222,7 +179,7 @@ def speed_table(modes, repeats, steps, extra=""):
             continue
         table.append({k: statistics.median(r[k] for r in ok) if k != "mode" else m for k in ok[0]})
     base = next((r["tokens_per_s"] for r in table if r["mode"] == "plain" and "error" not in r), None)
-    peak = _spawn("peak")["flops"]  # one measurement of this CPU's GEMM peak for every row
+    peak = cpu_peak_flops()  # one measurement of this CPU's GEMM peak for every row
     for r in table:
         if base and "error" not in r:
             r["ratio_to_plain"] = r["tokens_per_s"] / base
@@ -238,55 +195,7 @@ FULL_CONFIGS = ["--mode graph", "--mode eager --device xla", "--mode graph --bac
                 "--mode graph --device xla --mesh ici=4"]
 
 
-def flux_table(repeats=3, steps=4):
-    """FLUX training steps (FLUX_FLAGS), every configuration a warm process (_child_flux), timed in turn
-    A B C D A B C D; ms/step is the median of all timed steps; MFU from flux/model.py's FLOP formula over
-    the CPU's measured GEMM peak; `x_jax`: throughput over the pure-JAX step's (1.0 = as fast)."""
-    import tempfile
-    env = {**os.environ, "PJRT_DEVICE": "CPU"}
-    logs = {c: tempfile.TemporaryFile("w+") for c in FLUX_CONFIGS}
-    procs = {c: subprocess.Popen([sys.executable, __file__, "--child", "flux", c], cwd=HERE, env=env, text=True,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[c]) for c in FLUX_CONFIGS}
-
-    def reply(c):  # the child's next JSON line (its stdout may also carry the trainer's log lines)
-        for line in procs[c].stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-        return None
-
-    ready = {c: reply(c) for c in FLUX_CONFIGS}  # (all four compile at once)
-    times = {c: [] for c in FLUX_CONFIGS}
-    for _ in range(repeats):
-        for c in FLUX_CONFIGS:
-            if ready[c]:
-                procs[c].stdin.write(f"{steps}\n")
-                procs[c].stdin.flush()
-                got = reply(c)
-                times[c] += got["times"] if got else []
-                ready[c] = ready[c] if got else None
-    for c in FLUX_CONFIGS:
-        procs[c].stdin.close()
-        procs[c].wait(timeout=120)
-    peak = _spawn("peak")["flops"]
-    rows = []
-    for c in FLUX_CONFIGS:
-        if not times[c]:
-            logs[c].seek(0)
-            said = [line for line in logs[c].read().splitlines() if "Error" in line or line.startswith("error")]
-            rows.append({"mode": c, "error": (said or ["failed"])[-1]})
-            continue
-        med = statistics.median(times[c])
-        rows.append({"mode": c, "ms_per_step": 1000 * med, "images_per_s": ready[c]["units_per_step"] / med,
-                     "tflops": ready[c]["flops_per_step"] / med / 1e12, "mfu": ready[c]["flops_per_step"] / med / peak,
-                     "warmup_s": ready[c]["warmup_s"], "timed_steps": len(times[c])})
-    jax_ms = next((r["ms_per_step"] for r in rows if r["mode"] == "jax" and "error" not in r), None)
-    for r in rows:
-        if jax_ms and "error" not in r:
-            r["x_jax"] = jax_ms / r["ms_per_step"]
-    return rows
-
-
-def _table(header, rows, cells):
+def markdown_table(header, rows, cells):
     """Markdown lines: the header, its rule, then `cells(r)` per row (a row with an "error" says it)."""
     lines = ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|"]
     for r in rows:
@@ -295,20 +204,10 @@ def _table(header, rows, cells):
     return lines
 
 
-def flux_markdown(rows):
-    return "\n".join([f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; FLUX "
-                      f"`{' '.join(FLUX_FLAGS[:8])}` (hidden 256, 8 heads, 2 double + 2 single blocks, 32 images x 20 tokens)",
-                      ""] + _table(
-        ["FLUX step", "ms/step", "images/s", "x JAX step (throughput)", "TFLOP/s", "MFU (vs measured fp32 GEMM peak)",
-         "warm-up s (2 steps, compiling alongside the others)"], rows,
-        lambda r: [r["mode"], f"{r['ms_per_step']:.1f}", f"{r['images_per_s']:.0f}", f"{r.get('x_jax', float('nan')):.2f}",
-                   f"{r['tflops']:.3f}", f"{100 * r['mfu']:.0f}%", f"{r['warmup_s']:.1f}"]))
-
-
 def rollout_markdown(rows):
     ours = {r["policy"]: r for r in rows if r["engine"] == "ours"}
     return "\n".join([f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; rollout "
-                      f"engines on the same weights, 32 prompts x 8 samples, fp32, calls alternating", ""] + _table(
+                      f"engines on the same weights, 32 prompts x 8 samples, fp32, calls alternating", ""] + markdown_table(
         ["policy", "engine", "new tokens", "push ms (MiB)", "rollout s", "samples/s", "x ours", "engine start s"], rows,
         lambda r: [r["policy"], r["engine"], r["new_tokens"], f"{r['push_ms']:.1f} ({r['push_mib']:.2f})",
                    f"{r['rollout_s']:.3f}", f"{r['samples_per_s']:.0f}",
@@ -386,7 +285,7 @@ def profile_rows(configs, steps=8):
     cells = lambda r: [r["mode"], f"{r['profile']['measured_s'] * 1e3:.0f}"] + [  # noqa: E731
         f"{r['profile']['category_s'][k] * 1e3:.0f} ({100 * r['profile']['category_s'][k] / r['profile']['measured_s']:.0f}%)"
         for k in profiling.ORDER] + [", ".join(os.path.relpath(t, HERE) for t in r["profile"]["traces"])]
-    md = "\n".join([f"One traced step a row (ms, share of the measured step); {time.strftime('%Y-%m-%d')}", ""] + _table(
+    md = "\n".join([f"One traced step a row (ms, share of the measured step); {time.strftime('%Y-%m-%d')}", ""] + markdown_table(
         ["mode", "step ms", *profiling.ORDER, "trace"], rows, cells))
     return md, {"profile": rows}
 
@@ -394,25 +293,25 @@ def profile_rows(configs, steps=8):
 def to_markdown(speed, memory, dist_rows=(), depth=()):
     lines = [f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}; "
              f"{time.strftime('%Y-%m-%d')}", ""]
-    lines += _table(["mode", "tokens/s", "x plain loop", "TFLOP/s", "MFU (vs measured fp32 GEMM peak)", "first step s",
+    lines += markdown_table(["mode", "tokens/s", "x plain loop", "TFLOP/s", "MFU (vs measured fp32 GEMM peak)", "first step s",
                      "peak RSS MiB"], speed,
                     lambda r: [r["mode"], f"{r['tokens_per_s']:.0f}", f"{r.get('ratio_to_plain', float('nan')):.2f}",
                                f"{r['tflops']:.3f}", f"{100 * r['mfu']:.0f}%", f"{r['first_step_s']:.1f}",
                                f"{r['peak_rss_mib']:.0f}"])
     rounded = lambda x: x if x is None else round(x)  # noqa: E731
-    lines += [""] + _table(["kernel", "size (vocab / seq len)", "plain peak growth MiB", "Pallas peak growth MiB", "ratio"],
+    lines += [""] + markdown_table(["kernel", "size (vocab / seq len)", "plain peak growth MiB", "Pallas peak growth MiB", "ratio"],
                            memory, lambda m: [m[0], m[1], rounded(m[2]), rounded(m[3]),
                                               f"{m[2] / m[3]:.1f}x" if m[2] and m[3] else "n/a"])
     if depth:
         keys = ("inductor", "inductor+scan", "xla", "xla+scan", "xla compile", "xla+scan compile")
-        lines += [""] + _table(["layers", "first step s: graph+inductor", "graph+inductor+scan", "graph on XLA",
+        lines += [""] + markdown_table(["layers", "first step s: graph+inductor", "graph+inductor+scan", "graph on XLA",
                                 "graph on XLA+scan", "XLA compile s: graph", "graph+scan"], depth,
                                lambda r: [r["layers"]] + [f"{r[k]:.1f}" if r.get(k) else "failed" for k in keys])
     if dist_rows:
         def base(r):  # the one-process row of the same family (dense or MoE)
             return next(b for b in dist_rows if b["config"].endswith("1 process") and
                         b["config"].startswith("MoE") == r["config"].startswith("MoE"))["tokens_per_s"]
-        lines += [""] + _table(["parallel (llama3_debug; MoE: qwen3_moe_debug; global batch 32 x 128)",
+        lines += [""] + markdown_table(["parallel (llama3_debug; MoE: qwen3_moe_debug; global batch 32 x 128)",
                                 "tokens/s (all ranks)", "x 1 process", "params MiB / rank", "AdamW state MiB / rank",
                                 "peak RSS MiB (rank 0, training)"], dist_rows,
                                lambda r: [r["config"], f"{r['tokens_per_s']:.0f}", f"{r['tokens_per_s'] / base(r):.2f}",
@@ -428,7 +327,8 @@ def main():
             import device
             result = {"flops": device.measure_cpu_matmul_peak(repeats=20)}
         elif kind == "flux":
-            result = _child_flux(sys.argv[3])
+            import bench_flux
+            result = bench_flux.serve_steps(sys.argv[3])
         else:
             result = (_child_memory(sys.argv[3], int(sys.argv[4])) if kind == "mem"
                       else _child_train(sys.argv[3], int(sys.argv[4]), *sys.argv[5:7]))

@@ -1,0 +1,126 @@
+"""bench_flux.py: FLUX's training step under each way train.py can run it, beside the pure-JAX step
+(flux/jax_step.py), for bench.py (`bench.py --flux`, and part of the full run).
+
+Every configuration is a warm process of its own (`serve_steps`: compiled once), and the parent times
+them in turn, A B C D A B C D, so the ratios are measured inside one run on a noisy machine. The
+shared helpers (the trainer a row builds, the measured GEMM peak, the table) are bench.py's.
+"""
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# flux_debug widened to 256 (8 heads, 2 + 2 blocks): 7.06M parameters (3.9x), 32 digits a step
+FLUX_FLAGS = ["--task", "flux", "--batch-size", "32", "--set", "hidden_size=256", "--set", "num_heads=8",
+              "--watchdog", "0"]  # (inductor compiling this step on a loaded 2-core machine took > 300 s)
+FLUX_CONFIGS = ["plain", "--mode graph --backend inductor", "--mode graph --device xla", "jax"]
+
+
+def serve_steps(config):
+    """Serve timed FLUX steps of one configuration: compile (2 warm-up steps), print {"ready"}, then for
+    each line N on stdin time N more steps and print their seconds. The parent keeps all configurations
+    warm and alternates them, so none pays a recompile per repeat. `jax`: flux/jax_step.py's jitted step from
+    the same init (the eager trainer's weights) on the same batches."""
+    import bench
+    import device as dev
+    import optim
+    import tempfile  # (a run directory each: the four run at once, and a run directory admits one run)
+    trainer, step = bench.bench_trainer("plain" if config == "jax" else config,
+                                   [*FLUX_FLAGS, "--out-dir", tempfile.mkdtemp(prefix="minititan-bench-")])
+    lr = lambda i: optim.lr_at(i, 1e-3, 5, 100)
+    if config == "jax":
+        import dataclasses
+        import jax.numpy as jnp
+        from flux import jax_step as flux_jax
+        state = [{k: jnp.array(v.detach().numpy()) for k, v in trainer.model.state_dict().items()}]
+        state.append(flux_jax.init_opt(state[0]))
+        jstep = flux_jax.make_train_step(dataclasses.asdict(trainer.model_args), weight_decay=trainer.cfg.weight_decay,
+                                         clip=trainer.cfg.clip)
+
+        def run(i):
+            batch = tuple(jnp.asarray(x.numpy()) for x in trainer.task.batch(i))
+            state[0], state[1], loss, _ = jstep(state[0], state[1], batch, jnp.float32(lr(i)), jnp.float32(i))
+            float(loss)  # waits for the step
+    else:
+        def run(i):
+            loss, _ = step(*trainer.parallel.place_batch(trainer.task.batch(i)), dev.scalar(lr(i), trainer.device))
+            dev.sync(trainer.device)
+            loss.item()
+    t0 = time.perf_counter()
+    run(1), run(2)
+    print(json.dumps({"ready": True, "warmup_s": time.perf_counter() - t0, "flops_per_step": trainer.flops_per_step,
+                      "units_per_step": trainer.task.units_per_step}), flush=True)
+    i = 2
+    for line in sys.stdin:
+        times = []
+        for _ in range(int(line)):
+            i += 1
+            t0 = time.perf_counter()
+            run(i)
+            times.append(time.perf_counter() - t0)
+        print(json.dumps({"times": times}), flush=True)
+
+
+def flux_table(repeats=3, steps=4):
+    """FLUX training steps (FLUX_FLAGS), every configuration a warm process (serve_steps), timed in turn
+    A B C D A B C D; ms/step is the median of all timed steps; MFU from flux/model.py's FLOP formula over
+    the CPU's measured GEMM peak; `x_jax`: throughput over the pure-JAX step's (1.0 = as fast)."""
+    import bench
+    import tempfile
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    logs = {c: tempfile.TemporaryFile("w+") for c in FLUX_CONFIGS}
+    procs = {c: subprocess.Popen([sys.executable, bench.__file__, "--child", "flux", c], cwd=HERE, env=env, text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[c]) for c in FLUX_CONFIGS}
+
+    def reply(c):  # the child's next JSON line (its stdout may also carry the trainer's log lines)
+        for line in procs[c].stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        return None
+
+    ready = {c: reply(c) for c in FLUX_CONFIGS}  # (all four compile at once)
+    times = {c: [] for c in FLUX_CONFIGS}
+    for _ in range(repeats):
+        for c in FLUX_CONFIGS:
+            if ready[c]:
+                procs[c].stdin.write(f"{steps}\n")
+                procs[c].stdin.flush()
+                got = reply(c)
+                times[c] += got["times"] if got else []
+                ready[c] = ready[c] if got else None
+    for c in FLUX_CONFIGS:
+        procs[c].stdin.close()
+        procs[c].wait(timeout=120)
+    peak = bench.cpu_peak_flops()
+    rows = []
+    for c in FLUX_CONFIGS:
+        if not times[c]:
+            logs[c].seek(0)
+            said = [line for line in logs[c].read().splitlines() if "Error" in line or line.startswith("error")]
+            rows.append({"mode": c, "error": (said or ["failed"])[-1]})
+            continue
+        med = statistics.median(times[c])
+        rows.append({"mode": c, "ms_per_step": 1000 * med, "images_per_s": ready[c]["units_per_step"] / med,
+                     "tflops": ready[c]["flops_per_step"] / med / 1e12, "mfu": ready[c]["flops_per_step"] / med / peak,
+                     "warmup_s": ready[c]["warmup_s"], "timed_steps": len(times[c])})
+    jax_ms = next((r["ms_per_step"] for r in rows if r["mode"] == "jax" and "error" not in r), None)
+    for r in rows:
+        if jax_ms and "error" not in r:
+            r["x_jax"] = jax_ms / r["ms_per_step"]
+    return rows
+
+
+def flux_markdown(rows):
+    import bench
+    return "\n".join([f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; FLUX "
+                      f"`{' '.join(FLUX_FLAGS[:8])}` (hidden 256, 8 heads, 2 double + 2 single blocks, 32 images x 20 tokens)",
+                      ""] + bench.markdown_table(
+        ["FLUX step", "ms/step", "images/s", "x JAX step (throughput)", "TFLOP/s", "MFU (vs measured fp32 GEMM peak)",
+         "warm-up s (2 steps, compiling alongside the others)"], rows,
+        lambda r: [r["mode"], f"{r['ms_per_step']:.1f}", f"{r['images_per_s']:.0f}", f"{r.get('x_jax', float('nan')):.2f}",
+                   f"{r['tflops']:.3f}", f"{100 * r['mfu']:.0f}%", f"{r['warmup_s']:.1f}"]))
