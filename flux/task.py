@@ -176,6 +176,9 @@ class FluxFamily(ModelFamily):
     def build(self, args):
         return ConditionedFlux(args, self.hw, classes=self.classes, guidance=self.guidance)
 
+    def initializer(self, model):
+        return flux.initializer(model)  # (the rule ConditionedFlux's constructor fills a real-device model by)
+
     def param_count(self, args):
         prompt = (N_CLASSES + 1) * (PROMPT_TOKENS * args.context_in_dim + args.vec_in_dim)
         return flux.param_count(args) + (prompt if self.classes else 0)

@@ -173,3 +173,29 @@ def test_spmd_checkpoint_is_written_shard_by_shard_and_resumes_on_any_layout(cor
           f"+{mem['whole'] / 1e6:.0f} MB")
     assert mem["whole"] >= mem["state"] / 3 * 0.9  # (the measure sees a whole-tensor copy)
     assert mem["save"] < mem["state"] / 8 and mem["restore"] < mem["state"] / 8, mem
+
+
+def test_the_seed_fill_equals_each_family_built_whole_on_the_host(corpus, tmp_path):
+    """Every family is filled by shard (each has an `initializer`: FLUX had none, and was built whole in
+    every process), and the trainer's fill on meta equals the model its family builds whole on the host
+    after torch.manual_seed(seed) (its constructor's init_module), bit for bit: dense LM, MoE, FLUX, and
+    FLUX under --scan (each stacked weight against its layers)."""
+    import layer_scan
+    import train
+    from parallel import Parallel
+    for extra in ([], MOE, ["--task", "flux"], ["--task", "flux", "--scan"]):
+        cfg = train.parse_config([*_common(corpus, extra), "--seed", "7", "--out-dir", str(tmp_path / "_".join(extra))])
+        tr = train.Trainer(cfg, Parallel(torch.device("cpu")))
+        assert tr.family.initializer is not None, extra
+        torch.manual_seed(7)
+        whole = dict(tr.family.build(tr.model_args).named_parameters())
+        compared = 0
+        for prefix, module in tr.model.named_modules():
+            for name, p in module.named_parameters(recurse=False):
+                if isinstance(module, layer_scan.StackedLayers):  # (L, ...): layer i is the plain model's block i
+                    want = torch.stack([whole[o] for o in module.origins[name]])
+                else:
+                    want = whole[f"{prefix}.{name}" if prefix else name]
+                assert torch.equal(p.detach(), want.detach()), (extra, prefix, name)
+                compared += want.numel()
+        assert compared == sum(p.numel() for p in whole.values()), extra
