@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bench_flux import flux_markdown, flux_table
+import bench_flux
 from bench_rollout import rollout_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -204,6 +204,16 @@ def markdown_table(header, rows, cells):
     return lines
 
 
+def flux_markdown(rows):
+    return "\n".join([f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; FLUX "
+                      f"`{' '.join(bench_flux.FLUX_FLAGS[:8])}` (hidden 256, 8 heads, 2 double + 2 single blocks, 32 images x 20 tokens)",
+                      ""] + markdown_table(
+        ["FLUX step", "ms/step", "images/s", "x JAX step (throughput)", "TFLOP/s", "MFU (vs measured fp32 GEMM peak)",
+         "warm-up s (2 steps, compiling alongside the others)"], rows,
+        lambda r: [r["mode"], f"{r['ms_per_step']:.1f}", f"{r['images_per_s']:.0f}", f"{r.get('x_jax', float('nan')):.2f}",
+                   f"{r['tflops']:.3f}", f"{100 * r['mfu']:.0f}%", f"{r['warmup_s']:.1f}"]))
+
+
 def rollout_markdown(rows):
     ours = {r["policy"]: r for r in rows if r["engine"] == "ours"}
     return "\n".join([f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; rollout "
@@ -327,8 +337,7 @@ def main():
             import device
             result = {"flops": device.measure_cpu_matmul_peak(repeats=20)}
         elif kind == "flux":
-            import bench_flux
-            result = bench_flux.serve_steps(sys.argv[3])
+            result = bench_flux.serve_steps(sys.argv[3], bench_trainer)
         else:
             result = (_child_memory(sys.argv[3], int(sys.argv[4])) if kind == "mem"
                       else _child_train(sys.argv[3], int(sys.argv[4]), *sys.argv[5:7]))
@@ -343,14 +352,16 @@ def main():
     args = p.parse_args()
     if args.profile:
         return _write("profile", *profile_rows(args.profile))
-    for name, (table, markdown) in {"rollout": (rollout_table, rollout_markdown), "flux": (flux_table, flux_markdown)}.items():
+    tables = {"rollout": (rollout_table, rollout_markdown),
+              "flux": (lambda: bench_flux.flux_table(cpu_peak_flops), flux_markdown)}
+    for name, (table, markdown) in tables.items():
         if getattr(args, name):  # just these rows (also part of the full run)
             rows = table()
             return _write(name, markdown(rows), {name: rows})
     modes = QUICK_CONFIGS if args.quick else QUICK_CONFIGS + FULL_CONFIGS
     speed = speed_table(modes, repeats=1 if args.quick else 2, steps=10 if args.quick else 20)
     depth = [] if args.quick else compile_vs_depth()
-    flux_rows = [] if args.quick else flux_table()
+    flux_rows = [] if args.quick else bench_flux.flux_table(cpu_peak_flops)
     rollout_rows = [] if args.quick else rollout_table()
     memory = memory_tables(args.quick)
     dist_rows = dist_table(repeats=1 if args.quick else 2, steps=6 if args.quick else 20)

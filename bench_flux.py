@@ -1,19 +1,20 @@
 """bench_flux.py: FLUX's training step under each way train.py can run it, beside the pure-JAX step
-(flux/jax_step.py), for bench.py (`bench.py --flux`, and part of the full run).
+(flux/jax_step.py), for bench.py (`bench.py --flux`, and part of the full run; its markdown there).
 
 Every configuration is a warm process of its own (`serve_steps`: compiled once), and the parent times
-them in turn, A B C D A B C D, so the ratios are measured inside one run on a noisy machine. The
-shared helpers (the trainer a row builds, the measured GEMM peak, the table) are bench.py's.
+them in turn, A B C D A B C D, so the ratios are measured inside one run on a noisy machine. What
+bench.py shares (the trainer a row builds, the measured GEMM peak) comes in as arguments: bench.py
+imports this file, not the other way round.
 """
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.join(HERE, "bench.py")  # (its `--child flux CONFIG` runs serve_steps)
 
 # flux_debug widened to 256 (8 heads, 2 + 2 blocks): 7.06M parameters (3.9x), 32 digits a step
 FLUX_FLAGS = ["--task", "flux", "--batch-size", "32", "--set", "hidden_size=256", "--set", "num_heads=8",
@@ -21,16 +22,15 @@ FLUX_FLAGS = ["--task", "flux", "--batch-size", "32", "--set", "hidden_size=256"
 FLUX_CONFIGS = ["plain", "--mode graph --backend inductor", "--mode graph --device xla", "jax"]
 
 
-def serve_steps(config):
+def serve_steps(config, bench_trainer):
     """Serve timed FLUX steps of one configuration: compile (2 warm-up steps), print {"ready"}, then for
     each line N on stdin time N more steps and print their seconds. The parent keeps all configurations
     warm and alternates them, so none pays a recompile per repeat. `jax`: flux/jax_step.py's jitted step from
     the same init (the eager trainer's weights) on the same batches."""
-    import bench
     import device as dev
     import optim
     import tempfile  # (a run directory each: the four run at once, and a run directory admits one run)
-    trainer, step = bench.bench_trainer("plain" if config == "jax" else config,
+    trainer, step = bench_trainer("plain" if config == "jax" else config,
                                    [*FLUX_FLAGS, "--out-dir", tempfile.mkdtemp(prefix="minititan-bench-")])
     lr = lambda i: optim.lr_at(i, 1e-3, 5, 100)
     if config == "jax":
@@ -66,15 +66,14 @@ def serve_steps(config):
         print(json.dumps({"times": times}), flush=True)
 
 
-def flux_table(repeats=3, steps=4):
+def flux_table(peak_flops, repeats=3, steps=4):
     """FLUX training steps (FLUX_FLAGS), every configuration a warm process (serve_steps), timed in turn
     A B C D A B C D; ms/step is the median of all timed steps; MFU from flux/model.py's FLOP formula over
     the CPU's measured GEMM peak; `x_jax`: throughput over the pure-JAX step's (1.0 = as fast)."""
-    import bench
     import tempfile
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     logs = {c: tempfile.TemporaryFile("w+") for c in FLUX_CONFIGS}
-    procs = {c: subprocess.Popen([sys.executable, bench.__file__, "--child", "flux", c], cwd=HERE, env=env, text=True,
+    procs = {c: subprocess.Popen([sys.executable, BENCH, "--child", "flux", c], cwd=HERE, env=env, text=True,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[c]) for c in FLUX_CONFIGS}
 
     def reply(c):  # the child's next JSON line (its stdout may also carry the trainer's log lines)
@@ -96,7 +95,7 @@ def flux_table(repeats=3, steps=4):
     for c in FLUX_CONFIGS:
         procs[c].stdin.close()
         procs[c].wait(timeout=120)
-    peak = bench.cpu_peak_flops()
+    peak = peak_flops()
     rows = []
     for c in FLUX_CONFIGS:
         if not times[c]:
@@ -113,14 +112,3 @@ def flux_table(repeats=3, steps=4):
         if jax_ms and "error" not in r:
             r["x_jax"] = jax_ms / r["ms_per_step"]
     return rows
-
-
-def flux_markdown(rows):
-    import bench
-    return "\n".join([f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; FLUX "
-                      f"`{' '.join(FLUX_FLAGS[:8])}` (hidden 256, 8 heads, 2 double + 2 single blocks, 32 images x 20 tokens)",
-                      ""] + bench.markdown_table(
-        ["FLUX step", "ms/step", "images/s", "x JAX step (throughput)", "TFLOP/s", "MFU (vs measured fp32 GEMM peak)",
-         "warm-up s (2 steps, compiling alongside the others)"], rows,
-        lambda r: [r["mode"], f"{r['ms_per_step']:.1f}", f"{r['images_per_s']:.0f}", f"{r.get('x_jax', float('nan')):.2f}",
-                   f"{r['tflops']:.3f}", f"{100 * r['mfu']:.0f}%", f"{r['warmup_s']:.1f}"]))
