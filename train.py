@@ -76,8 +76,9 @@ class Trainer:
         rundir.check_writable(self.out_dir)
         self.task = task or make_workload(cfg)
         self.family = self.task.family
-        self.task.setup_data(self.parallel.dp_rank, dp)
         self.model_args = self.parallel.model_args(self.task.args, self.family)
+        self.check_memory()  # (before the data is prepared: a batch too large is refused at once)
+        self.task.setup_data(self.parallel.dp_rank, dp)
         self.notes = list(self.task.notes)
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
         self.meta = self.run_meta()
@@ -85,7 +86,6 @@ class Trainer:
                                                    set(cfg.allow_change.split(",")),
                                                    functools.partial(resume_refusal, type(self.task)))
         self.notes += [f"note: {note}"] if note else []
-        self.check_memory()
         dev.reset_peak_memory("cpu")  # the build's host peak, measured (README: what a rank holds at start)
         rss_before = dev.host_peak_rss_bytes()
         self.model = self.build_model()
