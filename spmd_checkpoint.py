@@ -77,8 +77,8 @@ class SaveShards(DefaultSavePlanner):
         import gc
         import torch_xla
         # (DCP's writer leaves the shards it wrote in reference cycles: free them before the next. The
-        # young generations suffice, measured: a full collection per shard walked the whole heap, 2.5 min
-        # for a 455-shard FLUX save; the young ones: the same 8.8 MB peak on a 154 MB state, seconds)
+        # young generations suffice, measured: a full collection per shard walked the whole heap, minutes
+        # a save (3+ min for FLUX's 455 shards); the young ones: the same 8.8 MB peak on a 154 MB state)
         gc.collect(1)
         t = self.xla[fqn]
         offsets, sizes, where = distinct_shards(t)[write_item.index.index]

@@ -136,9 +136,6 @@ class Trainer:
         return materialize.build(self.family, self.model_args, self.parallel, seed=cfg.seed, scan=cfg.scan,
                                  init_from=cfg.init_from, pretrained=not self.resume_from, traced=cfg.mode == "graph")
 
-    def units(self, model):
-        return materialize.units(model, self.family, self.cfg.scan)
-
     # ---------------------------------------------------------------------------------------------
     def autocast(self):
         if self.cfg.dtype == "bf16":

@@ -317,7 +317,7 @@ class GRPOArithmetic(ArithmeticPolicy):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.algo = self.algorithm(cfg)
-        self.rows = cfg.prompts_per_step * cfg.group_size  # rows of one rollout batch
+        self.rows, _ = self.global_rows(cfg)  # rows of one rollout batch
         self.ref = self.current = None
 
     def _rollout(self, r):
