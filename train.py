@@ -393,6 +393,9 @@ def main(argv=None):
         return e.exit_code
     except (KeyboardInterrupt, Interrupted) as e:
         signum = getattr(e, "signum", signal.SIGINT)
+        if trainer is None and parallel is not None and parallel.global_rank != 0:
+            return 128 + signum  # (before the trainer exists rank 0 speaks: torchrun stopping this rank
+            #                      because rank 0 refused first, or a stop sent to every rank)
         kept = checkpoint.newest_name(trainer.ckpt_dir) if trainer else None
         error_line(f"interrupted by {signal.Signals(signum).name} at step {trainer.step if trainer else 0}; "
                    f"{f'checkpoint {kept} is kept' if kept else 'no checkpoint was written'} (a partial one is removed)")
