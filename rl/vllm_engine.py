@@ -105,7 +105,9 @@ class VLLMEngineProcess(EngineHandle):
                    # The environment also holds torch_tpu and libtpu (test_torch_tpu.py): on CPU, torch must not
                    # load torch_tpu by itself, and vLLM must not take an importable libtpu for a TPU machine.
                    TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_TARGET_DEVICE="cpu",
-                   PYTHONPATH=ROOT)
+                   # vLLM's own temporary files (its one-process group's rendezvous file, vllm_dist_*, which it
+                   # never removes) go in the run's folder, removed with it
+                   TMPDIR=self.tmp_dir, PYTHONPATH=ROOT)
         fd = child_sock.fileno()
         with open(self.log_path, "wb") as log:
             # its own process group: vLLM starts helpers of its own (its model registry's subprocess, the

@@ -58,8 +58,12 @@ def test_vllm_engine_logprobs_and_greedy_equal_our_policy_after_each_push_and_fa
     prompt: all rows differ); after a second push (version 1, same prompts: the prefix cache must not
     serve the old weights' KV) the logprobs equal the new policy's and greedy completions equal our
     own engine's; a push of another architecture is refused in one line and changes nothing. Stalled
-    (SIGSTOP), then killed: one line each; nothing left running, and its run's files and log removed."""
+    (SIGSTOP), then killed: one line each; nothing left running, and its run's files, its log and vLLM's own temporary files removed."""
+    import glob
+    import tempfile
     from rl import arithmetic, grpo, rollout, vllm_engine
+    left_in_tmp = lambda: set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")))  # (vLLM's own files)
+    before = left_in_tmp()
     engine = vllm_engine.VLLMEngineProcess(VLLM_QWEN, timeout_s=300)
     try:
         assert engine.info["vllm"] == "0.32.0"
@@ -109,7 +113,7 @@ def test_vllm_engine_logprobs_and_greedy_equal_our_policy_after_each_push_and_fa
             engine.sync(policy.named_parameters(), 3)
     finally:
         engine.close()
-    assert engine.proc.pid not in _engine_pids() and not os.path.exists(engine.tmp_dir)
+    assert engine.proc.pid not in _engine_pids() and not os.path.exists(engine.tmp_dir) and left_in_tmp() <= before
 
 
 # Llama-style (untied, no q/k norms), 4.1 M parameters: 15.5x the push's 1 MiB bucket; max_seq_len 160 for
