@@ -164,7 +164,15 @@ class EngineHandle:
         (n,) = struct.unpack("!i", self._read(4, deadline, what, timeout_s))
         if n == -1:
             (n,) = struct.unpack("!Q", self._read(8, deadline, what, timeout_s))
-        status, value = pickle.loads(self._read(n, deadline, what, timeout_s))
+        data = self._read(n, deadline, what, timeout_s)
+        try:
+            status, value = pickle.loads(data)
+        except OSError:  # a reply's tensors come as file descriptors fetched from the engine while unpickling
+            # (torch's sharing over multiprocessing's resource sharer): an engine killed since it sent them
+            # refuses or resets that fetch, which is its death, not a failed write of ours
+            if self._exit_code(wait_s=2.0) is not None:
+                self._died(what)
+            raise
         self.mid_message = False
         if status == "write_failed":  # (what failed may have left the engine wedged: it is stopped)
             self._kill()

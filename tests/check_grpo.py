@@ -193,6 +193,30 @@ def test_engine_process_sync_in_place_bit_equal_logprobs_and_failures_in_one_lin
         engine.close()
 
 
+def test_an_engine_killed_after_it_sent_a_rollout_is_a_dead_engine_not_a_failed_write():
+    """A rollout's tensors cross as file descriptors that the trainer fetches from the engine while it
+    reads the reply (torch's sharing through multiprocessing's resource sharer). The engine killed after
+    sending one and before the trainer reads it: "process died", an EngineError (exit 4); before, the
+    fetch's ConnectionRefusedError (an OSError) reached train.main as "a write failed" (exit 5: seen under
+    load, with the engine killed mid-run)."""
+    import select
+    import signal
+    from rl import rollout
+    torch.manual_seed(0)
+    engine = rollout.EngineProcess(GRPO_TINY, timeout_s=30)
+    try:
+        engine.sync(Transformer(GRPO_TINY).named_parameters(), 1)
+        engine._send("generate", dict(prompts=[[1, 2]], group_size=2, max_new_tokens=3, temperature=1.0, seed=0,
+                                      eos_id=None, batch_size=256))
+        assert select.select([engine.sock], [], [], 30)[0], "no reply"
+        os.kill(engine.proc.pid, signal.SIGKILL)
+        engine.proc.join(10)
+        with pytest.raises(rollout.EngineError, match=r"^rollout engine process died \(exit code -9\) during generate$"):
+            engine._reply("generate")
+    finally:
+        engine.close()
+
+
 
 # A policy 15.5x the push's bucket: 4.07 M parameters (15.5 MiB fp32), buckets of 1 MiB (its largest tensor)
 PUSH_POLICY = ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1024, max_seq_len=32)
