@@ -104,15 +104,13 @@ class VLLMEngineProcess(EngineHandle):
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), VLLM_NO_USAGE_STATS="1",
                    # The environment also holds torch_tpu and libtpu (test_torch_tpu.py): on CPU, torch must not
                    # load torch_tpu by itself, and vLLM must not take an importable libtpu for a TPU machine.
-                   TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_TARGET_DEVICE="cpu",
-                   # vLLM's own temporary files (its one-process group's rendezvous file, vllm_dist_*, which it
-                   # never removes) go in the run's folder, removed with it
-                   TMPDIR=self.tmp_dir, PYTHONPATH=ROOT)
+                   TORCH_DEVICE_BACKEND_AUTOLOAD="0", VLLM_TARGET_DEVICE="cpu", PYTHONPATH=ROOT)
         fd = child_sock.fileno()
         with open(self.log_path, "wb") as log:
             # its own process group: vLLM starts helpers of its own (its model registry's subprocess, the
             # compiler), and a stop must take them all (issue 42: orphans that recreated the removed cache)
-            self.proc = subprocess.Popen([self.python, "-m", "rl.vllm_server", str(fd), str(os.getpid())],
+            self.proc = subprocess.Popen([self.python, "-m", "rl.vllm_server", str(fd), str(os.getpid()),
+                                          self.tmp_dir],
                                          cwd=ROOT, env=env, pass_fds=(fd,), start_new_session=True,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
 

