@@ -173,15 +173,20 @@ def torchrun(nproc, args, timeout=300):
     rank's own line otherwise correct) is reported as a warning (with the crashed rank's Python stack,
     train.py enables faulthandler) and the run is repeated once from the same starting files; a second
     crash fails the test."""
+    import shutil
     out_dir = args[args.index("--out-dir") + 1] if "--out-dir" in args else None
     before = _snapshot(out_dir)
-    for attempt in (1, 2):
-        rc, out, err = launch.ranks(nproc, ["train.py", *args], timeout=timeout)
-        if attempt == 2 or rc != -signal.SIGSEGV:
-            return rc, out, err
-        import warnings
-        warnings.warn(f"torchrun {' '.join(args)}: a rank died of SIGSEGV; repeating once:\n{err[-4000:]}")
-        _restore(out_dir, before)
+    try:
+        for attempt in (1, 2):
+            rc, out, err = launch.ranks(nproc, ["train.py", *args], timeout=timeout)
+            if attempt == 2 or rc != -signal.SIGSEGV:
+                return rc, out, err
+            import warnings
+            warnings.warn(f"torchrun {' '.join(args)}: a rank died of SIGSEGV; repeating once:\n{err[-4000:]}")
+            _restore(out_dir, before)
+    finally:
+        if before:  # (the snapshot's own temporary folder: it was left in /tmp by every torchrun of a run folder)
+            shutil.rmtree(os.path.dirname(before), ignore_errors=True)
 
 
 def _snapshot(path):
