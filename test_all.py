@@ -1,4 +1,5 @@
 """test_all.py: every concept checked against an independent oracle. Run: .venv/bin/python -m pytest test_all.py
+(the README's command adds `-n 2 --dist loadgroup`: two workers, conftest.py says how).
 
 The checks live in tests/, one file per concept (or a few small ones), in the README's reading order,
 each opening with the oracles it uses: formulas written out loop by loop (RoPE, GQA attention, MoE per

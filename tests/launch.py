@@ -100,7 +100,8 @@ def _become(argv, env, cwd, folder, limits):
 
 
 class Child:
-    """A started `python ARGV` fork: .pid, .poll(), .wait(timeout) -> exit code, .kill(sig), .result(timeout).
+    """A started `python ARGV` fork: .pid, .poll(), .wait(timeout) -> exit code, .kill(sig), .result(timeout),
+    .close().
     Its stdout and stderr go to files in `folder` (a new temporary one by default; ranks share one)."""
 
     def __init__(self, argv, env=None, cwd=HERE, limits=None, folder=None):
@@ -123,6 +124,13 @@ class Child:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
+
+    def close(self):
+        """Kill it if it still runs, reap it, remove its own folder (a test's `finally`)."""
+        self.kill()
+        self.wait()
+        if self.owns_folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
     def result(self, timeout=300):
         """(returncode, stdout, stderr) once it ends, as subprocess.run(capture_output=True) gives them;

@@ -1,0 +1,18 @@
+"""conftest.py: how test_all.py's checks are spread over pytest-xdist's two workers (the README's test
+command: `-n 2 --dist loadgroup`); a plain `pytest test_all.py` is untouched.
+
+Each file of tests/ is one unit of work (an xdist group), run by one worker in the file's own order:
+its tests share fixtures (the warm GRPO and vLLM starts, a layout's single-process oracle runs) and
+some look at every process on the machine (no vLLM engine left). xdist hands the units out as workers
+free up. Measured on 2 cores (2026-12-03): 846 s against 931 s serial; the suite is CPU-bound (forked
+ranks, XLA children, compiles), so a second worker mostly fills the waits (vLLM's imports, watchdogs).
+"""
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)  # (before xdist's own, which reads the groups)
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):  # (only an xdist worker collects with this attribute)
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(item.function.__module__.rsplit(".", 1)[-1]))
