@@ -385,7 +385,7 @@ def main(argv=None):
         parallel.close()  # only on the happy path: after a peer failure it could wait on the dead
         return rc
     except MinititanError as e:  # bad input (2), a peer or engine gone (4), a failed write (5): by kind
-        rank = parallel.global_rank if parallel is not None else int(os.environ.get("RANK", "0"))
+        rank = _rank(parallel)
         if e.exit_code == EXIT_BAD_INPUT and rank != 0:
             return _refused_on_a_rank(e, rank)
         where = f" at step {trainer.step if trainer else 0}" if isinstance(e, PeerGone) else ""
@@ -393,9 +393,10 @@ def main(argv=None):
         return e.exit_code
     except (KeyboardInterrupt, Interrupted) as e:
         signum = getattr(e, "signum", signal.SIGINT)
-        if trainer is None and parallel is not None and parallel.global_rank != 0:
+        if trainer is None and _rank(parallel) != 0:
             return 128 + signum  # (before the trainer exists rank 0 speaks: torchrun stopping this rank
-            #                      because rank 0 refused first, or a stop sent to every rank)
+            #                      because rank 0 refused first, even before any process group, or a stop
+            #                      sent to every rank)
         kept = checkpoint.newest_name(trainer.ckpt_dir) if trainer else None
         error_line(f"interrupted by {signal.Signals(signum).name} at step {trainer.step if trainer else 0}; "
                    f"{f'checkpoint {kept} is kept' if kept else 'no checkpoint was written'} (a partial one is removed)")
@@ -405,6 +406,11 @@ def main(argv=None):
         return EXIT_WRITE_FAILED
     except (RuntimeError, torch.distributed.DistError, CheckpointException) as e:  # (DCP's: a BaseException)
         return _runtime_failure(e, trainer, parallel)
+
+
+def _rank(parallel):
+    """This process's global rank: the Parallel's, or torchrun's RANK before the process group exists."""
+    return parallel.global_rank if parallel is not None else int(os.environ.get("RANK", "0"))
 
 
 REFUSAL_GRACE_S = 10.0  # how long a rank > 0 waits, silent, for rank 0 to say the same refusal

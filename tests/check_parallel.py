@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -69,6 +70,24 @@ def test_sharded_resume_equals_uninterrupted_and_other_mesh_is_refused(corpus, t
     assert _main([*common[:-2], "--out-dir", single, "--halt-at", "3"]) == 0
     rc, _, err = torchrun(2, [*common, "--out-dir", single, "--resume"])
     assert rc != 0 and "was saved on mesh None, this run uses 'ici=2'" in err
+
+
+def test_a_rank_stopped_before_its_process_group_exists_ends_quietly(corpus, tmp_path, monkeypatch, capsys):
+    """torchrun stops the other ranks (SIGTERM) once rank 0 has refused: a rank > 0 stopped before any
+    process group exists (the mesh check above refuses there) ends 128 + 15 without a line of its own;
+    rank 0 stopped there still says it (seen in a two-worker run: a second "interrupted by SIGTERM at
+    step 0" line beside rank 0's refusal)."""
+    import train
+
+    def stopped(cfg):
+        raise train.Interrupted(signal.SIGTERM)
+    monkeypatch.setattr(train, "choose_parallel", stopped)
+    args = [*TINY, "--data", corpus, "--steps", "2", "--out-dir", str(tmp_path / "r")]
+    monkeypatch.setenv("RANK", "1")
+    assert train.main(args) == 128 + signal.SIGTERM and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert train.main(args) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.startswith("error: interrupted by SIGTERM at step 0; no checkpoint was written")
 
 
 def test_mesh_that_does_not_match_world_size_fails_fast(corpus, tmp_path):
