@@ -71,6 +71,14 @@ def error_line(message):
     sys.stderr.flush()
 
 
+def describe_write_failure(e):
+    """A failed write (an OSError or a WriteFailed) in words, naming the file (OSError's fields are None
+    for some writers)."""
+    if isinstance(e, MinititanError) or not (e.strerror or e.filename):
+        return str(e) or type(e).__name__
+    return f"{e.strerror or type(e).__name__}: {e.filename or 'a file'}"
+
+
 # What a collective raises when the process at the other end died or stalled (gloo / NCCL / the
 # store), as opposed to this process's own failure (out of memory, a shape error): told apart so
 # that a rank's own error is not reported as a peer's.

@@ -36,7 +36,7 @@ import profiling
 import rundir
 from cli import RESUME_CHECKED, parse_config, resume_refusal
 from errors import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, ConfigError,
-                    Interrupted, MinititanError, PeerGone, error_line, peer_failure)
+                    Interrupted, MinititanError, PeerGone, describe_write_failure, error_line, peer_failure)
 from parallel import Parallel, layout_kind
 from task import workload_class
 
@@ -359,13 +359,6 @@ def _raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
 
-def _describe_os_error(e):
-    """A failed write in words, naming the file (OSError's fields are None for some writers)."""
-    if isinstance(e, MinititanError) or not (e.strerror or e.filename):
-        return str(e) or type(e).__name__
-    return f"{e.strerror or type(e).__name__}: {e.filename or 'a file'}"
-
-
 def main(argv=None):
     trainer, parallel = None, None
     signal.signal(signal.SIGTERM, _raise_interrupted)
@@ -389,20 +382,19 @@ def main(argv=None):
         if e.exit_code == EXIT_BAD_INPUT and rank != 0:
             return _refused_on_a_rank(e, rank)
         where = f" at step {trainer.step if trainer else 0}" if isinstance(e, PeerGone) else ""
-        error_line(f"a write failed: {_describe_os_error(e)}" if e.exit_code == EXIT_WRITE_FAILED else f"{e}{where}")
+        error_line(f"a write failed: {describe_write_failure(e)}" if e.exit_code == EXIT_WRITE_FAILED else f"{e}{where}")
         return e.exit_code
     except (KeyboardInterrupt, Interrupted) as e:
         signum = getattr(e, "signum", signal.SIGINT)
         if trainer is None and _rank(parallel) != 0:
-            return 128 + signum  # (before the trainer exists rank 0 speaks: torchrun stopping this rank
-            #                      because rank 0 refused first, even before any process group, or a stop
-            #                      sent to every rank)
+            return 128 + signum  # (before the trainer exists rank 0 speaks: torchrun stopping this rank as
+            #                      rank 0 refused first, even before any process group, or a stop to all)
         kept = checkpoint.newest_name(trainer.ckpt_dir) if trainer else None
         error_line(f"interrupted by {signal.Signals(signum).name} at step {trainer.step if trainer else 0}; "
                    f"{f'checkpoint {kept} is kept' if kept else 'no checkpoint was written'} (a partial one is removed)")
         return 128 + signum
     except OSError as e:  # disk full, file-size limit, read-only disk: the checkpoint on disk is intact
-        error_line(f"a write failed: {_describe_os_error(e)}")
+        error_line(f"a write failed: {describe_write_failure(e)}")
         return EXIT_WRITE_FAILED
     except (RuntimeError, torch.distributed.DistError, CheckpointException) as e:  # (DCP's: a BaseException)
         return _runtime_failure(e, trainer, parallel)

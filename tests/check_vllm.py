@@ -365,7 +365,7 @@ def test_grpo_through_vllm_a_killed_engine_is_exit_4_and_ctrl_c_exit_130_leaving
     """The vLLM engine SIGKILLed mid-run: one line naming it, exit 4. Ctrl-C (SIGINT to the whole process
     group, as a terminal sends it): exit 130. The trainer SIGKILLed (nothing of it runs to clean up): the
     engine dies with it (PR_SET_PDEATHSIG). In each case no engine process and no engine run folder is left. The three runs start
-    together (each pays ~40 s of vLLM start, mostly imports on one core); a trainer that has logged a
+    together (each pays 15-40 s of vLLM start, mostly imports on one core); a trainer that has logged a
     reward is stopped (SIGSTOP) until all three have, so that none trains while the others start."""
     hows = ("engine killed", "Ctrl-C", "trainer killed")
     runs = {how: str(tmp_path / how.replace(" ", "_")) for how in hows}
