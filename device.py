@@ -16,7 +16,8 @@ Order for `--device auto` (the TPU branch first, one switch each):
 compiled program) runs and is tested on XLA:CPU here.
 
 Peak FLOP/s are the vendors' published dense bf16 numbers per chip; on CPU we measure an fp32 matmul
-peak instead and say so in the log line (MFU on CPU is "fraction of what this CPU's GEMM reaches").
+peak instead and say so in the log line (MFU on CPU is "fraction of what this CPU's GEMM reaches";
+`utilization` measures it again when a run outpaces it, and never reports a fraction above 1).
 """
 import os
 import random
@@ -257,11 +258,13 @@ def _lookup_published_peak(name):
 
 
 _CPU_PEAK_CACHE = {}
+MEASURED_CPU_PEAK = "this CPU's measured fp32 matmul peak"  # peak_flops' label when it measured, not looked up
 
 
-def measure_cpu_matmul_peak(n=1024, repeats=5):
-    """Best-of-`repeats` fp32 GEMM throughput of this CPU, in FLOP/s (cached per process)."""
-    if n in _CPU_PEAK_CACHE:
+def measure_cpu_matmul_peak(n=1024, repeats=5, fresh=False):
+    """Best-of-`repeats` fp32 GEMM throughput of this CPU, in FLOP/s (cached per process; `fresh`:
+    measured again, the larger of the two kept)."""
+    if n in _CPU_PEAK_CACHE and not fresh:
         return _CPU_PEAK_CACHE[n]
     gen = torch.Generator().manual_seed(0)  # its own generator: the global RNG state is the run's
     a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
@@ -271,8 +274,18 @@ def measure_cpu_matmul_peak(n=1024, repeats=5):
         t0 = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t0)
-    _CPU_PEAK_CACHE[n] = 2 * n**3 / best
+    _CPU_PEAK_CACHE[n] = max(2 * n**3 / best, _CPU_PEAK_CACHE.get(n, 0.0))
     return _CPU_PEAK_CACHE[n]
+
+
+def utilization(flops_per_device, peak, label):
+    """(MFU or None, the peak it is over). A published peak is a ceiling. A measured CPU peak is only
+    what the GEMM reached while it was measured: taken under another job's load it is low, and a run
+    reads as faster than its own CPU's peak. A window of training above it measures the peak again
+    (the larger kept); still above, the window has no MFU (None), never a utilization above 1."""
+    if flops_per_device > peak and label == MEASURED_CPU_PEAK:
+        peak = max(peak, measure_cpu_matmul_peak(fresh=True))
+    return (flops_per_device / peak if flops_per_device <= peak else None), peak
 
 
 def peak_flops(device, chip=None):
@@ -287,4 +300,4 @@ def peak_flops(device, chip=None):
         return peak, f"{key} bf16 peak (published)"
     if torch.device(device).type in ("cuda", "tpu"):
         return PEAK_BF16_FLOPS["h100"], "unknown accelerator, assuming h100 bf16 peak"
-    return measure_cpu_matmul_peak(), "this CPU's measured fp32 matmul peak"
+    return measure_cpu_matmul_peak(), MEASURED_CPU_PEAK

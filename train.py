@@ -322,16 +322,18 @@ class Trainer:
         flops = (self.step - step_last) * self.flops_per_step / (now - t_last)  # all devices; MFU is per device:
         eta = (self.cfg.steps - self.step) * (now - t_start) / (self.step - first)
         mem = dev.memory_stats(self.device)
+        mfu, self.peak = dev.utilization(flops / p.n_devices, self.peak, self.peak_label)
         rec = {"step": self.step, "loss": loss, "grad_norm": gnorm, "lr": self.lr, f"{unit}_per_s": per_s,
-               "tflops": flops / 1e12, "mfu": flops / (self.peak * p.n_devices), "peak_label": self.peak_label,
+               "tflops": flops / 1e12, **({"mfu": mfu} if mfu is not None else {}), "peak_label": self.peak_label,
                "peak_flops": self.peak, "devices": p.n_devices, "mem_bytes": mem["peak_bytes"], "mem_kind": mem["kind"]}
         if unit == "tok":
             rec["tokens_per_s"] = rec.pop("tok_per_s")
         extra = self.task.step_metrics()
         rec.update(extra)
         self.log(rec, f"step {self.step:5d} | loss {loss:.4f} | gnorm {gnorm:.3f} | lr {self.lr:.2e}"
-                 f" | {f'{per_s / 1e3:.1f}k' if per_s >= 1e3 else f'{per_s:.1f}'} {unit}/s | {flops / 1e12:.3f} TFLOP/s | MFU {100 * rec['mfu']:.1f}%"
-                 f" of {self.peak_label} | mem {mem['peak_bytes'] / 2**30:.2f} GiB ({mem['kind']})"
+                 f" | {f'{per_s / 1e3:.1f}k' if per_s >= 1e3 else f'{per_s:.1f}'} {unit}/s | {flops / 1e12:.3f} TFLOP/s | "
+                 + (f"MFU {100 * mfu:.1f}% of {self.peak_label}" if mfu is not None else f"MFU n/a (above {self.peak_label})")
+                 + f" | mem {mem['peak_bytes'] / 2**30:.2f} GiB ({mem['kind']})"
                  f" | eta {eta:.0f}s" + "".join(f" | {k} {v:.4g}" for k, v in extra.items()))
         self.clock = (time.perf_counter(), self.step, t_start, first)
 

@@ -145,3 +145,34 @@ def test_anchor_prices_the_optimizer_bytes_once():
     assert after["step_s"] == pytest.approx(sum(a.values()) + after["host_overhead_s"], rel=1e-9)
     by_cat = anchor.predicted_by_category(after)
     assert by_cat["elementwise"] == pytest.approx(a["elementwise"]) and by_cat["optimizer"] == a["optimizer"]
+
+
+@pytest.mark.parametrize("remeasured", [1e15, 1e3])
+def test_mfu_is_never_above_1_when_the_cpu_peak_was_measured_under_load(remeasured, tmp_path, monkeypatch, capsys):
+    """The CPU's peak is measured, at the start, under whatever else the machine runs: measured low
+    (1e3 FLOP/s stands in for a peak taken while another job held the cores), a run reads faster than
+    its own CPU, and the log printed an MFU above 100%. A window above the peak measures it again:
+    the new measurement is the peak if it is above the window (1e15), else the window has no MFU (1e3)."""
+    import re
+    import device as dev
+    import task as task_lib
+    import train
+    calls = []
+
+    def measured(n=1024, repeats=5, fresh=False):  # the first measurement low; later ones `remeasured`
+        calls.append(fresh)
+        return 1e3 if len(calls) == 1 else remeasured
+    monkeypatch.setattr(dev, "measure_cpu_matmul_peak", measured)
+    monkeypatch.setitem(task_lib.WORKLOADS, "linreg", "tests.check_seams:LinearRegression")
+    out = str(tmp_path / "run")
+    cfg = train.parse_config(["--task", "linreg", "--steps", "4", "--batch-size", "8", "--eval-interval", "0",
+                              "--ckpt-interval", "0", "--log-interval", "1", "--device", "cpu", "--out-dir", out])
+    assert train.Trainer(cfg).run() == 0
+    printed = [float(v) for v in re.findall(r"MFU ([0-9.]+)%", capsys.readouterr().out)]
+    records = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "tflops" in r]
+    assert all(v <= 100 for v in printed) and all(r.get("mfu", 0) <= 1 for r in records), (printed, records)
+    assert len(records) == 4 and calls[0] is False and True in calls, calls
+    if remeasured > 1e3:  # measured again once, then over the new peak: an MFU on every line
+        assert len(printed) == 4 and all(r["peak_flops"] == remeasured and 0 < r["mfu"] for r in records), records
+    else:  # the window is above every measurement: said, not a fraction above 1
+        assert printed == [] and not any("mfu" in r for r in records), records
