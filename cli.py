@@ -16,6 +16,7 @@ import sys
 import types
 from typing import Optional
 
+import device as dev
 import fsdp_passes
 import mesh
 import parallel
@@ -232,8 +233,11 @@ def validate(cfg):
                                   ("--backend", cfg.backend)) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:
         raise ConfigError(f"{', '.join(graph_only)} transform(s) the step graph: add --mode graph")
-    if cfg.backend == "xla" and cfg.device in ("cpu", "cuda"):
-        raise ConfigError(f"--backend xla needs --device xla (or a TPU), not --device {cfg.device}")
+    # --device auto / tpu is an XLA device only through torch_xla's TPU runtime (device.pick_device; torch_tpu,
+    # the other TPU route, lives in an environment without torch_xla)
+    if cfg.backend == "xla" and not (cfg.device == "xla" or (cfg.device in ("auto", "tpu") and dev.pjrt_is_tpu())):
+        raise ConfigError(f"--backend xla needs an XLA device (--device xla, or a TPU with PJRT_DEVICE=TPU), "
+                          f"not --device {cfg.device}")
     try:
         fsdp_passes.chosen(cfg.fsdp_passes)
         if cfg.profile is not None:

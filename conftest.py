@@ -4,10 +4,17 @@ command: `-n 2 --dist loadgroup`); a plain `pytest test_all.py` is untouched.
 Each file of tests/ is one unit of work (an xdist group), run by one worker in the file's own order:
 its tests share fixtures (the warm GRPO and vLLM starts, a layout's single-process oracle runs) and
 some look at every process on the machine (no vLLM engine left). xdist hands the units out as workers
-free up. Measured on 2 cores (2026-12-03): 846 s against 931 s serial; the suite is CPU-bound (forked
+free up. Measured on this 2-core machine: 846 s against 931 s serial; the suite is CPU-bound (forked
 ranks, XLA children, compiles), so a second worker mostly fills the waits (vLLM's imports, watchdogs).
+
+`-m fast` picks the fast tier: one cheap oracle test per concept, marked `@pytest.mark.fast` in
+tests/ (README, "Checking a change").
 """
 import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fast: the fast tier, one cheap oracle test per concept (pytest -m fast)")
 
 
 @pytest.hookimpl(tryfirst=True)  # (before xdist's own, which reads the groups)

@@ -2,14 +2,19 @@
 
 Every module's own errors subclass one of these kinds, so train.main catches by kind and prints one
 `error:` line, importing no workload to do it (a rollout engine's death is a PeerGone like a dead
-torchrun rank). The lowest layer: it imports nothing.
+torchrun rank). The lowest layer: it imports nothing. The table below is the exit codes' one home
+(the README, train.py and docs/promises.md point here):
 
+    exit 0               the run finished
     exit 1  OwnFailure   this process failed by itself (out of memory: named in one line)
     exit 2  BadInput     a flag, file, checkpoint or mesh that cannot work; nothing was written
     exit 3  (NonFinite)  a NaN / Inf loss, gradient norm or validation loss: the trainer's own return
     exit 4  PeerGone     another process the run needs died or stalled (a torchrun rank, an engine)
     exit 5  WriteFailed  a write failed (disk full, file-size limit); the last good checkpoint stays
-    130 / 143            Interrupted (or KeyboardInterrupt): SIGTERM / SIGINT (128 + the signal's number)
+    130 / 143            Interrupted (or KeyboardInterrupt): SIGINT / SIGTERM (128 + the signal's number)
+
+Under torchrun bad input is said once, by rank 0, and every rank exits 2; torchrun itself then exits 1,
+its code for any failed worker.
 """
 import signal
 import sys

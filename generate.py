@@ -120,7 +120,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_k=0, top_p=
 
 def run_tokenizer(meta):
     """What a run trained on: bytes, or the tokenizer directory its checkpoint records (--tokenizer)."""
-    where = meta.get("train", {}).get("tokenizer", meta.get("tokenizer"))  # (runs before 2026-12-03: beside "train")
+    where = meta.get("train", {}).get("tokenizer", meta.get("tokenizer"))  # (older runs: beside "train")
     if where is None:
         return ByteTokenizer()
     try:

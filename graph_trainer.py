@@ -100,11 +100,7 @@ class GraphStep:
 
     def __init__(self, model, loss_fn, opt, device, *, clip, autocast, parallel=None, backend=None, remat=False,
                  offload=False, split=0, fsdp_passes=(), blocks=()):
-        self.backend = backend or ("xla" if dev.is_xla(device) else "fx")
-        if self.backend == "xla" and not dev.is_xla(device):
-            raise GraphCaptureError("--backend xla needs --device xla (or a TPU)")
-        if parallel is not None and parallel.traceable is not None:
-            raise GraphCaptureError(parallel.traceable)
+        self.backend = backend or ("xla" if dev.is_xla(device) else "fx")  # (cli.validate refused what cannot run)
         self.model, self.opt, self.device = model, opt, device
         self.param_names = [n for n, _ in model.named_parameters()]
         self.step_fn = build_step_fn(model, self.param_names, loss_fn, clip, opt.betas, opt.eps,

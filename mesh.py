@@ -91,9 +91,8 @@ class TorchrunMesh(Parallel):
         self.hosts = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))  # (torchrun: ranks per node)
         self.dp_impl, self.param_dtype = dp_impl, param_dtype
         self.sq_weights = None  # per parameter: 1 / (ranks holding the same copy), set by parallelize
-        self.graph_passes = fsdp_passes.PASSES if dp_impl == "simple" else ()  # (graph mode's default)
-        if dp_impl == "fsdp2":
-            self.traceable = "graph mode under a mesh needs --dp-impl simple (FSDP2's hooks do not trace)"
+        self.graph_passes = fsdp_passes.PASSES if dp_impl == "simple" else ()  # (graph mode's default; FSDP2's
+        # hooks do not trace: cli.validate refuses graph mode with it)
 
     @classmethod
     def from_cli(cls, spec, device, dp_impl, param_dtype):

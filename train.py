@@ -6,11 +6,8 @@ task.WORKLOADS by --task) on every parallel layout (parallel.py, chosen by paral
     python train.py --task flux --mesh ici=2 ...     # under torchrun: any workload on any layout
 
 `--mode` is the optimization ladder: eager (plain loop) -> compile (each block torch.compile'd) ->
-graph (the whole step, optimizer included, as one traced graph: graph_trainer.py). Failures end by
-kind (errors.py): 2 bad input (one `error:` line, nothing written); 3 a NaN/Inf loss, gradient norm
-or validation loss (before anything non-finite is saved); 4 a peer process or the rollout engine died
-or stalled; 5 a failed write (disk full); 1 this process failed by itself (out of memory, named in one
-line); 130 / 143 interrupted (SIGINT / SIGTERM). The last good checkpoint always stays.
+graph (the whole step, optimizer included, as one traced graph: graph_trainer.py). A failure ends in
+one line and the exit code of its kind (the table: errors.py); the last good checkpoint always stays.
 """
 import contextlib
 import faulthandler

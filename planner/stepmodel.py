@@ -201,7 +201,7 @@ def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems):
 
 
 def host_terms(lay, shard, offload_bytes, push_bucket_bytes=0):
-    """Host bytes a chip's process needs (issue 37): at start its parameter shards (filled on the host,
+    """Host bytes a chip's process needs: at start its parameter shards (filled on the host,
     then moved), then beside the step the checkpoint's staging copy of weights and optimizer state
     (DCP stages a save in host memory), the weight push's bucket (GRPO's streamed push; 0 for
     pretraining) and the offloaded activations. The need is the larger of the two moments."""

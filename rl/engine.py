@@ -10,7 +10,7 @@ The trainer talks to the engine process over one socket pair. In RL post-trainin
 experiments/rl, verl) the engine is a peer: it can die, stall, or fill a disk, and none of that may
 hang the trainer. So every send and every receive here waits at most timeout_s, in short polls that
 also watch the process (a blocking write into a full socket buffer is what hung the trainer when a
-vLLM engine was stopped, issue 42). The framing is multiprocessing.connection's (a 4-byte length,
+vLLM engine was stopped). The framing is multiprocessing.connection's (a 4-byte length,
 then the bytes), so the engine side reads it with a plain Connection. The outcomes, each one line:
 
     dead process          EngineError  "<engine> process died (exit code N) during <what>"   exit 4

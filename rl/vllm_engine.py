@@ -108,7 +108,7 @@ class VLLMEngineProcess(EngineHandle):
         fd = child_sock.fileno()
         with open(self.log_path, "wb") as log:
             # its own process group: vLLM starts helpers of its own (its model registry's subprocess, the
-            # compiler), and a stop must take them all (issue 42: orphans that recreated the removed cache)
+            # compiler), and a stop must take them all (orphans would recreate the removed cache)
             self.proc = subprocess.Popen([self.python, "-m", "rl.vllm_server", str(fd), str(os.getpid()),
                                           self.tmp_dir],
                                          cwd=ROOT, env=env, pass_fds=(fd,), start_new_session=True,

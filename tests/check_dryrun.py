@@ -12,6 +12,7 @@ from tests.common import TINY, _main, _trainer
 from tests.check_flux import FLUX_DEV_CONFIG
 
 
+@pytest.mark.fast
 def test_dry_run_bytes_equal_a_real_runs_allocation(corpus, tmp_path, capsys):
     import train
     assert train.main(["--dry-run", *TINY]) == 0
@@ -160,6 +161,7 @@ def test_planner_matmul_efficiency_and_causal_blocks_by_hand():
     assert stepmodel.ring_steps(256, v6e) == 2 * 15 and stepmodel.ring_steps(1, v6e) == 0  # 16 x 16 torus
 
 
+@pytest.mark.fast
 def test_planner_step_terms_equal_a_hand_computation():
     """FSDP over 4 chips, 2 samples a chip, fp32 master weights, nothing recomputed: every term by hand."""
     from planner import chips

@@ -33,6 +33,7 @@ def _flux_call(model, e):
                  e["txt_ids"].expand(B, -1, -1), e["timestep"], e["pooled_projections"], e.get("guidance"))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", ["guidance", "plain"])
 def test_flux_output_equals_diffusers_and_export_import_is_bit_for_bit(name, tmp_path):
     """Every module (embedders, 3-axis RoPE, joint attention, q/k RMSNorm, modulation order, fused
@@ -86,6 +87,7 @@ def test_flux_published_sizes_parameter_count_and_flops():
     assert abs(flux.flops_per_sample(a, S, T) / measured - 1) < 0.01, (flux.flops_per_sample(a, S, T), measured)
 
 
+@pytest.mark.fast
 def test_flux_rectified_flow_targets_loss_timesteps_schedule_and_packing():
     from flux import model as flux
     from flux import sample as flux_sample

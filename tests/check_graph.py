@@ -120,6 +120,7 @@ def test_graph_passes_keep_losses_and_do_their_job(flags, corpus, tmp_path):
         assert len(passed.step_fn.compiled.stages) == int(flags[flags.index("--split") + 1])
 
 
+@pytest.mark.fast
 def test_saved_activation_bytes_equal_what_autograd_keeps_beyond_the_inputs():
     """The graph report's (and the planner's) saved bytes: storage the step keeps from forward to
     backward that its inputs do not already hold. Oracle: autograd's own saved tensors (recorded by

@@ -48,6 +48,7 @@ def test_arith_task_prompts_held_out_split_and_a_reward_that_survives_junk():
         arithmetic.get_task("gsm8k")
 
 
+@pytest.mark.fast
 def test_group_advantages_equal_the_per_group_formula():
     import statistics
     from rl import grpo
@@ -71,6 +72,7 @@ def test_group_advantages_equal_the_per_group_formula():
             grpo.GRPOConfig(**bad).check()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("aggregation", ["grpo", "dapo", "dr_grpo"])
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 def test_grpo_loss_and_gradient_equal_a_per_token_loop(aggregation, beta):
@@ -255,7 +257,7 @@ def test_a_push_streams_the_policy_in_buckets_its_peak_extra_memory_is_a_bucket_
                     p.add_(torch.randn_like(p) * 0.01)
     finally:
         engine.close()
-    assert issubclass(weight_sync.SyncError, __import__("errors").PeerGone)  # (issue 42: an errors.py kind, exit 4)
+    assert issubclass(weight_sync.SyncError, __import__("errors").PeerGone)  # (an errors.py kind, exit 4)
 
 
 def test_sft_loss_is_the_cross_entropy_of_the_answer_bytes_only_and_ranks_split_it_exactly(tmp_path, capsys):

@@ -25,6 +25,7 @@ def _expected(name):
     return load_file(os.path.join(HF_FIXTURES, name, "expected.safetensors"))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe"])
 def test_hf_checkpoint_logits_and_greedy_text_equal_transformers(name, tmp_path):
     """Every module's arithmetic (norms, llama3 rope scaling, q/k norm, tied embeddings, MoE routing)

@@ -40,6 +40,7 @@ def test_splash_attention_matches_reference(dtype, B, H, Hkv, S, D, window, segm
         torch.testing.assert_close(g.float(), w, **TOL[dtype])
 
 
+@pytest.mark.fast
 def test_splash_full_attention_equals_plain_softmax_attention():
     """Non-causal splash (FLUX's joint attention): every block live, the padded keys masked; forward
     and gradients equal softmax(q k^T / sqrt(D)) v written here. S = 40 in blocks of 16: two FULL
@@ -79,6 +80,7 @@ def test_fused_linear_cross_entropy_matches_reference(dtype, N, D, V):
         torch.testing.assert_close(g.float(), w_, **TOL[dtype])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sizes", [[3, 0, 10, 7], [0, 0, 20, 0], [5, 5, 5, 5], [1, 17, 0, 2]])
 def test_grouped_matmul_matches_reference(dtype, sizes):
@@ -165,6 +167,7 @@ def test_kernels_never_materialize_the_quadratic_arrays():
     assert V * D <= biggest < T * V
 
 
+@pytest.mark.fast
 def test_jax_ops_are_single_nodes_under_make_fx():
     from torch.fx.experimental.proxy_tensor import make_fx
     import kernels_pallas as kp
@@ -209,6 +212,7 @@ def child_xla_kernels():
     print("diffs", json.dumps([(a - b).abs().max().item() for a, b in zip(on_cpu, on_xla)]))  # (NaN: json's NaN)
 
 
+@pytest.mark.fast
 def test_kernels_on_xla_cpu_through_call_jax_equal_cpu():
     rc, out, err = launch.python(["test_all.py", "child_xla_kernels"], env={"PJRT_DEVICE": "CPU"})
     assert rc == 0, err[-3000:]

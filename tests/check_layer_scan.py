@@ -13,7 +13,7 @@ from tests.common import (DIST_TINY, _near, _ranks_equal_one_process, _train_los
                           shared_run, torchrun)
 
 
-@pytest.mark.parametrize("flavor", ["llama3_debug", "qwen3_debug", "qwen3_moe_debug"])
+@pytest.mark.parametrize("flavor", [pytest.param("llama3_debug", marks=pytest.mark.fast), "qwen3_debug", "qwen3_moe_debug"])
 def test_layer_scan_equals_the_unrolled_loop(flavor):
     import copy
     import layer_scan

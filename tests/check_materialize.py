@@ -175,6 +175,7 @@ def test_spmd_checkpoint_is_written_shard_by_shard_and_resumes_on_any_layout(cor
     assert mem["save"] < mem["state"] / 8 and mem["restore"] < mem["state"] / 8, mem
 
 
+@pytest.mark.fast
 def test_the_seed_fill_equals_each_family_built_whole_on_the_host(corpus, tmp_path):
     """Every family is filled by shard (each has an `initializer`: FLUX had none, and was built whole in
     every process), and the trainer's fill on meta equals the model its family builds whole on the host

@@ -196,6 +196,7 @@ def reference_logits(model, tokens_BxS):
 
 @pytest.mark.parametrize("flavor,extra", [("llama3_debug", {"rope_scaling": (8.0, 1.0, 4.0, 16)}),
                                           ("qwen3_debug", {}), ("qwen3_moe_debug", {})])
+@pytest.mark.fast
 def test_model_logits_equal_the_architecture_written_out(flavor, extra):
     """Every module's arithmetic and their composition (norm placement, residuals, GQA, q/k norm,
     rope scaling, tied embeddings, MoE routing) against reference_logits, at init scale and with

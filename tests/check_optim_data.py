@@ -13,6 +13,7 @@ from tests.common import _trainer
 from tests.check_hf import HF_FIXTURES
 
 
+@pytest.mark.fast
 def test_functional_adamw_equals_torch_adamw_over_20_steps():
     torch.manual_seed(0)
     params = [torch.randn(8, 5), torch.randn(5), torch.randn(3, 4, 2)]
@@ -71,6 +72,7 @@ def test_adamw_is_pure():
     assert torch.equal(params[0], before[0]) and torch.equal(state["exp_avg"][0], before[1])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("max_norm", [1.0, 1e3])  # above the norm (clipped) and below it (untouched)
 def test_clipping_matches_torch(max_norm):
     torch.manual_seed(0)
@@ -96,6 +98,7 @@ def test_schedule_warmup_then_cosine():
 # ------------------------------------------------------------------------------------------------
 # data.py. Oracle: the one-process batch (rank slices concatenate to it)
 
+@pytest.mark.fast
 def test_data_is_deterministic_and_rank_dependent(corpus):
     train, val = data.load_corpus(corpus)
     assert len(train) > 0 and len(val) > 0 and len(train) > 10 * len(val)

@@ -230,6 +230,7 @@ def child_simplefsdp_fx():
               [(a - b).abs().max().item() for a, b in zip(got, want)])
 
 
+@pytest.mark.fast
 def test_simplefsdp_collectives_are_nodes_of_the_traced_graph(tmp_path):
     rc, out, err = launch.ranks(2, ["test_all.py", "child_simplefsdp_fx"], timeout=180)
     assert rc == 0, err[-3000:]

@@ -1,4 +1,4 @@
-# Bad input found before anything runs (issue 42's hostile pass). Oracles: the refusal itself (one
+# Bad input found before anything runs (a hostile pass over every input). Oracles: the refusal itself (one
 # `error:` line, exit 2, no run directory), and for a suggested remedy, that doing what it says works.
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import math
@@ -34,6 +34,7 @@ def test_nonfinite_flags_and_config_values_are_one_line_exit_2_nothing_written(a
     assert not os.path.exists(out_dir)
 
 
+@pytest.mark.fast
 def test_the_checks_refuse_nan_wherever_the_value_comes_from():
     """A config.json or a checkpoint's record reaches model.check_args without cli.py, and GRPO's config
     is built by code too: NaN passed each of these checks (`x < 0` is False for NaN)."""
@@ -51,7 +52,7 @@ def test_the_checks_refuse_nan_wherever_the_value_comes_from():
 
 @pytest.mark.parametrize("explicit", [False, True])
 def test_the_vllm_head_dim_hint_works_when_followed(explicit):
-    """Issue 42 item 11: the hint was `--set n_heads=2`, which leaves an explicit head_dim as it was: the
+    """The hint was `--set n_heads=2`, which leaves an explicit head_dim as it was: the
     same error again. Following the hint must give a config the engine takes."""
     import cli
     from errors import ConfigError
@@ -68,7 +69,7 @@ def test_the_vllm_head_dim_hint_works_when_followed(explicit):
 
 
 def test_resuming_a_run_of_another_task_names_both_and_the_remedy_works(corpus, tmp_path, capsys):
-    """Issue 42 item 8: `--task sft --resume` on an lm run was told to pass `--allow-change steps,sft`,
+    """`--task sft --resume` on an lm run was told to pass `--allow-change steps,sft`,
     which cli.py then refused as unknown; meta.json records the task, which was never named."""
     out = str(tmp_path / "lm")
     base = [*TINY, "--eval-batches", "0", "--out-dir", out]
@@ -85,7 +86,7 @@ def test_resuming_a_run_of_another_task_names_both_and_the_remedy_works(corpus, 
 
 
 def test_a_refusal_on_a_rank_above_0_waits_silent_for_rank_0_and_then_speaks_named(tmp_path, monkeypatch, capsys):
-    """Issue 42 item 5: under torchrun every rank said the same `error:` line. Now a rank > 0 says
+    """Under torchrun every rank said the same `error:` line. Now a rank > 0 says
     nothing while rank 0 (which runs the same checks) speaks and torchrun stops the others (SIGTERM:
     exit 2, quietly); only if it is still running after the grace period (rank 0 did not refuse) does it
     speak, naming itself. The whole launch: test_mesh_that_does_not_match_world_size_fails_fast."""
@@ -104,7 +105,7 @@ def test_a_refusal_on_a_rank_above_0_waits_silent_for_rank_0_and_then_speaks_nam
 
 
 def test_checkpoint_knows_an_interruption_by_its_class_not_its_name():
-    """Issue 42 item 15: checkpoint.py recognised train.Interrupted by its class name (any class called
+    """checkpoint.py recognised train.Interrupted by its class name (any class called
     `Interrupted`, or a message holding "Interrupted(", passed). It is errors.Interrupted now, found by
     isinstance, also inside the CheckpointException DCP gathers its writers' errors into."""
     import signal

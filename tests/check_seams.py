@@ -4,6 +4,7 @@
 import dataclasses
 import math
 import os
+import re
 
 import torch.nn.functional as F
 import pytest
@@ -63,17 +64,22 @@ def _imports(path):
     return names
 
 
+def _our_modules(root):
+    ours = {}
+    for d in ("", "flux", "rl", "planner"):
+        for f in os.listdir(os.path.join(root, d)):
+            if f.endswith(".py") and not f.startswith("test") and f not in ("__init__.py", "conftest.py"):
+                ours[(d + "." if d else "") + f[:-3]] = os.path.join(root, d, f)
+    return ours
+
+
+@pytest.mark.fast
 def test_the_layers_import_downwards_only():
     """task.py and parallel.py import nothing of ours but the lowest layer (errors, device); cli.py,
     train.py and planner/ import no workload (they reach one through task.WORKLOADS), and no workload
     imports cli.py (a flag is declared with flags.py); no import cycle among our modules, function-level
     imports included."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ours = {}
-    for d in ("", "flux", "rl", "planner"):
-        for f in os.listdir(os.path.join(root, d)):
-            if f.endswith(".py") and not f.startswith("test") and f != "__init__.py":
-                ours[(d + "." if d else "") + f[:-3]] = os.path.join(root, d, f)
+    ours = _our_modules(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     graph = {m: {n for n in _imports(p) if n in ours} for m, p in ours.items()}
     assert graph["task"] == set() and graph["errors"] == set()
     assert graph["parallel"] <= {"device", "errors"}, graph["parallel"]
@@ -109,6 +115,47 @@ def test_the_layers_import_downwards_only():
         if m not in state:
             visit(m, [])
 
+
+
+
+@pytest.mark.fast
+def test_the_readme_file_map_is_in_import_order_and_lists_every_module():
+    """The README's file map says each file imports only files above it. Its rows, read from the
+    README: a `name.py` is that module, a `pkg/` the package's modules not on a row of their own
+    (`planner/anchor.py`, which runs the trainer, sits with the benchmarks). Every import of every
+    module (function-level ones too) points at its own row or one above, and every module has a row."""
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = _our_modules(root)
+    rows = [re.findall(r"`([\w/.]+)`", line.split("|")[1]) for line in open(os.path.join(root, "README.md"))
+            if line.startswith("| `")]
+    named = {n[:-3].replace("/", "."): i for i, row in enumerate(rows) for n in row if n.endswith(".py")}
+    packages = {n[:-1]: i for i, row in enumerate(rows) for n in row if n.endswith("/")}
+    row_of = {}
+    for m in ours:
+        row = named.get(m, packages.get(m.split(".")[0]) if "." in m else None)
+        assert row is not None, f"README's file map has no row for {m}"
+        row_of[m] = row
+    assert not set(named) - set(ours) - {"test_all", "test_torch_tpu"}, set(named) - set(ours)
+    upward = sorted((m, n) for m, p in ours.items() for n in _imports(p) if n in ours and row_of[n] > row_of[m])
+    assert not upward, f"imports of a file below it in the README's file map: {upward}"
+
+
+@pytest.mark.fast
+def test_graph_mode_flags_are_checked_by_cli_alone(monkeypatch):
+    """`--backend xla` on a device that is not XLA and graph mode under FSDP2 are refused by cli.validate
+    before any process starts, `--device auto` included (it was refused later, by graph_trainer.py, which
+    checked both again); graph_trainer.py checks neither."""
+    import cli
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    for argv, message in ((["--mode", "graph", "--backend", "xla"], "--backend xla needs an XLA device"),
+                          (["--mode", "graph", "--backend", "xla", "--device", "cpu"], "--backend xla needs an XLA device"),
+                          (["--mode", "graph", "--mesh", "ici=2", "--dp-impl", "fsdp2"], "FSDP2's hooks do not trace")):
+        with pytest.raises(cli.ConfigError, match=re.escape(message)):
+            cli.parse_config(argv)
+    assert cli.parse_config(["--mode", "graph", "--backend", "xla", "--device", "xla"]).backend == "xla"
+    source = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "graph_trainer.py")).read()
+    assert "--backend" not in source and "traceable" not in source
 
 class Line(task_lib.ModelFamily):
     """nn.Linear(4, 1): a matrix (decayed) and a bias (not)."""
@@ -146,6 +193,7 @@ class LinearRegression(task_lib.Workload):
     flops_per_step = lambda self, args: 6 * 5 * self.cfg.batch_size
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_a_new_workload_trains_through_the_task_interface_like_a_plain_loop(mode, tmp_path, monkeypatch):
     """The shared loop (schedule, clipping, AdamW with its decay mask, checkpoints, metrics) on a
@@ -196,7 +244,7 @@ def _read_attributes(path, owner):
 
 
 def test_the_trainer_uses_only_members_the_interfaces_declare():
-    """Issue 42 items 12, 15: `units_per_step` was used by the trainer but not declared by task.Workload.
+    """`units_per_step` was used by the trainer but not declared by task.Workload.
     Every member train.py reads of its workload and its family is one task.py declares, and it names
     no workload's flag."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -213,7 +261,7 @@ def test_the_trainer_uses_only_members_the_interfaces_declare():
 
 
 def test_a_resume_offers_only_changes_cli_accepts_and_grpo_records_what_its_policy_names(tmp_path):
-    """Issue 42 items 8, 12: a resume's policy is one form (Workload.resume_policy). GRPO records exactly the
+    """A resume's policy is one form (Workload.resume_policy). GRPO records exactly the
     keys its policy names (its key lists were written three times, and disagreed: vllm_python); a
     recorded setting this version does not know (a checkpoint of another version) is refused, not offered
     to --allow-change, which cli.py would refuse; what it offers, cli.py takes."""
@@ -245,7 +293,7 @@ def test_a_resume_offers_only_changes_cli_accepts_and_grpo_records_what_its_poli
 
 
 def test_the_flux_family_is_whole_when_the_workload_is_built(tmp_path):
-    """Issue 42 item 12: FluxFamily.configure changed the family from inside setup_data, so what was asked
+    """FluxFamily.configure changed the family from inside setup_data, so what was asked
     of it before (its parameter count: the trainer's memory check) depended on the call order. On a
     latent file (no learned class prompts) the count before setup_data is the built model's."""
     import train
@@ -267,7 +315,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("flux", "rl", "lm_tas
 
 
 def test_a_run_imports_only_its_own_workload(corpus, tmp_path):
-    """Issue 42 items 13, 16: each parse imported every workload (`--task lm` loaded flux.*, rl.* and the
+    """Each parse imported every workload (`--task lm` loaded flux.*, rl.* and the
     vLLM handle), although task.py said a run imports only its own. A `--task lm` run of one step in a
     fresh process (a fork of one that has imported torch and train.py only: tests/launch.py) imports no
     flux or rl module; a flag of another workload still names its owner (cli.py parses again with every
@@ -291,7 +339,7 @@ def _calls(path):
 
 
 def test_each_decision_has_one_home(tmp_path):
-    """Issue 42 item 14: which checkpoint a resume takes was chosen again in rl/grpo_task.py; "the newest
+    """Which checkpoint a resume takes was chosen again in rl/grpo_task.py; "the newest
     checkpoint that verifies" was written twice in checkpoint.py; the same bad record raised
     CheckpointError from the LM family and ConfigError from FLUX's; --batch-size's split over the mesh was
     checked by the trainer, not with the other flags in cli.py."""
@@ -313,7 +361,7 @@ def test_each_decision_has_one_home(tmp_path):
             checkpoint.load_run(str(run))
     with pytest.raises(cli.ConfigError, match="--batch-size 3 is not divisible by 2 data-parallel ranks"):
         cli.parse_config(["--batch-size", "3", "--mesh", "ici=2"])  # (before any rank starts)
-    # (issue 42 item 14) GRPO's rows split over the ranks: checked there too, by the workload's own count
+    # GRPO's rows split over the ranks: checked there too, by the workload's own count
     # (it was a ConfigError raised in setup_data, once the ranks had started); its --batch-size is not its batch
     with pytest.raises(cli.ConfigError, match=r"^--prompts-per-step x --group-size = 9 rows is not divisible by 2 "):
         cli.parse_config(["--task", "grpo", "--prompts-per-step", "3", "--group-size", "3", "--mesh", "ici=2"])
@@ -364,7 +412,7 @@ class _StubEngine:
 
 
 def test_grpo_exchanges_go_through_the_parallel_and_each_rank_receives_only_its_rows():
-    """Issue 42 item 15: rl/grpo_task.py called torch.distributed itself, and rank 0 broadcast the whole
+    """rl/grpo_task.py called torch.distributed itself, and rank 0 broadcast the whole
     rollout batch packed as float64 to ranks that keep B/N of it. Now two scatters (int64 completions and
     mask, float32 logprobs and advantages) through parallel.Parallel carry each rank its B/N rows, and
     the two ranks' batches are the one-process batch's halves (oracle: the one-process workload)."""
