@@ -1,11 +1,11 @@
 """test_all.py: every concept checked against an independent oracle. Run: .venv/bin/python -m pytest test_all.py
-(the README's command adds `-n 2 --dist loadgroup`: two workers, conftest.py says how).
+(the README's command adds `-n 2 --dist loadgroup`: two workers, conftest.py says how; `-m fast` runs
+the fast tier, one cheap oracle test per concept).
 
-The checks live in tests/, one file per concept (or a few small ones), in the README's reading order,
-each opening with the oracles it uses: formulas written out loop by loop (RoPE, GQA attention, MoE per
-token), torch's own functional ops, torch.optim.AdamW and clip_grad_norm_, the uninterrupted run
-(resume), eager CPU (XLA:CPU), JAX's production Pallas kernels, one process and FSDP2 (data parallel),
-the unrolled loop (scan), transformers' and diffusers' outputs. This file gathers them into one pytest
+The checks live in tests/, one file per concept (or a few small ones), each opening with the oracles
+it uses: formulas written out loop by loop (RoPE, GQA attention, MoE per token), torch's own
+functional ops, torch.optim.AdamW and clip_grad_norm_, the uninterrupted run (resume), eager CPU
+(XLA:CPU), JAX's production Pallas kernels, one process and FSDP2 (data parallel), the unrolled loop (scan), transformers' and diffusers' outputs. This file gathers them into one pytest
 module, so that one command runs them all (pytest collects the test functions and fixtures in this
 module's namespace, wherever they were written); tests/common.py holds the shared helpers. A test that
 must run in a fresh process (XLA runtime first, torchrun ranks) calls one of the `child_*` functions through

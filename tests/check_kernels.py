@@ -212,7 +212,6 @@ def child_xla_kernels():
     print("diffs", json.dumps([(a - b).abs().max().item() for a, b in zip(on_cpu, on_xla)]))  # (NaN: json's NaN)
 
 
-@pytest.mark.fast
 def test_kernels_on_xla_cpu_through_call_jax_equal_cpu():
     rc, out, err = launch.python(["test_all.py", "child_xla_kernels"], env={"PJRT_DEVICE": "CPU"})
     assert rc == 0, err[-3000:]
