@@ -33,6 +33,7 @@ from tests.check_materialize import *  # noqa: E402,F401,F403
 from tests.check_dryrun import *  # noqa: E402,F401,F403
 from tests.check_planner import *  # noqa: E402,F401,F403
 from tests.check_seams import *  # noqa: E402,F401,F403
+from tests.check_readme import *  # noqa: E402,F401,F403
 from tests.check_hf import *  # noqa: E402,F401,F403
 from tests.check_flux import *  # noqa: E402,F401,F403
 from tests.check_flux_trainer import *  # noqa: E402,F401,F403

@@ -122,3 +122,20 @@ def test_checkpoint_knows_an_interruption_by_its_class_not_its_name():
     assert not errors.interrupted(CheckpointException("disk full", {0: (OSError(28, "No space"), traceback.StackSummary())}))
     import pickle  # (DCP moves errors between ranks pickled)
     assert pickle.loads(pickle.dumps(stop)).signum == signal.SIGTERM
+
+
+@pytest.mark.fast
+def test_graph_mode_flags_are_checked_by_cli_alone(monkeypatch):
+    """`--backend xla` on a device that is not XLA and graph mode under FSDP2 are refused by cli.validate
+    before any process starts, `--device auto` included (it was refused later, by graph_trainer.py, which
+    checked both again); graph_trainer.py checks neither."""
+    import cli
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    for argv, message in ((["--mode", "graph", "--backend", "xla"], "--backend xla needs an XLA device"),
+                          (["--mode", "graph", "--backend", "xla", "--device", "cpu"], "--backend xla needs an XLA device"),
+                          (["--mode", "graph", "--mesh", "ici=2", "--dp-impl", "fsdp2"], "FSDP2's hooks do not trace")):
+        with pytest.raises(cli.ConfigError, match=re.escape(message)):
+            cli.parse_config(argv)
+    assert cli.parse_config(["--mode", "graph", "--backend", "xla", "--device", "xla"]).backend == "xla"
+    source = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "graph_trainer.py")).read()
+    assert "--backend" not in source and "traceable" not in source

@@ -4,7 +4,6 @@
 import dataclasses
 import math
 import os
-import re
 
 import torch.nn.functional as F
 import pytest
@@ -117,45 +116,6 @@ def test_the_layers_import_downwards_only():
 
 
 
-
-@pytest.mark.fast
-def test_the_readme_file_map_is_in_import_order_and_lists_every_module():
-    """The README's file map says each file imports only files above it. Its rows, read from the
-    README: a `name.py` is that module, a `pkg/` the package's modules not on a row of their own
-    (`planner/anchor.py`, which runs the trainer, sits with the benchmarks). Every import of every
-    module (function-level ones too) points at its own row or one above, and every module has a row."""
-    import re
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ours = _our_modules(root)
-    rows = [re.findall(r"`([\w/.]+)`", line.split("|")[1]) for line in open(os.path.join(root, "README.md"))
-            if line.startswith("| `")]
-    named = {n[:-3].replace("/", "."): i for i, row in enumerate(rows) for n in row if n.endswith(".py")}
-    packages = {n[:-1]: i for i, row in enumerate(rows) for n in row if n.endswith("/")}
-    row_of = {}
-    for m in ours:
-        row = named.get(m, packages.get(m.split(".")[0]) if "." in m else None)
-        assert row is not None, f"README's file map has no row for {m}"
-        row_of[m] = row
-    assert not set(named) - set(ours) - {"test_all", "test_torch_tpu"}, set(named) - set(ours)
-    upward = sorted((m, n) for m, p in ours.items() for n in _imports(p) if n in ours and row_of[n] > row_of[m])
-    assert not upward, f"imports of a file below it in the README's file map: {upward}"
-
-
-@pytest.mark.fast
-def test_graph_mode_flags_are_checked_by_cli_alone(monkeypatch):
-    """`--backend xla` on a device that is not XLA and graph mode under FSDP2 are refused by cli.validate
-    before any process starts, `--device auto` included (it was refused later, by graph_trainer.py, which
-    checked both again); graph_trainer.py checks neither."""
-    import cli
-    monkeypatch.delenv("PJRT_DEVICE", raising=False)
-    for argv, message in ((["--mode", "graph", "--backend", "xla"], "--backend xla needs an XLA device"),
-                          (["--mode", "graph", "--backend", "xla", "--device", "cpu"], "--backend xla needs an XLA device"),
-                          (["--mode", "graph", "--mesh", "ici=2", "--dp-impl", "fsdp2"], "FSDP2's hooks do not trace")):
-        with pytest.raises(cli.ConfigError, match=re.escape(message)):
-            cli.parse_config(argv)
-    assert cli.parse_config(["--mode", "graph", "--backend", "xla", "--device", "xla"]).backend == "xla"
-    source = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "graph_trainer.py")).read()
-    assert "--backend" not in source and "traceable" not in source
 
 class Line(task_lib.ModelFamily):
     """nn.Linear(4, 1): a matrix (decayed) and a bias (not)."""
