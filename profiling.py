@@ -195,6 +195,16 @@ class Profiler:
             return glob.glob(os.path.join(self.dir, "plugins", "profile", "*", "*.xplane.pb"))
         return glob.glob(os.path.join(self.dir, f"rank{self.rank}.*.pt.trace.json"))
 
+    def abandon(self):
+        """A run that fails or is stopped inside a traced block: the trace so far is written (kept for
+        the user) and the profiler stopped, since a profiler left running crashes the interpreter's
+        teardown (SIGSEGV in record_function's callbacks) instead of the run's own exit code. A trace
+        that cannot be written (the disk that failed the run) is dropped: the run's error is the one said."""
+        if self.session is not None:
+            with contextlib.suppress(Exception):
+                self._stop()
+            self.session = None
+
     def close(self):
         """Stop a trace still open (the run ended inside a block), then print and draw the breakdown."""
         if self.session is not None:

@@ -237,6 +237,7 @@ class Trainer:
             self.profiler.close()  # (the traced steps' breakdown, printed at the end of the run)
             return rc
         finally:
+            self.profiler.abandon()  # (a failed or stopped run: no profiler left running at teardown)
             self.task.close()
             self.watchdog.stop()
             self.run_dir.close()
