@@ -378,6 +378,11 @@ def main(argv=None):
         rc = trainer.run()
         parallel.close()  # only on the happy path: after a peer failure it could wait on the dead
         return rc
+    except checkpoint.RunComplete as done:  # (--resume auto after the final checkpoint: a restart, not bad input)
+        if _rank(parallel) == 0:
+            print(f"note: {done}", file=sys.stderr, flush=True)
+        parallel.close()
+        return 0
     except MinititanError as e:  # bad input (2), a peer or engine gone (4), a failed write (5): by kind
         rank = _rank(parallel)
         if e.exit_code == EXIT_BAD_INPUT and rank != 0:

@@ -186,3 +186,34 @@ def test_max_restarts_with_the_store_shared_with_the_ranks_is_refused_in_one_lin
     err = capsys.readouterr().err
     assert err.startswith("error: torchrun --max-restarts") and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in err, err
     assert err.count("\n") == 1 and not os.path.exists(tmp_path / "r")
+
+
+def test_resume_auto_falls_back_to_the_newest_good_checkpoint_and_a_finished_run_is_complete(corpus, tmp_path, capsys):
+    """Four checkpoints (steps 2, 4, 6, 8), the newest two broken: --resume auto resumes from step 4, the
+    newest that verifies, not the oldest (step 2: two more steps trained again, without a word) nor a
+    broken one; its note names the broken newest. Then --resume auto on the finished run (a restart after
+    the final checkpoint) says the run is complete and exits 0, writing nothing; bare --resume still
+    refuses (nothing to train), and the losses of steps 5-8 trained again are the first attempt's."""
+    out = str(tmp_path / "r")
+    common = [*TINY, "--data", corpus, "--steps", "8", "--ckpt-interval", "2", "--eval-batches", "0", "--out-dir", out]
+    assert _main(common) == 0
+    first = {r["step"]: r["loss"] for r in _records(out) if "loss" in r}
+    for step in ("step_000006", "step_000008"):
+        shard = next(f for f in sorted(os.listdir(os.path.join(out, "checkpoints", step))) if f.endswith(".distcp"))
+        os.truncate(os.path.join(out, "checkpoints", step, shard), 100)
+    capsys.readouterr()
+    assert _main([*common, "--resume", "auto"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "step_000008 is broken" in notes[0] and \
+        "resumes from the newest good one, step_000004" in notes[0], notes
+    starts = [r["resumed_at"] for r in _records(out) if r.get("event") == "start"]
+    assert starts == [0, 4], starts
+    again = [(r["step"], r["loss"]) for r in _records(out) if "loss" in r][8:]
+    assert again == [(s, first[s]) for s in (5, 6, 7, 8)], again
+    before = _files(out)
+    assert _main([*common, "--resume", "auto"]) == 0
+    err = capsys.readouterr().err
+    assert err == f"note: {os.path.join(out, 'checkpoints', 'step_000008')} is the run's final checkpoint (step 8 " \
+        "of --steps 8): the run is complete, nothing to train\n", err
+    assert _main([*common, "--resume"]) == 2 and "nothing to train" in capsys.readouterr().err
+    assert _files(out) == before
