@@ -73,7 +73,7 @@ class Trainer:
         self.device = self.parallel.device
         dp = self.parallel.dp_size  # (--batch-size divides over it: cli.py's checks)
         self.out_dir = cfg.out_dir or os.path.join("runs", f"{cfg.flavor}-{time.strftime('%Y%m%d-%H%M%S')}")
-        rundir.check_writable(self.out_dir)
+        rundir.check_writable(self.out_dir, ("checkpoints",) + (("profile",) if cfg.profile else ()))
         self.task = task or make_workload(cfg)
         self.family = self.task.family
         self.model_args = self.parallel.model_args(self.task.args, self.family)
