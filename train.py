@@ -232,6 +232,7 @@ class Trainer:
         self.profiler = profiling.Profiler(profiling.parse_steps(self.cfg.profile, self.cfg.steps) if self.cfg.profile
                                            else (), self.out_dir, self.parallel.global_rank, self.device,
                                            prints=self.parallel.writes_files)
+        self.notes += self.profiler.skipped_notes(self.step)  # (steps a resume starts past: said, not dropped)
         try:
             rc = self.loop()
             self.profiler.close()  # (the traced steps' breakdown, printed at the end of the run)

@@ -122,6 +122,25 @@ def test_profile_under_torchrun_each_rank_writes_its_trace(corpus, tmp_path, tmp
     _near(single, losses(out), atol=1e-5)
 
 
+def test_profile_steps_a_resume_starts_past_are_said_in_one_note(corpus, tmp_path, capsys):
+    """A run resumed at step 3: --profile 1-3 says steps 1-2 are not traced and traces step 3 (the trace
+    file's own ProfilerStep#3); --profile 2 (all of it before the resume) says nothing is traced, and
+    writes no trace."""
+    out = str(tmp_path / "r")
+    common = [*_base(corpus), "--steps", "4", "--ckpt-interval", "2", "--out-dir", out]
+    assert _main([*common, "--halt-at", "2"]) == 0
+    capsys.readouterr()
+    assert _main([*common, "--resume", "--profile", "1-3", "--halt-at", "3"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == ["note: --profile steps 1-2 are not traced: the run resumes at step 3"], notes
+    (trace,) = glob.glob(os.path.join(out, "profile", "rank0.*.pt.trace.json"))
+    assert [e["name"] for e in _trace_events(trace) if e["name"].startswith("ProfilerStep#")] == ["ProfilerStep#3"]
+    assert _main([*common, "--resume-from", "step_000002", "--profile", "2"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == ["note: --profile step 2 is not traced: the run resumes at step 3; nothing is traced"], notes
+    assert glob.glob(os.path.join(out, "profile", "rank0.*.pt.trace.json")) == [trace]
+
+
 @pytest.mark.parametrize("value", ["0", "x", "3-2", "9"])
 def test_bad_profile_value_is_refused_in_one_line(value, corpus, tmp_path, capsys):
     assert _main([*_base(corpus), "--profile", value, "--out-dir", str(tmp_path / "bad")]) == 2
