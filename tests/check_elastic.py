@@ -39,11 +39,13 @@ def _records(out_dir):
 
 def _hosts(argv, nproc, *flags, env=None):
     """Two real torchrun launchers standing for two hosts (`--nnodes 2`, one c10d rendezvous on
-    localhost), each starting `nproc` ranks of `python *argv`: their Popen objects."""
+    localhost), each starting `nproc` ranks of `python *argv` (or of `python *argv[node]`, a list of
+    two command lines: one per host): their Popen objects."""
     port = _free_port()
+    per_host = argv if isinstance(argv[0], list) else [argv, argv]
     return [subprocess.Popen([*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", str(nproc),
                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "job",
-                              *flags, *argv], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              *flags, *per_host[node]], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, **(env or {})})
             for node in (0, 1)]
 
@@ -217,3 +219,69 @@ def test_resume_auto_falls_back_to_the_newest_good_checkpoint_and_a_finished_run
         "of --steps 8): the run is complete, nothing to train\n", err
     assert _main([*common, "--resume"]) == 2 and "nothing to train" in capsys.readouterr().err
     assert _files(out) == before
+
+
+def test_two_launchers_with_different_meshes_are_refused_in_one_line_not_a_hang(corpus, tmp_path):
+    """Host 0's torchrun passes `--mesh dcn=2,ici=1`, host 1's `--mesh ici=2` (both 2 ranks in all, so
+    each passes its own world-size check): the ranks would build different sub-groups and wait on each
+    other forever. Compared right after the process group exists: host 0 says it in one line naming both
+    meshes, every rank exits 2, both launchers end (here within a minute; the hang was open-ended)."""
+    import time
+    common = [*TINY, "--data", corpus, "--steps", "2", "--eval-batches", "0", "--out-dir", str(tmp_path / "r")]
+    started = time.monotonic()
+    ends = _wait(_hosts([["train.py", *common, "--mesh", mesh] for mesh in ("dcn=2,ici=1", "ici=2")], 1), timeout=120)
+    took = time.monotonic() - started
+    lines = [line for _, _, err in ends for line in err.splitlines() if line.startswith("error:")]
+    assert lines[:1] == ["error: the launchers disagree on the layout: rank 0 has --mesh 'dcn=2,ici=1' --dp-impl simple, "
+                         "rank 1 has --mesh 'ici=2' --dp-impl simple (every host's torchrun must pass the same --mesh "
+                         "and --dp-impl)"], [e[-3000:] for _, _, e in ends]
+    assert [line for line in ends[0][2].splitlines() if line.startswith("error:")] == lines[:1]
+    assert all(rc != 0 for rc, _, _ in ends) and "exitcode: 2" in ends[0][2], [e[-3000:] for _, _, e in ends]
+    assert took < 90 and not os.path.exists(tmp_path / "r" / "checkpoints"), took
+
+
+def _children(pid):
+    """The pids of process `pid`'s children (Linux /proc)."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def _alive(pid):
+    """True while process `pid` runs (a zombie waiting for its new parent to reap it has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_sigkilled_launcher_takes_its_rank_with_it(corpus, tmp_path):
+    """Two launchers of one rank each; host 1's torchrun is SIGKILLed once training runs. Its rank (the
+    kernel's parent-death signal) ends within seconds instead of training on as an orphan of PID 1, and
+    the other host's rank then sees its peer gone: its launcher ends too."""
+    import time
+    out = str(tmp_path / "r")
+    hosts = _hosts(["train.py", *TINY, "--data", corpus, "--steps", "100000", "--ckpt-interval", "0",
+                    "--eval-batches", "0", "--mesh", "dcn=2,ici=1", "--watchdog", "60", "--out-dir", out], 1)
+    try:
+        deadline = time.monotonic() + 120
+        while not (os.path.exists(os.path.join(out, "metrics.jsonl")) and '"loss"' in open(os.path.join(out, "metrics.jsonl")).read()):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in hosts), "no step trained"
+            time.sleep(0.2)
+        (rank,) = _children(hosts[1].pid)
+        hosts[1].kill()
+        hosts[1].wait()
+        gone = time.monotonic()
+        while _alive(rank) and time.monotonic() < gone + 30:
+            time.sleep(0.1)
+        took = time.monotonic() - gone
+        assert not _alive(rank), "the killed launcher's rank trains on as an orphan"
+        assert took < 10, took
+        hosts[0].wait(timeout=90)  # (its rank: the peer's connection closed, exit 4)
+    finally:
+        for p in hosts:
+            p.kill()
+            p.communicate()
