@@ -40,6 +40,10 @@ class MeshError(BadInput):
     pass
 
 
+class SaidAlready(MeshError):
+    """A refusal of torchrun's restarted worker that its first attempt already said: exit 2, no line."""
+
+
 def mesh_dims(spec):
     """'dcn=2,ici=2,tp=2' -> {"dcn": 2, "ici": 2, "tp": 2, "ep": 1}. World size: dcn x ici x tp;
     ep borrows data-parallel ranks (it must divide dcn x ici) and adds none."""
@@ -105,7 +109,8 @@ class TorchrunMesh(Parallel):
         if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and \
                 os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # Measured here: the restarted ranks read the dead attempt's gloo addresses (connection refused, exit 4).
-            raise MeshError("torchrun --max-restarts with the rendezvous store shared with the ranks: a restarted job "
+            # torchrun restarts a refused worker too: its restarts end quietly (the first attempt said it).
+            raise (MeshError if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else SaidAlready)("torchrun --max-restarts with the rendezvous store shared with the ranks: a restarted job "
                             "would read the first attempt's addresses from it and fail (torch 2.9, pytorch#135712); "
                             "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv-backend c10d (or --standalone)")
         return cls(spec or f"ici={os.environ['WORLD_SIZE']}", dp_impl, param_dtype)

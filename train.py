@@ -386,6 +386,8 @@ def main(argv=None):
         return 0
     except MinititanError as e:  # bad input (2), a peer or engine gone (4), a failed write (5): by kind
         rank = _rank(parallel)
+        if isinstance(e, mesh.SaidAlready):
+            return e.exit_code
         if e.exit_code == EXIT_BAD_INPUT and rank != 0:
             return _refused_on_a_rank(e, rank)
         where = f" at step {trainer.step if trainer else 0}" if isinstance(e, PeerGone) else ""

@@ -9,6 +9,7 @@ own way back (`--resume auto`). Every rank is a fresh interpreter here (torchrun
 of CPU each before a line of ours runs: that is most of this file's time, and why one run holds both
 items (the hosts, the restart) instead of two runs.
 """
+import contextlib
 import json
 import os
 import signal
@@ -180,7 +181,8 @@ def test_max_restarts_with_the_store_shared_with_the_ranks_is_refused_in_one_lin
     """torchrun's default (the c10d rendezvous store shared with the ranks, TORCHELASTIC_USE_AGENT_STORE)
     with --max-restarts: a restart would read the dead attempt's addresses from that store (seen here: the
     restarted rank 0 connects to the killed rank's old port, connection refused, exit 4). Refused at the
-    first start, before anything is written, naming the launch that works (the test above uses it)."""
+    first start, before anything is written, naming the launch that works (the test above uses it); torchrun
+    restarts the refused worker, whose restarts end with the same exit code and no second line."""
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "1", "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
         monkeypatch.setenv(key, value)
@@ -188,6 +190,9 @@ def test_max_restarts_with_the_store_shared_with_the_ranks_is_refused_in_one_lin
     err = capsys.readouterr().err
     assert err.startswith("error: torchrun --max-restarts") and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in err, err
     assert err.count("\n") == 1 and not os.path.exists(tmp_path / "r")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarts the refused worker: said once, not again
+    assert _main([*TINY, "--data", corpus, "--mesh", "ici=2", "--resume", "auto", "--out-dir", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err == "" and not os.path.exists(tmp_path / "r")
 
 
 def test_resume_auto_falls_back_to_the_newest_good_checkpoint_and_a_finished_run_is_complete(corpus, tmp_path, capsys):
@@ -266,12 +271,14 @@ def test_a_sigkilled_launcher_takes_its_rank_with_it(corpus, tmp_path):
     out = str(tmp_path / "r")
     hosts = _hosts(["train.py", *TINY, "--data", corpus, "--steps", "100000", "--ckpt-interval", "0",
                     "--eval-batches", "0", "--mesh", "dcn=2,ici=1", "--watchdog", "60", "--out-dir", out], 1)
+    ranks = []
     try:
         deadline = time.monotonic() + 120
         while not (os.path.exists(os.path.join(out, "metrics.jsonl")) and '"loss"' in open(os.path.join(out, "metrics.jsonl")).read()):
             assert time.monotonic() < deadline and all(p.poll() is None for p in hosts), "no step trained"
             time.sleep(0.2)
-        (rank,) = _children(hosts[1].pid)
+        ranks = [_children(p.pid) for p in hosts]
+        (rank,) = ranks[1]
         hosts[1].kill()
         hosts[1].wait()
         gone = time.monotonic()
@@ -282,6 +289,8 @@ def test_a_sigkilled_launcher_takes_its_rank_with_it(corpus, tmp_path):
         assert took < 10, took
         hosts[0].wait(timeout=90)  # (its rank: the peer's connection closed, exit 4)
     finally:
+        for pid in [p.pid for p in hosts] + [pid for pids in ranks for pid in pids]:  # (an orphan holds the pipes)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for p in hosts:
-            p.kill()
             p.communicate()
