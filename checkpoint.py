@@ -234,7 +234,7 @@ def choose(ckpt_dir, resume, resume_from, meta, allow_change=(), refusal=lambda 
     `resume`: None, "newest" (--resume) or "auto"."""
     path, note = resume_path(ckpt_dir, resume, resume_from)
     if path is not None:
-        check_compatible(path, meta, allow_change, refusal)
+        check_compatible(path, meta, allow_change, refusal, complete_ok=resume == "auto")
     return path, note
 
 
@@ -281,10 +281,16 @@ def newest_name(ckpt_dir):
     return os.path.basename(found[0][1]) if found else None
 
 
-def check_compatible(path, meta, allow_change=(), refusal=lambda key, saved, now: None):
+class RunComplete(Exception):
+    """--resume auto on a run whose newest checkpoint is its final one (a restart that came after the
+    end): nothing to train, and nothing wrong. train.main says so in one line and exits 0."""
+
+
+def check_compatible(path, meta, allow_change=(), refusal=lambda key, saved, now: None, complete_ok=False):
     """Refuse a checkpoint of another model, mesh, layer layout or training config (one-line reason).
     Training-config keys named in `allow_change` may differ (a deliberate change), unless the
-    workload's `refusal(key, saved, now)` says why that change cannot be (Workload.resume_refusal)."""
+    workload's `refusal(key, saved, now)` says why that change cannot be (Workload.resume_refusal).
+    `complete_ok` (--resume auto): the run's own final checkpoint is RunComplete, not a refusal."""
     saved = read_meta(path)
     was, now = saved.get("task", "lm"), meta.get("task", "lm")  # (a record without one: an lm run's)
     if was != now:  # named first: every setting of the two workloads would differ, none --allow-change's
@@ -303,6 +309,9 @@ def check_compatible(path, meta, allow_change=(), refusal=lambda key, saved, now
                               f"run {meta.get('layers', 'per-layer')}: resume with{'out' if meta.get('layers') else ''} --scan")
     old, new = saved.get("train", {}), meta.get("train", {})
     if saved.get("step", 0) >= new.get("steps", float("inf")):
+        if complete_ok and saved.get("step") == new["steps"] == old.get("steps"):
+            raise RunComplete(f"{path} is the run's final checkpoint (step {saved['step']} of --steps "
+                              f"{new['steps']}): the run is complete, nothing to train")
         raise CheckpointError(f"{path} is at step {saved.get('step')}, --steps is {new['steps']}: nothing to "
                               f"train (raise --steps, with --allow-change steps)")
     diffs = []  # (name, saved, now); a record of settings (grpo's, sft's) differs setting by setting, each

@@ -40,6 +40,10 @@ class MeshError(BadInput):
     pass
 
 
+class SaidAlready(MeshError):
+    """A refusal of torchrun's restarted worker that its first attempt already said: exit 2, no line."""
+
+
 def mesh_dims(spec):
     """'dcn=2,ici=2,tp=2' -> {"dcn": 2, "ici": 2, "tp": 2, "ep": 1}. World size: dcn x ici x tp;
     ep borrows data-parallel ranks (it must divide dcn x ici) and adds none."""
@@ -82,6 +86,7 @@ class TorchrunMesh(Parallel):
         if not dist.is_initialized():
             dist.init_process_group(dev.dist_backend(self.device),
                                     timeout=datetime.timedelta(seconds=timeout_s))
+        check_same_on_every_rank(spec, sizes, dp_impl)
         # tp innermost: the ranks of one tp group are neighbours (one host's fastest links)
         self.mesh = init_device_mesh(self.device.type, (dcn, ici, tp), mesh_dim_names=("dcn", "ici", "tp"))
         self.mesh_spec, self.dcn, self.ici, self.tp, self.ep = spec, dcn, ici, tp, ep
@@ -99,10 +104,12 @@ class TorchrunMesh(Parallel):
         """train.py's --mesh / --device / --dp-impl (flag combinations were checked by cli.validate)."""
         if not launched_by_torchrun():
             raise MeshError("--mesh needs a torchrun launch, e.g. torchrun --nproc-per-node 2 train.py --mesh ici=2")
+        end_with_the_launcher()
         if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and \
                 os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # Measured here: the restarted ranks read the dead attempt's gloo addresses (connection refused, exit 4).
-            raise MeshError("torchrun --max-restarts with the rendezvous store shared with the ranks: a restarted job "
+            # torchrun restarts a refused worker too: its restarts end quietly (the first attempt said it).
+            raise (MeshError if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else SaidAlready)("torchrun --max-restarts with the rendezvous store shared with the ranks: a restarted job "
                             "would read the first attempt's addresses from it and fail (torch 2.9, pytorch#135712); "
                             "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv-backend c10d (or --standalone)")
         return cls(spec or f"ici={os.environ['WORLD_SIZE']}", dp_impl, param_dtype)
@@ -201,6 +208,38 @@ class TorchrunMesh(Parallel):
     def close(self):
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def end_with_the_launcher():
+    """This rank is killed when its launcher dies (Linux's parent-death signal, prctl PR_SET_PDEATHSIG):
+    a SIGKILLed torchrun otherwise leaves its ranks training as orphans, saving checkpoints and holding
+    the run directory's locks against the relaunched host. SIGKILL, not SIGTERM: a rank interrupted in
+    the middle of a step was seen to wait forever in the process group's teardown for its peer, and a
+    killed rank loses nothing (checkpoints are atomic, the kernel drops its lock); its peers then see a
+    collective fail (exit 4). (torchrun starts its workers from its main thread, whose end the kernel
+    watches.)"""
+    import ctypes
+    import signal
+    import sys
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # (the launcher died before the call: re-parented to init already)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def check_same_on_every_rank(spec, sizes, dp_impl):
+    """Refuse, right after the process group exists, launchers that disagree on the layout (torchrun on
+    each host runs its own command line): ranks building different meshes would create different
+    sub-groups and wait on each other forever. One all_gather of each rank's parsed --mesh and
+    --dp-impl on the default group (bounded by its timeout); every rank then says the same line."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (spec, sorted(sizes.items()), dp_impl))
+    other = next((r for r, entry in enumerate(every) if entry[1:] != every[0][1:]), None)
+    if other is not None:
+        said = lambda r: f"rank {r} has --mesh {every[r][0]!r} --dp-impl {every[r][2]}"
+        dist.destroy_process_group()  # (now, while every peer is still there: none is left to tear down at exit)
+        raise MeshError(f"the launchers disagree on the layout: {said(0)}, {said(other)} (every host's "
+                        f"torchrun must pass the same --mesh and --dp-impl)")
 
 
 def expert_mesh(device_type, world, ep):

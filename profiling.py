@@ -145,6 +145,17 @@ class Profiler:
         self.dir = os.path.join(out_dir, "profile")
         self.wall, self.traces, self.session = {}, [], None
 
+    def skipped_notes(self, start):
+        """A run resumed at step `start` never runs the --profile steps up to it: a `note:` naming them
+        (and saying when that leaves nothing traced), rather than a trace that silently never comes."""
+        gone = sorted(n for n in self.steps if n <= start)
+        if not gone:
+            return []
+        self.steps -= set(gone)
+        named = f"{gone[0]}-{gone[-1]}" if len(gone) > 1 and gone[-1] - gone[0] == len(gone) - 1 else ",".join(map(str, gone))
+        return [f"note: --profile step{'s' * (len(gone) > 1)} {named} {'are' if len(gone) > 1 else 'is'} not traced: the "
+                f"run resumes at step {start + 1}{'' if self.steps else '; nothing is traced'}"]
+
     @contextlib.contextmanager
     def step(self, n):
         if n not in self.steps:
@@ -194,6 +205,16 @@ class Profiler:
         if self.xla:
             return glob.glob(os.path.join(self.dir, "plugins", "profile", "*", "*.xplane.pb"))
         return glob.glob(os.path.join(self.dir, f"rank{self.rank}.*.pt.trace.json"))
+
+    def abandon(self):
+        """A run that fails or is stopped inside a traced block: the trace so far is written (kept for
+        the user) and the profiler stopped, since a profiler left running crashes the interpreter's
+        teardown (SIGSEGV in record_function's callbacks) instead of the run's own exit code. A trace
+        that cannot be written (the disk that failed the run) is dropped: the run's error is the one said."""
+        if self.session is not None:
+            with contextlib.suppress(Exception):
+                self._stop()
+            self.session = None
 
     def close(self):
         """Stop a trace still open (the run ended inside a block), then print and draw the breakdown."""

@@ -27,11 +27,18 @@ class RunDirError(BadInput):
     """The run directory cannot be used (a file, not writable, in use): one line, exit 2."""
 
 
-def check_writable(path):
+def check_writable(path, folders=()):
     """Refuse, before anything is written, a path that is a file or lies under one or under a
-    directory this user cannot write."""
+    directory this user cannot write; likewise the run's own `folders` inside it (its checkpoints, its
+    profile), which a file in the way would otherwise fail only at the first save or the traced step."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise RunDirError(f"--out-dir {path} exists and is not a directory")
+    for name in folders:
+        inside = os.path.join(path, name)
+        if os.path.exists(inside) and not os.path.isdir(inside):
+            raise RunDirError(f"--out-dir {path}: {inside} is a file where the run writes its {name} folder")
+        if os.path.isdir(inside) and not os.access(inside, os.W_OK | os.X_OK):
+            raise RunDirError(f"--out-dir {path}: {inside} is not writable")
     parent = os.path.abspath(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)

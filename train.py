@@ -70,7 +70,7 @@ class Trainer:
         self.device = self.parallel.device
         dp = self.parallel.dp_size  # (--batch-size divides over it: cli.py's checks)
         self.out_dir = cfg.out_dir or os.path.join("runs", f"{cfg.flavor}-{time.strftime('%Y%m%d-%H%M%S')}")
-        rundir.check_writable(self.out_dir)
+        rundir.check_writable(self.out_dir, ("checkpoints",) + (("profile",) if cfg.profile else ()))
         self.task = task or make_workload(cfg)
         self.family = self.task.family
         self.model_args = self.parallel.model_args(self.task.args, self.family)
@@ -229,11 +229,13 @@ class Trainer:
         self.profiler = profiling.Profiler(profiling.parse_steps(self.cfg.profile, self.cfg.steps) if self.cfg.profile
                                            else (), self.out_dir, self.parallel.global_rank, self.device,
                                            prints=self.parallel.writes_files)
+        self.notes += self.profiler.skipped_notes(self.step)  # (steps a resume starts past: said, not dropped)
         try:
             rc = self.loop()
             self.profiler.close()  # (the traced steps' breakdown, printed at the end of the run)
             return rc
         finally:
+            self.profiler.abandon()  # (a failed or stopped run: no profiler left running at teardown)
             self.task.close()
             self.watchdog.stop()
             self.run_dir.close()
@@ -376,8 +378,15 @@ def main(argv=None):
         rc = trainer.run()
         parallel.close()  # only on the happy path: after a peer failure it could wait on the dead
         return rc
+    except checkpoint.RunComplete as done:  # (--resume auto after the final checkpoint: a restart, not bad input)
+        if _rank(parallel) == 0:
+            print(f"note: {done}", file=sys.stderr, flush=True)
+        parallel.close()
+        return 0
     except MinititanError as e:  # bad input (2), a peer or engine gone (4), a failed write (5): by kind
         rank = _rank(parallel)
+        if isinstance(e, mesh.SaidAlready):
+            return e.exit_code
         if e.exit_code == EXIT_BAD_INPUT and rank != 0:
             return _refused_on_a_rank(e, rank)
         where = f" at step {trainer.step if trainer else 0}" if isinstance(e, PeerGone) else ""

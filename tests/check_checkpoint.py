@@ -156,7 +156,8 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(what, value, corpus
 
 def test_an_out_dir_that_is_a_file_or_unwritable_is_refused(corpus, tmp_path, capsys):
     """README: an --out-dir that is a file, lies under a file, or under a folder this user cannot
-    write: one line, exit 2, the file untouched. (/proc/sys is read-only even for root.)"""
+    write, or holds a file where the run writes its checkpoints or its --profile traces: one line, exit
+    2, the file untouched, nothing written. (/proc/sys is read-only even for root.)"""
     afile = tmp_path / "notes.txt"
     afile.write_text("keep me")
     for out, message in [(str(afile), "exists and is not a directory"), (str(afile / "run"), "is a file, not a directory"),
@@ -165,6 +166,14 @@ def test_an_out_dir_that_is_a_file_or_unwritable_is_refused(corpus, tmp_path, ca
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: --out-dir ") and message in err and len(err.splitlines()) == 1, err
     assert afile.read_text() == "keep me" and sorted(os.listdir(tmp_path)) == ["notes.txt"]
+    for folder, extra in (("checkpoints", []), ("profile", ["--profile", "1"])):  # a file in the way, inside the run
+        run = tmp_path / f"with_{folder}"
+        run.mkdir()
+        (run / folder).write_text("keep me")
+        assert _main([*TINY, "--data", corpus, "--steps", "1", "--out-dir", str(run), *extra]) == 2, folder
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: --out-dir {run}: {run / folder} is a file where the run writes its {folder} folder", err
+        assert sorted(os.listdir(run)) == [folder] and (run / folder).read_text() == "keep me"  # (refused before step 1)
 
 
 @pytest.mark.fast

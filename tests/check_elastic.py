@@ -9,6 +9,7 @@ own way back (`--resume auto`). Every rank is a fresh interpreter here (torchrun
 of CPU each before a line of ours runs: that is most of this file's time, and why one run holds both
 items (the hosts, the restart) instead of two runs.
 """
+import contextlib
 import json
 import os
 import signal
@@ -39,11 +40,13 @@ def _records(out_dir):
 
 def _hosts(argv, nproc, *flags, env=None):
     """Two real torchrun launchers standing for two hosts (`--nnodes 2`, one c10d rendezvous on
-    localhost), each starting `nproc` ranks of `python *argv`: their Popen objects."""
+    localhost), each starting `nproc` ranks of `python *argv` (or of `python *argv[node]`, a list of
+    two command lines: one per host): their Popen objects."""
     port = _free_port()
+    per_host = argv if isinstance(argv[0], list) else [argv, argv]
     return [subprocess.Popen([*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", str(nproc),
                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "job",
-                              *flags, *argv], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              *flags, *per_host[node]], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, **(env or {})})
             for node in (0, 1)]
 
@@ -178,7 +181,8 @@ def test_max_restarts_with_the_store_shared_with_the_ranks_is_refused_in_one_lin
     """torchrun's default (the c10d rendezvous store shared with the ranks, TORCHELASTIC_USE_AGENT_STORE)
     with --max-restarts: a restart would read the dead attempt's addresses from that store (seen here: the
     restarted rank 0 connects to the killed rank's old port, connection refused, exit 4). Refused at the
-    first start, before anything is written, naming the launch that works (the test above uses it)."""
+    first start, before anything is written, naming the launch that works (the test above uses it); torchrun
+    restarts the refused worker, whose restarts end with the same exit code and no second line."""
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "1", "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
         monkeypatch.setenv(key, value)
@@ -186,3 +190,107 @@ def test_max_restarts_with_the_store_shared_with_the_ranks_is_refused_in_one_lin
     err = capsys.readouterr().err
     assert err.startswith("error: torchrun --max-restarts") and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in err, err
     assert err.count("\n") == 1 and not os.path.exists(tmp_path / "r")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarts the refused worker: said once, not again
+    assert _main([*TINY, "--data", corpus, "--mesh", "ici=2", "--resume", "auto", "--out-dir", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err == "" and not os.path.exists(tmp_path / "r")
+
+
+def test_resume_auto_falls_back_to_the_newest_good_checkpoint_and_a_finished_run_is_complete(corpus, tmp_path, capsys):
+    """Four checkpoints (steps 2, 4, 6, 8), the newest two broken: --resume auto resumes from step 4, the
+    newest that verifies, not the oldest (step 2: two more steps trained again, without a word) nor a
+    broken one; its note names the broken newest. Then --resume auto on the finished run (a restart after
+    the final checkpoint) says the run is complete and exits 0, writing nothing; bare --resume still
+    refuses (nothing to train), and the losses of steps 5-8 trained again are the first attempt's."""
+    out = str(tmp_path / "r")
+    common = [*TINY, "--data", corpus, "--steps", "8", "--ckpt-interval", "2", "--eval-batches", "0", "--out-dir", out]
+    assert _main(common) == 0
+    first = {r["step"]: r["loss"] for r in _records(out) if "loss" in r}
+    for step in ("step_000006", "step_000008"):
+        shard = next(f for f in sorted(os.listdir(os.path.join(out, "checkpoints", step))) if f.endswith(".distcp"))
+        os.truncate(os.path.join(out, "checkpoints", step, shard), 100)
+    capsys.readouterr()
+    assert _main([*common, "--resume", "auto"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "step_000008 is broken" in notes[0] and \
+        "resumes from the newest good one, step_000004" in notes[0], notes
+    starts = [r["resumed_at"] for r in _records(out) if r.get("event") == "start"]
+    assert starts == [0, 4], starts
+    again = [(r["step"], r["loss"]) for r in _records(out) if "loss" in r][8:]
+    assert again == [(s, first[s]) for s in (5, 6, 7, 8)], again
+    before = _files(out)
+    assert _main([*common, "--resume", "auto"]) == 0
+    err = capsys.readouterr().err
+    assert err == f"note: {os.path.join(out, 'checkpoints', 'step_000008')} is the run's final checkpoint (step 8 " \
+        "of --steps 8): the run is complete, nothing to train\n", err
+    assert _main([*common, "--resume"]) == 2 and "nothing to train" in capsys.readouterr().err
+    assert _files(out) == before
+
+
+def test_two_launchers_with_different_meshes_are_refused_in_one_line_not_a_hang(corpus, tmp_path):
+    """Host 0's torchrun passes `--mesh dcn=2,ici=1`, host 1's `--mesh ici=2` (both 2 ranks in all, so
+    each passes its own world-size check): the ranks would build different sub-groups and wait on each
+    other forever. Compared right after the process group exists: host 0 says it in one line naming both
+    meshes, every rank exits 2, both launchers end (here within a minute; the hang was open-ended)."""
+    import time
+    common = [*TINY, "--data", corpus, "--steps", "2", "--eval-batches", "0", "--out-dir", str(tmp_path / "r")]
+    started = time.monotonic()
+    ends = _wait(_hosts([["train.py", *common, "--mesh", mesh] for mesh in ("dcn=2,ici=1", "ici=2")], 1), timeout=120)
+    took = time.monotonic() - started
+    lines = [line for _, _, err in ends for line in err.splitlines() if line.startswith("error:")]
+    assert lines[:1] == ["error: the launchers disagree on the layout: rank 0 has --mesh 'dcn=2,ici=1' --dp-impl simple, "
+                         "rank 1 has --mesh 'ici=2' --dp-impl simple (every host's torchrun must pass the same --mesh "
+                         "and --dp-impl)"], [e[-3000:] for _, _, e in ends]
+    assert [line for line in ends[0][2].splitlines() if line.startswith("error:")] == lines[:1]
+    assert all(rc != 0 for rc, _, _ in ends) and "exitcode: 2" in ends[0][2], [e[-3000:] for _, _, e in ends]
+    assert took < 90 and not os.path.exists(tmp_path / "r" / "checkpoints"), took
+
+
+def _children(pid):
+    """The pids of process `pid`'s children (Linux /proc)."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def _alive(pid):
+    """True while process `pid` runs (a zombie waiting for its new parent to reap it has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_sigkilled_launcher_takes_its_rank_with_it(corpus, tmp_path):
+    """Two launchers of one rank each; host 1's torchrun is SIGKILLed once training runs. Its rank (the
+    kernel's parent-death signal) ends within seconds instead of training on as an orphan of PID 1, and
+    the other host's rank then sees its peer gone: its launcher ends too."""
+    import time
+    out = str(tmp_path / "r")
+    hosts = _hosts(["train.py", *TINY, "--data", corpus, "--steps", "100000", "--ckpt-interval", "0",
+                    "--eval-batches", "0", "--mesh", "dcn=2,ici=1", "--watchdog", "60", "--out-dir", out], 1)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (os.path.exists(os.path.join(out, "metrics.jsonl")) and '"loss"' in open(os.path.join(out, "metrics.jsonl")).read()):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in hosts), "no step trained"
+            time.sleep(0.2)
+        ranks = [_children(p.pid) for p in hosts]
+        (rank,) = ranks[1]
+        hosts[1].kill()
+        hosts[1].wait()
+        gone = time.monotonic()
+        while _alive(rank) and time.monotonic() < gone + 30:
+            time.sleep(0.1)
+        took = time.monotonic() - gone
+        assert not _alive(rank), "the killed launcher's rank trains on as an orphan"
+        assert took < 10, took
+        hosts[0].wait(timeout=90)  # (its rank: the peer's connection closed, exit 4)
+    finally:
+        for pid in [p.pid for p in hosts] + [pid for pids in ranks for pid in pids]:  # (an orphan holds the pipes)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for p in hosts:
+            p.communicate()

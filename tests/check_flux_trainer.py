@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests import launch
-from tests.common import _main, _near, _records, losses, ran_on, torchrun
+from tests.common import _main, assert_close, _near, _records, losses, ran_on, torchrun
 from tests.check_flux import FLUX_FIXTURES, _flux_expected
 from tests.check_graph import _gathers
 
@@ -91,7 +91,7 @@ def test_flux_trains_through_the_shared_trainer_on_every_layout_alike(tmp_path, 
         mine = _flux_weights(runs[name], scan=name == "scan")
         assert mine.keys() == _flux_weights(oracle).keys(), name
         for k, w in _flux_weights(oracle).items():
-            torch.testing.assert_close(mine[k], w, rtol=1e-4 if on_xla else 1e-5, atol=1e-5, msg=k)
+            assert_close(mine[k], w, k, rtol=1e-4 if on_xla else 1e-5, atol=1e-5)
     graph = next(json.loads(line) for line in open(os.path.join(runs["simple"], "metrics.jsonl")) if '"graph"' in line)
     fwd, bwd, blocks = graph["collectives_by_side"]["forward"], graph["collectives_by_side"]["backward"], 2 + 2
     assert _gathers(fwd) == _gathers(bwd) == bwd["reduce_scatter_tensor"] == blocks + 1, graph["collectives_by_side"]
@@ -220,7 +220,7 @@ def test_flux_init_from_a_diffusers_directory_fills_the_transformer(tmp_path):
         assert mine.keys() == ref.keys() and len(ref) >= 1, key
         torch.testing.assert_close(torch.tensor(list(mine.values())), torch.tensor(list(ref.values())), rtol=1e-5, atol=0)
     for k, w in _flux_weights(one, trainer.task).items():
-        torch.testing.assert_close(_flux_weights(two, trainer.task)[k], w, rtol=1e-5, atol=1e-6, msg=k)
+        assert_close(_flux_weights(two, trainer.task)[k], w, k, rtol=1e-5, atol=1e-6)
 
 
 def _flux_bad_inputs(tmp_path):

@@ -15,7 +15,7 @@ import torch
 from model import ModelArgs, Transformer
 
 from tests import launch
-from tests.common import HERE, _main, _near, _records, ran_on, torchrun
+from tests.common import HERE, _main, assert_close, _near, _records, ran_on, torchrun
 
 
 GRPO_TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
@@ -378,7 +378,7 @@ def test_sft_on_every_layout_equals_one_process(tmp_path):
             _near(_records(runs["one"], key), _records(runs[name], key), atol=tol / 10, rtol=tol)
         mine = _grpo_weights(runs[name])
         for k, w in _grpo_weights(runs["one"]).items():
-            torch.testing.assert_close(mine[k], w, rtol=tol, atol=1e-5, msg=f"{name} {k}")
+            assert_close(mine[k], w, f"{name} {k}", rtol=tol, atol=1e-5)
 
 
 def test_grpo_through_the_trainer_on_every_layout_and_resume_equal_one_eager_process(grpo_warm, tmp_path):
@@ -418,7 +418,7 @@ def test_grpo_through_the_trainer_on_every_layout_and_resume_equal_one_eager_pro
             _near(_records(oracle, key), _records(runs[name], key), atol=tol / 10, rtol=tol)
         mine = _grpo_weights(runs[name])
         for k, w in _grpo_weights(oracle).items():
-            torch.testing.assert_close(mine[k], w, rtol=tol, atol=1e-5, msg=f"{name} {k}")
+            assert_close(mine[k], w, f"{name} {k}", rtol=tol, atol=1e-5)
     for key in ("loss", "grad_norm", "reward"):
         assert _records(runs["part"], key) == _records(oracle, key), key
     assert all(torch.equal(a, b) for a, b in zip(_grpo_weights(runs["part"]).values(), _grpo_weights(oracle).values()))

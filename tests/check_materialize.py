@@ -200,3 +200,73 @@ def test_the_seed_fill_equals_each_family_built_whole_on_the_host(corpus, tmp_pa
                 assert torch.equal(p.detach(), want.detach()), (extra, prefix, name)
                 compared += want.numel()
         assert compared == sum(p.numel() for p in whole.values()), extra
+
+
+def _init_rule(family, name, shape, n_layers):
+    """The documented init rule of parameter `name`, restated here (not read from the code under test):
+    ("ones" | "zeros" | ("normal", std) | ("uniform", bound)). Language models (model.init_value, GPT-2
+    style): norms 1, N(0, 0.02), the residual output projections N(0, 0.02 / sqrt(2 L)). FLUX
+    (flux.model.initializer, torchtitan's): modulation and final layer 0, biases 0, RMSNorm scales 1,
+    the blocks' linears Xavier-uniform, the rest N(0, 0.02)."""
+    if family == "lm":
+        if len(shape) == 1:
+            return "ones"
+        residual = name.endswith(("o_proj.weight", "down_proj.weight", "w_down_ExFxD"))
+        return ("normal", 0.02 / (2 * n_layers) ** 0.5 if residual else 0.02)
+    if any(part in name for part in ("_mod.", "modulation.", "final_layer.")) or name.endswith(".bias"):
+        return "zeros"
+    if name.endswith(".scale"):
+        return "ones"
+    if ("double_blocks." in name or "single_blocks." in name) and len(shape) == 2:
+        return ("uniform", (6.0 / (shape[0] + shape[1])) ** 0.5)
+    return ("normal", 0.02)
+
+
+def _five_sigma_std_error(kind, n):
+    """5 standard errors of a sample std's ratio to the true one over n draws: sqrt(Var(x^2)) / (2 E x^2)
+    / sqrt(n), which is sqrt(2) / 2 for a normal and sqrt(0.8) / 2 for a uniform (E x^4 = a^4 / 5)."""
+    return 5 * (2 if kind == "normal" else 0.8) ** 0.5 / 2 / n ** 0.5
+
+
+def test_the_seed_fill_draws_each_parameter_by_its_rule_and_independently(corpus, tmp_path):
+    """An oracle that shares nothing with materialize.param_generator: each parameter of the trainer's
+    seed fill (dense LM, MoE, FLUX) against its init rule (exact ones and zeros; a random one's mean and
+    std within 5 standard errors, a uniform's bound), and every two distinct random parameters of one
+    shape uncorrelated (|r| < 5 / sqrt(n)), as another seed's draw of the same parameter is: a fill
+    drawing each parameter from the seed alone gives all layers' weights of one shape the same values."""
+    import train
+    from parallel import Parallel
+
+    def filled(extra, seed):
+        cfg = train.parse_config([*_common(corpus, extra), "--seed", str(seed), "--out-dir", str(tmp_path / f"{seed}")])
+        tr = train.Trainer(cfg, Parallel(torch.device("cpu")))
+        return {n: p.detach().double() for n, p in tr.model.named_parameters()}, tr.model_args
+
+    def correlation(a, b):
+        a, b = a.flatten() - a.mean(), b.flatten() - b.mean()
+        return float((a @ b) / (a.norm() * b.norm()))
+    for extra in ([], MOE, ["--task", "flux"]):
+        params, args = filled(extra, 7)
+        family = "flux" if "--task" in extra else "lm"
+        drawn = {}
+        for name, p in params.items():
+            rule, n = _init_rule(family, name, tuple(p.shape), getattr(args, "n_layers", 0)), p.numel()
+            if rule in ("ones", "zeros"):
+                assert torch.equal(p, torch.ones_like(p) if rule == "ones" else torch.zeros_like(p)), (name, rule)
+                continue
+            kind, scale = rule
+            std = scale if kind == "normal" else scale / 3 ** 0.5
+            assert abs(float(p.mean())) < 5 * std / n ** 0.5, (name, rule, float(p.mean()))
+            assert abs(float(p.std()) / std - 1) < _five_sigma_std_error(kind, n), (name, rule, float(p.std()))
+            assert kind == "normal" or float(p.abs().max()) <= scale, (name, rule, float(p.abs().max()))
+            drawn.setdefault((tuple(p.shape), rule), []).append(name)
+        pairs = [(a, b) for names in drawn.values() for i, a in enumerate(names) for b in names[i + 1:]]
+        assert len(pairs) >= 10, (extra, drawn)  # (layers of one shape: what a fill ignoring the name makes equal)
+        for a, b in pairs:
+            r = correlation(params[a], params[b])
+            assert abs(r) < 5 / params[a].numel() ** 0.5, (extra, a, b, r)
+        if not extra:  # another seed draws every parameter anew
+            other, _ = filled(extra, 8)
+            for name in (n for names in drawn.values() for n in names):
+                r = correlation(params[name], other[name])
+                assert abs(r) < 5 / params[name].numel() ** 0.5, (name, r)

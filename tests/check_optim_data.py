@@ -9,7 +9,7 @@ import data
 import optim
 from model import Transformer
 
-from tests.common import _trainer
+from tests.common import _trainer, assert_close
 from tests.check_hf import HF_FIXTURES
 
 
@@ -61,7 +61,7 @@ def test_the_trainers_decay_mask_follows_the_rule_and_steps_like_torch_adamw(fla
     torch_opt.step()  # lr 1.0: weight decay shrinks by 10%, a mask error is far above the tolerance
     tr.opt.step(grads, torch.tensor(1.0))
     for name, mine, theirs in zip(tr.param_names, tr.params, ref):
-        torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=0, atol=1e-5, msg=name)
+        assert_close(mine.detach(), theirs.detach(), name, rtol=0, atol=1e-5)
 
 
 def test_adamw_is_pure():

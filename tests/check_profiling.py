@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.common import (DIST_TINY, TINY, _main, _near, background, losses, ran_on, run_train, shared_run,
+from tests.common import (DIST_TINY, HERE, TINY, _main, _near, background, losses, ran_on, run_train, shared_run,
                           torchrun)
 
 
@@ -122,6 +122,25 @@ def test_profile_under_torchrun_each_rank_writes_its_trace(corpus, tmp_path, tmp
     _near(single, losses(out), atol=1e-5)
 
 
+def test_profile_steps_a_resume_starts_past_are_said_in_one_note(corpus, tmp_path, capsys):
+    """A run resumed at step 3: --profile 1-3 says steps 1-2 are not traced and traces step 3 (the trace
+    file's own ProfilerStep#3); --profile 2 (all of it before the resume) says nothing is traced, and
+    writes no trace."""
+    out = str(tmp_path / "r")
+    common = [*_base(corpus), "--steps", "4", "--ckpt-interval", "2", "--out-dir", out]
+    assert _main([*common, "--halt-at", "2"]) == 0
+    capsys.readouterr()
+    assert _main([*common, "--resume", "--profile", "1-3", "--halt-at", "3"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == ["note: --profile steps 1-2 are not traced: the run resumes at step 3"], notes
+    (trace,) = glob.glob(os.path.join(out, "profile", "rank0.*.pt.trace.json"))
+    assert [e["name"] for e in _trace_events(trace) if e["name"].startswith("ProfilerStep#")] == ["ProfilerStep#3"]
+    assert _main([*common, "--resume-from", "step_000002", "--profile", "2"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == ["note: --profile step 2 is not traced: the run resumes at step 3; nothing is traced"], notes
+    assert glob.glob(os.path.join(out, "profile", "rank0.*.pt.trace.json")) == [trace]
+
+
 @pytest.mark.parametrize("value", ["0", "x", "3-2", "9"])
 def test_bad_profile_value_is_refused_in_one_line(value, corpus, tmp_path, capsys):
     assert _main([*_base(corpus), "--profile", value, "--out-dir", str(tmp_path / "bad")]) == 2
@@ -176,3 +195,50 @@ def test_mfu_is_never_above_1_when_the_cpu_peak_was_measured_under_load(remeasur
         assert len(printed) == 4 and all(r["peak_flops"] == remeasured and 0 < r["mfu"] for r in records), records
     else:  # the window is above every measurement: said, not a fraction above 1
         assert printed == [] and not any("mfu" in r for r in records), records
+def child_train_signalled_at(step, sig, *argv):
+    """(child process) train.py, except that signal `sig` arrives inside step `step`'s training, as from a
+    `kill` while the step runs (inside a --profile range when it names the step)."""
+    import signal
+    import sys
+    import train
+    train_step = train.Trainer.train_step
+
+    def train_step_signalled(self):
+        if self.step == int(step):
+            os.kill(os.getpid(), getattr(signal, sig))
+        return train_step(self)
+    train.Trainer.train_step = train_step_signalled
+    sys.exit(train.main(list(argv)))  # (and the interpreter's teardown, as train.py's own __main__)
+
+
+def _real_python(argv, limits=None):
+    """`python *argv` as a fresh interpreter (not a tests/launch.py fork, which leaves by os._exit: what is
+    tested here happens in the interpreter's teardown): (returncode, stderr)."""
+    import resource
+    import subprocess
+    import sys
+
+    def set_limits():
+        for kind, value in (limits or {}).items():
+            resource.setrlimit(kind, (value, value))
+    done = subprocess.run([sys.executable, *argv], cwd=HERE, capture_output=True, text=True, timeout=300,
+                          preexec_fn=set_limits)
+    return done.returncode, done.stderr
+
+
+def test_a_run_stopped_inside_a_profile_range_ends_by_its_own_exit_code(corpus, tmp_path):
+    """SIGTERM inside `--profile 2-40` and a full disk at a checkpoint inside `--profile 2-4` (a 256 KiB
+    file-size limit), each in a real interpreter: the profiler is stopped on the way out, so the run
+    ends as it promises, one line and 143 / 5, not in a crash of the profiler's teardown (SIGSEGV, 139)."""
+    import resource
+    args = [*TINY, "--data", corpus, "--eval-batches", "0", "--sample-tokens", "0"]
+    term = background(_real_python, ["test_all.py", "child_train_signalled_at", "3", "SIGTERM", *args, "--steps", "40",
+                                     "--ckpt-interval", "0", "--profile", "2-40", "--out-dir", str(tmp_path / "t")])
+    rc, err = _real_python(["train.py", *args, "--steps", "4", "--ckpt-interval", "3", "--profile", "2-4",
+                            "--out-dir", str(tmp_path / "f")], limits={resource.RLIMIT_FSIZE: 256 * 1024})
+    assert rc == 5 and err.startswith("error: a write failed: writing checkpoint step_000003") and \
+        err.count("\n") == 1, (rc, err[-3000:])
+    rc, err = term.result()
+    assert rc == 143 and err == "error: interrupted by SIGTERM at step 3; no checkpoint was written (a partial one " \
+        "is removed)\n", (rc, err[-3000:])
+    assert glob.glob(str(tmp_path / "t" / "profile" / "rank0.*.pt.trace.json"))  # (the steps traced so far: kept)

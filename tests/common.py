@@ -238,8 +238,44 @@ def _ranks_equal_one_process(single, multi, steps, args, keys=("grad_norm", "val
     p_multi = _full_params(os.path.join(multi, "checkpoints"), args)
     assert sorted(p_single) == sorted(p_multi)
     for name in p_single:
-        torch.testing.assert_close(p_multi[name], p_single[name], rtol=0, atol=weights_atol, msg=name)
+        assert_close(p_multi[name], p_single[name], name, rtol=0, atol=weights_atol)
     return p_single
+
+
+def assert_close(actual, expected, name, **tolerance):
+    """torch.testing.assert_close, its report of the mismatch's size (the largest difference, where,
+    how many elements) kept and prefixed with `name` (a plain `msg=` replaces that report)."""
+    torch.testing.assert_close(actual, expected, msg=lambda report: f"{name}: {report}", **tolerance)
+
+
+GRADIENT_ROUNDING = 1e-6  # the perturbation below, a fraction of each tensor's rms gradient (see adam_spread)
+
+
+def adam_spread(args, tmp_path_factory):
+    """How far one process's final weights move when each gradient element is perturbed by noise of
+    GRADIENT_ROUNDING x its tensor's rms gradient, every step (before clipping and AdamW): the largest
+    |difference| over all weights. A multi-rank run's gradients differ from one process's by the order
+    of their sums (ulps of the summed terms, hence also large relative errors where terms cancel), and
+    AdamW's normalization m / (sqrt(v) + eps) carries a small gradient's error into a full-size
+    update: this measures that amplification on the run itself, for a weight bound derived from it
+    rather than one set at one machine's noise. Run once per `args`, in this process."""
+    key = ("adam_spread", tuple(args))
+    if key not in _SHARED_RUNS:
+        from unittest import mock
+        import optim
+        clip, noise = optim.clip_by_global_norm, torch.Generator().manual_seed(0)  # (not the run's RNG)
+
+        def perturbed(grads, *a, **kw):
+            grads = [g + (g != 0) * GRADIENT_ROUNDING * g.pow(2).mean().sqrt() * torch.randn(g.shape, generator=noise)
+                     for g in grads]
+            return clip(grads, *a, **kw)
+        out = str(tmp_path_factory.mktemp("adam_spread"))
+        with mock.patch.object(optim, "clip_by_global_norm", perturbed):
+            assert _main([*args, "--out-dir", out]) == 0
+        plain = _full_params(os.path.join(shared_run(args, tmp_path_factory), "checkpoints"), args)
+        moved = _full_params(os.path.join(out, "checkpoints"), args)
+        _SHARED_RUNS[key] = max(float((moved[n] - plain[n]).abs().max()) for n in plain)
+    return _SHARED_RUNS[key]
 
 
 def _files(run_dir):
