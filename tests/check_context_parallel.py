@@ -1,0 +1,107 @@
+# context_parallel.py (+ model.py's sequence seam, mesh.py's cp dim). Oracles: one process on the same
+# global batch (losses, pre-clip gradient norms, validation, final weights), the attention formula
+# written out query by query (window, documents), each document run alone (packed documents), the
+# head-tail chunks counted out.
+"""Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
+import math
+
+import pytest
+import torch
+
+import context_parallel as cp_lib
+from model import Attention, Transformer
+
+from tests.common import DIST_TINY, _main, _ranks_equal_one_process, ran_on, shared_run, tiny_args
+
+PACKED_WINDOW = ["--set", "doc_sep=10", "--set", "sliding_window=8"]  # (10: '\n', every line a document)
+
+
+def test_head_tail_chunks_cover_the_sequence_once_and_balance_causal_work():
+    """Rank r holds chunks r and 2C-1-r of 2C: together the ranks hold every position once, and each
+    rank's queries see as many keys under the causal mask (contiguous chunks would give rank C-1 ~2C-1
+    times rank 0's work)."""
+    for size, seq in ((2, 32), (4, 32), (4, 64)):
+        held = [cp_lib.head_tail_positions(seq, size, r) for r in range(size)]
+        assert sorted(torch.cat(held).tolist()) == list(range(seq))
+        work = {int((p + 1).sum()) for p in held}  # (query at position p sees p + 1 keys)
+        assert len(work) == 1, (size, seq, work)
+        n = seq // (2 * size)
+        assert held[0][:n].tolist() == list(range(n)) and held[0][n:].tolist() == list(range(seq - n, seq))
+
+
+def _attention_by_hand(q, k, v, window, seg):
+    """Softmax attention one query at a time over the keys it may see (causal, window, its document)."""
+    B, H, S, D = q.shape
+    k, v = (t.repeat_interleave(H // k.shape[1], dim=1) for t in (k, v))
+    out = torch.zeros_like(q)
+    for b in range(B):
+        for i in range(S):
+            keys = [j for j in range(i + 1) if (window is None or i - j < window) and (seg is None or seg[b, j] == seg[b, i])]
+            scores_HxN = (k[b, :, keys] @ q[b, :, i, :, None]).squeeze(-1) / math.sqrt(D)
+            out[b, :, i] = (torch.softmax(scores_HxN, -1)[:, None] @ v[b, :, keys]).squeeze(1)
+    return out
+
+
+def test_a_sequence_view_attends_as_the_formula_under_a_window_and_documents():
+    """The mask WholeSequence builds from positions and separators, against the formula written out:
+    a query sees itself and the window-1 keys before it, in its own document (a separator ends one)."""
+    torch.manual_seed(0)
+    tokens = torch.tensor([[1, 2, 0, 3, 4, 5, 6, 0, 7, 8, 9, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]])
+    seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2], [0] + [1] * 11])
+    for window, doc_sep in ((4, None), (None, 0), (5, 0)):
+        args = tiny_args(sliding_window=window, doc_sep=doc_sep)
+        view = cp_lib.WholeSequence.view(tokens, args)
+        q, k, v = torch.randn(2, 4, 12, 16), torch.randn(2, 2, 12, 16), torch.randn(2, 2, 12, 16)
+        keys, values, mask = view.update(k, v)
+        got = torch.nn.functional.scaled_dot_product_attention(
+            q, keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1), attn_mask=mask)
+        want = _attention_by_hand(q, k, v, window, seg if doc_sep is not None else None)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert cp_lib.WholeSequence.view(tokens, tiny_args()) is None  # (plain causal: the implementation's path)
+
+
+def test_packed_documents_score_as_each_document_run_alone():
+    """doc_sep: a packed row's logits over each document equal that document run alone (RoPE is
+    relative, so a document's place in the row changes nothing but float rounding)."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_args(doc_sep=0))
+    row = torch.tensor([[5, 6, 7, 0, 9, 10, 11, 12, 13, 0, 14, 15, 16]])
+    packed = model(row)
+    for start, stop in ((0, 4), (4, 10), (10, 13)):
+        alone = model(row[:, start:stop])
+        torch.testing.assert_close(packed[:, start:stop], alone, atol=2e-5, rtol=1e-5)
+    plain = Transformer(tiny_args())  # (the old model: attention crosses documents, so the check can fail)
+    plain.load_state_dict(model.state_dict())
+    assert (plain(row)[:, 4:10] - plain(row[:, 4:10])).abs().max() > 1e-3
+
+
+CP_RUNS = [(2, "ici=1,cp=2", "simple", []), (4, "ici=1,cp=4", "simple", PACKED_WINDOW),
+           (4, "ici=2,cp=2", "fsdp2", PACKED_WINDOW)]
+
+
+@pytest.mark.parametrize("nproc,mesh,impl,extra", CP_RUNS)
+def test_context_parallel_ranks_equal_one_process(nproc, mesh, impl, extra, corpus, tmp_path_factory):
+    """cp ranks (each holding 1/cp of every sequence, head and tail chunks), beside SimpleFSDP / FSDP2
+    on the same ranks, against one process on the same global batch: losses, pre-clip gradient norms,
+    validation and final weights to 1e-5, plain causal and with packed documents under a sliding window."""
+    common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "1",
+              "--sample-tokens", "0", *extra]
+    single = shared_run(common, tmp_path_factory)
+    multi = shared_run([*common, "--mesh", mesh, "--dp-impl", impl], tmp_path_factory, nproc)
+    assert ran_on(multi) == ("cpu", nproc)
+    _ranks_equal_one_process(single, multi, 6, common)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--mesh", "ici=1,cp=2", "--seq-len", "30"], "--seq-len 30 must be divisible by 2 x cp = 4"),
+    (["--mesh", "ici=1,cp=2,tp=2"], "cp with tp, ep or --scan is not built"),
+    (["--mesh", "ici=1,cp=2", "--mode", "graph"], "cp is built for --mode eager"),
+    (["--mesh", "ici=2,cp=2", "--task", "sft"], "cp is for --task lm"),
+    (["--mesh", "ici=1,cp=0"], "with positive integers"),
+    (["--set", "sliding_window=0"], "sliding_window must be positive"),
+    (["--set", "doc_sep=256"], "doc_sep must be a token id in [0, 256)"),
+])
+def test_what_context_parallel_does_not_build_is_refused_in_one_line(extra, message, tmp_path, capsys):
+    rc = _main([*extra, "--out-dir", str(tmp_path / "run"), "--steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
