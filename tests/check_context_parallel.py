@@ -105,3 +105,35 @@ def test_what_context_parallel_does_not_build_is_refused_in_one_line(extra, mess
     rc = _main([*extra, "--out-dir", str(tmp_path / "run"), "--steps", "1"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
+
+
+def test_plan_offers_context_parallel_for_a_long_sequence_with_its_kv_gather_on_ici():
+    """--plan: Llama 3 8B, 4 sequences of 65536 tokens on 16 v5p chips: the best layout splits the
+    sequences (cp), and its K/V all-gather is priced on ICI as written out here (a layer's K and V of
+    the whole sequence, bf16, (cp-1)/cp of it received forward and the gradients' reduce-scatter
+    backward; a latency a ring step); its saved activations are 1/cp of a whole sequence's. At 4096
+    tokens (64 sequences) the best layout has no cp: there it buys nothing. (Saved bytes a sequence:
+    the dry run's traces of this model at the two lengths, recorded: 394.09 / 184 GiB at 65536, remat
+    off / on; 24.63 / 11.5 GiB at 4096.)"""
+    import dataclasses as dc
+    import dryrun
+    from model import FLAVORS
+    from planner import chips as chips_lib
+    from planner import stepmodel
+    GiB, args, v5p = 2**30, FLAVORS["llama3_8b"], chips_lib.CHIPS["tpu_v5p"]
+    workloads = {}
+    for seq, batch, traced, wants_cp in ((65536, 4, {False: 394.09 * GiB, True: 184 * GiB}, True),
+                                         (4096, 64, {False: 24.63 * GiB, True: 11.5 * GiB}, False)):
+        w = workloads[seq] = dc.replace(dryrun.lm_workload(args, "llama3_8b", seq), saved_bytes=lambda remat, t=traced: t[remat])
+        rows = dryrun.plan(w, 16, batch, "tpu_v5p", traced)
+        assert rows[0]["fits"] and ("cp=" in rows[0]["mesh"]) == wants_cp, [(r["mesh"], r["fits"], r["step_s"]) for r in rows[:5]]
+        assert any("cp=" in r["mesh"] for r in rows)
+    w = workloads[65536]
+    row = next(r for r in dryrun.plan(w, 16, 4, "tpu_v5p") if r["mesh"] == "ici=4,cp=4" and r["remat"] is True)
+    received = args.n_layers * 2 * (2 * 2 * 65536 * args.n_kv_heads * args.hd) * 3 / 4
+    assert row["ici_split"]["cp"] == received, row["ici_split"]
+    shape = dc.replace(dryrun.shape_of(w), params=dict(w.whole), layer_params=dict(w.layer))
+    pred = stepmodel.predict(shape, stepmodel.Layout(ici=4, cp=4, local_batch=1, remat="save_matmul_outputs"), v5p)
+    ring = stepmodel.ring_steps(4, v5p)
+    assert math.isclose(pred["comm"]["cp"], received / v5p.ici_bw + args.n_layers * 2 * ring * v5p.ici_latency_s)
+    assert math.isclose(row["memory_bytes"][dryrun.MEMORY_LABELS["saved activations"]], 184 * GiB / 4)
