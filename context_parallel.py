@@ -63,14 +63,21 @@ class SequenceView:
         self.positions, self.gather = positions, gather
         mask = position_mask(positions, key_positions, window, q_seg, k_seg)
         self.mask = mask[:, None] if mask.dim() == 3 else mask  # (broadcast over heads)
+        self.additive = {}
 
     def layer(self, i):
         return self
 
     def update(self, k_BxKxSxD, v_BxKxSxD):
+        """The keys, values and the mask as 0 / -inf in their dtype, made once for all the layers (SDPA
+        turns a boolean mask into that per call, and saves each copy for backward: measured here)."""
+        dtype = k_BxKxSxD.dtype
+        if dtype not in self.additive:
+            self.additive[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill(
+                ~self.mask, float("-inf"))
         if self.gather is None:
-            return k_BxKxSxD, v_BxKxSxD, self.mask
-        return self.gather(k_BxKxSxD), self.gather(v_BxKxSxD), self.mask
+            return k_BxKxSxD, v_BxKxSxD, self.additive[dtype]
+        return self.gather(k_BxKxSxD), self.gather(v_BxKxSxD), self.additive[dtype]
 
 
 class WholeSequence:

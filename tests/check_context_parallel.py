@@ -137,3 +137,57 @@ def test_plan_offers_context_parallel_for_a_long_sequence_with_its_kv_gather_on_
     ring = stepmodel.ring_steps(4, v5p)
     assert math.isclose(pred["comm"]["cp"], received / v5p.ici_bw + args.n_layers * 2 * ring * v5p.ici_latency_s)
     assert math.isclose(row["memory_bytes"][dryrun.MEMORY_LABELS["saved activations"]], 184 * GiB / 4)
+
+
+def saved_activation_bytes(argv):
+    """Bytes autograd saves for backward in one training forward of a Trainer built from `argv`
+    (this process's rank: its placed batch), each storage counted once, parameters excluded: the
+    activations a rank holds at the peak of its step (weights gathered by FSDP are in it too: small here)."""
+    import train
+    from parallel import local_tensor
+    tr = train.Trainer(train.parse_config(argv))
+    params = {local_tensor(p).untyped_storage().data_ptr() for p in tr.model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tr.task.loss(tr.model, tr.parallel.place_batch(tr.task.batch(1)))
+    return sum(seen.values())
+
+
+def child_saved_activation_bytes(*argv):
+    """(torchrun) Each rank's saved-activation bytes, printed by rank 0 as a JSON list."""
+    import json
+    import os
+    import torch.distributed as dist
+    mine = torch.tensor([saved_activation_bytes(list(argv))], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    if os.environ["RANK"] == "0":
+        print(json.dumps([float(t) for t in every]))
+
+
+def test_a_cp_rank_saves_a_cp_th_of_one_process_activations(corpus, tmp_path):
+    """One sequence of 1024 tokens (packed documents under a window: one process and the ranks both
+    attend under a mask): each of 4 cp ranks saves for backward 1/4 of what one process saves, plus
+    what is not split: the whole sequence's keys and values each layer gathers (as the reference
+    attention repeats them to every head) and the weights SimpleFSDP gathers. Counted tensor by tensor
+    through autograd's saved-tensor hooks. (Measured: 15.0 MiB one process, 4.9 MiB a rank.)"""
+    import json
+    from tests import launch
+    L, H, S, hd = 2, 4, 1024, 16
+    argv = [*DIST_TINY, "--data", corpus, "--batch-size", "1", "--seq-len", str(S), "--set", f"max_seq_len={S}",
+            "--eval-batches", "0", "--steps", "1", "--out-dir", str(tmp_path / "run"), *PACKED_WINDOW]
+    whole = saved_activation_bytes(argv)
+    rc, out, err = launch.ranks(4, ["test_all.py", "child_saved_activation_bytes", *argv, "--mesh", "ici=1,cp=4"])
+    assert rc == 0, err[-3000:]
+    ranks = json.loads(out.strip().splitlines()[-1])
+    gathered_kv = L * 2 * H * S * hd * 4
+    weights = 4 * sum(p.numel() for p in Transformer(tiny_args(ffn_dim=131)).parameters())
+    print(f"\nsaved activations: one process {whole / 2**20:.2f} MiB, cp=4 ranks {[round(r / 2**20, 2) for r in ranks]} MiB "
+          f"(1/4: {whole / 4 / 2**20:.2f}; not split: K/V {gathered_kv / 2**20:.2f}, weights {weights / 2**20:.2f})")
+    assert all(whole / 4 <= r <= whole / 4 + gathered_kv + weights for r in ranks), (whole, ranks)
