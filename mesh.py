@@ -92,7 +92,7 @@ class TorchrunMesh(Parallel):
         self.mesh_spec, self.dcn, self.ici, self.tp, self.ep, self.cp = spec, dcn, ici, tp, ep, cp
         # a tp group and a cp group read one batch slice: data-parallel rank = position on (dcn, ici)
         self.global_rank, self.dp_rank, self.dp_size = dist.get_rank(), dist.get_rank() // (cp * tp), world // (cp * tp)
-        self.n_devices, self.param_split = world, ici * cp * tp  # (replicated over dcn; experts split further)
+        self.n_devices, self.param_split, self.seq_split = world, ici * cp * tp, cp  # (replicated over dcn; experts split further)
         self.context = context_parallel.ContextParallel(cp, (self.global_rank // tp) % cp, sequence_group(
             self.device.type, (dcn, ici, cp, tp))) if cp > 1 else None
         self.hosts = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))  # (torchrun: ranks per node)
