@@ -128,3 +128,28 @@ class ContextParallel:
             ids = document_ids(whole, args.doc_sep)
             q_seg, k_seg = ids[:, pos], ids[:, key_pos]
         return SequenceView(pos, key_pos, args.sliding_window, q_seg, k_seg, gather=lambda x: self.gather(x, 2))
+
+
+class HeadTailOrder:
+    """XLA SPMD (spmd.py): one process holds whole sequences, each put in head-tail order (rank 0's
+    two chunks, then rank 1's, ...), its sequence dim partitioned over `cp`: each device's contiguous
+    block is its head and tail chunk. The model computes on the reordered sequence with these global
+    positions; GSPMD gathers the keys and values the attention needs (no collective written here)."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def order(self, seq_len, device=None):
+        return torch.cat([head_tail_positions(seq_len, self.size, r, device) for r in range(self.size)])
+
+    def split(self, x_BxS):
+        """Whole sequences in head-tail order (inputs and targets alike: the loss's mean is unchanged)."""
+        return x_BxS[:, self.order(x_BxS.shape[1], x_BxS.device)]
+
+    def view(self, tokens_BxS, args):
+        pos = self.order(tokens_BxS.shape[1], tokens_BxS.device)
+        seg = None
+        if args.doc_sep is not None:  # (document ids count separators in sequence order)
+            whole = torch.empty_like(tokens_BxS).index_copy_(1, pos, tokens_BxS)
+            seg = document_ids(whole, args.doc_sep)[:, pos]
+        return SequenceView(pos, pos, args.sliding_window, seg, seg)

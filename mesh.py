@@ -62,11 +62,11 @@ def mesh_dims(spec):
 
 
 def parse_mesh(spec):
-    """'ici=4' -> (1, 4); 'dcn=2,ici=2' -> (2, 2): the data-parallel dims only (XLA SPMD)."""
+    """'ici=4' -> (1, 4, 1); 'dcn=2,ici=2,cp=2' -> (2, 2, 2): the data-parallel dims and cp (XLA SPMD)."""
     sizes = mesh_dims(spec)
-    if sizes["tp"] > 1 or sizes["ep"] > 1 or sizes["cp"] > 1:
-        raise MeshError(f"--mesh {spec!r}: tp, ep and cp are built for torchrun meshes, not XLA SPMD")
-    return sizes["dcn"], sizes["ici"]
+    if sizes["tp"] > 1 or sizes["ep"] > 1:
+        raise MeshError(f"--mesh {spec!r}: tp and ep are built for torchrun meshes, not XLA SPMD")
+    return sizes["dcn"], sizes["ici"], sizes["cp"]
 
 
 class TorchrunMesh(Parallel):

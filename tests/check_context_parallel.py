@@ -191,3 +191,27 @@ def test_a_cp_rank_saves_a_cp_th_of_one_process_activations(corpus, tmp_path):
     print(f"\nsaved activations: one process {whole / 2**20:.2f} MiB, cp=4 ranks {[round(r / 2**20, 2) for r in ranks]} MiB "
           f"(1/4: {whole / 4 / 2**20:.2f}; not split: K/V {gathered_kv / 2**20:.2f}, weights {weights / 2**20:.2f})")
     assert all(whole / 4 <= r <= whole / 4 + gathered_kv + weights for r in ranks), (whole, ranks)
+
+
+def test_spmd_cp_splits_the_sequence_dim_and_equals_one_cpu_process(corpus, tmp_path):
+    """XLA SPMD on 4 XLA:CPU devices, --mesh ici=2,cp=2, packed documents under a window: the batch's
+    sequence dim carries a partition spec over cp (each device a (2, 16) block of the (4, 32) batch, in
+    head-tail order), GSPMD gathers what attention needs; losses, gradient norms and final weights
+    equal one CPU process's (XLA:CPU sums in another order: the SPMD tests' 1e-4)."""
+    import json
+    from tests import launch
+    from tests.common import TINY, _near, _train_losses, _trainer
+    args = [*TINY, "--data", corpus, "--steps", "4", "--ckpt-interval", "0", "--eval-batches", "0", *PACKED_WINDOW]
+    child = launch.Child(["test_all.py", "child_spmd_steps", *args, "--out-dir", str(tmp_path / "x"), "--device", "xla",
+                          "--mesh", "ici=2,cp=2"], env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
+    oracle, norms = _trainer(corpus, tmp_path, *PACKED_WINDOW), []
+    want = _train_losses(oracle, steps=4, norms=norms)
+    rc, out, err = child.result()
+    assert rc == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["batch_shards"] == [[2, 16]] * 4, res["batch_shards"]
+    _near(want, res["losses"], atol=1e-4)
+    _near(norms, res["norms"], atol=0, rtol=1e-4)
+    got = torch.load(tmp_path / "x" / "params.pt")
+    for name, p in zip(oracle.param_names, oracle.params):
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
