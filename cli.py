@@ -282,14 +282,14 @@ def _validate_mesh(cfg, workload):
 
 
 def _validate_context_parallel(cfg, workload, sizes):
-    """cp=C: what context_parallel.py is built for (eager, beside SimpleFSDP / FSDP2 / HSDP)."""
+    """cp=C: what context_parallel.py is built for (eager and graph, beside SimpleFSDP / FSDP2 / HSDP)."""
     where = f"--mesh {cfg.mesh!r}"
     if not workload.splits_sequences:
         raise ConfigError(f"{where}: the {cfg.task} workload's loss is not a mean over equal token sets: cp is for --task lm")
     if sizes["tp"] > 1 or sizes["ep"] > 1 or cfg.scan:
         raise ConfigError(f"{where}: cp with tp, ep or --scan is not built")
-    if cfg.mode != "eager":
-        raise ConfigError(f"{where}: cp is built for --mode eager")
+    if cfg.mode == "compile":
+        raise ConfigError(f"{where}: cp is built for --mode eager and graph")
     if cfg.seq_len % (2 * sizes["cp"]):
         raise ConfigError(f"{where}: --seq-len {cfg.seq_len} must be divisible by 2 x cp = {2 * sizes['cp']} "
                           f"(each rank holds a head and a tail chunk)")

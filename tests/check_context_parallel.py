@@ -75,7 +75,7 @@ def test_packed_documents_score_as_each_document_run_alone():
     assert (plain(row)[:, 4:10] - plain(row[:, 4:10])).abs().max() > 1e-3
 
 
-CP_RUNS = [(2, "ici=1,cp=2", "simple", []), (4, "ici=1,cp=4", "simple", PACKED_WINDOW),
+CP_RUNS = [(2, "ici=1,cp=2", "simple", ["--mode", "graph"]), (4, "ici=1,cp=4", "simple", PACKED_WINDOW),
            (4, "ici=2,cp=2", "fsdp2", PACKED_WINDOW)]
 
 
@@ -83,7 +83,8 @@ CP_RUNS = [(2, "ici=1,cp=2", "simple", []), (4, "ici=1,cp=4", "simple", PACKED_W
 def test_context_parallel_ranks_equal_one_process(nproc, mesh, impl, extra, corpus, tmp_path_factory):
     """cp ranks (each holding 1/cp of every sequence, head and tail chunks), beside SimpleFSDP / FSDP2
     on the same ranks, against one process on the same global batch: losses, pre-clip gradient norms,
-    validation and final weights to 1e-5, plain causal and with packed documents under a sliding window."""
+    validation and final weights to 1e-5, plain causal (graph mode: the gathers traced into the step
+    graph with SimpleFSDP's passes) and with packed documents under a sliding window (eager)."""
     common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "1",
               "--sample-tokens", "0", *extra]
     single = shared_run(common, tmp_path_factory)
@@ -95,7 +96,7 @@ def test_context_parallel_ranks_equal_one_process(nproc, mesh, impl, extra, corp
 @pytest.mark.parametrize("extra,message", [
     (["--mesh", "ici=1,cp=2", "--seq-len", "30"], "--seq-len 30 must be divisible by 2 x cp = 4"),
     (["--mesh", "ici=1,cp=2,tp=2"], "cp with tp, ep or --scan is not built"),
-    (["--mesh", "ici=1,cp=2", "--mode", "graph"], "cp is built for --mode eager"),
+    (["--mesh", "ici=1,cp=2", "--mode", "compile"], "cp is built for --mode eager and graph"),
     (["--mesh", "ici=2,cp=2", "--task", "sft"], "cp is for --task lm"),
     (["--mesh", "ici=1,cp=0"], "with positive integers"),
     (["--set", "sliding_window=0"], "sliding_window must be positive"),
