@@ -73,7 +73,7 @@ class TrainConfig:
     kernels: str = flag("reference", "pallas: the TPU config rewrite (splash attention, fused loss, grouped matmul)",
                         choices=["reference", "pallas"])
     mesh: Optional[str] = flag(None, "device mesh: ici=N (FSDP), dcn=R,ici=S (HSDP); under torchrun also tp=T "
-                               "(tensor parallel), ep=E (experts)")
+                               "(tensor parallel), ep=E (experts), cp=C (sequences split: context parallel)")
     dp_impl: str = flag("simple", "how parameters are sharded over the mesh: SimpleFSDP (ours) or torch's FSDP2",
                         choices=["simple", "fsdp2"])
     # the run directory
@@ -261,6 +261,8 @@ def _validate_mesh(cfg, workload):
     if split:
         raise ConfigError(f"--mesh {cfg.mesh!r}: the {cfg.task} workload's model splits over "
                           f"{', '.join(model_parallel) or 'data-parallel dims (dcn / ici) only'}, not {', '.join(split)}")
+    if sizes["cp"] > 1:
+        _validate_context_parallel(cfg, workload, sizes)
     if parallel.layout_kind(cfg.mesh, cfg.device) == "spmd":
         if sizes["tp"] > 1 or sizes["ep"] > 1:
             raise ConfigError(f"--mesh {cfg.mesh!r}: tp and ep are built for torchrun meshes, not XLA SPMD")
@@ -281,3 +283,17 @@ def _validate_mesh(cfg, workload):
             raise ConfigError(f"--mesh {cfg.mesh!r}: tp and ep are built on --dp-impl simple")
     if cfg.mode == "graph" and cfg.dp_impl == "fsdp2":
         raise ConfigError("graph mode under a mesh needs --dp-impl simple (FSDP2's hooks do not trace)")
+
+
+def _validate_context_parallel(cfg, workload, sizes):
+    """cp=C: what context_parallel.py is built for (eager and graph, beside SimpleFSDP / FSDP2 / HSDP)."""
+    where = f"--mesh {cfg.mesh!r}"
+    if not workload.splits_sequences:
+        raise ConfigError(f"{where}: the {cfg.task} workload's loss is not a mean over equal token sets: cp is for --task lm")
+    if sizes["tp"] > 1 or sizes["ep"] > 1 or cfg.scan:
+        raise ConfigError(f"{where}: cp with tp, ep or --scan is not built")
+    if cfg.mode == "compile":
+        raise ConfigError(f"{where}: cp is built for --mode eager and graph")
+    if cfg.seq_len % (2 * sizes["cp"]):
+        raise ConfigError(f"{where}: --seq-len {cfg.seq_len} must be divisible by 2 x cp = {2 * sizes['cp']} "
+                          f"(each rank holds a head and a tail chunk)")

@@ -114,6 +114,7 @@ class Workload:
     n_experts: int = 0         # > 0: the planner also tries ep
     top_k: int = 0
     shape: object = None       # shapes.Shape: the step-time model's view (matmuls, attention, activations)
+    splits_sequences: bool = False  # the planner also tries cp (context parallel: the task's loss allows it)
 
 
 def lm_workload(args, flavor, seq_len):
@@ -125,6 +126,9 @@ def lm_workload(args, flavor, seq_len):
     plain_loss = dataclasses.replace(args, loss_impl="plain")  # (under tp the loss is the vocab-parallel one)
 
     def check(dims):
+        cp = dims.get("cp", 1)
+        if cp > 1 and (dims["tp"] > 1 or dims["ep"] > 1 or seq_len % (2 * cp)):
+            return f"cp={cp} is built beside FSDP / HSDP only, on a --seq-len divisible by 2 x cp"
         for size, refusal_of in ((dims["tp"], tensor_parallel.check), (dims["ep"], expert_parallel.check)):
             refusal = refusal_of(plain_loss, size) if size > 1 else None
             if refusal:
@@ -133,7 +137,7 @@ def lm_workload(args, flavor, seq_len):
     return Workload(flavor, whole, layer, flops_per_token(args, seq_len) * seq_len, seq_len,
                     lambda remat: saved_bytes_per_sequence(args, seq_len, remat), check, dim=args.dim,
                     n_layers=args.n_layers, n_experts=args.n_experts, top_k=args.top_k,
-                    shape=shapes.lm_shape(args, seq_len, flavor, fused_loss=True))
+                    shape=shapes.lm_shape(args, seq_len, flavor, fused_loss=True), splits_sequences=True)
 
 
 def shape_of(w):
@@ -158,8 +162,10 @@ def estimate(w, dims, batch_size, chip, remat, per_sample=None):
     """Memory per chip, traffic per link, predicted step time (stepmodel.py) of Workload `w` on one
     layout (dims: mesh.mesh_dims) under `remat` (False, True = --remat, or a shapes policy);
     ValueError (one line) for a layout the model or batch does not allow."""
-    dcn, ici, tp, ep = dims["dcn"], dims["ici"], dims["tp"], dims["ep"]
-    dp, devices = dcn * ici, dcn * ici * tp
+    dcn, ici, tp, ep, cp = dims["dcn"], dims["ici"], dims["tp"], dims["ep"], dims.get("cp", 1)
+    dp, devices, share = dcn * ici, dcn * ici * cp * tp, tp * cp  # (share: the chips of one sample)
+    if cp > 1 and not w.splits_sequences:
+        raise ValueError(f"cp={cp}: {w.label}'s loss is not split over a sequence's tokens (cp is for language models)")
     if batch_size % dp:
         raise ValueError(f"--batch-size {batch_size} is not divisible by the {dp} data-parallel ranks of the mesh")
     refusal = w.check(dims)
@@ -172,28 +178,29 @@ def estimate(w, dims, batch_size, chip, remat, per_sample=None):
     if per_sample is None:  # one trace: the policy's own (off / --remat), or --remat's for the others to scale
         with_remat = policy_name(remat) != "none"
         per_sample = saved_per_sample(w, remat, {with_remat: w.saved_bytes(with_remat)})
-    flops = w.flops_per_sample * local_batch / tp     # model FLOPs per device per step
+    flops = w.flops_per_sample * local_batch / share  # model FLOPs per device per step
     # memory, host memory, the verdict and the step time: stepmodel's, for minititan's own layout (fp32
     # master weights and AdamW, FSDP over ici, HSDP over dcn, --remat = keep the matmul outputs), on the
     # family's own parameter groups and the traced activations
-    layout = stepmodel.Layout(dcn=dcn, ici=ici, tp=tp, ep=ep, local_batch=local_batch, remat=policy_name(remat))
+    layout = stepmodel.Layout(dcn=dcn, ici=ici, tp=tp, ep=ep, cp=cp, local_batch=local_batch, remat=policy_name(remat))
     shape = dataclasses.replace(shape_of(w), params=dict(w.whole), layer_params=dict(w.layer))
-    pred = stepmodel.predict(shape, layout, chips_lib.CHIPS[chip], saved_bytes=per_sample * local_batch / tp)
+    pred = stepmodel.predict(shape, layout, chips_lib.CHIPS[chip], saved_bytes=per_sample * local_batch / share)
     mem = {MEMORY_LABELS[k]: v for k, v in pred["memory"].items()}
     # traffic per chip per step (stepmodel's bytes, reported): FSDP all-gather fwd + bwd (bf16),
     # reduce-scatter (fp32); TP + SP: per layer 2 all-gathers + 2 reduce-scatters forward, the same
     # backward; EP: per MoE layer, the routed rows out and back, forward and backward
-    fsdp = 8 * (whole["tp"] / tp + whole["rest"]) * (ici - 1) / ici + 8 * whole["experts"] / ep * (dp // ep - 1) / (dp // ep)
+    fsdp = 8 * (whole["tp"] / tp + whole["rest"]) * (ici * cp - 1) / (ici * cp) + 8 * whole["experts"] / ep * (dp // ep - 1) / (dp // ep)
     act = 2 * local_batch * w.tokens * w.dim  # one (B, S, D) activation, bf16
     tp_bytes = w.n_layers * 8 * act * (tp - 1) / tp
     ep_bytes = (w.n_layers * 4 * act * w.top_k * (ep - 1) / ep) if w.n_experts else 0
-    ici_bytes = fsdp + tp_bytes + ep_bytes
+    cp_bytes = w.n_layers * 2 * stepmodel.kv_bytes(shape, layout) * (cp - 1) / cp  # K/V gathered, grads scattered
+    ici_bytes = fsdp + tp_bytes + ep_bytes + cp_bytes
     shard = stepmodel.shard_counts(shape, layout)[0]
     dcn_bytes = 2 * 4 * (shard["tp"] + shard["rest"]) * (dcn - 1) / dcn  # grads all-reduce
     parts = {"matmuls": pred["compute"]["matmul"] + pred["compute"]["recompute"],
              "attention": pred["compute"]["attention"],
              "HBM-bound ops": sum(v for k, v in pred["compute"].items() if k not in ("matmul", "recompute", "attention")),
-             "exposed ICI/DCN": pred["exposed_comm_s"], "TP/EP": pred["comm"]["tp"] + pred["comm"]["ep"]}
+             "exposed ICI/DCN": pred["exposed_comm_s"], "TP/EP/CP": pred["comm"]["tp"] + pred["comm"]["ep"] + pred["comm"]["cp"]}
     need = pred["total_bytes"]
     mesh = ",".join(f"{k}={v}" for k, v in dims.items() if v > 1 or k == "ici")
     return {"flavor": w.label, "chip": chip, "mesh": mesh, "devices": devices, "params": total, "remat": remat,
@@ -201,8 +208,8 @@ def estimate(w, dims, batch_size, chip, remat, per_sample=None):
             "hbm_bytes": spec["hbm"], "host_bytes": pred["offload_bytes"], "host_memory_bytes": pred["host"],
             "host_need": pred["host_need"], "host_capacity": chips_lib.CHIPS[chip].host_bytes,
             "fits": pred["fits"], "flops_per_device": flops,
-            "ici_bytes": ici_bytes, "ici_split": {"fsdp": fsdp, "tp": tp_bytes, "ep": ep_bytes}, "dcn_bytes": dcn_bytes,
-            "compute_s": sum(pred["compute"].values()), "exposed_s": pred["comm"]["tp"] + pred["comm"]["ep"],
+            "ici_bytes": ici_bytes, "ici_split": {"fsdp": fsdp, "tp": tp_bytes, "ep": ep_bytes, "cp": cp_bytes}, "dcn_bytes": dcn_bytes,
+            "compute_s": sum(pred["compute"].values()), "exposed_s": pred["comm"]["tp"] + pred["comm"]["ep"] + pred["comm"]["cp"],
             "step_parts_s": parts, "step_s": pred["step_s"], "bound": max(parts, key=parts.get),
             "mfu": flops / (pred["step_s"] * spec["peak"])}
 
@@ -231,15 +238,18 @@ def saved_per_sample(w, remat, traced):
 
 
 def layouts(w, chips, batch_size, chip, remats, traced):
-    """Every layout of exactly `chips` (dcn x ici x tp, ep borrowing dp ranks) under each remat policy:
+    """Every layout of exactly `chips` (dcn x ici x cp x tp, ep borrowing dp ranks; cp where the task
+    splits sequences, up to 16) under each remat policy:
     a tp that does not divide the chips left by dcn is skipped, never rounded down to fewer chips."""
     rows = []
     for dcn in (d for d in (1, 2, 4, 8) if chips % d == 0):
-        for tp in (t for t in _powers_of_two(chips // dcn) if t <= 16 and chips % (dcn * t) == 0):
-            ici = chips // (dcn * tp)
+        for tp, cp in ((t, c) for t in _powers_of_two(chips // dcn) if t <= 16 and chips % (dcn * t) == 0
+                       for c in (_powers_of_two(min(chips // (dcn * t), 16)) if w.splits_sequences else [1])
+                       if chips % (dcn * t * c) == 0):
+            ici = chips // (dcn * tp * cp)
             for ep in ([e for e in _powers_of_two(min(dcn * ici, w.n_experts)) if (dcn * ici) % e == 0]
                        if w.n_experts else [1]):
-                dims = {"dcn": dcn, "ici": ici, "tp": tp, "ep": ep}
+                dims = {"dcn": dcn, "ici": ici, "tp": tp, "ep": ep, "cp": cp}
                 for remat in remats:
                     try:
                         rows.append(estimate(w, dims, batch_size, chip, remat, saved_per_sample(w, remat, traced)))
@@ -329,7 +339,7 @@ def format_plan(rows, cfg, top=15):
              f"{len(rows)} layouts, best {min(top, len(rows))}, fitting first (step: stepmodel.py's parts, "
              f"{calibration_note(cfg.chip)}; not run on a TPU)",
              f"  {'mesh':<28} {'remat':<5} {'batch/dp':>8} {'HBM GiB':>8} {'host GiB':>8} {'fits':<4} {'step ms':>9} "
-             f"{'TP/EP ms':>9} {'MFU':>6}  bound"]
+             f"{'TP/EP/CP':>9} {'MFU':>6}  bound"]
     for r in rows[:top]:
         lines.append(f"  {r['mesh']:<28} {remat_label(r['remat']):<5} {r['local_batch']:>8} "
                      f"{r['total_bytes'] / GiB:>8.1f} {r['host_need'] / GiB:>8.1f} {'yes' if r['fits'] else 'NO':<4} {r['step_s'] * 1e3:>9.1f} "

@@ -140,6 +140,8 @@ def args_from_config(cfg):
 
 def config_from_args(args):
     """The HF config dict for our ModelArgs (model_type from the architecture)."""
+    if args.sliding_window is not None:  # (doc_sep is how a run packed its data: the weights export as they are)
+        raise HFError(f"sliding_window={args.sliding_window}: a windowed model has no Llama / Qwen 3 config here")
     mt = "qwen3_moe" if args.n_experts else "qwen3" if args.qk_norm else "llama"
     cfg = {"model_type": mt, "architectures": [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                                 "qwen3_moe": "Qwen3MoeForCausalLM"}[mt]],

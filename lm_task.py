@@ -100,6 +100,9 @@ class LanguageModelFamily(ModelFamily):
         expert_parallel.parallelize(model, ep_mesh)
         return [m for m in model.modules() if isinstance(m, MoE)]
 
+    def split_sequence(self, model, sequence):
+        model.split_sequence(sequence)
+
     def scan_stacks(self, model):
         return [(model, "layers")]
 
@@ -151,6 +154,7 @@ class Pretraining(Workload):
     """Next-token prediction on a text corpus: the batches are data.Batches, the loss model.next_token_loss."""
     name, default_flavor, Flags, unit = "lm", "llama3_debug", PretrainingFlags, "tok"
     family_class, resume_policy = LanguageModelFamily, {"data": True, "tokenizer": True}
+    splits_sequences = True  # (next_token_loss: every target counts)
 
     @classmethod
     def check_flags(cls, cfg):

@@ -5,6 +5,7 @@ parallelism; torchrun launches.
     torchrun --nproc-per-node 4 train.py --mesh dcn=2,ici=2       # HSDP: 2 replicas x 2 shards
     torchrun --nproc-per-node 4 train.py --mesh ici=2,tp=2        # FSDP x tensor parallel (the family's plan)
     torchrun --nproc-per-node 2 train.py --mesh ici=2,ep=2 --flavor qwen3_moe_debug   # experts over 2 (the family's routing)
+    torchrun --nproc-per-node 4 train.py --mesh ici=2,cp=2        # each sequence over 2 ranks (context_parallel.py)
     torchrun --nnodes 2 --node-rank N --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \
         train.py --mesh dcn=2,ici=4                               # HSDP over 2 hosts, one launcher each (README)
 
@@ -13,7 +14,9 @@ all-gathers and reduce-scatters of FSDP run on it), `dcn` the data-center networ
 (replicate there: only one gradient all-reduce per step crosses it). torchrun numbers ranks host by
 host, so with ici x tp = the ranks of a host, dcn is the hosts. `tp` is the innermost dim (its
 ranks are neighbours: TP's collectives sit on the critical path); `ep`, as in torchtitan, borrows
-data-parallel ranks and adds none. The backend is gloo on CPU, nccl on CUDA; on TPU, TorchTPU
+data-parallel ranks and adds none. `cp` (context parallel) sits between ici and tp: its ranks share
+a batch slice and split its sequences; for the weights they are data-parallel ranks (FSDP shards over
+ici x cp, one mesh dim named ici here). The backend is gloo on CPU, nccl on CUDA; on TPU, TorchTPU
 provides its own backend for torch.distributed (not run here). Every collective has a timeout, so a
 dead peer ends the run instead of hanging it.
 
@@ -31,6 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import device as dev
 from errors import BadInput
+import context_parallel
 import fsdp_passes
 import simplefsdp
 from parallel import Parallel, launched_by_torchrun, local_block, local_tensor
@@ -45,13 +49,13 @@ class SaidAlready(MeshError):
 
 
 def mesh_dims(spec):
-    """'dcn=2,ici=2,tp=2' -> {"dcn": 2, "ici": 2, "tp": 2, "ep": 1}. World size: dcn x ici x tp;
-    ep borrows data-parallel ranks (it must divide dcn x ici) and adds none."""
-    sizes = {"dcn": 1, "ici": None, "tp": 1, "ep": 1}
+    """'dcn=2,ici=2,tp=2' -> {"dcn": 2, "ici": 2, "tp": 2, "ep": 1, "cp": 1}. World size: dcn x ici x
+    cp x tp; ep borrows data-parallel ranks (it must divide dcn x ici) and adds none."""
+    sizes = {"dcn": 1, "ici": None, "tp": 1, "ep": 1, "cp": 1}
     for part in spec.split(","):
         key, sep, value = part.strip().partition("=")
         if key not in sizes or not sep or not value.isdigit() or int(value) <= 0:
-            raise MeshError(f"--mesh {spec!r}: expected dims dcn=R,ici=S,tp=T,ep=E (ici required) with positive integers")
+            raise MeshError(f"--mesh {spec!r}: expected dims dcn=R,ici=S,cp=C,tp=T,ep=E (ici required) with positive integers")
         sizes[key] = int(value)
     if sizes["ici"] is None:
         raise MeshError(f"--mesh {spec!r}: ici=N is required")
@@ -62,11 +66,11 @@ def mesh_dims(spec):
 
 
 def parse_mesh(spec):
-    """'ici=4' -> (1, 4); 'dcn=2,ici=2' -> (2, 2): the data-parallel dims only (XLA SPMD)."""
+    """'ici=4' -> (1, 4, 1); 'dcn=2,ici=2,cp=2' -> (2, 2, 2): the data-parallel dims and cp (XLA SPMD)."""
     sizes = mesh_dims(spec)
     if sizes["tp"] > 1 or sizes["ep"] > 1:
         raise MeshError(f"--mesh {spec!r}: tp and ep are built for torchrun meshes, not XLA SPMD")
-    return sizes["dcn"], sizes["ici"]
+    return sizes["dcn"], sizes["ici"], sizes["cp"]
 
 
 class TorchrunMesh(Parallel):
@@ -74,11 +78,11 @@ class TorchrunMesh(Parallel):
 
     def __init__(self, spec, dp_impl="simple", param_dtype=None, timeout_s=60):
         sizes = mesh_dims(spec)
-        dcn, ici, tp, ep = sizes["dcn"], sizes["ici"], sizes["tp"], sizes["ep"]
+        dcn, ici, tp, ep, cp = sizes["dcn"], sizes["ici"], sizes["tp"], sizes["ep"], sizes["cp"]
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if dcn * ici * tp != world:
-            raise MeshError(f"--mesh {spec!r} has {dcn * ici * tp} devices but the world size is {world} "
-                            f"(torchrun --nproc-per-node {dcn * ici * tp})")
+        if dcn * ici * cp * tp != world:
+            raise MeshError(f"--mesh {spec!r} has {dcn * ici * cp * tp} devices but the world size is {world} "
+                            f"(torchrun --nproc-per-node {dcn * ici * cp * tp})")
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -87,12 +91,15 @@ class TorchrunMesh(Parallel):
             dist.init_process_group(dev.dist_backend(self.device),
                                     timeout=datetime.timedelta(seconds=timeout_s))
         check_same_on_every_rank(spec, sizes, dp_impl)
-        # tp innermost: the ranks of one tp group are neighbours (one host's fastest links)
-        self.mesh = init_device_mesh(self.device.type, (dcn, ici, tp), mesh_dim_names=("dcn", "ici", "tp"))
-        self.mesh_spec, self.dcn, self.ici, self.tp, self.ep = spec, dcn, ici, tp, ep
-        # a tp group reads one batch slice: data-parallel rank = position on (dcn, ici)
-        self.global_rank, self.dp_rank, self.dp_size = dist.get_rank(), dist.get_rank() // tp, world // tp
-        self.n_devices, self.param_split = world, ici * tp  # (replicated over dcn; experts split further)
+        # tp innermost: the ranks of one tp group are neighbours (one host's fastest links); the weights'
+        # mesh dim "ici" holds ici x cp ranks (FSDP shards over both)
+        self.mesh = init_device_mesh(self.device.type, (dcn, ici * cp, tp), mesh_dim_names=("dcn", "ici", "tp"))
+        self.mesh_spec, self.dcn, self.ici, self.tp, self.ep, self.cp = spec, dcn, ici, tp, ep, cp
+        # a tp group and a cp group read one batch slice: data-parallel rank = position on (dcn, ici)
+        self.global_rank, self.dp_rank, self.dp_size = dist.get_rank(), dist.get_rank() // (cp * tp), world // (cp * tp)
+        self.n_devices, self.param_split, self.seq_split = world, ici * cp * tp, cp  # (replicated over dcn; experts split further)
+        self.context = context_parallel.ContextParallel(cp, (self.global_rank // tp) % cp, sequence_group(
+            self.device.type, (dcn, ici, cp, tp))) if cp > 1 else None
         self.hosts = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))  # (torchrun: ranks per node)
         self.dp_impl, self.param_dtype = dp_impl, param_dtype
         self.sq_weights = None  # per parameter: 1 / (ranks holding the same copy), set by parallelize
@@ -131,6 +138,8 @@ class TorchrunMesh(Parallel):
         tp_mesh = self.mesh["tp"] if self.tp > 1 else None
         ep_mesh = expert_mesh(self.device.type, dist.get_world_size(), self.ep) if self.ep > 1 else None
         experts = family.split(model, tp_mesh, ep_mesh) if family is not None else []
+        if self.context is not None:
+            family.split_sequence(model, self.context)
         dp_mesh = self.mesh["dcn", "ici"] if self.dcn > 1 else self.mesh["ici"]  # 1-D: nothing to replicate
         if self.dp_impl == "fsdp2":
             model = self._fsdp2(model, dp_mesh, units)
@@ -168,7 +177,10 @@ class TorchrunMesh(Parallel):
                                    stride=p.stride()) for t, p in zip(shards, params)]
 
     def place_batch(self, batch):
-        return tuple(t.to(self.device) for t in batch)  # each rank already read only its rows
+        """Each rank already read only its rows; under cp, only its chunks of their sequences."""
+        if self.context is not None:
+            return tuple(self.context.split(t.to(self.device)) for t in batch)
+        return tuple(t.to(self.device) for t in batch)
 
     def grads(self, loss, params):
         """d loss / d params as this rank's averaged gradient shards. SimpleFSDP: ordinary autograd
@@ -192,8 +204,9 @@ class TorchrunMesh(Parallel):
         return funcol.all_reduce(sq_N.sum(), "sum", dist.group.WORLD)
 
     def mean_over_dp(self, x):
-        """The mean over data-parallel ranks (a tp group's ranks hold the same value: all ranks count)."""
-        return funcol.all_reduce(x.detach(), "sum", dist.group.WORLD) / (self.dp_size * self.tp)
+        """The mean over data-parallel ranks (a tp group's ranks hold the same value, a cp group's their
+        tokens' mean, as many each: all ranks count)."""
+        return funcol.all_reduce(x.detach(), "sum", dist.group.WORLD) / self.n_devices
 
     def broadcast_from_first(self, x):
         dist.broadcast(x, 0)
@@ -201,7 +214,8 @@ class TorchrunMesh(Parallel):
 
     def scatter_from_first(self, chunks, out):
         """(dist.scatter over every rank: a tp group's ranks each get their dp rank's chunk)"""
-        dist.scatter(out, [chunks[r // self.tp] for r in range(self.dp_size * self.tp)] if self.global_rank == 0
+        per_slice = self.n_devices // self.dp_size  # (the tp x cp ranks of one batch slice)
+        dist.scatter(out, [chunks[r // per_slice] for r in range(self.n_devices)] if self.global_rank == 0
                      else None, src=0)
         return out
 
@@ -245,6 +259,13 @@ def check_same_on_every_rank(spec, sizes, dp_impl):
 def expert_mesh(device_type, world, ep):
     """(efsdp, ep) over all ranks: ep groups are neighbours; efsdp pairs equal positions across them."""
     return DeviceMesh(device_type, torch.arange(world).view(world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+
+
+def sequence_group(device_type, dims):
+    """The process group of this rank's cp ranks, on the (dcn, ici, cp, tp) layout of all ranks."""
+    world = dims[0] * dims[1] * dims[2] * dims[3]
+    mesh = DeviceMesh(device_type, torch.arange(world).view(*dims), mesh_dim_names=("dcn", "ici", "cp", "tp"))
+    return mesh.get_group("cp")
 
 
 def _copies(p):

@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from context_parallel import SequenceView, WholeSequence, position_mask
+
 
 KIND = "a language model"  # ModelFamily.kind of this file's models (checkpoint.load_run refuses other runs)
 
@@ -47,6 +49,8 @@ class ModelArgs:
     attn_impl: str = "sdpa"                 # "sdpa" | "splash" (Pallas)
     loss_impl: str = "plain"                # "plain" | "fused" (Pallas)
     moe_impl: str = "reference"             # "reference" | "gmm" (Pallas)
+    sliding_window: Optional[int] = None    # a query sees itself and the window-1 keys before it
+    doc_sep: Optional[int] = None           # packed documents: this token ends one; attention stays inside
 
     @property
     def hd(self):
@@ -104,6 +108,10 @@ def check_args(args):
     if args.n_experts and not (0 < args.top_k <= args.n_experts and args.moe_ffn_dim > 0):
         raise ValueError(f"MoE needs 0 < top_k <= n_experts and moe_ffn_dim > 0, got top_k="
                          f"{args.top_k}, n_experts={args.n_experts}, moe_ffn_dim={args.moe_ffn_dim}")
+    if args.sliding_window is not None and args.sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive (or none), got {args.sliding_window}")
+    if args.doc_sep is not None and not 0 <= args.doc_sep < args.vocab_size:
+        raise ValueError(f"doc_sep must be a token id in [0, {args.vocab_size}), got {args.doc_sep}")
     for name in ("norm_eps", "rope_theta"):  # RMSNorm's eps keeps 1/sqrt finite; theta is a log base
         if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
             raise ValueError(f"{name} must be a positive number, got {getattr(args, name)}")
@@ -133,14 +141,8 @@ def tpu_config(args):
 def attention_mask(seq_len, window=None, segment_ids=None, device=None):
     """Boolean (S, S) or (B, S, S) mask, True = may attend: causal, optional sliding window (a query
     sees itself and the window-1 keys before it), optional packed documents (same segment id)."""
-    q = torch.arange(seq_len, device=device)[:, None]
-    k = torch.arange(seq_len, device=device)[None, :]
-    mask = k <= q
-    if window is not None:
-        mask = mask & (q - k < window)
-    if segment_ids is not None:  # (B, S)
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    return mask
+    pos = torch.arange(seq_len, device=device)
+    return position_mask(pos, pos, window, segment_ids, segment_ids)
 
 
 def sdpa_attention(q_BxHxSxD, k_BxKxTxD, v_BxKxTxD, window=None, segment_ids=None, mask_SxT=None):
@@ -256,6 +258,7 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, S, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, S, hd)
         if kv_cache is not None:  # decoding (generate.py): this chunk joins the cache; attend over all of it
+            # (or a SequenceView: the whole sequence's keys under a window / packed-document mask)
             k, v, mask_SxT = kv_cache.update(k, v.transpose(1, 2))
             out = sdpa_attention(q, k, v, mask_SxT=mask_SxT)
         else:
@@ -353,6 +356,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.sequence = WholeSequence()
         if not self.inv_freq.is_meta:  # (on the meta device the trainer fills it later: materialize.py)
             self.init_weights()
 
@@ -372,17 +376,33 @@ class Transformer(nn.Module):
     def output_weight(self):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def rope(self, seq_len, start=0):
-        """cos, sin (S, hd) for positions start..start+S-1 (`start` may be a tensor: the KV cache's)."""
-        pos = (torch.arange(seq_len, device=self.inv_freq.device) + start).float()
-        freqs = torch.outer(pos, self.inv_freq)
+    def split_sequence(self, sequence):
+        """The declared seam for context parallelism: `sequence.view(tokens_BxS, args)` gives each
+        forward's SequenceView (this process's positions, the keys it attends over), or None for whole
+        causal sequences. Default: WholeSequence."""
+        self.sequence = sequence
+
+    def rope(self, seq_len, start=0, positions=None):
+        """cos, sin (S, hd) for positions start..start+S-1 (`start` may be a tensor: the KV cache's), or
+        for the given `positions` (S,) (a process holding chunks of the sequence: their global places)."""
+        pos = torch.arange(seq_len, device=self.inv_freq.device) + start if positions is None else positions
+        freqs = torch.outer(pos.float(), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # (S, hd): rotate-half layout
         return emb.cos(), emb.sin()
 
     def hidden(self, tokens_BxS, kv_cache=None):
         """Final-norm hidden states (B, S, D) and the summed MoE auxiliary loss."""
         h = self.embed_tokens(tokens_BxS)
-        cos, sin = self.rope(tokens_BxS.shape[1], 0 if kv_cache is None else kv_cache.pos)
+        if kv_cache is None:
+            kv_cache = self.sequence.view(tokens_BxS, self.args)  # (None: whole causal sequences)
+            if kv_cache is not None and not isinstance(self.layers, nn.ModuleList):
+                raise NotImplementedError("--scan with a sliding window, packed documents or context parallelism")
+        elif self.args.sliding_window is not None or self.args.doc_sep is not None:
+            raise ValueError("decoding with a sliding window or packed documents is not built (the KV cache is causal only)")
+        if isinstance(kv_cache, SequenceView):
+            cos, sin = self.rope(tokens_BxS.shape[1], positions=kv_cache.positions)
+        else:
+            cos, sin = self.rope(tokens_BxS.shape[1], 0 if kv_cache is None else kv_cache.pos)
         h, aux = self.run_layers(h, cos, sin, kv_cache)
         return self.norm(h), aux
 

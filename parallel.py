@@ -24,7 +24,8 @@ What a layout must answer, and nothing more:
   - the step: `local(params)` (what the elementwise optimizer updates), `like(shards, params)` (back
     to the parameters' form for checkpoints and the traced step), `place_state`, `place_batch`,
     `grads(loss, params)`, `global_sq_norm(sq_N)` (clipping), `mean_over_dp(x)` (logged losses);
-  - bookkeeping: `param_split` (a device's share of a weight: 1 / param_split), `local_bytes(tensors)`,
+  - bookkeeping: `param_split` (a device's share of a weight: 1 / param_split), `seq_split` (of a
+    sequence's activations), `local_bytes(tensors)`,
     `graph_passes` (the passes graph mode applies by default), `close()`.
 `layout_kind(mesh, device)` is the one decision of which implementation a command line gets: cli.py
 validates the flags against it and train.choose_parallel builds it.
@@ -81,6 +82,7 @@ class Parallel:
     """One device. The base class is also the interface: subclasses override what differs."""
     dp_rank, dp_size, global_rank, n_devices, hosts, mesh_spec = 0, 1, 0, 1, 1, None
     param_split = 1  # the ways a parameter is split for one device (its shard: 1 / param_split of it)
+    seq_split = 1  # the ways a sequence is split (context parallel: a process holds 1 / seq_split of it)
     graph_passes = ()  # the graph passes (fsdp_passes.py) --fsdp-passes auto applies
 
     def __init__(self, device):

@@ -2,6 +2,7 @@
 
     train.py --device xla --mesh ici=4                 # FSDP over 4 devices (CPU_NUM_DEVICES=4 here)
     train.py --device xla --mesh dcn=2,ici=2           # HSDP: 2 replicas x 2 shards
+    train.py --device xla --mesh ici=2,cp=2            # each sequence over 2 devices (context parallel)
 
 simplefsdp.py shards with DTensor and one process per device (torchrun, collectives issued by
 PyTorch). On torch_xla the way to use many chips is SPMD (Xu et al., "GSPMD", arXiv 2105.04663;
@@ -23,9 +24,14 @@ shard by shard (`checkpoint_planners`: spmd_checkpoint.py), each distinct device
 format, so one process or a torchrun mesh resumes from them (--allow-change mesh); what a multi-host
 pod adds (a process group for DCP across hosts) is not run here (docs/tpu.md).
 The Pallas kernels under SPMD would need manual sharding around the custom call: refused for now.
+Context parallelism (cp): the batch's sequence dim carries a partition spec over `cp`, each sequence
+first put in head-tail order (context_parallel.HeadTailOrder: each device's block is its two chunks),
+and the model gets those positions; GSPMD inserts the gather of keys and values that attention needs.
+The weights shard over ici x cp.
 """
 import numpy as np
 
+import context_parallel
 import device as dev
 import mesh as mesh_lib
 from layer_scan import StackedLayers
@@ -40,20 +46,23 @@ class XlaSpmd(Parallel):
         import torch_xla
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
-        dcn, ici = mesh_lib.parse_mesh(spec)
+        dcn, ici, cp = mesh_lib.parse_mesh(spec)
         dev.default_to_xla_cpu()
         xr.use_spmd()  # before any XLA tensor exists: from here on there is one logical device
         n = xr.global_runtime_device_count()
-        if dcn * ici != n:
+        if dcn * ici * cp != n:
             hint = " (set CPU_NUM_DEVICES on XLA:CPU)" if not dev.pjrt_is_tpu() else ""
-            raise mesh_lib.MeshError(f"--mesh {spec!r} has {dcn * ici} devices but XLA sees {n}{hint}")
+            raise mesh_lib.MeshError(f"--mesh {spec!r} has {dcn * ici * cp} devices but XLA sees {n}{hint}")
         if dev.pjrt_is_tpu() and dcn > 1:  # ICI inside each slice, DCN across slices
-            self.mesh = xs.HybridMesh(ici_mesh_shape=(1, ici), dcn_mesh_shape=(dcn, 1), axis_names=("dcn", "ici"))
+            self.mesh = xs.HybridMesh(ici_mesh_shape=(1, ici, cp), dcn_mesh_shape=(dcn, 1, 1),
+                                      axis_names=("dcn", "ici", "cp"))
         else:
-            self.mesh = xs.Mesh(np.arange(n), (dcn, ici), ("dcn", "ici"))
+            self.mesh = xs.Mesh(np.arange(n), (dcn, ici, cp), ("dcn", "ici", "cp"))
         super().__init__(torch_xla.device())
         self.xs = xs
-        self.mesh_spec, self.n_devices, self.ici, self.param_split = f"xla-spmd {spec}", n, ici, ici
+        self.mesh_spec, self.n_devices, self.ici, self.cp = f"xla-spmd {spec}", n, ici, cp
+        self.param_split, self.seq_split = ici * cp, cp
+        self.sequence = context_parallel.HeadTailOrder(cp) if cp > 1 else None
         self.hosts = xr.process_count()  # (one process a host on a pod; always 1 on XLA:CPU: docs/tpu.md)
 
     def spec(self, t, stacked=False):
@@ -62,8 +71,8 @@ class XlaSpmd(Parallel):
         layer axis (as scanned JAX models shard their weights): each layer's slice is then itself
         sharded, and XLA gathers one layer inside the While body, not the whole stack before it."""
         dims = range(1 if stacked else 0, t.dim())
-        dim = next((d for d in dims if t.shape[d] % self.ici == 0), dims[0])
-        return tuple("ici" if d == dim else None for d in range(t.dim()))
+        dim = next((d for d in dims if t.shape[d] % self.param_split == 0), dims[0])
+        return tuple(("ici", "cp") if d == dim else None for d in range(t.dim()))
 
     def parallelize(self, model, units=(), family=None):
         """Every parameter gets a partition spec; a parameter of a --scan stack (a StackedLayers unit)
@@ -72,6 +81,8 @@ class XlaSpmd(Parallel):
         stacked = {id(p) for u in units if isinstance(u, StackedLayers) for p in u.parameters()}
         specs = [self.spec(p, stacked=id(p) in stacked) for p in model.parameters()]
         model = Parallel.parallelize(self, model)
+        if self.sequence is not None:
+            family.split_sequence(model, self.sequence)
         params = list(model.parameters())
         self.specs, self.spec_of = specs, {id(p): s for p, s in zip(params, specs)}
         self.mark(params)
@@ -104,11 +115,15 @@ class XlaSpmd(Parallel):
             self.mark(tensors)
 
     def place_batch(self, batch):
-        """The global batch split over every data-parallel device (dcn x ici), the rest whole."""
+        """The global batch split over every data-parallel device (dcn x ici), the rest whole; under cp
+        each sequence in head-tail order, split over cp."""
+        if self.sequence is not None:  # (cli.py: a language model's (inputs, targets))
+            batch = tuple(self.sequence.split(t) for t in batch)
         batch = tuple(t.to(self.device) for t in batch)
         for t in batch:
             if t.dim():  # (a 0-d entry, e.g. a workload's token normalizer, is one value: replicated)
-                self.xs.mark_sharding(t, self.mesh, (("dcn", "ici"),) + (None,) * (t.dim() - 1))
+                seq = ("cp",) if self.sequence is not None else (None,)
+                self.xs.mark_sharding(t, self.mesh, (("dcn", "ici"),) + (seq + (None,) * (t.dim() - 2) if t.dim() > 1 else ()))
         return batch
 
     def local_bytes(self, tensors):

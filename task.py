@@ -26,6 +26,8 @@ model, parallelize function and loss beside the shared trainer):
     split(model, tp_mesh, ep_mesh)  its own tensor-parallel plan and expert routing (torchtitan: each
                                 model's parallelize function), called by the torchrun layout; returns
                                 the modules whose weights are experts split over ep_mesh
+    split_sequence(model, seq)  context parallelism: the model runs its chunks of every sequence
+                                (context_parallel.py; the LM family's; others refuse)
     kind                        what its models are, in words (a run of another kind is refused by name)
 
   Workload: the data, the loss and what a run of it does besides the loop
@@ -36,6 +38,8 @@ model, parallelize function and loss beside the shared trainer):
                                 --allow-change KEY), why not (a clause), or f(saved, now) -> None or why;
                                 a key it does not name cannot change (resume_refusal, resume_changeable)
     check_flags(cfg)            its own validation (classmethod; ConfigError: one line, exit 2)
+    splits_sequences            True if its loss is a mean over the batch's tokens, as many per rank when
+                                a sequence is split over cp ranks (so cp ranks' mean is the whole's)
     global_rows(cfg)            (rows of one global batch, as its flags name them): what must split evenly
                                 over the data-parallel ranks (classmethod; cli.py checks it before a rank starts)
     family                      its ModelFamily, whole when the workload is (GRPO and SFT use the LM
@@ -101,6 +105,11 @@ class ModelFamily:
         """No tensor or expert parallelism by default (layout_args refuses them)."""
         return []
 
+    def split_sequence(self, model, sequence):
+        """Context parallelism: give the model `sequence` (context_parallel.ContextParallel), so that each
+        process runs its chunks of every sequence. Families that cannot (most) are refused by cli.py."""
+        raise NotImplementedError(f"{self.kind} does not split sequences")
+
     def blocks(self, model):
         return [model]
 
@@ -150,6 +159,7 @@ class Workload:
     """A kind of training (see the module docstring); subclasses implement what raises here."""
     name = default_flavor = None
     Flags = NoFlags
+    splits_sequences = False  # (--mesh cp=C: refused by cli.py unless True)
     family_class = ModelFamily  # the kind of model it trains (for checks before it is built)
     resume_policy = {}          # meta() key -> True (--allow-change KEY), why it cannot change, or f(saved, now)
     unit = "samples"            # what units_per_step counts

@@ -122,6 +122,7 @@ class Trainer:
         weights = 16 * family.param_count(self.model_args) / self.parallel.param_split
         weights += 4 * materialize.largest_whole(family, self.model_args, cfg.scan, cfg.init_from)
         acts = family.activation_bytes(self.model_args, local_batch, cfg.seq_len, dev.free_memory_bytes(self.device))
+        acts /= self.parallel.seq_split  # (context parallel: a rank's tokens, its (S / cp) x S scores)
         dev.check_fits(weights + acts, self.device, "the model's shards of weights, gradients and AdamW state (16 "
                        f"bytes a parameter), the largest whole tensor it is filled from and the activations of "
                        f"{local_batch} sequences")

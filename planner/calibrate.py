@@ -198,7 +198,7 @@ def format_breakdown(row):
     p, step = row["prediction"], row["predicted_s"]
     parts = {**{f"compute: {k}": v for k, v in p["compute"].items()},
              "exposed ICI/DCN/offload (after overlap)": p["exposed_comm_s"],
-             "TP collectives (exposed)": p["comm"]["tp"], "EP all-to-all (exposed)": p["comm"]["ep"],
+             "TP collectives (exposed)": p["comm"]["tp"], "EP all-to-all (exposed)": p["comm"]["ep"], "CP K/V all-gather (exposed)": p["comm"]["cp"],
              "host overhead": p["host_overhead_s"]}
     lines = [f"{row['id']}: predicted {step:.3f} s (published {row['published_s']:.3f} s), MFU {100 * row['predicted_mfu']:.1f}%"]
     for k, v in parts.items():

@@ -127,7 +127,7 @@ def lm_shape(a, seq, label="", capacity_factor=1.0, moe_dispatch="gmm", fused_lo
     # norms (read + write D, twice), RoPE on q and k, two residual adds (read 2, write 1), SwiGLU
     # (read 2F, write F), qk-norm where the model has it
     elementwise = 10 * D + 2 * (H + KV) * hd * (2 if a.qk_norm else 1) + 3 * F * per_token
-    return Shape(label, S, L, whole, layer, tuple(mm), dict(heads=H, head_dim=hd, seq=S, causal=True, layers=L),
+    return Shape(label, S, L, whole, layer, tuple(mm), dict(heads=H, head_dim=hd, seq=S, causal=True, layers=L, kv_heads=KV),
                  acts, recompute_of, elementwise, vocab=0 if fused_loss else a.vocab_size, dim=D,
                  n_experts=a.n_experts, top_k=a.top_k, model_flops=flops_per_token(a, S) * S,
                  aliases=aliases, internal=("norms", "mlp_act"), unread=("mlpwo",))

@@ -19,7 +19,11 @@ Beside them, on the interconnect: FSDP's all-gathers and reduce-scatters (or DDP
 ICI as latency x ring steps + bytes / bandwidth; the cross-slice traffic on DCN; host offload's
 transfers on the host link. A share OVERLAP of those hides behind the compute, the rest is exposed.
 Tensor parallelism's activation collectives and expert parallelism's all-to-all (times a
-load-imbalance factor) sit between a layer's matmuls: exposed. Plus a fixed host overhead a step.
+load-imbalance factor) sit between a layer's matmuls: exposed. So does context parallelism's
+all-gather of a layer's keys and values before its attention (and their gradients' reduce-scatter
+after it), on ICI: a cp group splits each sample's tokens (its compute, saved activations and
+logits cp ways, like tp's samples) and is data-parallel for the weights (FSDP over ici x cp). Plus a
+fixed host overhead a step.
 
 Memory (a chip): parameters, gradients and optimizer state at their dtypes (`Precision`: fp32
 master weights as torchtitan / minititan keep them, or bf16 as MaxText's weight_dtype), sharded as
@@ -63,13 +67,15 @@ def precision(weights="fp32", mu_dtype=None):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """dcn slices x ici chips a slice x tp; ep borrows data-parallel ranks. `dp_mode`: "fsdp" shards
+    """dcn slices x ici chips a slice x cp x tp; ep borrows data-parallel ranks; a cp group splits its
+    samples' sequences (context_parallel.py), sharing its samples' work as a tp group does. `dp_mode`: "fsdp" shards
     parameters over the ici ranks, "ddp" replicates them (MaxDiffusion's default); `dcn_mode`:
     "replicate" (HSDP: one gradient all-reduce crosses DCN) or "fsdp" (shards across slices too)."""
     dcn: int = 1
     ici: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
     local_batch: int = 1          # samples a data-parallel rank
     remat: object = "none"        # shapes.POLICIES name or a custom {name: device|offload|remat}
     precision: Precision = PRECISIONS["fp32"]
@@ -80,9 +86,14 @@ class Layout:
     vocab_tiles: int = 1          # MaxText's num_vocab_tiling: the logits live one tile of the vocabulary at a time
 
 
+def sharing(lay):
+    """Chips that share one sample's work: its tp group x its cp group."""
+    return lay.tp * lay.cp
+
+
 def shard_counts(shape, lay):
     """Parameters a chip holds (by group) and the parameters of one block after FSDP's gather."""
-    fsdp = lay.ici * (lay.dcn if lay.dcn_mode == "fsdp" else 1) if lay.dp_mode == "fsdp" else 1
+    fsdp = lay.ici * lay.cp * (lay.dcn if lay.dcn_mode == "fsdp" else 1) if lay.dp_mode == "fsdp" else 1
     dp = lay.dcn * lay.ici
     expert_group = max(dp // lay.ep, 1) if lay.dp_mode == "fsdp" else 1
     p = shape.params   # (a group that does not divide pads up, as the sharded tensors do)
@@ -110,7 +121,7 @@ def causal_fraction(seq, block):
 def compute_terms(shape, lay, chip, eff, redo):
     """Seconds of matmuls, recomputed matmuls, attention, each a chip a step. `redo`: the share of the
     layers whose backward recomputes each matmul (or "attention"), shapes.policy_split's."""
-    samples = lay.local_batch / lay.tp            # a tp group shares its samples' work
+    samples = lay.local_batch / sharing(lay)      # a tp (cp) group shares its samples' work
     matmul_s = recompute_s = 0.0
     for mm in shape.matmuls:
         # tensor parallelism splits a row-parallel matmul's k (out_proj, mlpwo), the others' n
@@ -134,7 +145,7 @@ def compute_terms(shape, lay, chip, eff, redo):
 
 def hbm_terms(shape, lay, chip, shard, gathered, fsdp, any_recompute):
     """Seconds of HBM-bound work a chip a step: non-matmul ops, optimizer, gathered copies, logits."""
-    tokens = shape.tokens * lay.local_batch / lay.tp
+    tokens = shape.tokens * lay.local_batch / sharing(lay)
     passes = 3 + (1 if any_recompute else 0)       # forward 1, backward 2, recompute 1
     elementwise = shape.elementwise * shape.layers * tokens * lay.act_bytes * passes
     pr = lay.precision
@@ -160,18 +171,18 @@ def comm_terms(shape, lay, chip, shard, fsdp, expert_group, offload_bytes):
     pr, p = lay.precision, shape.params
     per_coll = 2 * BYTES_BF16 + pr.grad             # all-gather forward + backward, reduce-scatter
     if lay.dp_mode == "fsdp":
-        ici_group = lay.ici
+        ici_group = lay.ici * lay.cp
         ici_bytes = per_coll * ((p["tp"] / lay.tp + p["rest"]) * (ici_group - 1) / ici_group
                                 + p["experts"] / lay.ep * (expert_group - 1) / max(expert_group, 1))
         collectives = 3 * shape.layers
     else:                                            # DDP: one all-reduce of the gradients
-        ici_group = lay.ici
+        ici_group = lay.ici * lay.cp
         ici_bytes = 2 * pr.grad * sum(p.values()) / lay.tp * (ici_group - 1) / ici_group
         collectives = shape.layers
     ici_s = ici_bytes / chip.ici_bw + collectives * ring_steps(ici_group, chip) * chip.ici_latency_s
     if lay.dcn > 1:
         if lay.dcn_mode == "fsdp":   # each slice fetches the other slices' share of every gather
-            dcn_bytes = per_coll * sum(p.values()) / (lay.ici * lay.tp) * (lay.dcn - 1) / lay.dcn
+            dcn_bytes = per_coll * sum(p.values()) / (lay.ici * lay.cp * lay.tp) * (lay.dcn - 1) / lay.dcn
             dcn_collectives = collectives
         else:                        # HSDP: all-reduce of the shard's gradients across slices, a layer at a time
             dcn_bytes = 2 * pr.grad * sum(shard.values()) * (lay.dcn - 1) / lay.dcn
@@ -185,15 +196,33 @@ def comm_terms(shape, lay, chip, shard, fsdp, expert_group, offload_bytes):
             + shape.layers * 8 * ring_steps(lay.tp, chip) * chip.ici_latency_s) if lay.tp > 1 else 0.0
     ep_s = (shape.layers * 4 * act * shape.top_k * (lay.ep - 1) / lay.ep * MOE_IMBALANCE / chip.ici_bw
             + shape.layers * 4 * ring_steps(lay.ep, chip) * chip.ici_latency_s) if lay.ep > 1 else 0.0
-    return {"ici": ici_s, "dcn": dcn_s, "offload": offload_s, "tp": tp_s, "ep": ep_s}
+    return {"ici": ici_s, "dcn": dcn_s, "offload": offload_s, "tp": tp_s, "ep": ep_s, "cp": cp_terms(shape, lay, chip)}
+
+
+def kv_bytes(shape, lay):
+    """One layer's keys and values of the whole sequences of a chip's samples (what cp gathers)."""
+    a = shape.attention
+    return 2 * lay.act_bytes * a["seq"] * a.get("kv_heads", a["heads"]) * a["head_dim"] * lay.local_batch / lay.tp
+
+
+def cp_terms(shape, lay, chip):
+    """Context parallelism: each attention layer all-gathers K/V over the cp ranks (forward) and
+    reduce-scatters their gradients (backward), (cp-1)/cp of the whole on ICI, between the layer's
+    matmuls: exposed (the all-gather variant; a ring would overlap it: docs/limits.md)."""
+    if lay.cp <= 1:
+        return 0.0
+    layers = shape.attention["layers"]
+    return (layers * 2 * kv_bytes(shape, lay) * (lay.cp - 1) / lay.cp / chip.ici_bw
+            + layers * 2 * ring_steps(lay.cp, chip) * chip.ici_latency_s)
 
 
 def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems):
     """Bytes a chip: state at its dtypes, gathered block, saved activations, the transient peak."""
     pr, n = lay.precision, sum(shard.values())
-    tokens = shape.tokens * lay.local_batch / lay.tp
+    tokens = shape.tokens * lay.local_batch / sharing(lay)
     saved = device_elems * lay.act_bytes * tokens * shape.layers
     layer_peak = all_elems * lay.act_bytes * tokens                     # one layer, everything live
+    layer_peak += kv_bytes(shape, lay) if lay.cp > 1 else 0.0           # (+ its gathered K/V)
     logits_peak = 2 * lay.act_bytes * tokens * shape.vocab / lay.vocab_tiles if shape.vocab else 0.0  # logits + grad
     return {"parameters": n * pr.weight, "gradients": n * pr.grad, "optimizer state": n * pr.optimizer,
             "gathered block (bf16, x2)": 2 * BYTES_BF16 * gathered if fsdp > 1 else 0.0,
@@ -225,7 +254,7 @@ def predict(shape, lay, chip, constants=None, saved_bytes=None, push_bucket_byte
     eff = chips_lib.efficiency(chip.name, constants)
     shard, gathered, fsdp, expert_group = shard_counts(shape, lay)
     device_elems, offload_elems, _, recomputed, redo = policy_split(shape, lay.remat)
-    tokens = shape.tokens * lay.local_batch / lay.tp
+    tokens = shape.tokens * lay.local_batch / sharing(lay)
     offload_bytes = offload_elems * lay.act_bytes * tokens * shape.layers
     compute = compute_terms(shape, lay, chip, eff, redo)
     compute.update(hbm_terms(shape, lay, chip, shard, gathered, fsdp, bool(recomputed)))
@@ -233,7 +262,7 @@ def predict(shape, lay, chip, constants=None, saved_bytes=None, push_bucket_byte
     compute_s = sum(compute.values())
     hideable = comm["ici"] + comm["dcn"] + comm["offload"]
     exposed = hideable - chips_lib.OVERLAP * min(hideable, compute_s)
-    step = chip.host_overhead_s + compute_s + exposed + comm["tp"] + comm["ep"]
+    step = chip.host_overhead_s + compute_s + exposed + comm["tp"] + comm["ep"] + comm["cp"]
     live = sum(v for k, v in shape.acts.items() if k not in shape.unread)
     mem = memory_terms(shape, lay, shard, gathered, fsdp, device_elems, live)
     if saved_bytes is not None:
@@ -244,4 +273,4 @@ def predict(shape, lay, chip, constants=None, saved_bytes=None, push_bucket_byte
             "host_overhead_s": chip.host_overhead_s, "memory": mem, "total_bytes": total,
             "offload_bytes": offload_bytes, "host": host, "host_need": host_need,
             "fits": fits(total, host_need, chip),
-            "mfu": shape.model_flops * lay.local_batch / lay.tp / (step * chip.peak_flops)}
+            "mfu": shape.model_flops * lay.local_batch / sharing(lay) / (step * chip.peak_flops)}

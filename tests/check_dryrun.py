@@ -38,7 +38,7 @@ def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones(c
     assert rc == 0 and time.time() - t0 < 120, err[-2000:]
     rows = json.loads(out.strip().splitlines()[-1])
     dims = [{k: int(v) for k, v in (p.split("=") for p in r["mesh"].split(","))} for r in rows]
-    assert all(d.get("dcn", 1) * d["ici"] * d.get("tp", 1) == 256 and d.get("tp", 1) == 1 for d in dims)
+    assert all(d.get("dcn", 1) * d["ici"] * d.get("cp", 1) * d.get("tp", 1) == 256 and d.get("tp", 1) == 1 for d in dims)
     assert all(128 % d.get("ep", 1) == 0 and (d.get("dcn", 1) * d["ici"]) % d.get("ep", 1) == 0 for d in dims)
     assert any(d.get("ep", 1) > 1 for d in dims) and len({r["mesh"] for r in rows}) == len(rows) // 2
     fits = [r["fits"] for r in rows]

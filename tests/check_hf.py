@@ -200,10 +200,10 @@ def test_generate_on_a_tokenizer_run_picks_its_tokenizer_and_checkpoint_and_refu
     shutil.copytree(run, future)
     meta_file = future / "checkpoints" / "step_000002" / "meta.json"
     meta = json.loads(meta_file.read_text())
-    meta["model_args"]["sliding_window"] = 128
+    meta["model_args"]["attn_logit_softcap"] = 50.0
     meta_file.write_text(json.dumps(meta))
-    one_line(["--run", str(future), "x"], "model_args sliding_window unknown to this version")
-    one_line(["export", str(future), str(tmp_path / "exported")], "model_args sliding_window unknown", hf.main)
+    one_line(["--run", str(future), "x"], "model_args attn_logit_softcap unknown to this version")
+    one_line(["export", str(future), str(tmp_path / "exported")], "model_args attn_logit_softcap unknown", hf.main)
     for bad in ("nan", "inf"):
         one_line(["--run", str(run), "x", "--temperature", bad], "a finite --temperature >= 0")
     out = one_line(["--run", str(run), "hi", "--max-new-tokens", "100000"], "exceeds the model's max_seq_len")

@@ -130,7 +130,8 @@ def test_plan_layouts_use_exactly_the_chips_asked_and_the_anchor_takes_help(caps
     for chips in (7, 12):
         rows = dryrun.plan(w, chips, 4 * chips, "tpu_v5p")
         dims = [{k: int(v) for k, v in (p.split("=") for p in r["mesh"].split(","))} for r in rows]
-        assert rows and all(d.get("dcn", 1) * d["ici"] * d.get("tp", 1) == chips for d in dims), [r["mesh"] for r in rows]
+        assert rows and all(d.get("dcn", 1) * d["ici"] * d.get("cp", 1) * d.get("tp", 1) == chips for d in dims), \
+            [r["mesh"] for r in rows]
         assert all(r["devices"] == chips for r in rows)
     assert any("tp=2" in r["mesh"] for r in dryrun.plan(w, 12, 48, "tpu_v5p"))
     from planner import anchor

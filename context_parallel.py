@@ -1,0 +1,155 @@
+"""context_parallel.py: a sequence split over `cp` processes (context parallelism), and the masks a
+process needs to attend from its part of a sequence.
+
+    torchrun --nproc-per-node 4 train.py --mesh ici=2,cp=2 --seq-len 4096   # each rank: 1/2 of every sequence
+
+Each of the C ranks of a cp group holds 1/C of every sequence of its rows; the MLPs, norms and the loss
+run on those tokens alone, so a rank's activations are ~1/C of a whole sequence's. Attention needs
+every earlier key, so before each layer's attention the group all-gathers the keys and values
+(torchprime's and MaxText's all-gather variant; backward: the reduce-scatter of their gradients) and a
+rank's queries attend over the whole sequence under a mask built from global positions.
+
+Load balancing (torchtitan's head-tail split): with causal attention the last tokens see the most
+keys, so contiguous chunks would leave rank C-1 with most of the work. The sequence is cut into 2C
+chunks and rank r holds chunks r and 2C-1-r: every rank holds one early and one late chunk, and the
+same number of (query, key) pairs under the causal mask.
+
+What stays right per chunk: RoPE takes the tokens' global positions (Transformer.rope(positions=)),
+the causal, sliding-window and packed-document masks compare global positions and document ids
+(document ids need the whole sequence's separators: the tokens are all-gathered once per forward, an
+int per token). The gathered keys stay in the gather's order (rank by rank): attention does not care
+in which order keys arrive, only which it may see, and the mask is built for that order.
+
+Parameters: the cp ranks are data-parallel ranks for the weights (they read the same rows but hold
+different tokens): FSDP shards over dp x cp and averages their gradients, as torchtitan's
+`dp_shard_cp` does. Each rank's loss is the mean over its tokens, all ranks hold as many, so the mean
+of the ranks' losses is the whole batch's and the averaged gradient is one process's.
+
+The model meets this through one seam (model.Transformer.split_sequence): every forward asks its
+`sequence` for a SequenceView (this process's positions, and the keys each layer attends over);
+WholeSequence, the default, is one process with every position.
+"""
+import torch
+import torch.distributed._functional_collectives as funcol
+
+
+def position_mask(q_pos_S, k_pos_T, window=None, q_seg_BxS=None, k_seg_BxT=None):
+    """Boolean (S, T) or (B, S, T) mask, True = may attend, from the queries' and keys' global
+    positions (in any order): causal, a sliding window (a query sees itself and the window-1 keys
+    before it), packed documents (same segment id)."""
+    q, k = q_pos_S[:, None], k_pos_T[None, :]
+    mask = k <= q
+    if window is not None:
+        mask = mask & (q - k < window)
+    if q_seg_BxS is not None:
+        mask = mask & (q_seg_BxS[:, :, None] == k_seg_BxT[:, None, :])
+    return mask
+
+
+def document_ids(tokens_BxS, doc_sep):
+    """Packed documents' segment ids: the number of `doc_sep` tokens before each position (a separator
+    belongs to the document it ends), as torchtitan's block-causal mask counts its EOS tokens."""
+    ends = (tokens_BxS == doc_sep).to(torch.int32)
+    return ends.cumsum(1) - ends
+
+
+class SequenceView:
+    """How one process's tokens see a sequence in one forward: `positions` (S,), their places in the
+    whole sequence; `update(k, v)` -> (keys, values, mask) that every layer attends over (`gather`
+    brings the other processes' keys and values, None: this process has them all; `key_positions`
+    (T,) are where those keys sit). The KV cache's protocol (generate.py): Attention has one path."""
+
+    def __init__(self, positions, key_positions, window=None, q_seg=None, k_seg=None, gather=None):
+        self.positions, self.gather = positions, gather
+        mask = position_mask(positions, key_positions, window, q_seg, k_seg)
+        self.mask = mask[:, None] if mask.dim() == 3 else mask  # (broadcast over heads)
+        self.additive = {}
+
+    def layer(self, i):
+        return self
+
+    def update(self, k_BxKxSxD, v_BxKxSxD):
+        """The keys, values and the mask as 0 / -inf in their dtype, made once for all the layers (SDPA
+        turns a boolean mask into that per call, and saves each copy for backward: measured here)."""
+        dtype = k_BxKxSxD.dtype
+        if dtype not in self.additive:
+            self.additive[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill(
+                ~self.mask, float("-inf"))
+        if self.gather is None:
+            return k_BxKxSxD, v_BxKxSxD, self.additive[dtype]
+        return self.gather(k_BxKxSxD), self.gather(v_BxKxSxD), self.additive[dtype]
+
+
+class WholeSequence:
+    """The default sequence: this process holds every position of its rows."""
+
+    @staticmethod
+    def view(tokens_BxS, args):
+        """None for plain causal attention (the attention implementation's own path), else the window /
+        packed documents as a mask over the whole sequence (the reference attention)."""
+        if args.sliding_window is None and args.doc_sep is None:
+            return None
+        pos = torch.arange(tokens_BxS.shape[1], device=tokens_BxS.device)
+        seg = None if args.doc_sep is None else document_ids(tokens_BxS, args.doc_sep)
+        return SequenceView(pos, pos, args.sliding_window, seg, seg)
+
+
+def head_tail_positions(seq_len, size, rank, device=None):
+    """The global positions rank `rank` of `size` holds: chunks rank and 2*size-1-rank of 2*size."""
+    n = seq_len // (2 * size)
+    head, tail = rank * n, (2 * size - 1 - rank) * n
+    return torch.cat([torch.arange(head, head + n, device=device), torch.arange(tail, tail + n, device=device)])
+
+
+class ContextParallel:
+    """A sequence split over the `size` ranks of process group `group` (this process: `rank` in it)."""
+
+    def __init__(self, size, rank, group):
+        self.size, self.rank, self.group = size, rank, group
+
+    def split(self, x_BxS):
+        """This rank's head and tail chunks of whole sequences (inputs, targets: shifted before the split)."""
+        return x_BxS[:, head_tail_positions(x_BxS.shape[1], self.size, self.rank, x_BxS.device)]
+
+    def gather(self, x, dim):
+        """Every rank's x, concatenated along `dim` in rank order (backward: the reduce-scatter)."""
+        return funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=dim, group=self.group)
+
+    def view(self, tokens_BxS, args):
+        """The SequenceView of this rank's tokens (B, S/C): its global positions; the keys of the whole
+        sequence, gathered in rank order, and the mask of which each query may see."""
+        seq_len, device = tokens_BxS.shape[1] * self.size, tokens_BxS.device
+        pos = head_tail_positions(seq_len, self.size, self.rank, device)
+        key_pos = torch.cat([head_tail_positions(seq_len, self.size, r, device) for r in range(self.size)])
+        q_seg = k_seg = None
+        if args.doc_sep is not None:  # document ids count the separators of the whole sequence before a token
+            gathered = funcol.all_gather_tensor(tokens_BxS, gather_dim=1, group=self.group)
+            whole = torch.empty_like(gathered).index_copy_(1, key_pos, gathered)  # (back in sequence order)
+            ids = document_ids(whole, args.doc_sep)
+            q_seg, k_seg = ids[:, pos], ids[:, key_pos]
+        return SequenceView(pos, key_pos, args.sliding_window, q_seg, k_seg, gather=lambda x: self.gather(x, 2))
+
+
+class HeadTailOrder:
+    """XLA SPMD (spmd.py): one process holds whole sequences, each put in head-tail order (rank 0's
+    two chunks, then rank 1's, ...), its sequence dim partitioned over `cp`: each device's contiguous
+    block is its head and tail chunk. The model computes on the reordered sequence with these global
+    positions; GSPMD gathers the keys and values the attention needs (no collective written here)."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def order(self, seq_len, device=None):
+        return torch.cat([head_tail_positions(seq_len, self.size, r, device) for r in range(self.size)])
+
+    def split(self, x_BxS):
+        """Whole sequences in head-tail order (inputs and targets alike: the loss's mean is unchanged)."""
+        return x_BxS[:, self.order(x_BxS.shape[1], x_BxS.device)]
+
+    def view(self, tokens_BxS, args):
+        pos = self.order(tokens_BxS.shape[1], tokens_BxS.device)
+        seg = None
+        if args.doc_sep is not None:  # (document ids count separators in sequence order)
+            whole = torch.empty_like(tokens_BxS).index_copy_(1, pos, tokens_BxS)
+            seg = document_ids(whole, args.doc_sep)[:, pos]
+        return SequenceView(pos, pos, args.sliding_window, seg, seg)
