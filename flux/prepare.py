@@ -112,20 +112,12 @@ def encode_batch(parts, rows, size):
             "txt": txt.float().cpu().contiguous(), "pooled": pooled.float().cpu().contiguous()}
 
 
-def file_digest(path):
-    """sha256 of a file's bytes (what a resumed batch must have been encoded from)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def batch_fingerprints(batches, folder, flux_dir, max_sequence_length):
     """One hash per batch of everything its encodings depend on: which images (by path and bytes), their
     captions and labels, in order, and the encoders (the directory, the T5 length)."""
+    from checkpoint import sha256_of  # (a file's bytes, as a checkpoint's are checked)
     settings = [os.path.abspath(folder), os.path.abspath(flux_dir), max_sequence_length]
-    return [hashlib.sha256(json.dumps([settings, [[os.path.relpath(p, folder), file_digest(p), t, lab]
+    return [hashlib.sha256(json.dumps([settings, [[os.path.relpath(p, folder), sha256_of(p), t, lab]
                                                   for p, t, lab in batch]]).encode()).hexdigest() for batch in batches]
 
 

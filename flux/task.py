@@ -228,11 +228,9 @@ class FluxFlags:
                               "by a classifier; at each evaluation a quick grid samples_step_N.png (0: off)")
     distilled_guidance: Optional[float] = flag(None, "flux: the guidance value given to a model with a guidance "
                                                "embedding (flux-dev's distilled scale; default 1)")
-    prompt_dropout: Optional[float] = flag(None, "flux: the share of training samples whose prompt is replaced by the "
-                                           "empty one (trains the unconditional model of classifier-free guidance; "
-                                           f"default 0 on a --data file, as diffusers' training scripts' "
-                                           f"--proportion_empty_prompts; {DROP_PROMPT} on the digits, whose grids "
-                                           f"sample with guidance {GUIDANCE:g})")
+    prompt_dropout: Optional[float] = flag(None, f"flux: the share of samples trained on the empty prompt (CFG's "
+                                           f"unconditional model; default 0 on a --data file, as diffusers' scripts' "
+                                           f"--proportion_empty_prompts; {DROP_PROMPT} on the digits: grids at CFG {GUIDANCE:g})")
 
 
 class FluxDigits(Workload):
@@ -285,8 +283,7 @@ class FluxDigits(Workload):
         if self.drop_prompt and self.src.empty is None:
             raise ConfigError(f"--prompt-dropout {self.drop_prompt}: {cfg.data} has no empty prompt (empty_txt, "
                               f"empty_pooled: flux.prepare writes them)")
-        # the grids guide by the empty prompt only where it was trained
-        self.grid_guidance = GUIDANCE if self.drop_prompt else 1.0
+        self.grid_guidance = GUIDANCE if self.drop_prompt else 1.0  # (CFG only where the empty prompt trained)
         self.family = FluxFamily(cfg, a, self.src.hw, self.src.cond_keys == ("labels",), self.guidance,
                                  self._text_tokens())
 
@@ -362,11 +359,10 @@ class FluxDigits(Workload):
         path = os.path.join(out_dir, "samples.png")
         images, accuracy = sample_grid(model, self.src, self.cfg.seed, path, per_class=self.cfg.sample_images,
                                        guidance=self.grid_guidance, judge=isinstance(self.src, DigitsSource))
-        guidance = self.grid_guidance
         judged = "" if accuracy is None else (f"; an SVC on the real digits labels {100 * accuracy:.1f}% of "
                                               f"{len(images)} samples as their prompt's class")
-        log({"event": "samples", "accuracy": accuracy, "guidance": guidance},
-            f"samples: {path}{judged} (guidance {guidance})")
+        log({"event": "samples", "accuracy": accuracy, "guidance": self.grid_guidance},
+            f"samples: {path}{judged} (guidance {self.grid_guidance})")
 
 
 def plan_workload(args, cfg):
