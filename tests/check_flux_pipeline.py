@@ -295,14 +295,15 @@ def _pipeline_copy(tiny_dir, to, scheduler="dev", without=()):
 
 
 @pytest.mark.parametrize("cfg_scale,scheduler", [(1.0, "dev"), (2.0, "dev"), (0.5, "schnell"), (1.0, "static_3")])
-def test_flux_sampler_and_vae_decode_equal_fluxpipeline_images(tiny_flux, cfg_scale, scheduler, tmp_path):
+def test_flux_sampler_and_vae_decode_equal_fluxpipeline_images(tiny_flux, cfg_scale, scheduler, tmp_path, capsys):
     """flux.Flux loaded from the directory's transformer/, our Euler sampler on the scheduler config's
     time shift (FLUX.1-dev's dynamic one; FLUX.1-schnell's static shift 1, none; a static shift 3), then the
     VAE decode, give FluxPipeline's images for the same prompts, seed, steps, distilled guidance 3.5 (and
     true classifier-free guidance 2 against the empty prompt; a scale 0.5 is none, as FluxPipeline applies
     it above 1 only) to 1e-4, on a non-square 32 x 48 image; the times are diffusers' scheduler's sigmas
     (to 1e-6: float32); `python -m flux.sample --flux DIR --prompt ...`'s PNG is the image too (to 1/255),
-    with its defaults for the guidance (1: off) and the distilled guidance (3.5) where they are these."""
+    with its defaults for the guidance (1: off) and the distilled guidance (3.5) where they are these; its
+    --out into a folder that cannot be written is one line, exit 5."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
     from flux import hf as flux_hf, pipeline, sample as flux_sample, tiny
@@ -335,6 +336,14 @@ def test_flux_sampler_and_vae_decode_equal_fluxpipeline_images(tiny_flux, cfg_sc
                              "--out", png]) == 0
     grid = torch.from_numpy(np.array(Image.open(png))).permute(2, 0, 1).int()  # a row per prompt: one above the other
     assert (grid - (torch.cat(list(want), dim=1) * 255).round().int()).abs().max() <= 1
+    if scheduler == "schnell":  # --out where no file can be written (its folder is a file): one line, exit 5
+        (tmp_path / "a_file").write_text("")
+        blocked = str(tmp_path / "a_file" / "p.png")
+        capsys.readouterr()  # (FluxPipeline's progress bars)
+        assert flux_sample.main(["--flux", d, "--prompt", "x", "--size", "32x32", "--steps", "1", "--per-class", "1",
+                                 "--max-sequence-length", str(tiny.T5_TOKENS), "--out", blocked]) == 5
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: a write failed:") and blocked in err[0], err
 
 
 def test_flux_latent_run_decodes_exports_back_and_fluxpipeline_loads_it(tiny_flux, tmp_path, capsys):
