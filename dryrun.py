@@ -260,42 +260,56 @@ def layouts(w, chips, batch_size, chip, remats, traced):
     return rows
 
 
+# The memory policies --plan ranks beside the layouts: remat off / --remat (False / True), every named
+# policy of planner/shapes.py (MaxText's remat_policy names; those of another model kind are skipped),
+# and the layer inputs offloaded to host with the rest recomputed (MaxText's custom policy
+# decoder_layer_input: offload, as published Ironwood / v6e recipes run it)
+PLAN_POLICIES = (False, True, *(n for n in shapes.POLICIES if n not in ("none", "save_matmul_outputs")),
+                 {"decoder_layer_input": "offload"})
+
+
+def plan_policies(w):
+    """The PLAN_POLICIES the Workload's model takes, each keeping something else: a preset that keeps,
+    offloads and recomputes what an earlier one does (names another model kind has) is not a row."""
+    shape, seen, kept = shape_of(w), set(), []
+    for policy in PLAN_POLICIES:
+        try:
+            split = repr(shapes.policy_split(shape, policy_name(policy)))
+        except ValueError:  # (another model kind's policy: FLUX's by block kind on a language model)
+            continue
+        if split not in seen or isinstance(policy, bool):  # (off / on: the two traced, always rows)
+            seen.add(split)
+            kept.append(policy)
+    return kept
+
+
 def plan(w, chips, batch_size, chip, traced=None):
-    """Every layout of `chips` (remat off / on) that the model and batch allow, ranked: fitting ones
-    first, then by predicted step time."""
+    """Every layout of `chips` under every memory policy the model takes (plan_policies) that the model
+    and batch allow, ranked: fitting ones first, then by predicted step time."""
     traced = traced or {r: w.saved_bytes(r) for r in (False, True)}
-    return layouts(w, chips, batch_size, chip, (False, True), traced)
-
-
-FIXES_REMAT = ("full", {"decoder_layer_input": "offload"})
+    return layouts(w, chips, batch_size, chip, plan_policies(w), traced)
 
 
 def cheapest_fix(w, chips, batch_size, chip, traced):
-    """When no layout fits: the change that does, cheapest in chip-seconds a sample. Tried: a remat
-    policy that keeps less (full; the layer inputs offloaded to host), 2-8x the chips, a batch
-    halved (down to one sample a chip). Returns one line."""
+    """When no layout fits under any policy: the change that does, cheapest in chip-seconds a sample.
+    Tried: 2-8x the chips, a batch halved (down to one sample a chip). Returns one line."""
     options = []
-    for remat in FIXES_REMAT:
-        fit = [r for r in layouts(w, chips, batch_size, chip, (remat,), traced) if r["fits"]]
-        if fit:
-            label = "remat full" if remat == "full" else "offload the layer inputs to host (remat the rest)"
-            options.append((fit[0]["step_s"] * chips / batch_size, label, fit[0]))
     for factor in (2, 4, 8):
-        fit = [r for r in layouts(w, chips * factor, batch_size, chip, (False, True), traced) if r["fits"]]
+        fit = [r for r in plan(w, chips * factor, batch_size, chip, traced) if r["fits"]]
         if fit:
             options.append((fit[0]["step_s"] * chips * factor / batch_size, f"{chips * factor} chips", fit[0]))
             break
     batch = batch_size // 2
     while batch >= 1:
-        fit = [r for r in layouts(w, chips, batch, chip, (False, True), traced) if r["fits"]]
+        fit = [r for r in plan(w, chips, batch, chip, traced) if r["fits"]]
         if fit:
             options.append((fit[0]["step_s"] * chips / batch, f"global batch {batch}", fit[0]))
             break
         batch //= 2
     if not options:
-        return "cheapest change that fits: none found (tried remat full, host offload, 8x the chips, smaller batches)"
+        return "cheapest change that fits: none found (tried 8x the chips, smaller batches, every memory policy)"
     cost, label, r = min(options, key=lambda o: o[0])
-    return (f"cheapest change that fits: {label} -> {r['mesh']}, {r['total_bytes'] / GiB:.1f} GiB, "
+    return (f"cheapest change that fits: {label} -> {r['mesh']}, remat {remat_label(r['remat'])}, {r['total_bytes'] / GiB:.1f} GiB, "
             f"step {r['step_s'] * 1e3:.0f} ms ({cost * 1e3:.1f} chip-ms a sample)")
 
 
@@ -330,18 +344,22 @@ def main(w, cfg):
 
 
 def remat_label(remat):
-    return {True: "on", False: "off"}.get(remat, "custom" if isinstance(remat, dict) else remat)
+    """off / on (--remat), a policy's name, or a custom policy's places (offload:decoder_layer_input)."""
+    if isinstance(remat, dict):
+        return ",".join(f"{place}:{name}" for name, place in remat.items())
+    return {True: "on", False: "off"}.get(remat, remat)
 
 
 def format_plan(rows, cfg, top=15):
+    width = max(5, *(len(remat_label(r["remat"])) for r in rows[:top]))
     lines = [f"plan: {rows[0]['flavor']} on {cfg.chips} x {cfg.chip}, global batch {cfg.batch_size} x "
              f"{rows[0]['seq_len']} tokens; "
-             f"{len(rows)} layouts, best {min(top, len(rows))}, fitting first (step: stepmodel.py's parts, "
-             f"{calibration_note(cfg.chip)}; not run on a TPU)",
-             f"  {'mesh':<28} {'remat':<5} {'batch/dp':>8} {'HBM GiB':>8} {'host GiB':>8} {'fits':<4} {'step ms':>9} "
+             f"{len(rows)} layouts x memory policies, best {min(top, len(rows))}, fitting first (step: stepmodel.py's "
+             f"parts, {calibration_note(cfg.chip)}; not run on a TPU)",
+             f"  {'mesh':<28} {'remat':<{width}} {'batch/dp':>8} {'HBM GiB':>8} {'host GiB':>8} {'fits':<4} {'step ms':>9} "
              f"{'TP/EP/CP':>9} {'MFU':>6}  bound"]
     for r in rows[:top]:
-        lines.append(f"  {r['mesh']:<28} {remat_label(r['remat']):<5} {r['local_batch']:>8} "
+        lines.append(f"  {r['mesh']:<28} {remat_label(r['remat']):<{width}} {r['local_batch']:>8} "
                      f"{r['total_bytes'] / GiB:>8.1f} {r['host_need'] / GiB:>8.1f} {'yes' if r['fits'] else 'NO':<4} {r['step_s'] * 1e3:>9.1f} "
                      f"{r['exposed_s'] * 1e3:>9.1f} {100 * r['mfu']:>5.1f}%  {r['bound']}")
     return "\n".join(lines)

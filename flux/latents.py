@@ -15,8 +15,8 @@ The file (safetensors; one row per training sample):
     labels        int   (N,)           each sample's class, 0..9: the evaluation grid's rows (one per class,
                                        prompted by the first held-out sample of that class)
     empty_txt     float (T, E)         the encoders' outputs for the empty prompt; with them, a share of the
-    empty_pooled  float (V,)           prompts is dropped for classifier-free guidance, validation is
-                                       unconditional (the flow itself) and the grid is guided
+    empty_pooled  float (V,)           prompts can be dropped for classifier-free guidance (--prompt-dropout;
+                                       then the grid is guided) and validation is unconditional (the flow itself)
 Split: the last tenth of the rows (at least one) is held out for validation, the rest is trained on
 (write the file shuffled). Anything else is refused in one line (DataError, exit 2): a missing or
 unreadable file, a missing or unknown tensor, a shape the model cannot take, a label out of range,

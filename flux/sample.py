@@ -9,9 +9,10 @@ or logit-normal (SD3's choice: sigmoid of a Gaussian, more weight on the middle 
 Sampling (BFL's `flux/src/flux/sampling.py`): start at pure noise (t = 1) and integrate the
 predicted velocity back to t = 0 with Euler steps on a *time-shifted* schedule: t' = e^mu / (e^mu +
 (1/t - 1)), with mu growing linearly with the image's token count (0.5 at 256 tokens, 1.15 at 4096),
-so larger images spend more of their steps at high noise. Classifier-free guidance mixes the
-conditional and unconditional velocities, u + s (c - u) (s = 1: the conditional model alone);
-flux-dev instead takes its distilled guidance scale as a model input (`guidance`).
+so larger images spend more of their steps at high noise (a diffusers scheduler with a static `shift` s
+instead: e^mu = s; FLUX.1-schnell's s = 1, no shift). Classifier-free guidance mixes the conditional and
+unconditional velocities, u + s (c - u), for s > 1 only, as FluxPipeline's `true_cfg_scale` (s <= 1: the
+conditional model alone); flux-dev instead takes its distilled guidance scale as a model input (`guidance`).
 
 Grids: `sample_grid` samples a row per class (or prompt) of a run's model, judged on the digits by an
 independent classifier (digits.py); `python -m flux.sample RUN_DIR --guidance 1,2,4` does it for a
@@ -65,25 +66,31 @@ def time_shift(mu, t):
 
 
 def schedule(steps, image_tokens, base_shift=0.5, max_shift=1.15, shift=True, base_image_seq_len=256,
-             max_image_seq_len=4096):
-    """steps + 1 times from 1 to 0; shifted towards 1 by mu = a line through (256, base), (4096, max)
-    (the lengths and shifts are a diffusers scheduler config's: flux/pipeline.py reads them)."""
+             max_image_seq_len=4096, static_shift=None):
+    """steps + 1 times from 1 to 0; shifted towards 1 by mu = a line through (256, base), (4096, max), or
+    by a `static_shift` s whatever the size: mu = ln s, i.e. t -> s t / (1 + (s - 1) t), diffusers'
+    use_dynamic_shifting=False (the lengths and shifts are a diffusers scheduler config's: flux/pipeline.py
+    reads them)."""
     ts = [1 - i / steps for i in range(steps + 1)]
     if not shift:
         return ts
-    mu = base_shift + (max_shift - base_shift) * (image_tokens - base_image_seq_len) / (max_image_seq_len - base_image_seq_len)
+    if static_shift is not None:
+        mu = math.log(static_shift)
+    else:
+        mu = base_shift + (max_shift - base_shift) * (image_tokens - base_image_seq_len) / (max_image_seq_len - base_image_seq_len)
     return [time_shift(mu, t) for t in ts]
 
 
 def euler(velocity, x_BxSxC, times, cfg_scale=1.0):
     """Integrate dx/dt = v from times[0] to times[-1]. `velocity(x, t_B, cond)` is the model with
-    (cond=True) or without (cond=False) the prompt; s != 1 mixes them: u + s (c - u)."""
+    (cond=True) or without (cond=False) the prompt; s > 1 mixes them: u + s (c - u) (FluxPipeline's
+    `do_true_cfg = true_cfg_scale > 1`)."""
     x = x_BxSxC
     B = x.shape[0]
     for t_cur, t_next in zip(times[:-1], times[1:]):
         t_B = torch.full((B,), t_cur, dtype=x.dtype, device=x.device)
         v = velocity(x, t_B, True)
-        if cfg_scale != 1.0:
+        if cfg_scale > 1:
             u = velocity(x, t_B, False)
             v = u + cfg_scale * (v - u)
         x = x + (t_next - t_cur) * v
@@ -94,12 +101,12 @@ def euler(velocity, x_BxSxC, times, cfg_scale=1.0):
 def sample(model, txt_BxTxE, y_BxV, shape_CxHxW, steps=20, seed=0, cfg_scale=1.0, uncond=None, guidance=None,
            shift=True, schedule_kw=None):
     """Images (B, C, H, W) for B prompts (text embeddings + pooled vectors), from seeded noise.
-    `uncond` = (txt_1xTxE, y_1xV), the empty prompt, needed when cfg_scale != 1; `guidance` is
+    `uncond` = (txt_1xTxE, y_1xV), the empty prompt, needed when cfg_scale > 1; `guidance` is
     flux-dev's distilled scale (a model with guidance_embed only); `schedule_kw` schedule()'s shifts."""
     C, H, W = shape_CxHxW
     B, dev = txt_BxTxE.shape[0], txt_BxTxE.device
-    if cfg_scale != 1.0 and uncond is None:
-        raise ValueError("classifier-free guidance (cfg_scale != 1) needs an unconditional prompt")
+    if cfg_scale > 1 and uncond is None:
+        raise ValueError("classifier-free guidance (cfg_scale > 1) needs an unconditional prompt")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     noise = patchify(torch.randn(B, C, H, W, generator=gen)).to(dev)
     img_ids, txt_ids = image_ids(B, H, W, device=dev), text_ids(B, txt_BxTxE.shape[1], device=dev)
@@ -129,9 +136,10 @@ def grid_prompts(src):
 
 
 @torch.no_grad()
-def sample_grid(model, src, seed, path=None, per_class=10, steps=20, guidance=GUIDANCE, judge=True):
+def sample_grid(model, src, seed, path=None, per_class=10, steps=20, guidance=GUIDANCE, judge=True, schedule_kw=None):
     """(images (rows * per_class, C, H, W), the judge's accuracy on them, or None); a PNG grid (a row per
-    class / prompt). Classifier-free guidance where the source has an empty prompt."""
+    class / prompt). Classifier-free guidance where the source has an empty prompt; `schedule_kw` the
+    time shift (a FLUX directory's scheduler: flux/pipeline.py), FLUX.1-dev's by default."""
     device = next(model.parameters()).device
     cond, classes = grid_prompts(src)
     cond = tuple(c.to(device).repeat_interleave(per_class, dim=0) for c in cond)
@@ -140,7 +148,7 @@ def sample_grid(model, src, seed, path=None, per_class=10, steps=20, guidance=GU
     images = sample(
         model.flux, txt, y, (model.flux.args.in_channels // 4, *src.hw), steps=steps, seed=seed,
         cfg_scale=guidance if uncond is not None else 1.0, uncond=uncond,
-        guidance=model.guidance if model.flux.args.guidance_embed else None).cpu()
+        guidance=model.guidance if model.flux.args.guidance_embed else None, schedule_kw=schedule_kw).cpu()
     accuracy = None
     if judge and classes is not None:
         clf, _ = digits.classifier(seed)
@@ -160,17 +168,19 @@ def save_grid(images_Nx1xHxW, per_row, path):
     fig = plt.figure(figsize=(per_row * 0.5, rows * 0.5))
     plt.imshow(grid.reshape(rows * H, per_row * W).numpy(), cmap="gray_r", vmin=-1, vmax=1)
     plt.axis("off")
-    tmp = path + ".tmp"
-    fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    from flux.pipeline import written
+    try:
+        with written(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
+    finally:
+        plt.close(fig)
 
 
 def text_to_image(flux_model, parts, prompts, size_HxW, steps=20, seed=0, cfg_scale=1.0, guidance=3.5):
     """FluxPipeline's text-to-image with our sampler and transformer (flux.Flux), through `parts`
     (flux/pipeline.py's FluxParts: the directory's encoders and VAE): prompts ->
     pixels in [0, 1], (B, 3, H, W). The noise is FluxPipeline's (one CPU generator seeded `seed`, (B, 16,
-    H / 8, W / 8)); cfg_scale != 1 is true classifier-free guidance against the empty prompt (its
+    H / 8, W / 8)); cfg_scale > 1 is true classifier-free guidance against the empty prompt (its
     `true_cfg_scale` with negative_prompt ""); `guidance` flux-dev's distilled scale (its `guidance_scale`)."""
     from flux.pipeline import FluxDirError
     H, W = size_HxW
@@ -181,7 +191,7 @@ def text_to_image(flux_model, parts, prompts, size_HxW, steps=20, seed=0, cfg_sc
         raise FluxDirError(f"the encoders give T5 width {dims[0]} and CLIP width {dims[1]}; the transformer reads "
                            f"{a.context_in_dim} and {a.vec_in_dim} (another FLUX directory's model?)")
     txt, pooled = parts.prompts(prompts)
-    uncond = parts.prompts([""]) if cfg_scale != 1 else None
+    uncond = parts.prompts([""]) if cfg_scale > 1 else None
     latents = sample(flux_model, txt, pooled, (parts.channels, H // parts.down, W // parts.down), steps=steps,
                      seed=seed, cfg_scale=cfg_scale, uncond=uncond,
                      guidance=guidance if flux_model.args.guidance_embed else None, schedule_kw=parts.schedule)
@@ -197,11 +207,13 @@ def main(argv=None):
     import argparse
     import sys
     import checkpoint
-    from errors import BadInput
+    from errors import BadInput, WriteFailed, describe_write_failure, error_line
     p = argparse.ArgumentParser(description=main.__doc__.split(":")[0])
     p.add_argument("run_dir", nargs="?")
     p.add_argument("--per-class", type=int, default=10, help="images per class / prompt")
-    p.add_argument("--guidance", default=str(GUIDANCE), help="comma list of classifier-free guidance scales")
+    p.add_argument("--guidance", default="1", help="comma list of true classifier-free guidance scales s, "
+                   "u + s (c - u), applied for s > 1 only (default 1: off, FluxPipeline's true_cfg_scale=1, one "
+                   f"forward a step; the training grids of a digits run use {GUIDANCE:g})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--flux", help="a diffusers FLUX directory: its VAE decodes, its encoders read --prompt")
     p.add_argument("--data", help="the latent file a latent run trained on (its prompts; checked by content)")
@@ -209,7 +221,8 @@ def main(argv=None):
     p.add_argument("--size", default="", help="HxW pixels for --prompt (default: the --data file's, else 1024x1024)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--distilled-guidance", type=float, default=None,
-                   help="flux-dev's guidance input (default: 1 for a run, as it trains; 3.5 for FLUX_DIR's transformer)")
+                   help="flux-dev's guidance input (default: the run's own --distilled-guidance, as it trained; "
+                        "FluxPipeline's 3.5 for FLUX_DIR's transformer)")
     p.add_argument("--max-sequence-length", type=int, default=512, help="T5 tokens for --prompt without --data")
     p.add_argument("--out", default=None, help="--prompt's grid (default: RUN_DIR/prompts_g<scale>.png, or ./)")
     cfg = p.parse_args(argv)
@@ -220,7 +233,7 @@ def main(argv=None):
                              f"{cfg.per_class}, {cfg.steps}, {cfg.guidance}")
         if (cfg.prompt or cfg.data) and not cfg.flux:
             raise ValueError("--prompt and --data decode through a FLUX directory's VAE: give --flux FLUX_DIR")
-        model = meta = src = parts = None
+        model = meta = src = parts = flux_model = size = None
         if cfg.run_dir:
             path, meta = checkpoint.run_checkpoint(cfg.run_dir)
             if meta.get("task") != "flux":
@@ -249,21 +262,32 @@ def main(argv=None):
     except (ValueError, TypeError, OSError) as e:  # (BadInput too: a directory that is not FLUX's)
         sys.stderr.write(f"error: {e}\n")
         return 2
-    guidance = cfg.distilled_guidance if cfg.distilled_guidance is not None else (3.5 if model is None else 1.0)
+    guidance = cfg.distilled_guidance if cfg.distilled_guidance is not None else (3.5 if model is None else model.guidance)
+    if model is not None:
+        model.guidance = guidance
+    try:
+        return _sample_each(cfg, scales, model, flux_model, src, parts, size, guidance)
+    except BadInput as e:
+        error_line(str(e))
+        return 2
+    except WriteFailed as e:  # (a read-only run directory, a full disk: nothing half-written is left)
+        error_line(f"a write failed: {describe_write_failure(e)}")
+        return e.exit_code
+
+
+def _sample_each(cfg, scales, model, flux_model, src, parts, size, guidance):
+    """main's grids, one per true-CFG scale."""
+    from flux import pipeline
     for g in scales:
         if cfg.prompt:
-            try:
-                images = text_to_image(flux_model, parts, [t for t in cfg.prompt for _ in range(cfg.per_class)],
-                                                size, cfg.steps, cfg.seed, g, guidance)
-            except BadInput as e:
-                sys.stderr.write(f"error: {e}\n")
-                return 2
+            images = text_to_image(flux_model, parts, [t for t in cfg.prompt for _ in range(cfg.per_class)],
+                                   size, cfg.steps, cfg.seed, g, guidance)
             out = cfg.out or os.path.join(cfg.run_dir or ".", f"prompts_g{g:g}.png")
             print(f"guidance {g:g}: {len(images)} images of {len(cfg.prompt)} prompt(s); "
                   f"{pipeline.save_rgb_grid(images, cfg.per_class, out if len(scales) == 1 else f'{out[:-4]}_g{g:g}.png')}")
         elif parts is not None:
-            model.guidance = guidance
-            latent, _ = sample_grid(model, src, cfg.seed, per_class=cfg.per_class, steps=cfg.steps, guidance=g, judge=False)
+            latent, _ = sample_grid(model, src, cfg.seed, per_class=cfg.per_class, steps=cfg.steps, guidance=g, judge=False,
+                                    schedule_kw=parts.schedule)
             out = pipeline.save_rgb_grid(parts.decode(latent), cfg.per_class, os.path.join(cfg.run_dir, f"decoded_g{g:g}.png"))
             classes, judged = grid_prompts(src)[1], ""
             if classes is not None:  # a labelled file: an SVC on its real latents judges the sampled ones

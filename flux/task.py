@@ -14,7 +14,7 @@ is FLUX's own, after torchtitan's `models/flux` (its train.py / validate.py):
     scikit-learn's 1797 handwritten 8x8 digits (flux/digits.py), or `--data FILE.safetensors`: VAE
     latents + T5 / CLIP outputs computed ahead (flux/latents.py: its schema, its held-out tenth).
     Either is packed 2x2 as FLUX packs its latents. Global batch i is a pure function of (seed, i):
-    the rows, the prompts dropped to empty (probability 0.1, where there is an empty prompt), the
+    the rows, the prompts dropped to empty (--prompt-dropout: 0.1 on the digits, 0 on a latent file), the
     times t and the noise eps all come from one generator seeded with (seed, i), so resume and N
     ranks see what one process would;
   - the loss: x_t = (1 - t) x0 + t eps, target v = eps - x0, MSE (flux/sample.py); validation MSE
@@ -57,7 +57,7 @@ from parallel import local_block, local_tensor
 from task import ModelFamily, Workload
 
 PROMPT_TOKENS = 4
-DROP_PROMPT = 0.1     # classifier-free guidance: train the empty prompt on this share of samples
+DROP_PROMPT = 0.1     # the digits' classifier-free guidance: train the empty prompt on this share of samples
 EVAL_GRID = (4, 8)    # at each evaluation: up to this many samples per row, Euler steps (cheap)
 VAE_CHANNELS, VAE_DOWN = 16, 8  # FLUX's autoencoder: 16 latent channels at 1/8 of the image's side
 T5_TOKENS = 512       # the published flavors' prompt length (flux-dev's T5 max_sequence_length)
@@ -160,7 +160,8 @@ class FluxFamily(ModelFamily):
 
     @classmethod
     def from_record(cls, meta, where):
-        """A FLUX run's model: the recorded FluxArgs; learned class prompts unless it trained on a file."""
+        """A FLUX run's model: the recorded FluxArgs; learned class prompts unless it trained on a file; the
+        distilled guidance it trained with (what sampling it gives by default)."""
         saved = meta.get("model_args")
         known = {f.name for f in dataclasses.fields(flux.FluxArgs)}
         if not isinstance(saved, dict) or set(saved) - known:
@@ -171,7 +172,10 @@ class FluxFamily(ModelFamily):
             flux.check_args(args)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: model_args describe no FLUX model ({str(e).splitlines()[0]})") from None
-        return cls(None, args, classes=not meta["train"].get("data"))
+        g = meta["train"].get("distilled_guidance")
+        if g is not None and not (isinstance(g, (int, float)) and not isinstance(g, bool) and math.isfinite(g)):
+            raise CheckpointError(f"{where}: distilled_guidance {g!r} is not a number")
+        return cls(None, args, classes=not meta["train"].get("data"), guidance=1.0 if g is None else float(g))
 
     def build(self, args):
         return ConditionedFlux(args, self.hw, classes=self.classes, guidance=self.guidance)
@@ -224,6 +228,9 @@ class FluxFlags:
                               "by a classifier; at each evaluation a quick grid samples_step_N.png (0: off)")
     distilled_guidance: Optional[float] = flag(None, "flux: the guidance value given to a model with a guidance "
                                                "embedding (flux-dev's distilled scale; default 1)")
+    prompt_dropout: Optional[float] = flag(None, f"flux: the share of samples trained on the empty prompt (CFG's "
+                                           f"unconditional model; default 0 on a --data file, as diffusers' scripts' "
+                                           f"--proportion_empty_prompts; {DROP_PROMPT} on the digits: grids at CFG {GUIDANCE:g})")
 
 
 class FluxDigits(Workload):
@@ -232,7 +239,8 @@ class FluxDigits(Workload):
     family_class = FluxFamily
     resume_policy = {"data": lambda saved, now: None if (saved is None) == (now is None) else (  # (None: the digits)
         "the data source (the digits or a --data latent file) fixes the model's conditioning weights: resume "
-        "with the run's --data")}  # another latent file may replace one (--allow-change data); digits <-> a file may not
+        "with the run's --data"),  # another latent file may replace one (--allow-change data); digits <-> a file may not
+        "distilled_guidance": lambda saved, now: None, "prompt_dropout": lambda saved, now: None}  # (--allow-change)
 
     @classmethod
     def check_flags(cls, cfg):
@@ -242,6 +250,9 @@ class FluxDigits(Workload):
         g = cfg.distilled_guidance
         if g is not None and not (g >= 0 and math.isfinite(g)):
             raise ConfigError(f"--distilled-guidance {g}: a finite value >= 0")
+        p = cfg.prompt_dropout
+        if p is not None and not 0 <= p <= 1:
+            raise ConfigError(f"--prompt-dropout {p}: a share in [0, 1]")
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -268,6 +279,11 @@ class FluxDigits(Workload):
                               f"embedding (flux-dev's; guidance_embed=False)")
         # the data source, then the family it fixes (the image grid, learned class prompts or given text)
         self.src = flux_latents.LatentFile(cfg.data, a) if cfg.data else DigitsSource(cfg.seed)
+        self.drop_prompt = cfg.prompt_dropout if cfg.prompt_dropout is not None else (0.0 if cfg.data else DROP_PROMPT)
+        if self.drop_prompt and self.src.empty is None:
+            raise ConfigError(f"--prompt-dropout {self.drop_prompt}: {cfg.data} has no empty prompt (empty_txt, "
+                              f"empty_pooled: flux.prepare writes them)")
+        self.grid_guidance = GUIDANCE if self.drop_prompt else 1.0  # (CFG only where the empty prompt trained)
         self.family = FluxFamily(cfg, a, self.src.hw, self.src.cond_keys == ("labels",), self.guidance,
                                  self._text_tokens())
 
@@ -300,7 +316,7 @@ class FluxDigits(Workload):
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
         pick = torch.randint(0, len(src.train["latents"]), (B,), generator=gen)
         x0, cond = flux.patchify(src.train["latents"][pick]), self._cond(src.train, pick)
-        drop = torch.rand(B, generator=gen) < DROP_PROMPT
+        drop = torch.rand(B, generator=gen) < self.drop_prompt  # (drawn even at 0: the stream stays the same)
         for c, e in zip(cond, src.empty or ()):  # (indexing copied the rows: writing is safe)
             c[drop] = e
         t = flux_sample.sample_timesteps(B, gen, "logit_normal")
@@ -323,8 +339,9 @@ class FluxDigits(Workload):
 
     def meta(self):
         """The data's content hash, None for the digits: always recorded, so that a resume that drops
-        --data (or adds it) is seen to change it (checkpoint.check_compatible compares this run's keys)."""
-        return {"data": self.src.fingerprint}
+        --data (or adds it) is seen to change it (checkpoint.check_compatible compares this run's keys);
+        the distilled guidance and prompt dropout it trains with (flux.sample's defaults for the run)."""
+        return {"data": self.src.fingerprint, "distilled_guidance": self.guidance, "prompt_dropout": self.drop_prompt}
 
     def preview(self, model, log, out_dir, step, final):
         """A quick grid at each evaluation, named by the step (not judged); at the end the full grid,
@@ -335,18 +352,17 @@ class FluxDigits(Workload):
             return self.final_grid(model, log, out_dir)
         path = os.path.join(out_dir, f"samples_step_{step:06d}.png")
         sample_grid(model, self.src, self.cfg.seed, path, min(self.cfg.sample_images, EVAL_GRID[0]),
-                    steps=EVAL_GRID[1], judge=False)
+                    steps=EVAL_GRID[1], guidance=self.grid_guidance, judge=False)
         log({"event": "grid", "step": step, "path": path}, f"step {step:5d} | grid {path}")
 
     def final_grid(self, model, log, out_dir):
         path = os.path.join(out_dir, "samples.png")
         images, accuracy = sample_grid(model, self.src, self.cfg.seed, path, per_class=self.cfg.sample_images,
-                                       judge=isinstance(self.src, DigitsSource))
-        guidance = GUIDANCE if self.src.empty is not None else 1.0
+                                       guidance=self.grid_guidance, judge=isinstance(self.src, DigitsSource))
         judged = "" if accuracy is None else (f"; an SVC on the real digits labels {100 * accuracy:.1f}% of "
                                               f"{len(images)} samples as their prompt's class")
-        log({"event": "samples", "accuracy": accuracy, "guidance": guidance},
-            f"samples: {path}{judged} (guidance {guidance})")
+        log({"event": "samples", "accuracy": accuracy, "guidance": self.grid_guidance},
+            f"samples: {path}{judged} (guidance {self.grid_guidance})")
 
 
 def plan_workload(args, cfg):

@@ -38,6 +38,10 @@ def load(path=DATA):
         if unknown:
             raise ValueError(f"calibration run {run.get('id')!r}: the planner does not model {', '.join(unknown)} "
                              f"(it reads {', '.join(sorted(FIELDS))})")
+        try:  # (a precision the planner does not know, or one the chip publishes no peak for: one line)
+            chips_lib.matmul_peak(chips_lib.CHIPS[run["chip"]], stepmodel.precision(run["precision"]).matmul)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"calibration run {run.get('id')!r}: {e}") from None
     return runs
 
 

@@ -23,6 +23,9 @@ Sources:
   names each; the dry run marks an assumed one.
   DCN a chip: cloud.google.com/tpu/docs/tpu7x's table: v5p 50 Gb/s, v6e 100 Gb/s, Ironwood 100 Gb/s
   (v4, v5e: assumed 25 GB/s, the old default).
+  Peak below bf16 (MATMUL_PEAKS): int8 v5e 394 TOPS, v5p 918 TOPS, v6e 1836 TOPS (each chip's page
+  above); fp8 Ironwood 4614 TFLOP/s (its page); H100 SXM fp8 and int8 1979 dense (its datasheet). v4
+  lists no faster int8 rate, v5e / v5p / v6e no fp8, Ironwood no int8: refused there, not guessed.
 """
 import dataclasses
 
@@ -63,6 +66,25 @@ CHIPS = {
     # tiles are smaller (64 assumed); host PCIe Gen5 64 GB/s
     "h100": Chip("h100", 989e12, 80e9, 3350e9, 900e9, 1, 64, 2e12 / 8, host_bw=64e9, dcn_bw=50e9),
 }
+
+# Dense matmul peak a chip at each precision below bf16 (published: the sources above); bf16 is peak_flops
+MATMUL_PEAKS = {
+    "tpu_v5e": {"int8": 394e12}, "tpu_v5p": {"int8": 918e12}, "tpu_v6e": {"int8": 1836e12},
+    "tpu_v7": {"fp8": 4614e12}, "h100": {"int8": 1979e12, "fp8": 1979e12},
+}
+
+
+def matmul_peak(chip, matmul):
+    """FLOP/s of `chip`'s dense matmuls in `matmul` (bf16, int8, fp8); one-line ValueError where the
+    chip publishes no such rate."""
+    if matmul == "bf16":
+        return chip.peak_flops
+    found = MATMUL_PEAKS.get(chip.name, {}).get(matmul)
+    if found is None:
+        raise ValueError(f"{chip.name} publishes no {matmul} matmul peak (it has: "
+                         f"{', '.join(['bf16', *MATMUL_PEAKS.get(chip.name, {})])})")
+    return found
+
 
 # Achievable fraction of peak for large, tile-aligned dense matmuls and for the MoE experts' grouped
 # (or capacity-padded) matmuls: fitted by `python dryrun.py --calibrate` (calibrate.fit) on the

@@ -25,6 +25,11 @@ after it), on ICI: a cp group splits each sample's tokens (its compute, saved ac
 logits cp ways, like tp's samples) and is data-parallel for the weights (FSDP over ici x cp). Plus a
 fixed host overhead a step.
 
+The matmuls run at the chip's peak for their precision (`Precision.matmul`: bf16; int8 or fp8 where a
+recipe quantizes them, e.g. MaxText's `quantization=int8` on v6e and `fp8_full` on Ironwood, over
+fp32 master weights; chips.matmul_peak: each chip's published figure, a chip without one refused).
+The fitted efficiency is the bf16 one, assumed to hold at the lower precision; attention stays bf16.
+
 Memory (a chip): parameters, gradients and optimizer state at their dtypes (`Precision`: fp32
 master weights as torchtitan / minititan keep them, or bf16 as MaxText's weight_dtype), sharded as
 the layout says; FSDP's gathered block (bf16, double-buffered); the activations the remat policy
@@ -50,19 +55,28 @@ class Precision:
     weight: int = 4       # bytes a parameter (fp32 master weights)
     grad: int = 4
     optimizer: int = 8    # AdamW's two moments
+    matmul: str = "bf16"  # what the MXU multiplies in (chips.MATMUL_PEAKS): bf16, int8, fp8
 
 
-PRECISIONS = {"fp32": Precision(4, 4, 8), "bf16": Precision(2, 2, 4)}
+# A run's `precision`: its master weights' dtype (fp32, bf16), or a quantized recipe's matmuls over fp32
+# master weights (MaxText's quantization=int8 / fp8_full: weights, gradients, AdamW and activations stored
+# as without it; the matmuls' inputs quantized on the fly)
+PRECISIONS = {"fp32": Precision(4, 4, 8), "bf16": Precision(2, 2, 4),
+              "int8": Precision(4, 4, 8, "int8"), "fp8_full": Precision(4, 4, 8, "fp8")}
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2}
 
 
-def precision(weights="fp32", mu_dtype=None):
-    """State bytes a parameter: weights and gradients at `weights`; AdamW's first moment at `mu_dtype`
-    (MaxText's mu_dtype; default: the weights' dtype, as optax keeps it), the second at the weights'."""
-    w = PRECISIONS[weights].weight
+def precision(name="fp32", mu_dtype=None):
+    """State bytes a parameter and the matmuls' precision of a run's `precision` (PRECISIONS): weights
+    and gradients at its weight dtype; AdamW's first moment at `mu_dtype` (MaxText's mu_dtype; default:
+    the weights' dtype, as optax keeps it), the second at the weights'. One-line ValueError otherwise."""
+    if name not in PRECISIONS:
+        raise ValueError(f"precision {name!r}: choose one of {', '.join(PRECISIONS)}")
+    base = PRECISIONS[name]
     if mu_dtype is not None and mu_dtype not in DTYPE_BYTES:
         raise ValueError(f"mu_dtype {mu_dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
-    return Precision(w, w, (DTYPE_BYTES[mu_dtype] if mu_dtype else w) + w)
+    w = base.weight
+    return Precision(w, w, (DTYPE_BYTES[mu_dtype] if mu_dtype else w) + w, base.matmul)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +136,7 @@ def compute_terms(shape, lay, chip, eff, redo):
     """Seconds of matmuls, recomputed matmuls, attention, each a chip a step. `redo`: the share of the
     layers whose backward recomputes each matmul (or "attention"), shapes.policy_split's."""
     samples = lay.local_batch / sharing(lay)      # a tp (cp) group shares its samples' work
+    peak = chips_lib.matmul_peak(chip, lay.precision.matmul)
     matmul_s = recompute_s = 0.0
     for mm in shape.matmuls:
         # tensor parallelism splits a row-parallel matmul's k (out_proj, mlpwo), the others' n
@@ -129,7 +144,7 @@ def compute_terms(shape, lay, chip, eff, redo):
         if mm.split == "tp":
             k, n = (k / lay.tp, n) if mm.name in ROW_PARALLEL else (k, n / lay.tp)
         base = eff["moe_efficiency"] if mm.split == "experts" else eff["matmul_efficiency"]
-        rate = chip.peak_flops * matmul_efficiency(k, n, chip, base)
+        rate = peak * matmul_efficiency(k, n, chip, base)
         flops = mm.flops * samples
         matmul_s += 3 * flops / rate
         if redo.get(mm.name):   # (a share of all the layers; of its own layers, capped at 1)

@@ -28,8 +28,8 @@ def test_dry_run_bytes_equal_a_real_runs_allocation(corpus, tmp_path, capsys):
 def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones(capsys):
     """--plan for the largest MoE flavor: under 2 minutes; every row a layout of exactly N chips that
     the model allows (ep divides the experts and the data-parallel ranks, no tp on MoE blocks);
-    fitting layouts first, each group ordered by step time; the row for a layout equals that
-    layout's own dry run; an impossible request is one line, exit 2."""
+    each under every memory policy; fitting layouts first, each group ordered by step time; the row
+    for a layout equals that layout's own dry run; an impossible request is one line, exit 2."""
     import time
     t0 = time.time()
     flags = ["--dry-run", "--flavor", "qwen3_235b_a22b", "--batch-size", "256", "--seq-len", "4096"]
@@ -40,7 +40,10 @@ def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones(c
     dims = [{k: int(v) for k, v in (p.split("=") for p in r["mesh"].split(","))} for r in rows]
     assert all(d.get("dcn", 1) * d["ici"] * d.get("cp", 1) * d.get("tp", 1) == 256 and d.get("tp", 1) == 1 for d in dims)
     assert all(128 % d.get("ep", 1) == 0 and (d.get("dcn", 1) * d["ici"]) % d.get("ep", 1) == 0 for d in dims)
-    assert any(d.get("ep", 1) > 1 for d in dims) and len({r["mesh"] for r in rows}) == len(rows) // 2
+    policies = {json.dumps(r["remat"]) for r in rows}  # (every layout under each memory policy an LM takes)
+    assert any(d.get("ep", 1) > 1 for d in dims) and len({r["mesh"] for r in rows}) * len(policies) == len(rows)
+    import dryrun
+    assert len(policies) == len(dryrun.plan_policies(dryrun.lm_workload(FLAVORS["qwen3_235b_a22b"], "", 4096))) >= 10
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True) and any(fits)
     for group in (True, False):
@@ -55,7 +58,7 @@ def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones(c
     args = train.model_args(train.parse_config(flags))
     per_sequence = {r: dryrun.saved_bytes_per_sequence(model.tpu_config(args), 4096, r) for r in (False, True)}
     assert any(r["remat"] for r in rows) and not all(r["remat"] for r in rows)
-    for row in rows:
+    for row in (r for r in rows if isinstance(r["remat"], bool)):  # (the two policies traced)
         own = dryrun.dry_run(args, "qwen3_235b_a22b", mesh_lib.mesh_dims(row["mesh"]), 256, 4096, "tpu_v5p",
                              row["remat"], per_sequence[row["remat"]])
         assert {k: own[k] for k in row} == row, (row, {k: own[k] for k in row})
@@ -119,7 +122,9 @@ def test_flux_dry_run_at_1024_through_the_task_seam_flops_shards_plan_and_a_bad_
     workload = dataclasses.replace(task.family.plan(task.args, task.cfg), saved_bytes=lambda remat: per_sample)
     rows = dryrun.plan(workload, 8, 16, "tpu_v5p")
     assert sorted(r["mesh"] for r in rows if not r["remat"]) == ["dcn=2,ici=4", "dcn=4,ici=2", "dcn=8,ici=1", "ici=8"]
-    assert len(rows) == 8 and next(r for r in rows if r["mesh"] == "ici=8" and not r["remat"]) == report
+    policies = {json.dumps(r["remat"]) for r in rows}  # (each layout under every policy FLUX takes: its own too)
+    assert len(rows) == 4 * len(policies) and '"flux_optimized"' in policies and {"true", "false"} <= policies
+    assert next(r for r in rows if r["mesh"] == "ici=8" and not r["remat"]) == report
     for size in ("1000", "8"):  # (8: a FLUX VAE latent of 1 x 1 cannot be packed 2 x 2)
         assert train.main([*flags, "--image-size", size]) == 2
         err = capsys.readouterr().err.strip()
@@ -238,27 +243,48 @@ def test_planner_lm_shape_counts_the_published_models_matmuls():
     assert math.isclose(p["compute"]["recompute"], 2 * (2 * 8192 * 4096 * 14336 * 32) / (1e12 * 0.5))
 
 
-def test_planner_ranks_fitting_layouts_first_and_names_the_cheapest_fix_when_none_fits(capsys):
-    """Qwen3-235B on 256 Ironwood chips at global batch 8192 (32 sequences a data-parallel rank):
-    with a recorded activation size (no trace), nothing fits; the plan prints one line saying so and
-    the cheapest change that fits. At batch 2048 the layouts that fit (remat) rank above those that do not."""
+def test_planner_ranks_layouts_x_memory_policies_finds_the_published_offload_and_names_the_cheapest_fix(capsys):
+    """Qwen3-235B on 256 Ironwood chips at global batch 8192 x 4096 (32 sequences a data-parallel rank),
+    with a recorded activation size (no trace): remat off or on fits no layout, and --plan ranks every
+    layout under every memory policy planner/shapes.py knows. The published run's layout (FSDP over
+    256, the decoder layers' inputs offloaded to host, the rest recomputed) is among those that fit, and
+    its row is calibrate's prediction for that run record (one model: step, HBM and host bytes alike).
+    Fitting rows rank first, each group by step. At a batch no policy fits (65536), one line says so
+    and names the cheapest change that fits."""
     import types
     import dryrun
-    from model import FLAVORS
+    from planner import calibrate, chips, stepmodel
     w = dryrun.lm_workload(FLAVORS["qwen3_235b_a22b"], "qwen3_235b_a22b", 4096)
     traced = {False: 40 * 2**30, True: 12 * 2**30}                  # bytes a sequence (the order of the trace)
     w = dataclasses.replace(w, saved_bytes=lambda remat: traced[remat])
-    cfg = types.SimpleNamespace(chip="tpu_v7", plan=True, chips=256, batch_size=8192, mesh=None, remat=False)
-    assert dryrun.main(w, cfg) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].startswith("no layout of 256 x tpu_v7 fits at global batch 8192") and "cheapest change that fits:" in lines[0]
-    assert json.loads(lines[-1]) == [] and len(lines) == 2
-    rows = dryrun.plan(w, 256, 2048, "tpu_v7", traced)
+    published = {"decoder_layer_input": "offload"}
+    for remat in (False, True):
+        assert not any(r["fits"] for r in dryrun.layouts(w, 256, 8192, "tpu_v7", (remat,), traced))
+    rows = dryrun.plan(w, 256, 8192, "tpu_v7", traced)
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
     for group in (True, False):
         steps = [r["step_s"] for r in rows if r["fits"] == group]
         assert steps == sorted(steps)
+    assert {dryrun.remat_label(r["remat"]) for r in rows} >= {"off", "on", "full", "offload:decoder_layer_input"}
+    mine = [r for r in rows if r["mesh"] == "ici=256" and r["remat"] == published]
+    assert len(mine) == 1 and mine[0]["fits"], mine
+    record = {"model": "qwen3_235b_a22b", "chip": "tpu_v7", "dcn": 1, "ici": 256, "global_batch": 8192,
+              "seq_len": 4096, "precision": "fp32", "dp_mode": "fsdp", "remat": published, "fused_loss": True}
+    want = stepmodel.predict(calibrate.run_shape(record), calibrate.run_layout(record), chips.CHIPS["tpu_v7"])
+    assert want["fits"] and math.isclose(mine[0]["step_s"], want["step_s"], rel_tol=1e-9), (mine[0]["step_s"], want["step_s"])
+    assert math.isclose(mine[0]["total_bytes"], want["total_bytes"], rel_tol=1e-9)
+    assert math.isclose(mine[0]["host_need"], want["host_need"], rel_tol=1e-9)
+    cfg = types.SimpleNamespace(chip="tpu_v7", plan=True, chips=256, batch_size=8192, mesh=None, remat=False)
+    assert dryrun.main(w, cfg) == 0
+    ranked = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert ranked[0]["fits"] and {"mesh": "ici=256", "remat": published, "fits": True}.items() <= \
+        next(r for r in ranked if r["remat"] == published and r["mesh"] == "ici=256").items()
+    cfg.batch_size = 65536
+    assert dryrun.main(w, cfg) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("no layout of 256 x tpu_v7 fits at global batch 65536") and "cheapest change that fits:" in lines[0]
+    assert json.loads(lines[-1]) == [] and len(lines) == 2
 
 
 def test_planner_cpu_anchor_arithmetic_on_recorded_measurements():

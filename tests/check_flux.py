@@ -200,6 +200,17 @@ def test_flux_refuses_unimplemented_diffusers_configs_and_bad_calls_in_one_line(
         _flux_call(flux_hf.load(os.path.join(FLUX_FIXTURES, "guidance")), e)
     with pytest.raises(ValueError, match="unconditional"):
         flux_sample.sample(model, torch.zeros(1, 5, 24), torch.zeros(1, 12), (1, 8, 6), cfg_scale=2.0)
+    from flux import pipeline  # a scheduler config that is not FLUX's exponential shift (dynamic or static)
+    for n, (override, says) in enumerate([({"use_karras_sigmas": True}, "use_karras_sigmas is not implemented"),
+                                          ({"time_shift_type": "linear"}, "time_shift_type 'linear' is not"),
+                                          ({"shift_terminal": 0.1}, "shift_terminal is not"),
+                                          ({"use_dynamic_shifting": False, "shift": -1}, "shift -1 is not a positive"),
+                                          ({"use_dynamic_shifting": True, "base_shift": "0.5"}, "base_shift '0.5'")]):
+        os.makedirs(tmp_path / f"sched{n}" / "scheduler")
+        (tmp_path / f"sched{n}" / "scheduler" / "scheduler_config.json").write_text(json.dumps(
+            {"_class_name": "FlowMatchEulerDiscreteScheduler", "use_dynamic_shifting": True, **override}))
+        with pytest.raises(pipeline.FluxDirError, match=says):
+            pipeline.schedule_kwargs(str(tmp_path / f"sched{n}"))
     with pytest.raises(ValueError, match="not divisible"):
         flux.patchify(torch.zeros(1, 1, 7, 8))
     with pytest.raises(ValueError, match="axes_dim"):

@@ -176,3 +176,38 @@ def test_dry_run_memory_is_the_step_models_and_marks_a_layout_whose_host_memory_
     # a chip whose host memory is not published is marked assumed in the report
     r = dryrun.estimate(w, {"dcn": 1, "ici": 8, "tp": 1, "ep": 1}, 8, "h100", offload)
     assert chips.CHIPS["h100"].host_source == "assumed" and "(ASSUMED)" in dryrun.format_report(r)
+
+
+def test_planner_models_int8_and_fp8_matmuls_over_fp32_master_weights_and_refuses_the_unknown(tmp_path):
+    """A run record's `precision` int8 (MaxText's quantization on v6e) or fp8_full (Ironwood): fp32 master
+    weights, gradients and AdamW as without it (memory unchanged), the matmuls at the chip's published
+    peak for that precision: v6e's 1836 int8 TOPS against its 918 bf16 TFLOP/s, Ironwood's 4614 fp8
+    against 2307 (cloud.google.com/tpu/docs/v6e, /tpu7x), so the matmul seconds halve; attention stays
+    bf16. calibrate.load reads such records and evaluates them; a precision it does not know, or one the
+    chip publishes no peak for (fp8 on v6e), is one line."""
+    from planner import calibrate, chips, stepmodel
+    from planner.shapes import lm_shape
+    assert stepmodel.precision("fp8_full", "bfloat16") == stepmodel.Precision(4, 4, 6, "fp8")
+    assert stepmodel.precision("int8") == stepmodel.Precision(4, 4, 8, "int8")
+    shape = lm_shape(FLAVORS["llama3_8b"], 8192)
+    for chip, name, published, bf16 in (("tpu_v6e", "int8", 1836e12, 918e12), ("tpu_v7", "fp8_full", 4614e12, 2307e12)):
+        lay = stepmodel.Layout(ici=64, local_batch=2, remat="full")
+        plain = stepmodel.predict(shape, lay, chips.CHIPS[chip])
+        quant = stepmodel.predict(shape, dataclasses.replace(lay, precision=stepmodel.precision(name)), chips.CHIPS[chip])
+        for term in ("matmul", "recompute"):
+            assert math.isclose(quant["compute"][term], plain["compute"][term] * bf16 / published, rel_tol=1e-12), term
+        assert quant["compute"]["attention"] == plain["compute"]["attention"] and quant["memory"] == plain["memory"]
+        assert quant["step_s"] < plain["step_s"]
+    runs = calibrate.load()
+    v7 = next(r for r in runs if r["chip"] == "tpu_v7")
+    good = tmp_path / "fp8.json"
+    good.write_text(json.dumps({"runs": [dict(v7, id="fp8", precision="fp8_full")]}))
+    row = calibrate.evaluate(calibrate.load(str(good))[0])
+    assert row["predicted_s"] < calibrate.evaluate(v7)["predicted_s"] and row["fits"]
+    for precision, says in (("fp8_full", "tpu_v6e publishes no fp8 matmul peak"), ("fp4", "precision 'fp4': choose one of")):
+        bad = tmp_path / f"{precision}.json"
+        v6e = next(r for r in runs if r["chip"] == "tpu_v6e")
+        bad.write_text(json.dumps({"runs": [dict(v6e, precision=precision)]}))
+        with pytest.raises(ValueError, match=says) as e:
+            calibrate.load(str(bad))
+        assert "\n" not in str(e.value)
