@@ -25,6 +25,7 @@ import time
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+import accum
 import checkpoint
 import device as dev
 import fsdp_passes
@@ -76,6 +77,7 @@ class Trainer:
         rundir.check_writable(self.out_dir)
         self.task = task or make_workload(cfg)
         self.family = self.task.family
+        self.microbatches = accum.Microbatches(cfg.grad_accum, self.task.loss_reduction(cfg) or "mean")
         self.model_args = self.parallel.model_args(self.task.args, self.family)
         self.check_memory()  # (before the data is prepared: a batch too large is refused at once)
         self.task.setup_data(self.parallel.dp_rank, dp)
@@ -149,17 +151,17 @@ class Trainer:
                                            autocast=self.autocast, parallel=self.parallel, backend=cfg.backend,
                                            remat=cfg.remat, offload=cfg.offload, split=cfg.split,
                                            fsdp_passes=fsdp_passes.chosen(cfg.fsdp_passes, self.parallel.graph_passes),
-                                           blocks=() if cfg.scan else self.family.blocks(self.model))
+                                           blocks=() if cfg.scan else self.family.blocks(self.model),
+                                           microbatches=self.microbatches)
         if cfg.mode == "compile":
             for block in self.family.blocks(self.model):
                 block.compile(backend=dev.compile_backend(self.device))
         return self.eager_step
 
     def eager_step(self, *batch_and_lr):
-        *batch, lr = batch_and_lr
-        with self.autocast():
-            reported, loss = self.task.loss(self.model, batch)
-        grads = self.parallel.grads(loss, self.params)  # (under a mesh: averaged local shards)
+        *batch, lr = batch_and_lr  # (--grad-accum N: N microbatches' gradients summed, accum.py)
+        reported, grads = accum.loss_and_grads(self.task.loss, self.model, batch, self.microbatches,
+                                               lambda loss: self.parallel.grads(loss, self.params), self.autocast)
         grads, norm = optim.clip_by_global_norm(grads, self.cfg.clip, self.parallel.global_sq_norm)
         step = dev.scalar(self.opt.step_count + 1, self.device) if dev.is_xla(self.device) else None
         self.opt.step(grads, lr, self.parallel.local(self.params), step)
