@@ -41,14 +41,17 @@ class Microbatches:
 
     def split(self, batch):
         """[(microbatch, weight)]: every entry with a row dim split on dim 0 into `count` equal parts,
-        a 0-d entry (a whole-batch normalizer) given to every microbatch whole."""
+        a 0-d entry (a whole-batch normalizer) given to every microbatch whole. Microbatch i takes rows
+        i, i + count, i + 2 count, ...: under XLA SPMD, where one process holds the global batch split
+        over the devices in contiguous blocks, each device then holds its equal share of every
+        microbatch (contiguous chunks would put microbatch 0 on the first devices only)."""
         n = self.count
         if n == 1:
             return [(tuple(batch), None)]
         for t in batch:
             if t.dim() and t.shape[0] % n:
                 raise ValueError(f"{t.shape[0]} rows do not split into {n} microbatches")
-        parts = [t.chunk(n) if t.dim() else (t,) * n for t in batch]
+        parts = [t.unflatten(0, (t.shape[0] // n, n)).unbind(1) if t.dim() else (t,) * n for t in batch]
         weight = 1.0 / n if self.reduction == "mean" else None
         return [(tuple(p[i] for p in parts), weight) for i in range(n)]
 

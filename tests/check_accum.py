@@ -1,13 +1,17 @@
 # accum.py: gradient accumulation. Oracles: plain autograd on the whole batch (gradients before any
 # update), the unaccumulated trainer on the same global batch (losses, pre-clip norms, weights after AdamW)
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
+import json
+import os
+
 import pytest
 import torch
 
 import accum
 from model import Transformer, next_token_loss
 
-from tests.common import TINY, _main, _near, _train_losses, _trainer, tiny_args
+from tests import launch
+from tests.common import TINY, _main, _near, _ranks_equal_one_process, _train_losses, _trainer, shared_run, tiny_args
 
 
 def _flat(grads):
@@ -40,7 +44,7 @@ def test_microbatch_gradients_sum_to_the_whole_batch_gradient_mean_and_sum_reduc
     torch.testing.assert_close(reported, next_token_loss(model, (x, y))[0], rtol=1e-6, atol=0)
 
     masked = y.clone()
-    masked[:2, 1:] = -100  # rows of microbatch 0 keep 1 target each; the rest keep all 16
+    masked[:2, 1:] = -100  # rows 0, 1 keep 1 target each, rows 2, 3 keep 8, the rest all 16
     masked[2:4, :8] = -100
     count = (masked != -100).sum().float()
 
@@ -54,8 +58,8 @@ def test_microbatch_gradients_sum_to_the_whole_batch_gradient_mean_and_sum_reduc
                                   _no_autocast)
     gap, scale = _grad_gap(want, got)
     assert gap <= 1e-6 * scale, (gap, scale)
-    micro_means = [grads_of(masked_loss(model, (x[i:i + 2], masked[i:i + 2], (masked[i:i + 2] != -100).sum()))[1])
-                   for i in range(0, 8, 2)]
+    micro_means = [grads_of(masked_loss(model, (mx, my, (my != -100).sum()))[1])  # each its own count
+                   for (mx, my, _), _ in accum.Microbatches(4, "sum").split((x, masked, count))]
     wrong = [sum(g) / 4 for g in zip(*micro_means)]  # what a mean of microbatch means would step on
     assert _grad_gap(want, wrong)[0] > 100 * gap + 1e-3 * scale
 
@@ -94,3 +98,40 @@ def test_a_bad_grad_accum_is_one_line_exit_2(argv, message, capsys):
     assert _main([*TINY, *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+# ------------------------------------------------------------------------------------------------
+# Layouts. Oracle: one process on the same global batch without accumulation (check_parallel.py's)
+
+@pytest.mark.parametrize("impl,mode", [("simple", "graph"), ("fsdp2", "eager")])
+def test_grad_accum_on_two_ranks_equals_one_process(impl, mode, corpus, tmp_path_factory):
+    """2 ranks x 2 microbatches of 1 row against one process on the 4 rows at once (the data-parallel
+    test's run): losses, pre-clip norms, validation, final weights. SimpleFSDP in graph mode (its passes on:
+    the unrolled step's collectives), FSDP2 in eager mode (its hooks reduce-scatter every backward)."""
+    from tests.check_parallel import _dp_args
+    common = _dp_args("llama3_debug", corpus)
+    single = shared_run(common, tmp_path_factory)
+    multi = shared_run([*common, "--mesh", "ici=2", "--dp-impl", impl, "--mode", mode, "--grad-accum", "2"],
+                       tmp_path_factory, 2)
+    _ranks_equal_one_process(single, multi, 10, common)
+
+
+def test_grad_accum_under_xla_spmd_equals_one_cpu_process(corpus, tmp_path):
+    """XLA SPMD on 4 virtual devices, graph mode, 8 rows as 2 microbatches (each device holds 1 row of
+    each: accum.Microbatches' strided split): losses, norms and weights against one eager CPU process on
+    the 8 rows at once; one step program, compiled once."""
+    from tests.check_parallel import SPMD_ENV
+    args = [*TINY, "--data", corpus, "--steps", "4", "--ckpt-interval", "0", "--eval-batches", "0", "--batch-size", "8"]
+    child = launch.Child(["test_all.py", "child_spmd_steps", *args, "--out-dir", str(tmp_path / "x"), "--device", "xla",
+                          "--mesh", "ici=4", "--mode", "graph", "--grad-accum", "2"], env=SPMD_ENV)
+    oracle, norms = _trainer(corpus, tmp_path, "--batch-size", "8"), []
+    want = _train_losses(oracle, steps=4, norms=norms)
+    rc, out, err = child.result()
+    assert rc == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
+    _near(want, res["losses"], atol=1e-4)  # (XLA:CPU's sums in another order: check_parallel's bounds)
+    _near(norms, res["norms"], atol=0, rtol=1e-4)
+    got = torch.load(tmp_path / "x" / "params.pt")
+    for name, p in zip(oracle.param_names, oracle.params):
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert res["compiles"][1] == res["compiles"][-1], res["compiles"]
