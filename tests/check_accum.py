@@ -2,7 +2,6 @@
 # update), the unaccumulated trainer on the same global batch (losses, pre-clip norms, weights after AdamW)
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import json
-import os
 
 import pytest
 import torch
@@ -69,14 +68,15 @@ def _no_autocast():
     return contextlib.nullcontext()
 
 
-@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("mode", ["eager", "graph", "compile"])
 def test_a_step_of_4_microbatches_equals_one_step_on_the_whole_batch(corpus, tmp_path, mode):
-    """The trainer with --grad-accum 4 against --grad-accum 1 on the same global batch of 8 rows, 4 steps:
-    the losses, the pre-clip gradient norms (a wrong scale, e.g. a sum where a mean belongs, hides behind
-    clipping and Adam in the losses) and the weights after AdamW. Graph mode: the loop unrolled in the one
-    traced step (4 embedding backwards in the graph: one per microbatch)."""
-    args = ("--batch-size", "8", "--mode", mode)
-    whole, micro = _trainer(corpus, tmp_path / "whole", *args), _trainer(corpus, tmp_path / "micro", *args, "--grad-accum", "4")
+    """The trainer with --grad-accum 4 in each mode against the eager trainer without accumulation on the
+    same global batch of 8 rows, 4 steps: the losses, the pre-clip gradient norms (a wrong scale, e.g. a
+    sum where a mean belongs, hides behind clipping and Adam in the losses) and the weights after AdamW.
+    Graph mode: the loop unrolled in the one traced step (4 embedding backwards in it, one a microbatch);
+    compile mode: the compiled blocks called on each microbatch."""
+    whole = _trainer(corpus, tmp_path / "whole", "--batch-size", "8")
+    micro = _trainer(corpus, tmp_path / "micro", "--batch-size", "8", "--mode", mode, "--grad-accum", "4")
     norms_whole, norms_micro = [], []
     want, got = _train_losses(whole, 4, norms_whole), _train_losses(micro, 4, norms_micro)
     _near(want, got, atol=1e-6)
@@ -85,9 +85,7 @@ def test_a_step_of_4_microbatches_equals_one_step_on_the_whole_batch(corpus, tmp
         torch.testing.assert_close(q, p, rtol=0, atol=1e-5)  # gap by sqrt(v); the layouts' oracle's 1e-5)
     if mode == "graph":
         import graph_trainer
-        ops = {n: graph_trainer.op_counts(t.step_fn.gm).get("aten.embedding_dense_backward.default") for n, t in
-               (("whole", whole), ("micro", micro))}
-        assert ops == {"whole": 1, "micro": 4}, ops
+        assert graph_trainer.op_counts(micro.step_fn.gm).get("aten.embedding_dense_backward.default") == 4
 
 
 @pytest.mark.parametrize("argv, message", [
