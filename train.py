@@ -121,15 +121,16 @@ class Trainer:
         """What a process holds at start must fit: its shards of the weights, gradients and AdamW state
         (16 bytes a parameter, split the layout's `param_split` ways), plus, while they are filled, one
         whole parameter on the host (materialize.py; the whole model where it is built whole), plus the
-        batch's activations. Refused before anything is allocated or written (the dry run at full scale)."""
+        activations of one microbatch (--grad-accum: and the gradients' running sum, 4 bytes a parameter).
+        Refused before anything is allocated or written (the dry run at full scale)."""
         cfg, family = self.cfg, self.family
-        local_batch = cfg.batch_size // self.parallel.dp_size
-        weights = 16 * family.param_count(self.model_args) / self.parallel.param_split
+        local_batch = cfg.batch_size // self.parallel.dp_size // cfg.grad_accum
+        weights = (16 + 4 * (cfg.grad_accum > 1)) * family.param_count(self.model_args) / self.parallel.param_split
         weights += 4 * materialize.largest_whole(family, self.model_args, cfg.scan, cfg.init_from)
         acts = family.activation_bytes(self.model_args, local_batch, cfg.seq_len, dev.free_memory_bytes(self.device))
         dev.check_fits(weights + acts, self.device, "the model's shards of weights, gradients and AdamW state (16 "
                        f"bytes a parameter), the largest whole tensor it is filled from and the activations of "
-                       f"{local_batch} sequences")
+                       f"{local_batch} sequences" + (f" (one microbatch of {cfg.grad_accum})" if cfg.grad_accum > 1 else ""))
 
     def build_model(self):
         """Built on the meta device, parallelized, then filled shard by shard (materialize.build): from

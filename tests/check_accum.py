@@ -2,6 +2,8 @@
 # update), the unaccumulated trainer on the same global batch (losses, pre-clip norms, weights after AdamW)
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import json
+import math
+import os
 
 import pytest
 import torch
@@ -133,3 +135,82 @@ def test_grad_accum_under_xla_spmd_equals_one_cpu_process(corpus, tmp_path):
     for name, p in zip(oracle.param_names, oracle.params):
         torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
     assert res["compiles"][1] == res["compiles"][-1], res["compiles"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory: one microbatch's activations, measured, and what the trainer's check and the planner count
+
+def child_accum_peak_memory(corpus):
+    """(child process) The peak resident memory of one eager step of 32 x 128 tokens (activations dominate:
+    the model is 0.13M parameters) as 1 and as 4 microbatches, above what the process held before the
+    step; and the trainer's activation estimate (check_memory's) for each. glibc's malloc is set to map
+    every allocation of 64 KiB or more by itself (mallopt M_MMAP_THRESHOLD: no dynamic threshold), so a
+    freed tensor leaves the process and the peak is what was alive at once, not what the heap kept."""
+    import ctypes
+    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    import optim as o
+    import train
+    from tests.common import peak_extra_rss
+    out = {}
+    for n in (1, 4):
+        cfg = train.parse_config([*TINY, "--data", corpus, "--batch-size", "32", "--seq-len", "128", "--eval-batches",
+                                  "0", "--ckpt-interval", "0", "--grad-accum", str(n), "--out-dir", f"{corpus}.run{n}"])
+        tr = train.Trainer(cfg)
+        x, y = tr.task.batch(1)
+        tr.step_fn(x, y, torch.tensor(o.lr_at(1, cfg.lr, cfg.warmup, cfg.steps)))  # (first-step allocations)
+        _, peak = peak_extra_rss([os.getpid()], lambda: tr.step_fn(x, y, torch.tensor(1e-3)))
+        out[n] = {"peak": peak[os.getpid()], "estimate": tr.family.activation_bytes(tr.model_args, 32 // n, 128, None)}
+        del tr
+    print(json.dumps(out))
+
+
+def test_a_step_holds_one_microbatchs_activations_measured_and_as_the_trainer_counts_them(corpus):
+    """Peak memory of an eager step whose activations dominate: 4 microbatches hold ~1/4 of the whole
+    batch's (measured 12.8 vs 51.1 MiB: ratio 0.25); the trainer's check_memory estimate (an upper bound)
+    covers the step it admits at 1/4 of the batch, so a batch refused whole is admitted in microbatches."""
+    rc, out, err = launch.python(["test_all.py", "child_accum_peak_memory", corpus], timeout=300)
+    assert rc == 0, err[-3000:]
+    res = {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+    whole, micro = res[1]["peak"], res[4]["peak"]
+    assert whole > 30 * 2**20 and micro < 0.4 * whole, res  # (the gradients and AdamW's temporaries: ~2 MiB)
+    for n in (1, 4):
+        assert res[n]["peak"] <= res[n]["estimate"], res
+    assert res[4]["estimate"] * 4 == res[1]["estimate"]
+
+
+def test_check_memory_and_the_planner_count_one_microbatch(corpus, tmp_path, capsys):
+    """A batch whose activations cannot fit is refused whole (check_memory, before anything is written)
+    and admitted as 1000 microbatches; the planner charges one microbatch's activations, a second
+    gradient buffer and FSDP's gathers and reduce-scatters once a microbatch (its hand-checked terms at
+    microbatches=1, tests/check_dryrun.py), and --plan offers --grad-accum as the cheapest change for
+    Qwen3-235B at 8192 x 4096 on 256 Ironwood chips, the published run's batch."""
+    import dataclasses
+    import types
+    import dryrun
+    import train
+    from model import FLAVORS
+    from planner import stepmodel
+    from tests.check_dryrun import _toy_chip, _toy_shape
+    argv = [*TINY, "--data", corpus, "--batch-size", "100000", "--out-dir", str(tmp_path / "r")]
+    assert _main(argv) == 2 and "and the activations of 100000 sequences need" in capsys.readouterr().err
+    tr = train.Trainer(train.parse_config([*argv, "--grad-accum", "1000"]))  # (admitted: built, not run)
+    assert tr.microbatches.count == 1000
+    chip, shape = _toy_chip(), _toy_shape()
+    one = stepmodel.predict(shape, stepmodel.Layout(ici=4, local_batch=2), chip)
+    two = stepmodel.predict(shape, stepmodel.Layout(ici=4, local_batch=4, microbatches=2), chip)
+    for term in ("saved activations", "transient peak", "parameters", "gradients", "optimizer state"):
+        assert two["memory"][term] == one["memory"][term], term  # 4 samples in 2 microbatches hold what 2 do
+    assert two["memory"]["gradient accumulator"] == one["memory"]["gradients"] and one["memory"]["gradient accumulator"] == 0
+    four = stepmodel.predict(shape, stepmodel.Layout(ici=4, local_batch=4), chip)
+    assert math.isclose(two["comm"]["ici"], 2 * four["comm"]["ici"]) and two["compute"]["matmul"] == four["compute"]["matmul"]
+    w = dryrun.lm_workload(FLAVORS["qwen3_235b_a22b"], "qwen3_235b_a22b", 4096)
+    traced = {False: 40 * 2**30, True: 12 * 2**30}  # bytes a sequence (check_dryrun's recorded figure)
+    w = dataclasses.replace(w, saved_bytes=lambda remat: traced[remat])
+    cfg = types.SimpleNamespace(chip="tpu_v7", plan=True, chips=256, batch_size=8192, mesh=None, remat=False)
+    assert dryrun.main(w, cfg) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert "cheapest change that fits: --grad-accum 4 -> " in line, line
+    cfg.grad_accum = 4
+    assert dryrun.main(w, cfg) == 0
+    out = capsys.readouterr().out
+    assert "in 4 microbatches" in out.splitlines()[0] and json.loads(out.splitlines()[-1])[0]["fits"]
