@@ -214,3 +214,86 @@ def test_check_memory_and_the_planner_count_one_microbatch(corpus, tmp_path, cap
     assert dryrun.main(w, cfg) == 0
     out = capsys.readouterr().out
     assert "in 4 microbatches" in out.splitlines()[0] and json.loads(out.splitlines()[-1])[0]["fits"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Workloads: each loss splits as its workload declares (Workload.loss_reduction); one that does not
+# declare refuses the flag; a resume with another accumulation is checked like the batch settings
+
+POLICY = [x for kv in ("dim=32", "n_layers=2", "n_heads=4", "n_kv_heads=2", "ffn_dim=64", "max_seq_len=16")
+          for x in ("--set", kv)]
+
+
+def _grpo_batch(workload, rows=8, seed=0):
+    """A rollout batch as GRPOArithmetic.batch gives it (tokens, mask, engine logprobs, advantages, the
+    global completion-token count) with completions of 1 to 4 tokens: the rows' counts differ."""
+    g = torch.Generator().manual_seed(seed)
+    C, P = workload.cfg.max_new_tokens, workload.prompt_len
+    lengths = torch.tensor([1, 4, 2, 4, 1, 3, 4, 2])[:rows]
+    mask = torch.arange(C)[None, :] < lengths[:, None]
+    return (torch.randint(0, 256, (rows, P + C), generator=g), mask, -torch.rand(rows, C, generator=g) * 3,
+            torch.randn(rows, generator=g), mask.sum().float())
+
+
+@pytest.mark.parametrize("argv", [["--task", "sft", *POLICY, "--batch-size", "8"],
+                                  ["--task", "grpo", *POLICY, "--prompts-per-step", "4", "--group-size", "2"],
+                                  ["--task", "grpo", *POLICY, "--prompts-per-step", "4", "--group-size", "2",
+                                   "--aggregation", "grpo"],
+                                  ["--task", "flux", "--batch-size", "4"]],
+                         ids=["sft", "grpo-dapo", "grpo-grpo", "flux"])
+def test_each_workloads_loss_splits_into_microbatches_as_it_declares(argv):
+    """SFT (the answer bytes over the batch's count: "sum"), GRPO's policy update (DAPO: "sum" over the
+    batch's completion tokens; grpo's per-sequence means: "mean"), FLUX (the flow-matching MSE: "mean"):
+    the gradients of 2 microbatches, accumulated as the workload declares, equal plain autograd on the
+    whole batch (its real batch(1); GRPO's a rollout batch of completions of 1-4 tokens)."""
+    import train
+    cfg = train.parse_config([*argv, "--grad-accum", "2"])
+    workload = train.make_workload(cfg)
+    if cfg.task == "grpo":
+        batch = _grpo_batch(workload)
+    else:
+        workload.setup_data(0, 1)
+        batch = workload.batch(1)
+    torch.manual_seed(0)
+    model = workload.family.build(workload.args)
+    if cfg.task != "flux":
+        model.init_buffers()
+    params = list(model.parameters())
+
+    def grads_of(loss):
+        return torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
+    want = grads_of(workload.loss(model, batch)[1])
+    _, got = accum.loss_and_grads(workload.loss, model, batch, accum.Microbatches(2, type(workload).loss_reduction(cfg)),
+                                  grads_of, _no_autocast)
+    gap, scale = _grad_gap(want, got)
+    assert scale > 0 and gap <= 1e-6 * scale, (gap, scale)
+
+
+def test_a_workload_that_does_not_declare_its_loss_reduction_refuses_the_flag(monkeypatch, capsys):
+    """check_seams' LinearRegression declares no loss_reduction: --grad-accum 2 is refused in one line
+    (exit 2); --grad-accum 1 is its ordinary run."""
+    import task as task_lib
+    monkeypatch.setitem(task_lib.WORKLOADS, "linreg", "tests.check_seams:LinearRegression")
+    import cli
+    assert cli.parse_config(["--task", "linreg", "--batch-size", "8", "--grad-accum", "1"]).grad_accum == 1
+    assert _main(["--task", "linreg", "--batch-size", "8", "--grad-accum", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--grad-accum 2: the linreg workload does not declare how its loss splits" in err, err
+
+
+def test_a_resume_with_another_accumulation_needs_allow_change_and_then_continues(corpus, tmp_path, capsys):
+    """meta.json records grad_accum with the batch settings (cli.RESUME_CHECKED): a resume with another
+    value is refused in one line naming --allow-change grad_accum (the update is the same math, but its
+    rounding is not: a resume stays bit for bit unless asked otherwise); with it the run continues and
+    matches the uninterrupted run to the accumulation's rounding."""
+    common = [*TINY, "--data", corpus, "--batch-size", "8", "--steps", "4", "--eval-batches", "0", "--ckpt-interval", "2"]
+    straight, part = str(tmp_path / "straight"), str(tmp_path / "part")
+    assert _main([*common, "--out-dir", straight]) == 0
+    assert _main([*common, "--out-dir", part, "--grad-accum", "2", "--halt-at", "2"]) == 0
+    capsys.readouterr()
+    assert _main([*common, "--out-dir", part, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "grad_accum: saved 2, now 1" in err and "--allow-change grad_accum" in err, err
+    assert _main([*common, "--out-dir", part, "--resume", "--allow-change", "grad_accum"]) == 0
+    from tests.common import losses
+    _near(losses(straight), losses(part), atol=1e-5)
