@@ -27,9 +27,10 @@ the layout says; FSDP's gathered block (bf16, double-buffered); the activations 
 keeps on device; the larger of two transient peaks (one layer's full activations while its
 backward runs, or the logits and their gradient); with gradient accumulation (`microbatches`) the
 activations of one microbatch and a second gradient buffer (the running sum beside the microbatch's
-own), while FSDP's gathers and reduce-scatters repeat every microbatch (time and bytes). Host memory (a chip's process): its parameter
-shards at start, then the checkpoint's staging copy, the weight push's bucket and the offloaded
-activations (`host_terms`). `fits` is the one verdict on both, for the dry run, --plan and calibrate.
+own), while FSDP's gathers and reduce-scatters repeat every microbatch (time and bytes). Host
+memory (a chip's process): its parameter shards at start, then the checkpoint's staging copy, the
+weight push's bucket and the offloaded activations (`host_terms`). `fits` is the one verdict on
+both, for the dry run, --plan and calibrate.
 """
 import dataclasses
 import math
