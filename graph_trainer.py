@@ -143,6 +143,7 @@ class GraphStep:
         if self.fsdp_passes or self.report["collectives"]:
             self.report["collectives_by_side"] = fsdp_passes.collective_counts(gm)
             self.report["prefetched_gathers"] = fsdp_passes.prefetched(gm)
+            self.report["reduce_scatter_bytes"] = fsdp_passes.reduce_scatter_bytes(gm)
             gathered = fsdp_passes.gather_chains(gm)  # (once: it walks the whole graph)
             roots = {graph_passes.storage_root(n) for n in graph_passes.saved_activations(gm) if n in gathered}
             self.report["saved_gathered_bytes"] = sum(graph_passes.tensor_bytes(r) for r in roots)

@@ -114,6 +114,11 @@ def test_grad_accum_on_two_ranks_equals_one_process(impl, mode, corpus, tmp_path
     multi = shared_run([*common, "--mesh", "ici=2", "--dp-impl", impl, "--mode", mode, "--grad-accum", "2"],
                        tmp_path_factory, 2)
     _ranks_equal_one_process(single, multi, 10, common)
+    if mode == "graph":  # the reduce-scatter once a step (fsdp_passes.reduce_once): a rank's gradient
+        graph = next(r for r in map(json.loads, open(os.path.join(multi, "metrics.jsonl"))) if r.get("event") == "graph")
+        params = next(r for r in map(json.loads, open(os.path.join(multi, "metrics.jsonl"))) if r.get("event") == "start")
+        gradient = 4 * params["params"]  # (fp32; a few rows of padding where a dim does not split evenly)
+        assert gradient <= graph["reduce_scatter_bytes"] < 1.05 * gradient, (graph, gradient)  # (not 2x: once, summed)
 
 
 def test_grad_accum_under_xla_spmd_equals_one_cpu_process(corpus, tmp_path):
