@@ -126,11 +126,11 @@ def test_grad_accum_under_xla_spmd_equals_one_cpu_process(corpus, tmp_path):
     each: accum.Microbatches' strided split): losses, norms and weights against one eager CPU process on
     the 8 rows at once; one step program, compiled once."""
     from tests.check_parallel import SPMD_ENV
-    args = [*TINY, "--data", corpus, "--steps", "4", "--ckpt-interval", "0", "--eval-batches", "0", "--batch-size", "8"]
+    args = [*TINY, "--data", corpus, "--steps", "3", "--ckpt-interval", "0", "--eval-batches", "0", "--batch-size", "8"]
     child = launch.Child(["test_all.py", "child_spmd_steps", *args, "--out-dir", str(tmp_path / "x"), "--device", "xla",
                           "--mesh", "ici=4", "--mode", "graph", "--grad-accum", "2"], env=SPMD_ENV)
     oracle, norms = _trainer(corpus, tmp_path, "--batch-size", "8"), []
-    want = _train_losses(oracle, steps=4, norms=norms)
+    want = _train_losses(oracle, steps=3, norms=norms)
     rc, out, err = child.result()
     assert rc == 0, err[-3000:]
     res = json.loads(out.strip().splitlines()[-1])
@@ -291,10 +291,11 @@ def test_a_resume_with_another_accumulation_needs_allow_change_and_then_continue
     value is refused in one line naming --allow-change grad_accum (the update is the same math, but its
     rounding is not: a resume stays bit for bit unless asked otherwise); with it the run continues and
     matches the uninterrupted run to the accumulation's rounding."""
-    common = [*TINY, "--data", corpus, "--batch-size", "8", "--steps", "4", "--eval-batches", "0", "--ckpt-interval", "2"]
+    common = [*TINY, "--data", corpus, "--batch-size", "8", "--steps", "2", "--eval-batches", "0", "--ckpt-interval", "1",
+              "--sample-tokens", "0"]
     straight, part = str(tmp_path / "straight"), str(tmp_path / "part")
     assert _main([*common, "--out-dir", straight]) == 0
-    assert _main([*common, "--out-dir", part, "--grad-accum", "2", "--halt-at", "2"]) == 0
+    assert _main([*common, "--out-dir", part, "--grad-accum", "2", "--halt-at", "1"]) == 0
     capsys.readouterr()
     assert _main([*common, "--out-dir", part, "--resume"]) == 2
     err = capsys.readouterr().err
