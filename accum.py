@@ -26,7 +26,10 @@ by that term's nonlinearity; dense models and the four workloads' main losses ar
 Where the loop runs: eager and compile mode run it in Python (train.py's eager step; compiled blocks
 are called N times); graph mode unrolls it inside the one traced step (graph_trainer.py): N copies of
 forward + backward, one gradient sum, one clip, one AdamW update (the graph grows ~N times; a scan over
-microbatches, as MaxText's, would keep it one copy long: not built, docs/accumulation.md).
+microbatches, as MaxText's, would keep it one copy long: not built, docs/accumulation.md). Under a
+mesh each rank sums its own rows' gradients: reduced once a microbatch (FSDP2's hooks, eager SimpleFSDP,
+GSPMD), or once a step where graph mode's SimpleFSDP passes rewrite the N reduce-scatters of a parameter
+into one of their sum (fsdp_passes.reduce_once).
 """
 REDUCTIONS = ("mean", "sum")
 
