@@ -12,10 +12,12 @@ config is one flat dataclass of both, TrainConfig's fields and the workload's (`
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import types
 from typing import Optional
 
+import accum
 import device as dev
 import fsdp_passes
 import mesh
@@ -26,7 +28,7 @@ from errors import EXIT_BAD_INPUT, ConfigError, error_line
 from flags import finite_float, flag, with_overrides  # noqa: F401  (with_overrides: also reached as cli's)
 
 # What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
-RESUME_CHECKED = ("seed", "batch_size", "seq_len", "lr", "warmup", "clip", "weight_decay", "dtype", "steps")
+RESUME_CHECKED = ("seed", "batch_size", "grad_accum", "seq_len", "lr", "warmup", "clip", "weight_decay", "dtype", "steps")
 RESHARD = "mesh"  # --allow-change mesh: resume on another layout (DCP reshards the checkpoint on load)
 # (and what a workload's meta() records beside them, as its `resume_policy` says: task.py)
 
@@ -52,6 +54,9 @@ class TrainConfig:
     # the optimization
     steps: int = flag(400, "optimizer steps")
     batch_size: int = flag(32, "global batch size, sequences")
+    grad_accum: int = flag(1, "gradient accumulation: each step's global batch (--batch-size) as N microbatches, "
+                           "a forward + backward each, one update (a count, not a microbatch size: the batch a "
+                           "step trains on stays --batch-size; accum.py)", metavar="N")
     seq_len: int = flag(128, "tokens (bytes) per sequence")
     lr: float = flag(3e-3, "peak learning rate")
     warmup: int = flag(30, "linear warmup steps, then cosine decay to lr/10")
@@ -213,7 +218,7 @@ def validate(cfg):
     (Workload.check_flags), before anything is read or written; fills the workload's default flavor."""
     cls = workloads.workload_class(cfg.task)
     cfg.flavor = cfg.flavor or cls.default_flavor
-    for name in ("steps", "batch_size", "seq_len", "log_interval"):
+    for name in ("steps", "batch_size", "grad_accum", "seq_len", "log_interval"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
     for name in ("warmup", "eval_interval", "eval_batches", "ckpt_interval", "halt_at", "seed", "split"):
@@ -248,6 +253,20 @@ def validate(cfg):
         raise ConfigError("--scan has no per-block modules for --mode compile to compile: use eager or graph")
     _validate_mesh(cfg, cls)
     cls.check_flags(cfg)
+    _validate_grad_accum(cfg, cls)
+
+
+def _validate_grad_accum(cfg, workload):
+    """--grad-accum N: the workload says how its loss splits (Workload.loss_reduction), and each
+    data-parallel rank's rows split into N equal microbatches."""
+    dims = mesh.mesh_dims(cfg.mesh) if cfg.mesh else {"dcn": 1, "ici": 1}
+    dp = dims["dcn"] * dims["ici"] if cfg.mesh or not parallel.launched_by_torchrun() else \
+        int(os.environ["WORLD_SIZE"])
+    rows, named = workload.global_rows(cfg)
+    reduction = workload.loss_reduction(cfg) if cfg.grad_accum > 1 else None
+    why = accum.check(cfg.grad_accum, reduction, rows // dp, f"{named} over {dp} data-parallel rank(s)", cfg.task)
+    if why:
+        raise ConfigError(why)
 
 
 def _validate_mesh(cfg, workload):

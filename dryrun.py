@@ -87,7 +87,8 @@ def traced_saved_bytes(args, local_batch, seq_len, remat):
 param_groups = shapes.lm_param_groups   # (the one count: the step model's shapes use it too)
 # stepmodel's memory terms under the dry run's labels (minititan's layout: fp32 state)
 MEMORY_LABELS = {"parameters": "params (fp32 shard)", "gradients": "grads (fp32 shard)",
-                 "optimizer state": "AdamW state (fp32 shard)", "gathered block (bf16, x2)": "gathered layer (bf16, x2 prefetch)",
+                 "optimizer state": "AdamW state (fp32 shard)", "gradient accumulator": "grad sum (fp32 shard, --grad-accum)",
+                 "gathered block (bf16, x2)": "gathered layer (bf16, x2 prefetch)",
                  "saved activations": "saved activations (bf16)", "transient peak": "transient peak (one layer, bf16)"}
 
 
@@ -158,16 +159,20 @@ def dry_run(args, flavor, dims, batch_size, seq_len, chip, remat, per_sequence=N
     return estimate(lm_workload(args, flavor, seq_len), dims, batch_size, chip, remat, per_sequence)
 
 
-def estimate(w, dims, batch_size, chip, remat, per_sample=None):
+def estimate(w, dims, batch_size, chip, remat, per_sample=None, microbatches=1):
     """Memory per chip, traffic per link, predicted step time (stepmodel.py) of Workload `w` on one
-    layout (dims: mesh.mesh_dims) under `remat` (False, True = --remat, or a shapes policy);
-    ValueError (one line) for a layout the model or batch does not allow."""
+    layout (dims: mesh.mesh_dims) under `remat` (False, True = --remat, or a shapes policy), a rank's
+    batch in `microbatches` passes (--grad-accum: one microbatch's activations, FSDP's collectives once
+    a microbatch); ValueError (one line) for a layout the model or batch does not allow."""
     dcn, ici, tp, ep, cp = dims["dcn"], dims["ici"], dims["tp"], dims["ep"], dims.get("cp", 1)
     dp, devices, share = dcn * ici, dcn * ici * cp * tp, tp * cp  # (share: the chips of one sample)
     if cp > 1 and not w.splits_sequences:
         raise ValueError(f"cp={cp}: {w.label}'s loss is not split over a sequence's tokens (cp is for language models)")
     if batch_size % dp:
         raise ValueError(f"--batch-size {batch_size} is not divisible by the {dp} data-parallel ranks of the mesh")
+    if (batch_size // dp) % microbatches:
+        raise ValueError(f"--grad-accum {microbatches}: the {batch_size // dp} samples a data-parallel rank do not "
+                         f"split into {microbatches} equal microbatches")
     refusal = w.check(dims)
     if refusal:
         raise ValueError(refusal)
@@ -182,21 +187,24 @@ def estimate(w, dims, batch_size, chip, remat, per_sample=None):
     # memory, host memory, the verdict and the step time: stepmodel's, for minititan's own layout (fp32
     # master weights and AdamW, FSDP over ici, HSDP over dcn, --remat = keep the matmul outputs), on the
     # family's own parameter groups and the traced activations
-    layout = stepmodel.Layout(dcn=dcn, ici=ici, tp=tp, ep=ep, cp=cp, local_batch=local_batch, remat=policy_name(remat))
+    layout = stepmodel.Layout(dcn=dcn, ici=ici, tp=tp, ep=ep, cp=cp, local_batch=local_batch, remat=policy_name(remat),
+                              microbatches=microbatches)
     shape = dataclasses.replace(shape_of(w), params=dict(w.whole), layer_params=dict(w.layer))
-    pred = stepmodel.predict(shape, layout, chips_lib.CHIPS[chip], saved_bytes=per_sample * local_batch / share)
+    pred = stepmodel.predict(shape, layout, chips_lib.CHIPS[chip],
+                             saved_bytes=per_sample * local_batch / microbatches / share)
     mem = {MEMORY_LABELS[k]: v for k, v in pred["memory"].items()}
     # traffic per chip per step (stepmodel's bytes, reported): FSDP all-gather fwd + bwd (bf16),
     # reduce-scatter (fp32); TP + SP: per layer 2 all-gathers + 2 reduce-scatters forward, the same
     # backward; EP: per MoE layer, the routed rows out and back, forward and backward
     fsdp = 8 * (whole["tp"] / tp + whole["rest"]) * (ici * cp - 1) / (ici * cp) + 8 * whole["experts"] / ep * (dp // ep - 1) / (dp // ep)
+    fsdp *= microbatches  # (every microbatch gathers and reduce-scatters again)
     act = 2 * local_batch * w.tokens * w.dim  # one (B, S, D) activation, bf16
     tp_bytes = w.n_layers * 8 * act * (tp - 1) / tp
     ep_bytes = (w.n_layers * 4 * act * w.top_k * (ep - 1) / ep) if w.n_experts else 0
     cp_bytes = w.n_layers * 2 * stepmodel.kv_bytes(shape, layout) * (cp - 1) / cp  # K/V gathered, grads scattered
     ici_bytes = fsdp + tp_bytes + ep_bytes + cp_bytes
     shard = stepmodel.shard_counts(shape, layout)[0]
-    dcn_bytes = 2 * 4 * (shard["tp"] + shard["rest"]) * (dcn - 1) / dcn  # grads all-reduce
+    dcn_bytes = 2 * 4 * (shard["tp"] + shard["rest"]) * (dcn - 1) / dcn * microbatches  # grads all-reduce
     parts = {"matmuls": pred["compute"]["matmul"] + pred["compute"]["recompute"],
              "attention": pred["compute"]["attention"],
              "HBM-bound ops": sum(v for k, v in pred["compute"].items() if k not in ("matmul", "recompute", "attention")),
@@ -204,7 +212,7 @@ def estimate(w, dims, batch_size, chip, remat, per_sample=None):
     need = pred["total_bytes"]
     mesh = ",".join(f"{k}={v}" for k, v in dims.items() if v > 1 or k == "ici")
     return {"flavor": w.label, "chip": chip, "mesh": mesh, "devices": devices, "params": total, "remat": remat,
-            "local_batch": local_batch, "seq_len": w.tokens, "memory_bytes": mem, "total_bytes": need,
+            "local_batch": local_batch, "microbatches": microbatches, "seq_len": w.tokens, "memory_bytes": mem, "total_bytes": need,
             "hbm_bytes": spec["hbm"], "host_bytes": pred["offload_bytes"], "host_memory_bytes": pred["host"],
             "host_need": pred["host_need"], "host_capacity": chips_lib.CHIPS[chip].host_bytes,
             "fits": pred["fits"], "flops_per_device": flops,
@@ -237,9 +245,9 @@ def saved_per_sample(w, remat, traced):
     return traced[True] * kept / reference if reference else 0.0
 
 
-def layouts(w, chips, batch_size, chip, remats, traced):
+def layouts(w, chips, batch_size, chip, remats, traced, microbatches=1):
     """Every layout of exactly `chips` (dcn x ici x cp x tp, ep borrowing dp ranks; cp where the task
-    splits sequences, up to 16) under each remat policy:
+    splits sequences, up to 16) under each remat policy, a rank's batch in `microbatches` passes:
     a tp that does not divide the chips left by dcn is skipped, never rounded down to fewer chips."""
     rows = []
     for dcn in (d for d in (1, 2, 4, 8) if chips % d == 0):
@@ -252,7 +260,8 @@ def layouts(w, chips, batch_size, chip, remats, traced):
                 dims = {"dcn": dcn, "ici": ici, "tp": tp, "ep": ep, "cp": cp}
                 for remat in remats:
                     try:
-                        rows.append(estimate(w, dims, batch_size, chip, remat, saved_per_sample(w, remat, traced)))
+                        rows.append(estimate(w, dims, batch_size, chip, remat, saved_per_sample(w, remat, traced),
+                                             microbatches))
                     except ValueError:
                         continue
     # fitting layouts first (a layout that does not fit never ranks above one that does), then by step
@@ -283,31 +292,42 @@ def plan_policies(w):
     return kept
 
 
-def plan(w, chips, batch_size, chip, traced=None):
+def plan(w, chips, batch_size, chip, traced=None, microbatches=1):
     """Every layout of `chips` under every memory policy the model takes (plan_policies) that the model
-    and batch allow, ranked: fitting ones first, then by predicted step time."""
+    and batch allow, a rank's batch in `microbatches` passes, ranked: fitting ones first, then by
+    predicted step time."""
     traced = traced or {r: w.saved_bytes(r) for r in (False, True)}
-    return layouts(w, chips, batch_size, chip, plan_policies(w), traced)
+    return layouts(w, chips, batch_size, chip, plan_policies(w), traced, microbatches)
 
 
-def cheapest_fix(w, chips, batch_size, chip, traced):
+def cheapest_fix(w, chips, batch_size, chip, traced, microbatches=1):
     """When no layout fits under any policy: the change that does, cheapest in chip-seconds a sample.
-    Tried: 2-8x the chips, a batch halved (down to one sample a chip). Returns one line."""
+    Tried: gradient accumulation (the same global batch in 2x, 4x, ... the microbatches: one
+    microbatch's activations, the same update), 2-8x the chips, a batch halved (down to one sample a
+    chip). Returns one line."""
     options = []
+    more = microbatches * 2
+    while more <= batch_size:  # (layouts whose ranks' batch does not split are skipped by estimate)
+        fit = [r for r in plan(w, chips, batch_size, chip, traced, more) if r["fits"]]
+        if fit:
+            options.append((fit[0]["step_s"] * chips / batch_size, f"--grad-accum {more}", fit[0]))
+            break
+        more *= 2
     for factor in (2, 4, 8):
-        fit = [r for r in plan(w, chips * factor, batch_size, chip, traced) if r["fits"]]
+        fit = [r for r in plan(w, chips * factor, batch_size, chip, traced, microbatches) if r["fits"]]
         if fit:
             options.append((fit[0]["step_s"] * chips * factor / batch_size, f"{chips * factor} chips", fit[0]))
             break
     batch = batch_size // 2
     while batch >= 1:
-        fit = [r for r in plan(w, chips, batch, chip, traced) if r["fits"]]
+        fit = [r for r in plan(w, chips, batch, chip, traced, microbatches) if r["fits"]]
         if fit:
             options.append((fit[0]["step_s"] * chips / batch, f"global batch {batch}", fit[0]))
             break
         batch //= 2
     if not options:
-        return "cheapest change that fits: none found (tried 8x the chips, smaller batches, every memory policy)"
+        return ("cheapest change that fits: none found (tried gradient accumulation, 8x the chips, smaller "
+                "batches, every memory policy)")
     cost, label, r = min(options, key=lambda o: o[0])
     return (f"cheapest change that fits: {label} -> {r['mesh']}, remat {remat_label(r['remat'])}, {r['total_bytes'] / GiB:.1f} GiB, "
             f"step {r['step_s'] * 1e3:.0f} ms ({cost * 1e3:.1f} chip-ms a sample)")
@@ -320,24 +340,26 @@ def main(w, cfg):
     import mesh
     if cfg.chip not in chips_lib.CHIPS:
         raise ValueError(f"--chip {cfg.chip!r}: choose one of {', '.join(chips_lib.CHIPS)}")
+    accumulation = getattr(cfg, "grad_accum", 1)
     if cfg.plan:
         if not cfg.chips or cfg.chips < 1:
             raise ValueError("--plan needs --chips N (N >= 1)")
         traced = {r: w.saved_bytes(r) for r in (False, True)}
-        rows = plan(w, cfg.chips, cfg.batch_size, cfg.chip, traced)
+        rows = plan(w, cfg.chips, cfg.batch_size, cfg.chip, traced, accumulation)
         if not rows:
             raise ValueError(f"no layout of {cfg.chips} chips fits the model's heads/experts and --batch-size {cfg.batch_size}")
         if not rows[0]["fits"]:
             print(f"no layout of {cfg.chips} x {cfg.chip} fits at global batch {cfg.batch_size}: the smallest needs "
                   f"{min(r['total_bytes'] for r in rows) / GiB:.1f} of {rows[0]['hbm_bytes'] / GiB:.0f} GiB a chip; "
-                  + cheapest_fix(w, cfg.chips, cfg.batch_size, cfg.chip, traced))
+                  + cheapest_fix(w, cfg.chips, cfg.batch_size, cfg.chip, traced, accumulation))
             print(json.dumps([]), flush=True)
             return 0
         print(format_plan(rows, cfg))
         print(json.dumps([{k: r[k] for k in ("mesh", "remat", "local_batch", "total_bytes", "fits", "step_s", "mfu", "bound")}
                           for r in rows]), flush=True)
         return 0
-    report = estimate(w, mesh.mesh_dims(cfg.mesh or "ici=1"), cfg.batch_size, cfg.chip, cfg.remat)
+    report = estimate(w, mesh.mesh_dims(cfg.mesh or "ici=1"), cfg.batch_size, cfg.chip, cfg.remat,
+                      microbatches=accumulation)
     print(format_report(report))
     print(json.dumps(report), flush=True)
     return 0
@@ -353,7 +375,8 @@ def remat_label(remat):
 def format_plan(rows, cfg, top=15):
     width = max(5, *(len(remat_label(r["remat"])) for r in rows[:top]))
     lines = [f"plan: {rows[0]['flavor']} on {cfg.chips} x {cfg.chip}, global batch {cfg.batch_size} x "
-             f"{rows[0]['seq_len']} tokens; "
+             f"{rows[0]['seq_len']} tokens"
+             + (f" in {rows[0]['microbatches']} microbatches" if rows[0]["microbatches"] > 1 else "") + "; "
              f"{len(rows)} layouts x memory policies, best {min(top, len(rows))}, fitting first (step: stepmodel.py's "
              f"parts, {calibration_note(cfg.chip)}; not run on a TPU)",
              f"  {'mesh':<28} {'remat':<{width}} {'batch/dp':>8} {'HBM GiB':>8} {'host GiB':>8} {'fits':<4} {'step ms':>9} "
@@ -374,7 +397,8 @@ def calibration_note(chip):
 
 def format_report(r):
     lines = [f"dry run: {r['flavor']} ({r['params'] / 1e9:.2f}B params) on {r['devices']} x {r['chip']} "
-             f"({r['mesh']}), {r['local_batch']} x {r['seq_len']} tokens per device"]
+             f"({r['mesh']}), {r['local_batch']} x {r['seq_len']} tokens per device"
+             + (f" in {r['microbatches']} microbatches" if r["microbatches"] > 1 else "")]
     for name, b in r["memory_bytes"].items():
         lines.append(f"  {name:<36} {b / GiB:10.2f} GiB")
     short = r["total_bytes"] - r["hbm_bytes"]

@@ -8,7 +8,8 @@ all-gathers and reduce-scatters is a node (simplefsdp.py makes them plain DTenso
             graph_passes.recompute_in_backward with the all-gather chains as what to recompute.
   bucket    one all-gather per transformer block (and one for the embedding, one for the final
             norm + output head) on a flat buffer, split back into the parameters; the same for
-            the backward's reduce-scatters. The merging is torch's own (torch/_inductor/fx_passes/
+            the backward's reduce-scatters (with gradient accumulation, first a parameter's reduce-scatters
+            of every microbatch become one of their sum: `reduce_once`). The merging is torch's own (torch/_inductor/fx_passes/
             bucketing.py, in our pinned torch 2.9); choosing the buckets, by block, is ours, and so
             is the merge of HSDP's gradient all-reduces over dcn (torch has none for all-reduce).
   prefetch  each all-gather is issued one bucket early, before the wait of the previous one: the
@@ -177,6 +178,7 @@ def bucket_by_block(gm, bucket_of):
     reduces = [n for n in gm.graph.nodes if _is(n, c10d.all_reduce)]
     for bucket in _buckets([(r, _grad_param(_wait_of(r), P) if _wait_of(r) else None) for r in reduces], bucket_of):
         _merge_all_reduce(gm, bucket)
+    reduce_once(gm, P)
     scatters = [n for n in gm.graph.nodes if _is(n, c10d.reduce_scatter_tensor)]
     waits = {s: next((u for u in s.users if _is(u, c10d.wait_tensor)), None) for s in scatters}
     buckets = _buckets([(s, _grad_param(waits[s], P) if waits[s] else None) for s in scatters], bucket_of)
@@ -188,6 +190,39 @@ def bucket_by_block(gm, bucket_of):
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def reduce_once(gm, n_params):
+    """Gradient accumulation (accum.py, the loop unrolled in the step): a parameter's N reduce-scatters,
+    one a microbatch, whose results the step sums, become one reduce-scatter of their summed inputs at
+    the last one's place (reduce-scatter is linear: the same sum, rounded once more or less). The cost:
+    the unsharded gradient sum lives from the first microbatch's backward to the last, a rank holding
+    its whole, as FSDP2's set_requires_gradient_sync(False); the earlier results become zeros."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    by_param = {}
+    for s in (n for n in gm.graph.nodes if _is(n, c10d.reduce_scatter_tensor)):
+        wait = _wait_of(s)
+        i = _grad_param(wait, n_params) if wait is not None else None
+        if i is not None:
+            by_param.setdefault(i, []).append(s)
+    g = gm.graph
+    for group in (sorted(s, key=order.get) for s in by_param.values() if len(s) > 1):
+        last = group[-1]
+        with g.inserting_before(last):
+            total = group[0].args[0]
+            for s in group[1:]:
+                total = g.call_function(aten.add.Tensor, (total, s.args[0]))
+                total.meta = dict(s.args[0].meta)
+        last.args = (total, *last.args[1:])
+        for s in group[:-1]:
+            wait, val = _wait_of(s), _wait_of(s).meta["val"]
+            with g.inserting_before(s):
+                zeros = g.call_function(aten.zeros.default, (list(val.shape),),
+                                        {"dtype": val.dtype, "device": val.device})
+            zeros.meta = dict(wait.meta)
+            wait.replace_all_uses_with(zeros)
+            g.erase_node(wait)
+            g.erase_node(s)
 
 
 def _merge_all_reduce(gm, bucket):
@@ -289,6 +324,11 @@ def prefetched(gm):
     end = graph_passes.forward_end_index(gm)
     gathers = [n for n in gm.graph.nodes if _is(n, c10d.all_gather_into_tensor) and order[n] < end]
     return sum(1 for prev, nxt in zip(gathers, gathers[1:]) if _wait_of(prev) and order[nxt] < order[_wait_of(prev)])
+
+
+def reduce_scatter_bytes(gm):
+    """Bytes the step's reduce-scatters take in (a rank's unsharded gradients, each reduced once)."""
+    return sum(graph_passes.tensor_bytes(n.args[0]) for n in gm.graph.nodes if _is(n, c10d.reduce_scatter_tensor))
 
 
 def collective_counts(gm):

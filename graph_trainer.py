@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import accum
 import device as dev
 from errors import BadInput
 import fsdp_passes
@@ -41,12 +42,17 @@ class _LossOf(nn.Module):
         return self.loss_fn(self.model, batch)
 
 
-def build_step_fn(model, names, loss_fn, clip, betas, eps, weight_decay, mask, autocast, parallel=None):
+def build_step_fn(model, names, loss_fn, clip, betas, eps, weight_decay, mask, autocast, parallel=None,
+                  microbatches=None):
     """The pure step function that make_fx traces. `loss_fn(model, batch) -> (loss to report, loss to
     differentiate)` is the task's. Under a mesh `params` are the local shards: `parallel.like` wraps
     them back into DTensors for the model (whose parameter reads all-gather and whose backward
-    reduce-scatters), and the gradient norm and logged loss are reduced across ranks, all inside."""
+    reduce-scatters), and the gradient norm and logged loss are reduced across ranks, all inside.
+    `microbatches` (accum.Microbatches, --grad-accum): the loop over them is unrolled into the graph,
+    each microbatch's forward + backward in turn (the passes take the first microbatch's forward as the
+    forward: the first forward_end marker), one gradient sum, one update."""
     parallel = parallel or Parallel(None)
+    microbatches = microbatches or accum.Microbatches(1, "mean")
     buffer_names = [n for n, _ in model.named_buffers()]
     placed_like = list(model.parameters())  # (DTensors under a mesh: their mesh and placements)
     loss_module = _LossOf(loss_fn, model)
@@ -56,10 +62,11 @@ def build_step_fn(model, names, loss_fn, clip, betas, eps, weight_decay, mask, a
             leaves = [p.detach().requires_grad_() for p in params]
             state = {**{f"model.{n}": t for n, t in zip(names, parallel.like(leaves, placed_like))},
                      **{f"model.{n}": b for n, b in zip(buffer_names, buffers)}}
-            with autocast():
-                reported, loss = torch.func.functional_call(loss_module, state, batch)
-            loss = graph_passes.forward_end(loss)  # marks the forward/backward boundary
-            grads = torch.autograd.grad(loss, leaves)
+
+            def grads_of(loss):  # forward_end marks the forward/backward boundary (the passes read the first)
+                return torch.autograd.grad(graph_passes.forward_end(loss), leaves)
+            reported, grads = accum.loss_and_grads(lambda module, micro: torch.func.functional_call(module, state, micro),
+                                                   loss_module, batch, microbatches, grads_of, autocast)
         grads, norm = optim.clip_by_global_norm(list(grads), clip, parallel.global_sq_norm)
         reported = parallel.mean_over_dp(reported)
         new_params, state = optim.adamw(params, grads, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
@@ -99,12 +106,12 @@ class GraphStep:
     owning), and how to run: clipping, autocast, the parallel layout, the backend and the passes."""
 
     def __init__(self, model, loss_fn, opt, device, *, clip, autocast, parallel=None, backend=None, remat=False,
-                 offload=False, split=0, fsdp_passes=(), blocks=()):
+                 offload=False, split=0, fsdp_passes=(), blocks=(), microbatches=None):
         self.backend = backend or ("xla" if dev.is_xla(device) else "fx")  # (cli.validate refused what cannot run)
         self.model, self.opt, self.device = model, opt, device
         self.param_names = [n for n, _ in model.named_parameters()]
         self.step_fn = build_step_fn(model, self.param_names, loss_fn, clip, opt.betas, opt.eps,
-                                     opt.weight_decay, opt.mask, autocast, parallel)
+                                     opt.weight_decay, opt.mask, autocast, parallel, microbatches)
         self.remat, self.offload, self.split, self.fsdp_passes = remat, offload, split, tuple(fsdp_passes)
         self.blocks = list(blocks)  # the model's repeated modules: the bucket pass's buckets
         self.gm = None        # the captured (and transformed) step graph
@@ -132,6 +139,7 @@ class GraphStep:
         if self.fsdp_passes or self.report["collectives"]:
             self.report["collectives_by_side"] = fsdp_passes.collective_counts(gm)
             self.report["prefetched_gathers"] = fsdp_passes.prefetched(gm)
+            self.report["reduce_scatter_bytes"] = fsdp_passes.reduce_scatter_bytes(gm)
             gathered = fsdp_passes.gather_chains(gm)  # (once: it walks the whole graph)
             roots = {graph_passes.storage_root(n) for n in graph_passes.saved_activations(gm) if n in gathered}
             self.report["saved_gathered_bytes"] = sum(graph_passes.tensor_bytes(r) for r in roots)

@@ -168,6 +168,11 @@ class Pretraining(Workload):
         if cfg.seq_len > self.args.max_seq_len:
             raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {self.args.max_seq_len}")
 
+    @classmethod
+    def loss_reduction(cls, cfg):
+        """Every position of every row is a target: microbatches of equal rows average (accum.py)."""
+        return "mean"
+
     def setup_data(self, dp_rank, dp_size):
         cfg = self.cfg
         train, val = data.load_corpus(cfg.data, notes=self.notes)

@@ -42,6 +42,9 @@ model, parallelize function and loss beside the shared trainer):
                                 a sequence is split over cp ranks (so cp ranks' mean is the whole's)
     global_rows(cfg)            (rows of one global batch, as its flags name them): what must split evenly
                                 over the data-parallel ranks (classmethod; cli.py checks it before a rank starts)
+    loss_reduction(cfg)         how its loss over a batch splits into microbatches (--grad-accum, accum.py):
+                                "mean" (a mean over rows of equal counts), "sum" (divided by a whole-batch
+                                count carried in the batch), or None: it refuses --grad-accum (classmethod)
     family                      its ModelFamily, whole when the workload is (GRPO and SFT use the LM
                                 family; none inherits another workload)
     setup_data(rank, size), batch(step) (a pure function of (seed, step): resume and N ranks see what
@@ -192,6 +195,11 @@ class Workload:
     def global_rows(cls, cfg):
         """(rows of one global batch, their flags' words): each data-parallel rank takes an equal slice."""
         return cfg.batch_size, f"--batch-size {cfg.batch_size}"
+
+    @classmethod
+    def loss_reduction(cls, cfg):
+        """"mean", "sum" or None (accum.py): undeclared, a workload refuses --grad-accum rather than guess."""
+        return None
 
     @property
     def args(self):

@@ -29,6 +29,7 @@ from tests.check_parallel import *  # noqa: E402,F401,F403
 from tests.check_context_parallel import *  # noqa: E402,F401,F403
 from tests.check_elastic import *  # noqa: E402,F401,F403
 from tests.check_graph import *  # noqa: E402,F401,F403
+from tests.check_accum import *  # noqa: E402,F401,F403
 from tests.check_layer_scan import *  # noqa: E402,F401,F403
 from tests.check_materialize import *  # noqa: E402,F401,F403
 from tests.check_dryrun import *  # noqa: E402,F401,F403

@@ -22,6 +22,7 @@ import time
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+import accum
 import checkpoint
 import device as dev
 import fsdp_passes
@@ -73,6 +74,7 @@ class Trainer:
         rundir.check_writable(self.out_dir, ("checkpoints",) + (("profile",) if cfg.profile else ()))
         self.task = task or make_workload(cfg)
         self.family = self.task.family
+        self.microbatches = accum.Microbatches(cfg.grad_accum, self.task.loss_reduction(cfg) or "mean")
         self.model_args = self.parallel.model_args(self.task.args, self.family)
         self.check_memory()  # (before the data is prepared: a batch too large is refused at once)
         self.task.setup_data(self.parallel.dp_rank, dp)
@@ -116,16 +118,17 @@ class Trainer:
         """What a process holds at start must fit: its shards of the weights, gradients and AdamW state
         (16 bytes a parameter, split the layout's `param_split` ways), plus, while they are filled, one
         whole parameter on the host (materialize.py; the whole model where it is built whole), plus the
-        batch's activations. Refused before anything is allocated or written (the dry run at full scale)."""
+        activations of one microbatch (--grad-accum: and the gradients' running sum, 4 bytes a parameter).
+        Refused before anything is allocated or written (the dry run at full scale)."""
         cfg, family = self.cfg, self.family
-        local_batch = cfg.batch_size // self.parallel.dp_size
-        weights = 16 * family.param_count(self.model_args) / self.parallel.param_split
+        local_batch = cfg.batch_size // self.parallel.dp_size // cfg.grad_accum
+        weights = (16 + 4 * (cfg.grad_accum > 1)) * family.param_count(self.model_args) / self.parallel.param_split
         weights += 4 * materialize.largest_whole(family, self.model_args, cfg.scan, cfg.init_from)
         acts = family.activation_bytes(self.model_args, local_batch, cfg.seq_len, dev.free_memory_bytes(self.device))
         acts /= self.parallel.seq_split  # (context parallel: a rank's tokens, its (S / cp) x S scores)
         dev.check_fits(weights + acts, self.device, "the model's shards of weights, gradients and AdamW state (16 "
                        f"bytes a parameter), the largest whole tensor it is filled from and the activations of "
-                       f"{local_batch} sequences")
+                       f"{local_batch} sequences" + (f" (one microbatch of {cfg.grad_accum})" if cfg.grad_accum > 1 else ""))
 
     def build_model(self):
         """Built on the meta device, parallelized, then filled shard by shard (materialize.build): from
@@ -147,17 +150,17 @@ class Trainer:
                                            autocast=self.autocast, parallel=self.parallel, backend=cfg.backend,
                                            remat=cfg.remat, offload=cfg.offload, split=cfg.split,
                                            fsdp_passes=fsdp_passes.chosen(cfg.fsdp_passes, self.parallel.graph_passes),
-                                           blocks=() if cfg.scan else self.family.blocks(self.model))
+                                           blocks=() if cfg.scan else self.family.blocks(self.model),
+                                           microbatches=self.microbatches)
         if cfg.mode == "compile":
             for block in self.family.blocks(self.model):
                 block.compile(backend=dev.compile_backend(self.device))
         return self.eager_step
 
     def eager_step(self, *batch_and_lr):
-        *batch, lr = batch_and_lr
-        with self.autocast():
-            reported, loss = self.task.loss(self.model, batch)
-        grads = self.parallel.grads(loss, self.params)  # (under a mesh: averaged local shards)
+        *batch, lr = batch_and_lr  # (--grad-accum N: N microbatches' gradients summed, accum.py)
+        reported, grads = accum.loss_and_grads(self.task.loss, self.model, batch, self.microbatches,
+                                               lambda loss: self.parallel.grads(loss, self.params), self.autocast)
         grads, norm = optim.clip_by_global_norm(grads, self.cfg.clip, self.parallel.global_sq_norm)
         step = dev.scalar(self.opt.step_count + 1, self.device) if dev.is_xla(self.device) else None
         self.opt.step(grads, lr, self.parallel.local(self.params), step)

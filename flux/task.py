@@ -237,6 +237,7 @@ class FluxDigits(Workload):
     """Rectified flow on the digits (or a latent file): the batches, the flow-matching loss, the grids."""
     name, default_flavor, Flags, unit = "flux", "flux_debug", FluxFlags, "img"
     family_class = FluxFamily
+    loss_reduction = classmethod(lambda cls, cfg: "mean")  # (the MSE over rows of one latent size: accum.py)
     resume_policy = {"data": lambda saved, now: None if (saved is None) == (now is None) else (  # (None: the digits)
         "the data source (the digits or a --data latent file) fixes the model's conditioning weights: resume "
         "with the run's --data"),  # another latent file may replace one (--allow-change data); digits <-> a file may not

@@ -34,9 +34,12 @@ Memory (a chip): parameters, gradients and optimizer state at their dtypes (`Pre
 master weights as torchtitan / minititan keep them, or bf16 as MaxText's weight_dtype), sharded as
 the layout says; FSDP's gathered block (bf16, double-buffered); the activations the remat policy
 keeps on device; the larger of two transient peaks (one layer's full activations while its
-backward runs, or the logits and their gradient). Host memory (a chip's process): its parameter
-shards at start, then the checkpoint's staging copy, the weight push's bucket and the offloaded
-activations (`host_terms`). `fits` is the one verdict on both, for the dry run, --plan and calibrate.
+backward runs, or the logits and their gradient); with gradient accumulation (`microbatches`) the
+activations of one microbatch and a second gradient buffer (the running sum beside the microbatch's
+own), while FSDP's gathers and reduce-scatters repeat every microbatch (time and bytes). Host
+memory (a chip's process): its parameter shards at start, then the checkpoint's staging copy, the
+weight push's bucket and the offloaded activations (`host_terms`). `fits` is the one verdict on
+both, for the dry run, --plan and calibrate.
 """
 import dataclasses
 import math
@@ -98,6 +101,9 @@ class Layout:
     attention_block: int = ATTENTION_BLOCK
     act_bytes: int = BYTES_BF16   # bytes an activation element (bf16 on TPU; 4 for the fp32 CPU anchor)
     vocab_tiles: int = 1          # MaxText's num_vocab_tiling: the logits live one tile of the vocabulary at a time
+    microbatches: int = 1         # gradient accumulation (--grad-accum): local_batch in this many forward +
+    #                               backward passes; activations are one microbatch's, FSDP gathers and
+    #                               reduce-scatters (and their latencies) once a microbatch, compute unchanged
 
 
 def sharing(lay):
@@ -166,7 +172,7 @@ def hbm_terms(shape, lay, chip, shard, gathered, fsdp, any_recompute):
     pr = lay.precision
     optimizer = sum(shard.values()) * (2 * pr.weight + pr.grad + 2 * pr.optimizer)  # read w g m v, write w m v
     # gathered bf16 copies: written by the all-gather, read by the matmul; forward and backward
-    copies = 2 * 2 * BYTES_BF16 * gathered * shape.layers if fsdp > 1 else 0.0
+    copies = 2 * 2 * BYTES_BF16 * gathered * shape.layers * lay.microbatches if fsdp > 1 else 0.0
     logits = tokens * shape.vocab * (lay.act_bytes + 8 + 2) if shape.vocab else 0.0   # write, fp32 softmax r/w, grad
     bw = chip.hbm_bw
     return {"elementwise": elementwise / bw, "optimizer": optimizer / bw, "gathered copies": copies / bw,
@@ -194,6 +200,8 @@ def comm_terms(shape, lay, chip, shard, fsdp, expert_group, offload_bytes):
         ici_group = lay.ici * lay.cp
         ici_bytes = 2 * pr.grad * sum(p.values()) / lay.tp * (ici_group - 1) / ici_group
         collectives = shape.layers
+    if lay.dp_mode == "fsdp":  # (a microbatch gathers and reduce-scatters every block again; DDP's one
+        ici_bytes, collectives = ici_bytes * lay.microbatches, collectives * lay.microbatches  # all-reduce stays)
     ici_s = ici_bytes / chip.ici_bw + collectives * ring_steps(ici_group, chip) * chip.ici_latency_s
     if lay.dcn > 1:
         if lay.dcn_mode == "fsdp":   # each slice fetches the other slices' share of every gather
@@ -202,20 +210,23 @@ def comm_terms(shape, lay, chip, shard, fsdp, expert_group, offload_bytes):
         else:                        # HSDP: all-reduce of the shard's gradients across slices, a layer at a time
             dcn_bytes = 2 * pr.grad * sum(shard.values()) * (lay.dcn - 1) / lay.dcn
             dcn_collectives = shape.layers
+        dcn_bytes, dcn_collectives = dcn_bytes * lay.microbatches, dcn_collectives * lay.microbatches
         dcn_s = dcn_bytes / chip.dcn_bw + dcn_collectives * 2 * (lay.dcn - 1) * chip.dcn_latency_s
     else:
         dcn_s = 0.0
     offload_s = 2 * offload_bytes / chip.host_bw if offload_bytes else 0.0   # out forward, back backward
     act = lay.act_bytes * shape.tokens * lay.local_batch * shape.dim            # one (B, S, D) activation
+    m = lay.microbatches  # (TP / EP move the same bytes in m times as many collectives)
     tp_s = (shape.layers * 8 * act * (lay.tp - 1) / lay.tp / chip.ici_bw
-            + shape.layers * 8 * ring_steps(lay.tp, chip) * chip.ici_latency_s) if lay.tp > 1 else 0.0
+            + m * shape.layers * 8 * ring_steps(lay.tp, chip) * chip.ici_latency_s) if lay.tp > 1 else 0.0
     ep_s = (shape.layers * 4 * act * shape.top_k * (lay.ep - 1) / lay.ep * MOE_IMBALANCE / chip.ici_bw
-            + shape.layers * 4 * ring_steps(lay.ep, chip) * chip.ici_latency_s) if lay.ep > 1 else 0.0
+            + m * shape.layers * 4 * ring_steps(lay.ep, chip) * chip.ici_latency_s) if lay.ep > 1 else 0.0
     return {"ici": ici_s, "dcn": dcn_s, "offload": offload_s, "tp": tp_s, "ep": ep_s, "cp": cp_terms(shape, lay, chip)}
 
 
 def kv_bytes(shape, lay):
-    """One layer's keys and values of the whole sequences of a chip's samples (what cp gathers)."""
+    """One layer's keys and values of the whole sequences of a chip's samples (what cp gathers; a
+    step's, over all its microbatches)."""
     a = shape.attention
     return 2 * lay.act_bytes * a["seq"] * a.get("kv_heads", a["heads"]) * a["head_dim"] * lay.local_batch / lay.tp
 
@@ -223,23 +234,25 @@ def kv_bytes(shape, lay):
 def cp_terms(shape, lay, chip):
     """Context parallelism: each attention layer all-gathers K/V over the cp ranks (forward) and
     reduce-scatters their gradients (backward), (cp-1)/cp of the whole on ICI, between the layer's
-    matmuls: exposed (the all-gather variant; a ring would overlap it: docs/limits.md)."""
+    matmuls: exposed (the all-gather variant; a ring would overlap it: docs/limits.md); the same bytes
+    in one collective a microbatch."""
     if lay.cp <= 1:
         return 0.0
     layers = shape.attention["layers"]
     return (layers * 2 * kv_bytes(shape, lay) * (lay.cp - 1) / lay.cp / chip.ici_bw
-            + layers * 2 * ring_steps(lay.cp, chip) * chip.ici_latency_s)
+            + lay.microbatches * layers * 2 * ring_steps(lay.cp, chip) * chip.ici_latency_s)
 
 
 def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems):
     """Bytes a chip: state at its dtypes, gathered block, saved activations, the transient peak."""
     pr, n = lay.precision, sum(shard.values())
-    tokens = shape.tokens * lay.local_batch / sharing(lay)
+    tokens = shape.tokens * lay.local_batch / lay.microbatches / sharing(lay)   # one microbatch's at a time
     saved = device_elems * lay.act_bytes * tokens * shape.layers
     layer_peak = all_elems * lay.act_bytes * tokens                     # one layer, everything live
-    layer_peak += kv_bytes(shape, lay) if lay.cp > 1 else 0.0           # (+ its gathered K/V)
+    layer_peak += kv_bytes(shape, lay) / lay.microbatches if lay.cp > 1 else 0.0   # (+ its gathered K/V)
     logits_peak = 2 * lay.act_bytes * tokens * shape.vocab / lay.vocab_tiles if shape.vocab else 0.0  # logits + grad
     return {"parameters": n * pr.weight, "gradients": n * pr.grad, "optimizer state": n * pr.optimizer,
+            "gradient accumulator": n * pr.grad if lay.microbatches > 1 else 0.0,
             "gathered block (bf16, x2)": 2 * BYTES_BF16 * gathered if fsdp > 1 else 0.0,
             "saved activations": saved, "transient peak": max(layer_peak, logits_peak)}
 
@@ -270,7 +283,7 @@ def predict(shape, lay, chip, constants=None, saved_bytes=None, push_bucket_byte
     shard, gathered, fsdp, expert_group = shard_counts(shape, lay)
     device_elems, offload_elems, _, recomputed, redo = policy_split(shape, lay.remat)
     tokens = shape.tokens * lay.local_batch / sharing(lay)
-    offload_bytes = offload_elems * lay.act_bytes * tokens * shape.layers
+    offload_bytes = offload_elems * lay.act_bytes * tokens * shape.layers  # (a step's: the link's time)
     compute = compute_terms(shape, lay, chip, eff, redo)
     compute.update(hbm_terms(shape, lay, chip, shard, gathered, fsdp, bool(recomputed)))
     comm = comm_terms(shape, lay, chip, shard, fsdp, expert_group, offload_bytes)
@@ -283,7 +296,7 @@ def predict(shape, lay, chip, constants=None, saved_bytes=None, push_bucket_byte
     if saved_bytes is not None:
         mem["saved activations"] = saved_bytes
     total = sum(mem.values())
-    host, host_need = host_terms(lay, shard, offload_bytes, push_bucket_bytes)
+    host, host_need = host_terms(lay, shard, offload_bytes / lay.microbatches, push_bucket_bytes)  # (one microbatch's held)
     return {"step_s": step, "compute": compute, "comm": comm, "exposed_comm_s": exposed,
             "host_overhead_s": chip.host_overhead_s, "memory": mem, "total_bytes": total,
             "offload_bytes": offload_bytes, "host": host, "host_need": host_need,

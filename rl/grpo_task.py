@@ -310,6 +310,13 @@ class GRPOArithmetic(ArithmeticPolicy):
                                   f"--updates-per-batch {u} (checkpoints fall on rollout-batch boundaries)")
 
     @classmethod
+    def loss_reduction(cls, cfg):
+        """The policy update's (accum.py): DAPO divides by the batch's completion-token count, which the batch
+        carries (microbatch losses add up); grpo's mean of per-sequence means and Dr. GRPO's fixed count per
+        row average over microbatches of equal rows. The rollout is drawn for the whole batch first."""
+        return "sum" if cfg.aggregation == "dapo" else "mean"
+
+    @classmethod
     def global_rows(cls, cfg):
         rows = cfg.prompts_per_step * cfg.group_size
         return rows, f"--prompts-per-step x --group-size = {rows} rows"

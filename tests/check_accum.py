@@ -1,0 +1,305 @@
+# accum.py: gradient accumulation. Oracles: plain autograd on the whole batch (gradients before any
+# update), the unaccumulated trainer on the same global batch (losses, pre-clip norms, weights after AdamW)
+"""Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import accum
+from model import Transformer, next_token_loss
+
+from tests import launch
+from tests.common import TINY, _main, _near, _ranks_equal_one_process, _train_losses, _trainer, shared_run, tiny_args
+
+
+def _flat(grads):
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def _grad_gap(want, got):
+    """max |got - want| over every gradient entry, and the largest entry (the scale the gap is read on)."""
+    want, got = _flat(want), _flat(got)
+    return (got - want).abs().max().item(), want.abs().max().item()
+
+
+def test_microbatch_gradients_sum_to_the_whole_batch_gradient_mean_and_sum_reductions():
+    """Before any update: the gradients accumulated over 4 microbatches equal plain autograd on the whole
+    batch. "mean" (the LM's cross-entropy, every position a target); "sum" (a masked loss divided by the
+    whole batch's target count, the 0-d entry, where the microbatches hold 1 to 31 targets each: a mean of
+    microbatch means would be wrong by far more than the tolerance, checked below)."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_args(vocab_size=256, max_seq_len=32))
+    params = list(model.parameters())
+    x, y = torch.randint(0, 256, (8, 16)), torch.randint(0, 256, (8, 16))
+
+    def grads_of(loss):
+        return torch.autograd.grad(loss, params)
+    want = grads_of(next_token_loss(model, (x, y))[1])
+    reported, got = accum.loss_and_grads(next_token_loss, model, (x, y), accum.Microbatches(4, "mean"), grads_of,
+                                         _no_autocast)
+    gap, scale = _grad_gap(want, got)
+    assert gap <= 1e-6 * scale, (gap, scale)
+    torch.testing.assert_close(reported, next_token_loss(model, (x, y))[0], rtol=1e-6, atol=0)
+
+    masked = y.clone()
+    masked[:2, 1:] = -100  # rows 0, 1 keep 1 target each, rows 2, 3 keep 8, the rest all 16
+    masked[2:4, :8] = -100
+    count = (masked != -100).sum().float()
+
+    def masked_loss(m, batch):
+        inputs, targets, n = batch
+        ce = torch.nn.functional.cross_entropy(m(inputs).flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                               reduction="sum") / n
+        return ce, ce
+    want = grads_of(masked_loss(model, (x, masked, count))[1])
+    _, got = accum.loss_and_grads(masked_loss, model, (x, masked, count), accum.Microbatches(4, "sum"), grads_of,
+                                  _no_autocast)
+    gap, scale = _grad_gap(want, got)
+    assert gap <= 1e-6 * scale, (gap, scale)
+    micro_means = [grads_of(masked_loss(model, (mx, my, (my != -100).sum()))[1])  # each its own count
+                   for (mx, my, _), _ in accum.Microbatches(4, "sum").split((x, masked, count))]
+    wrong = [sum(g) / 4 for g in zip(*micro_means)]  # what a mean of microbatch means would step on
+    assert _grad_gap(want, wrong)[0] > 100 * gap + 1e-3 * scale
+
+
+def _no_autocast():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "compile"])
+def test_a_step_of_4_microbatches_equals_one_step_on_the_whole_batch(corpus, tmp_path, mode):
+    """The trainer with --grad-accum 4 in each mode against the eager trainer without accumulation on the
+    same global batch of 8 rows, 4 steps: the losses, the pre-clip gradient norms (a wrong scale, e.g. a
+    sum where a mean belongs, hides behind clipping and Adam in the losses) and the weights after AdamW.
+    Graph mode: the loop unrolled in the one traced step (4 embedding backwards in it, one a microbatch);
+    compile mode: the compiled blocks called on each microbatch."""
+    whole = _trainer(corpus, tmp_path / "whole", "--batch-size", "8")
+    micro = _trainer(corpus, tmp_path / "micro", "--batch-size", "8", "--mode", mode, "--grad-accum", "4")
+    norms_whole, norms_micro = [], []
+    want, got = _train_losses(whole, 4, norms_whole), _train_losses(micro, 4, norms_micro)
+    _near(want, got, atol=1e-6)
+    _near(norms_whole, norms_micro, atol=0, rtol=1e-5)
+    for p, q in zip(whole.params, micro.params):  # (1.2e-6 measured: Adam divides a rounding-sized gradient
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-5)  # gap by sqrt(v); the layouts' oracle's 1e-5)
+    if mode == "graph":
+        import graph_trainer
+        assert graph_trainer.op_counts(micro.step_fn.gm).get("aten.embedding_dense_backward.default") == 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--grad-accum", "0"], "--grad-accum must be positive, got 0"),
+    (["--grad-accum", "3"], "--grad-accum 3: --batch-size 4 over 1 data-parallel rank(s) do not split into 3 equal"),
+])
+def test_a_bad_grad_accum_is_one_line_exit_2(argv, message, capsys):
+    assert _main([*TINY, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+# ------------------------------------------------------------------------------------------------
+# Layouts. Oracle: one process on the same global batch without accumulation (check_parallel.py's)
+
+@pytest.mark.parametrize("impl,mode", [("simple", "graph"), ("fsdp2", "eager")])
+def test_grad_accum_on_two_ranks_equals_one_process(impl, mode, corpus, tmp_path_factory):
+    """2 ranks x 2 microbatches of 1 row against one process on the 4 rows at once (the data-parallel
+    test's run): losses, pre-clip norms, validation, final weights. SimpleFSDP in graph mode (its passes on:
+    the unrolled step's collectives), FSDP2 in eager mode (its hooks reduce-scatter every backward)."""
+    from tests.check_parallel import _dp_args
+    common = _dp_args("llama3_debug", corpus)
+    single = shared_run(common, tmp_path_factory)
+    multi = shared_run([*common, "--mesh", "ici=2", "--dp-impl", impl, "--mode", mode, "--grad-accum", "2"],
+                       tmp_path_factory, 2)
+    _ranks_equal_one_process(single, multi, 10, common)
+    if mode == "graph":  # the reduce-scatter once a step (fsdp_passes.reduce_once): a rank's gradient
+        graph = next(r for r in map(json.loads, open(os.path.join(multi, "metrics.jsonl"))) if r.get("event") == "graph")
+        params = next(r for r in map(json.loads, open(os.path.join(multi, "metrics.jsonl"))) if r.get("event") == "start")
+        gradient = 4 * params["params"]  # (fp32; a few rows of padding where a dim does not split evenly)
+        assert gradient <= graph["reduce_scatter_bytes"] < 1.05 * gradient, (graph, gradient)  # (not 2x: once, summed)
+
+
+def test_grad_accum_under_xla_spmd_equals_one_cpu_process(corpus, tmp_path):
+    """XLA SPMD on 4 virtual devices, graph mode, 8 rows as 2 microbatches (each device holds 1 row of
+    each: accum.Microbatches' strided split): losses, norms and weights against one eager CPU process on
+    the 8 rows at once; one step program, compiled once."""
+    from tests.check_parallel import SPMD_ENV
+    args = [*TINY, "--data", corpus, "--steps", "3", "--ckpt-interval", "0", "--eval-batches", "0", "--batch-size", "8"]
+    child = launch.Child(["test_all.py", "child_spmd_steps", *args, "--out-dir", str(tmp_path / "x"), "--device", "xla",
+                          "--mesh", "ici=4", "--mode", "graph", "--grad-accum", "2"], env=SPMD_ENV)
+    oracle, norms = _trainer(corpus, tmp_path, "--batch-size", "8"), []
+    want = _train_losses(oracle, steps=3, norms=norms)
+    rc, out, err = child.result()
+    assert rc == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
+    _near(want, res["losses"], atol=1e-4)  # (XLA:CPU's sums in another order: check_parallel's bounds)
+    _near(norms, res["norms"], atol=0, rtol=1e-4)
+    got = torch.load(tmp_path / "x" / "params.pt")
+    for name, p in zip(oracle.param_names, oracle.params):
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert res["compiles"][1] == res["compiles"][-1], res["compiles"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory: one microbatch's activations, measured, and what the trainer's check and the planner count
+
+def child_accum_peak_memory(corpus):
+    """(child process) The peak resident memory of one eager step of 32 x 128 tokens (activations dominate:
+    the model is 0.13M parameters) as 1 and as 4 microbatches, above what the process held before the
+    step; and the trainer's activation estimate (check_memory's) for each. glibc's malloc is set to map
+    every allocation of 64 KiB or more by itself (mallopt M_MMAP_THRESHOLD: no dynamic threshold), so a
+    freed tensor leaves the process and the peak is what was alive at once, not what the heap kept."""
+    import ctypes
+    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    import optim as o
+    import train
+    from tests.common import peak_extra_rss
+    out = {}
+    for n in (1, 4):
+        cfg = train.parse_config([*TINY, "--data", corpus, "--batch-size", "32", "--seq-len", "128", "--eval-batches",
+                                  "0", "--ckpt-interval", "0", "--grad-accum", str(n), "--out-dir", f"{corpus}.run{n}"])
+        tr = train.Trainer(cfg)
+        x, y = tr.task.batch(1)
+        tr.step_fn(x, y, torch.tensor(o.lr_at(1, cfg.lr, cfg.warmup, cfg.steps)))  # (first-step allocations)
+        _, peak = peak_extra_rss([os.getpid()], lambda: tr.step_fn(x, y, torch.tensor(1e-3)))
+        out[n] = {"peak": peak[os.getpid()], "estimate": tr.family.activation_bytes(tr.model_args, 32 // n, 128, None)}
+        del tr
+    print(json.dumps(out))
+
+
+def test_a_step_holds_one_microbatchs_activations_measured_and_as_the_trainer_counts_them(corpus):
+    """Peak memory of an eager step whose activations dominate: 4 microbatches hold ~1/4 of the whole
+    batch's (measured 12.8 vs 51.1 MiB: ratio 0.25); the trainer's check_memory estimate (an upper bound)
+    covers the step it admits at 1/4 of the batch, so a batch refused whole is admitted in microbatches."""
+    rc, out, err = launch.python(["test_all.py", "child_accum_peak_memory", corpus], timeout=300)
+    assert rc == 0, err[-3000:]
+    res = {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+    whole, micro = res[1]["peak"], res[4]["peak"]
+    assert whole > 30 * 2**20 and micro < 0.4 * whole, res  # (the gradients and AdamW's temporaries: ~2 MiB)
+    for n in (1, 4):
+        assert res[n]["peak"] <= res[n]["estimate"], res
+    assert res[4]["estimate"] * 4 == res[1]["estimate"]
+
+
+def test_check_memory_and_the_planner_count_one_microbatch(corpus, tmp_path, capsys):
+    """A batch whose activations cannot fit is refused whole (check_memory, before anything is written)
+    and admitted as 1000 microbatches; the planner charges one microbatch's activations, a second
+    gradient buffer and FSDP's gathers and reduce-scatters once a microbatch (its hand-checked terms at
+    microbatches=1, tests/check_dryrun.py), and --plan offers --grad-accum as the cheapest change for
+    Qwen3-235B at 8192 x 4096 on 256 Ironwood chips, the published run's batch."""
+    import dataclasses
+    import types
+    import dryrun
+    import train
+    from model import FLAVORS
+    from planner import stepmodel
+    from tests.check_dryrun import _toy_chip, _toy_shape
+    argv = [*TINY, "--data", corpus, "--batch-size", "100000", "--out-dir", str(tmp_path / "r")]
+    assert _main(argv) == 2 and "and the activations of 100000 sequences need" in capsys.readouterr().err
+    tr = train.Trainer(train.parse_config([*argv, "--grad-accum", "1000"]))  # (admitted: built, not run)
+    assert tr.microbatches.count == 1000
+    chip, shape = _toy_chip(), _toy_shape()
+    one = stepmodel.predict(shape, stepmodel.Layout(ici=4, local_batch=2), chip)
+    two = stepmodel.predict(shape, stepmodel.Layout(ici=4, local_batch=4, microbatches=2), chip)
+    for term in ("saved activations", "transient peak", "parameters", "gradients", "optimizer state"):
+        assert two["memory"][term] == one["memory"][term], term  # 4 samples in 2 microbatches hold what 2 do
+    assert two["memory"]["gradient accumulator"] == one["memory"]["gradients"] and one["memory"]["gradient accumulator"] == 0
+    four = stepmodel.predict(shape, stepmodel.Layout(ici=4, local_batch=4), chip)
+    assert math.isclose(two["comm"]["ici"], 2 * four["comm"]["ici"]) and two["compute"]["matmul"] == four["compute"]["matmul"]
+    w = dryrun.lm_workload(FLAVORS["qwen3_235b_a22b"], "qwen3_235b_a22b", 4096)
+    traced = {False: 40 * 2**30, True: 12 * 2**30}  # bytes a sequence (check_dryrun's recorded figure)
+    w = dataclasses.replace(w, saved_bytes=lambda remat: traced[remat])
+    cfg = types.SimpleNamespace(chip="tpu_v7", plan=True, chips=256, batch_size=8192, mesh=None, remat=False)
+    assert dryrun.main(w, cfg) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert "cheapest change that fits: --grad-accum 4 -> " in line, line
+    cfg.grad_accum = 4
+    assert dryrun.main(w, cfg) == 0
+    out = capsys.readouterr().out
+    assert "in 4 microbatches" in out.splitlines()[0] and json.loads(out.splitlines()[-1])[0]["fits"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Workloads: each loss splits as its workload declares (Workload.loss_reduction); one that does not
+# declare refuses the flag; a resume with another accumulation is checked like the batch settings
+
+POLICY = [x for kv in ("dim=32", "n_layers=2", "n_heads=4", "n_kv_heads=2", "ffn_dim=64", "max_seq_len=16")
+          for x in ("--set", kv)]
+
+
+def _grpo_batch(workload, rows=8, seed=0):
+    """A rollout batch as GRPOArithmetic.batch gives it (tokens, mask, engine logprobs, advantages, the
+    global completion-token count) with completions of 1 to 4 tokens: the rows' counts differ."""
+    g = torch.Generator().manual_seed(seed)
+    C, P = workload.cfg.max_new_tokens, workload.prompt_len
+    lengths = torch.tensor([1, 4, 2, 4, 1, 3, 4, 2])[:rows]
+    mask = torch.arange(C)[None, :] < lengths[:, None]
+    return (torch.randint(0, 256, (rows, P + C), generator=g), mask, -torch.rand(rows, C, generator=g) * 3,
+            torch.randn(rows, generator=g), mask.sum().float())
+
+
+@pytest.mark.parametrize("argv", [["--task", "sft", *POLICY, "--batch-size", "8"],
+                                  ["--task", "grpo", *POLICY, "--prompts-per-step", "4", "--group-size", "2"],
+                                  ["--task", "grpo", *POLICY, "--prompts-per-step", "4", "--group-size", "2",
+                                   "--aggregation", "grpo"],
+                                  ["--task", "flux", "--batch-size", "4"]],
+                         ids=["sft", "grpo-dapo", "grpo-grpo", "flux"])
+def test_each_workloads_loss_splits_into_microbatches_as_it_declares(argv):
+    """SFT (the answer bytes over the batch's count: "sum"), GRPO's policy update (DAPO: "sum" over the
+    batch's completion tokens; grpo's per-sequence means: "mean"), FLUX (the flow-matching MSE: "mean"):
+    the gradients of 2 microbatches, accumulated as the workload declares, equal plain autograd on the
+    whole batch (its real batch(1); GRPO's a rollout batch of completions of 1-4 tokens)."""
+    import train
+    cfg = train.parse_config([*argv, "--grad-accum", "2"])
+    workload = train.make_workload(cfg)
+    if cfg.task == "grpo":
+        batch = _grpo_batch(workload)
+    else:
+        workload.setup_data(0, 1)
+        batch = workload.batch(1)
+    torch.manual_seed(0)
+    model = workload.family.build(workload.args)
+    if cfg.task != "flux":
+        model.init_buffers()
+    params = list(model.parameters())
+
+    def grads_of(loss):
+        return torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
+    want = grads_of(workload.loss(model, batch)[1])
+    _, got = accum.loss_and_grads(workload.loss, model, batch, accum.Microbatches(2, type(workload).loss_reduction(cfg)),
+                                  grads_of, _no_autocast)
+    gap, scale = _grad_gap(want, got)
+    assert scale > 0 and gap <= 1e-6 * scale, (gap, scale)
+
+
+def test_a_workload_that_does_not_declare_its_loss_reduction_refuses_the_flag(monkeypatch, capsys):
+    """check_seams' LinearRegression declares no loss_reduction: --grad-accum 2 is refused in one line
+    (exit 2); --grad-accum 1 is its ordinary run."""
+    import task as task_lib
+    monkeypatch.setitem(task_lib.WORKLOADS, "linreg", "tests.check_seams:LinearRegression")
+    import cli
+    assert cli.parse_config(["--task", "linreg", "--batch-size", "8", "--grad-accum", "1"]).grad_accum == 1
+    assert _main(["--task", "linreg", "--batch-size", "8", "--grad-accum", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--grad-accum 2: the linreg workload does not declare how its loss splits" in err, err
+
+
+def test_a_resume_with_another_accumulation_needs_allow_change_and_then_continues(corpus, tmp_path, capsys):
+    """meta.json records grad_accum with the batch settings (cli.RESUME_CHECKED): a resume with another
+    value is refused in one line naming --allow-change grad_accum (the update is the same math, but its
+    rounding is not: a resume stays bit for bit unless asked otherwise); with it the run continues and
+    matches the uninterrupted run to the accumulation's rounding."""
+    common = [*TINY, "--data", corpus, "--batch-size", "8", "--steps", "2", "--eval-batches", "0", "--ckpt-interval", "1",
+              "--sample-tokens", "0"]
+    straight, part = str(tmp_path / "straight"), str(tmp_path / "part")
+    assert _main([*common, "--out-dir", straight]) == 0
+    assert _main([*common, "--out-dir", part, "--grad-accum", "2", "--halt-at", "1"]) == 0
+    capsys.readouterr()
+    assert _main([*common, "--out-dir", part, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "grad_accum: saved 2, now 1" in err and "--allow-change grad_accum" in err, err
+    assert _main([*common, "--out-dir", part, "--resume", "--allow-change", "grad_accum"]) == 0
+    from tests.common import losses
+    _near(losses(straight), losses(part), atol=1e-5)
