@@ -188,7 +188,8 @@ def test_check_memory_and_the_planner_count_one_microbatch(corpus, tmp_path, cap
     and admitted as 1000 microbatches; the planner charges one microbatch's activations, a second
     gradient buffer and FSDP's gathers and reduce-scatters once a microbatch (its hand-checked terms at
     microbatches=1, tests/check_dryrun.py), and --plan offers --grad-accum as the cheapest change for
-    Qwen3-235B at 8192 x 4096 on 256 Ironwood chips, the published run's batch."""
+    Qwen3-235B at 65536 x 4096 on 256 Ironwood chips (8x the published run's batch, which fits under a
+    memory policy; this one fits under none)."""
     import dataclasses
     import types
     import dryrun
@@ -211,7 +212,7 @@ def test_check_memory_and_the_planner_count_one_microbatch(corpus, tmp_path, cap
     w = dryrun.lm_workload(FLAVORS["qwen3_235b_a22b"], "qwen3_235b_a22b", 4096)
     traced = {False: 40 * 2**30, True: 12 * 2**30}  # bytes a sequence (check_dryrun's recorded figure)
     w = dataclasses.replace(w, saved_bytes=lambda remat: traced[remat])
-    cfg = types.SimpleNamespace(chip="tpu_v7", plan=True, chips=256, batch_size=8192, mesh=None, remat=False)
+    cfg = types.SimpleNamespace(chip="tpu_v7", plan=True, chips=256, batch_size=65536, mesh=None, remat=False)
     assert dryrun.main(w, cfg) == 0
     line = capsys.readouterr().out.splitlines()[0]
     assert "cheapest change that fits: --grad-accum 4 -> " in line, line
