@@ -62,7 +62,11 @@ class TargetError(ValueError):
 
 class CompileFailed(RuntimeError):
     """The TPU compiler refused the program for a reason other than HBM (a lowering, a Mosaic kernel,
-    VMEM): `str()` is the compiler's first line."""
+    VMEM): `str()` is the line that says why, `.text` the compiler's whole message."""
+
+    def __init__(self, text):
+        super().__init__(_compiler_line(text))
+        self.text = text
 
 
 def topology_name(chip, topology=MIN_CHIPS):
@@ -167,12 +171,13 @@ def one_device_sharding(chip, topology=MIN_CHIPS):
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-_LOWERING_FOR_TPU = [False]
+_LOWERING_FOR_TPU = [None]
 
 
 def lowering_for_tpu():
-    """True while compile() traces: the Pallas kernels then lower with Mosaic (interpret=False),
-    whatever this process's own backend is. The one switch, read by kernels_pallas.pallas_call_prefetch."""
+    """The chip compile() is tracing for (None outside it): the Pallas kernels then lower with Mosaic
+    (interpret=False), whatever this process's own backend is, within that chip's VMEM. The one
+    switch, read by kernels_pallas.pallas_call_prefetch."""
     return _LOWERING_FOR_TPU[0]
 
 
@@ -225,7 +230,7 @@ def compile(fn, *args, chip, topology=MIN_CHIPS):
                        if isinstance(a, jax.ShapeDtypeStruct) and a.sharding is None else a)
     args = jax.tree.map(place, args)
     start = time.perf_counter()
-    _LOWERING_FOR_TPU[0] = True
+    _LOWERING_FOR_TPU[0] = chip
     jax.clear_caches()  # (a trace cached in interpret mode must not be reused, nor this one after)
     try:
         compiled = jax.jit(lambda *a: fn(*a)).lower(*args).compile()
@@ -234,9 +239,9 @@ def compile(fn, *args, chip, topology=MIN_CHIPS):
         if "RESOURCE_EXHAUSTED" in text and "memory space hbm" in text:
             return Compiled(chip, name, False, _first_line(text.split("RESOURCE_EXHAUSTED: ")[-1]),
                             compile_s=time.perf_counter() - start)
-        raise CompileFailed(_compiler_line(text)) from None
+        raise CompileFailed(text) from None
     finally:
-        _LOWERING_FOR_TPU[0] = False
+        _LOWERING_FOR_TPU[0] = None
         jax.clear_caches()
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
