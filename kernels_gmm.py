@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jax_op import jax_op
-from kernels_pallas import NUM_LANES, NUM_SUBLANES, dot_f32, pad_to, pallas_call_prefetch, round_up
+from kernels_pallas import NUM_SUBLANES, dot_f32, pad_to, pallas_call_prefetch, round_up, tile
 
 def group_metadata(group_sizes, m_tiles, block_m):
     """The (row tile, group) pairs the grid visits, in group order, as traceable arrays.
@@ -105,15 +105,6 @@ def _tgmm_kernel(meta, x_ref, dy_ref, dw_ref, acc, *, block_m):
     @pl.when(last)
     def _():
         dw_ref[...] = acc[...].astype(dw_ref.dtype)
-
-
-def tile(dim, preferred):
-    """The block of a K or N dimension: the largest multiple of 128 lanes <= preferred that divides
-    it, else the whole dimension (always a legal block: equal to the array's)."""
-    for t in range(min(preferred, dim) // NUM_LANES * NUM_LANES, 0, -NUM_LANES):
-        if dim % t == 0:
-            return t
-    return dim
 
 
 def _gmm_call(x, w, group_sizes, block_m, block_k, block_n, transpose_w=False):

@@ -57,6 +57,15 @@ def pad_to(x, size, axis, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
+def tile(dim, preferred):
+    """A block for a dimension: the largest multiple of 128 lanes <= preferred that divides it, else
+    the whole dimension (always a legal block: equal to the array's)."""
+    for t in range(min(preferred, dim) // NUM_LANES * NUM_LANES, 0, -NUM_LANES):
+        if dim % t == 0:
+            return t
+    return dim
+
+
 def dot_f32(a, b, trans_b=False):
     dims = (((1,), (1,)), ((), ())) if trans_b else (((1,), (0,)), ((), ()))
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
@@ -207,15 +216,17 @@ def fused_ce_jax(h, w, targets, *, ignore_index, block_n, block_v):
                       pad_to(targets, N_pad, 0, ignore_index), V, ignore_index, block_n, block_v)
 
 
-def ce_blocks(chip, hidden, itemsize=2):
+def ce_blocks(chip, hidden, vocab, itemsize=2):
     """The largest (block_n, block_v) whose VMEM, the dW kernel's (the largest: h and w tiles and the
     output double-buffered, an fp32 (bv, hidden) accumulator, ~4 fp32 (bn, bv) temporaries), fits
-    the chip's VMEM_LIMIT_BYTES."""
+    the chip's VMEM_LIMIT_BYTES; block_v then shrunk to divide the vocabulary where a multiple of
+    128 does (128256 = 501 x 256): padding it to whole tiles copies w and its gradient in HBM."""
     def vmem(bn, bv):
         return 2 * (bn + 2 * bv) * hidden * itemsize + bv * hidden * 4 + 4 * bn * bv * 4
     fits = [(bn, bv) for bn, bv in ((512, 1024), (512, 512), (256, 512), (256, 256), (128, 256), (128, 128))
             if vmem(bn, bv) <= VMEM_LIMIT_BYTES[chip]]
-    return fits[0] if fits else (NUM_SUBLANES, NUM_LANES)
+    bn, bv = fits[0] if fits else (NUM_SUBLANES, NUM_LANES)
+    return bn, (tile(vocab, bv) if vocab % NUM_LANES == 0 else bv)
 
 
 def fused_linear_cross_entropy(h_NxD, w_VxD, targets_N, ignore_index=-100, block_n=256, block_v=512):

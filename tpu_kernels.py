@@ -62,7 +62,7 @@ def splash_case(chip, B=1, H=32, Hkv=8, S=8192, D=128, window=0, segments=0, cau
 
 def ce_case(chip, N=8192, D=4096, V=128256):
     import kernels_pallas
-    bn, bv = kernels_pallas.ce_blocks(chip, D)
+    bn, bv = kernels_pallas.ce_blocks(chip, D, V)
     args = (spec((N, D), BF16), spec((V, D), BF16), spec((N,), I32))
     ours = lambda h, w, t: kernels_pallas.fused_ce_jax.jax_fn(h, w, t, ignore_index=-100, block_n=bn, block_v=bv)
 

@@ -106,13 +106,12 @@ def python_for(chip):
 
 
 def libtpu_path():
-    """The libtpu this jax compiles with: an importable one (.venv-tpu's), else $MINITITAN_LIBTPU or
-    .libtpu (a `pip install --target` directory, or the .so itself)."""
+    """The libtpu this jax compiles with: jax's own choice ($TPU_LIBRARY_PATH, an importable libtpu:
+    .venv-tpu's), else $MINITITAN_LIBTPU or .libtpu (a `pip install --target` directory, or the .so)."""
     from jax._src import cloud_tpu_init
-    if os.environ.get("TPU_LIBRARY_PATH") is None:
-        found = cloud_tpu_init.maybe_import_libtpu()
-        if found is not None:
-            return found.get_library_path()
+    found = cloud_tpu_init.get_tpu_library_path()  # ($TPU_LIBRARY_PATH, or an importable libtpu)
+    if found:
+        return found
     where = os.environ.get("MINITITAN_LIBTPU") or os.path.join(ROOT, ".libtpu")
     path = where if where.endswith(".so") else os.path.join(where, "libtpu", "libtpu.so")
     if not os.path.isfile(path):
@@ -232,8 +231,9 @@ def compile(fn, *args, chip, topology=MIN_CHIPS):
     start = time.perf_counter()
     _LOWERING_FOR_TPU[0] = chip
     jax.clear_caches()  # (a trace cached in interpret mode must not be reused, nor this one after)
-    try:
-        compiled = jax.jit(lambda *a: fn(*a)).lower(*args).compile()
+    try:  # (the default device: Pallas asks it which chip it lowers for, jax 0.10's tpu_info)
+        with jax.default_device(one.mesh.devices.flat[0]):
+            compiled = jax.jit(lambda *a: fn(*a)).lower(*args).compile()
     except Exception as e:
         text = str(e)
         if "RESOURCE_EXHAUSTED" in text and "memory space hbm" in text:
