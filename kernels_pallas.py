@@ -11,10 +11,11 @@ targets and the backward's inputs as (1, N) rows.
 Each kernel is a JAX function with a jax.custom_vjp (Pallas forward and backward kernels), registered
 as a PyTorch op by jax_op.py and named in model.py's / flux/model.py's tables ("splash", "fused",
 "gmm"). Off a TPU they run in Pallas interpret mode (one switch: INTERPRET), which the suite checks
-against plain PyTorch and JAX's own kernels. For a TPU, tpu_target.py lowers them with Mosaic, the
-real TPU compiler, on this CPU machine (tests/check_tpu_compile.py: forward and backward of each, at
-production shapes, for v5p, v6e and Ironwood): that verifies lowering, Mosaic and the VMEM / HBM fit,
-not numerics or speed on a chip, where none of them has run.
+against plain PyTorch and JAX's own kernels. For a TPU they lower with Mosaic; tpu_target.py runs
+that compiler, the real one (libtpu), on this CPU machine for compile-only TPU devices: forward and
+backward of each kernel at production shapes compile for v5p in the suite (tests/check_tpu_compile.py)
+and for v5p, v6e and Ironwood in `tpu_kernels.py sweep` (docs/measured.md). That verifies lowering,
+Mosaic, and the VMEM and HBM fit; not numerics or speed on a chip, where none of them has run.
 """
 import functools
 
