@@ -14,6 +14,7 @@ on CPU) or speed on a chip (the cost model does not see inside a Mosaic kernel).
 The sweep runs each chip in its environment (tpu_v7: .venv-tpu, tpu_target.py says why).
 """
 import json
+import re
 import subprocess
 import sys
 
@@ -126,7 +127,8 @@ def _cell(c):
     if "error" in c:
         return "refused: " + c["error"][:80]
     if not c["fits"]:
-        return "does not fit: " + c["message"][:80]
+        used = re.search(r"Used [\d.]+\w? of [\d.]+\w? hbm", c["message"])
+        return "does not fit HBM" + (f" ({used.group(0)})" if used else "")
     return f"{c['temp_bytes'] / 2**20:,.0f} MiB ({c['compile_s']:.0f} s)"
 
 
