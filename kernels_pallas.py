@@ -34,7 +34,7 @@ NEG_INF = -1e30  # finite: exp(NEG_INF - m) == 0 without inf - inf = nan
 NUM_LANES, NUM_SUBLANES = 128, 8
 MiB = 2**20
 # VMEM a TensorCore has, as the TPU compiler states it when a kernel overflows it here ("Used ... of
-# 63.94M vmem" for v5p, "of 128.00M" for v6e, "of 64.00M" for Ironwood: tpu_target.py), and the scoped
+# 63.94M vmem" for v5p and for Ironwood, "of 128.00M" for v6e: tpu_target.py), and the scoped
 # VMEM our kernels ask Mosaic for: 3/4 of it (the compiler's own default is 16 MiB on v5p, too little
 # for a cross-entropy tile at hidden 4096); the rest stays for Mosaic's internal scratch.
 VMEM_BYTES = {"tpu_v5p": 64 * MiB, "tpu_v6e": 128 * MiB, "tpu_v7": 64 * MiB}
