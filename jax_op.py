@@ -151,14 +151,15 @@ def jax_op(name, static=None):
         sig = inspect.signature(fn).parameters.values()
         params = [p.name for p in sig if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         statics = tuple(p.name for p in sig if p.kind is p.KEYWORD_ONLY)
+        defaults = {p.name: p.default for p in sig if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
         if static is not None and set(static) != set(statics):
             raise TypeError(f"jax_op {name!r}: static={tuple(static)} but the keyword-only "
                             f"parameters (the statics) are {statics}")
-        return _register(fn, name if "::" in name else f"{_LIB}::{name}", params, statics)
+        return _register(fn, name if "::" in name else f"{_LIB}::{name}", params, statics, defaults)
     return deco
 
 
-def _register(fn, qualified, params, static):
+def _register(fn, qualified, params, static, defaults):
     """The forward op, its fake, and the vjp op wired as its backward."""
     fwd = torch.library.custom_op(qualified, mutates_args=(),
                                   schema=_schema_types(params, static, 1))(
@@ -193,7 +194,7 @@ def _register(fn, qualified, params, static):
 
     fwd.register_autograd(backward, setup_context=setup_context)
 
-    def call(*tensors, **statics):
-        return fwd(*tensors, *[int(statics[s]) for s in static])
+    def call(*tensors, **statics):  # (a static left out takes the function's default)
+        return fwd(*tensors, *[int(statics[s] if s in statics else defaults[s]) for s in static])
     call.op, call.jax_fn = fwd, fn
     return call

@@ -16,9 +16,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from jax_op import jax_op
-from kernels_pallas import NUM_SUBLANES, dot_f32, pad_to, pallas_call_prefetch, round_up
+from kernels_pallas import NUM_SUBLANES, dot_f32, pad_to, pallas_call_prefetch, round_up, tile
 
 def group_metadata(group_sizes, m_tiles, block_m):
     """The (row tile, group) pairs the grid visits, in group order, as traceable arrays.
@@ -64,80 +65,114 @@ def _rows_in_group(meta, v, shape, block_m):
     return (row >= meta[2, v]) & (row < meta[3, v])
 
 
-def _zero_on_first_visit(meta, v, key, out_ref):
-    """Zero the output block when visit v is the first to write it (meta row `key`: 0 = the
-    visit's row tile, for gmm; 1 = its group, for tgmm); later visits accumulate into it."""
-    @pl.when((v == 0) | (meta[key, v] != meta[key, jnp.maximum(v - 1, 0)]))
+def _edges(meta, v, key):
+    """(first, last): is visit v the first / the last of the consecutive visits sharing meta row
+    `key` (0: the row tile, gmm's output block; 1: the group, tgmm's)? The output block stays in VMEM
+    across them: zeroed at the first, written back after the last."""
+    n = pl.num_programs(1)
+    first = (v == 0) | (meta[key, v] != meta[key, jnp.maximum(v - 1, 0)])
+    last = (v == n - 1) | (meta[key, v] != meta[key, jnp.minimum(v + 1, n - 1)])
+    return first, last
+
+
+def _gmm_kernel(meta, x_ref, w_ref, o_ref, acc, *, block_m, transpose_w):
+    v, k = pl.program_id(1), pl.program_id(2)
+    first, last = _edges(meta, v, 0)
+
+    @pl.when(first & (k == 0))
     def _():
-        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+        acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-
-def _gmm_kernel(meta, x_ref, w_ref, o_ref, *, block_m):
-    v = pl.program_id(0)
-    _zero_on_first_visit(meta, v, 0, o_ref)
     x = jnp.where(_rows_in_group(meta, v, x_ref.shape, block_m), x_ref[...], 0)
-    o_ref[...] += dot_f32(x, w_ref[...]).astype(o_ref.dtype)
+    acc[...] += dot_f32(x, w_ref[...], trans_b=transpose_w)
+
+    @pl.when(last & (k == pl.num_programs(2) - 1))
+    def _():
+        o_ref[...] = acc[...].astype(o_ref.dtype)
 
 
-def _tgmm_kernel(meta, x_ref, dy_ref, dw_ref, *, block_m):
-    v = pl.program_id(0)
-    _zero_on_first_visit(meta, v, 1, dw_ref)
+def _tgmm_kernel(meta, x_ref, dy_ref, dw_ref, acc, *, block_m):
+    v = pl.program_id(2)
+    first, last = _edges(meta, v, 1)
+
+    @pl.when(first)
+    def _():
+        acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
     x = jnp.where(_rows_in_group(meta, v, x_ref.shape, block_m), x_ref[...], 0)
-    dw_ref[...] += dot_f32(x.T, dy_ref[...]).astype(dw_ref.dtype)
+    acc[...] += dot_f32(x.T, dy_ref[...])
+
+    @pl.when(last)
+    def _():
+        dw_ref[...] = acc[...].astype(dw_ref.dtype)
 
 
-# Block specs indexed by the visit metadata: rows of the visit's tile, or the visit's group.
-_ROWS = lambda bm, cols: pl.BlockSpec((bm, cols), lambda v, m: (m[0, v], 0))
-_GROUP = lambda K, N: pl.BlockSpec((None, K, N), lambda v, m: (m[1, v], 0, 0))
-
-
-def _gmm_call(x, w, group_sizes, block_m):
-    (M, K), N = x.shape, w.shape[2]
+def _gmm_call(x, w, group_sizes, block_m, block_k, block_n, transpose_w=False):
+    """x (M, K) @ w[group] (K, N) (w (G, N, K) read transposed when transpose_w: the backward's dx
+    without a transposed copy of the weights). Grid (n tiles, visits, k tiles), k innermost: each
+    output tile accumulates in fp32 VMEM over k and over its consecutive visits."""
+    (M, K), N = x.shape, w.shape[1 if transpose_w else 2]
+    tk, tn = tile(K, block_k), tile(N, block_n)
     meta, n_visits = group_metadata(group_sizes, M // block_m, block_m)
-    return pallas_call_prefetch(functools.partial(_gmm_kernel, block_m=block_m), grid=(n_visits,), num_scalar_prefetch=1,
-                 out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32),
-                 in_specs=[_ROWS(block_m, K), _GROUP(K, N)], out_specs=_ROWS(block_m, N))(meta, x, w)
+    w_spec = (pl.BlockSpec((None, tn, tk), lambda n, v, k, m: (m[1, v], n, k)) if transpose_w else
+              pl.BlockSpec((None, tk, tn), lambda n, v, k, m: (m[1, v], k, n)))
+    kern = functools.partial(_gmm_kernel, block_m=block_m, transpose_w=transpose_w)
+    return pallas_call_prefetch(kern, grid=(N // tn, n_visits, K // tk), num_scalar_prefetch=1,
+                 out_shape=jax.ShapeDtypeStruct((M, N), x.dtype),
+                 in_specs=[pl.BlockSpec((block_m, tk), lambda n, v, k, m: (m[0, v], k)), w_spec],
+                 out_specs=pl.BlockSpec((block_m, tn), lambda n, v, k, m: (m[0, v], n)),
+                 scratch_shapes=[pltpu.VMEM((block_m, tn), jnp.float32)], parallel=1)(meta, x, w)
 
 
-def tgmm_call(x, dy, group_sizes, block_m):
+def tgmm_call(x, dy, group_sizes, block_m, block_k=None, block_n=None, out_dtype=jnp.float32):
+    """dw[g] = x[rows of g]^T @ dy[rows of g]: (G, K, N). Grid (k tiles, n tiles, visits), visits
+    innermost: a group's (tk, tn) block accumulates over its visits (an empty group's one visit
+    writes zeros)."""
     (M, K), N, G = x.shape, dy.shape[1], group_sizes.shape[0]
+    tk, tn = tile(K, block_k or K), tile(N, block_n or N)
     meta, n_visits = group_metadata(group_sizes, M // block_m, block_m)
-    return pallas_call_prefetch(functools.partial(_tgmm_kernel, block_m=block_m), grid=(n_visits,), num_scalar_prefetch=1,
-                 out_shape=jax.ShapeDtypeStruct((G, K, N), jnp.float32),
-                 in_specs=[_ROWS(block_m, K), _ROWS(block_m, N)], out_specs=_GROUP(K, N))(meta, x, dy)
+    return pallas_call_prefetch(functools.partial(_tgmm_kernel, block_m=block_m), grid=(K // tk, N // tn, n_visits),
+                 num_scalar_prefetch=1, out_shape=jax.ShapeDtypeStruct((G, K, N), out_dtype),
+                 in_specs=[pl.BlockSpec((block_m, tk), lambda k, n, v, m: (m[0, v], k)),
+                           pl.BlockSpec((block_m, tn), lambda k, n, v, m: (m[0, v], n))],
+                 out_specs=pl.BlockSpec((None, tk, tn), lambda k, n, v, m: (m[1, v], k, n)),
+                 scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)], parallel=2)(meta, x, dy)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gmm_padded(x, w, group_sizes, block_m):
-    return _gmm_call(x, w, group_sizes, block_m).astype(x.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _gmm_padded(x, w, group_sizes, block_m, block_k, block_n):
+    return _gmm_call(x, w, group_sizes, block_m, block_k, block_n)
 
 
-def _gmm_fwd_rule(x, w, group_sizes, block_m):
-    return _gmm_call(x, w, group_sizes, block_m).astype(x.dtype), (x, w, group_sizes)
+def _gmm_fwd_rule(x, w, group_sizes, block_m, block_k, block_n):
+    return _gmm_call(x, w, group_sizes, block_m, block_k, block_n), (x, w, group_sizes)
 
 
-def _gmm_bwd_rule(block_m, res, dy):
+def _gmm_bwd_rule(block_m, block_k, block_n, res, dy):
     x, w, group_sizes = res
-    dx = _gmm_call(dy, jnp.swapaxes(w, 1, 2), group_sizes, block_m).astype(x.dtype)
-    dw = tgmm_call(x, dy, group_sizes, block_m).astype(w.dtype)
+    dx = _gmm_call(dy, w, group_sizes, block_m, block_n, block_k, transpose_w=True)
+    dw = tgmm_call(x, dy, group_sizes, block_m, block_k, block_n, w.dtype)
     return dx, dw, None
 
 
 _gmm_padded.defvjp(_gmm_fwd_rule, _gmm_bwd_rule)
 
 
-@jax_op("gmm", static=("block_m",))
-def gmm_jax(x, w, group_sizes, *, block_m):
-    """x (M, K) rows sorted by group, w (G, K, N), group_sizes (G,) summing to M -> (M, N)."""
-    M = x.shape[0]
+@jax_op("gmm", static=("block_m", "block_k", "block_n"))
+def gmm_jax(x, w, group_sizes, *, block_m, block_k=0, block_n=0):
+    """x (M, K) rows sorted by group, w (G, K, N), group_sizes (G,) summing to M -> (M, N).
+    Tiling (megablox's tiling=(tm, tk, tn)): block_m rows, K and N in tiles of at most block_k /
+    block_n lanes (`tile`; 0: whole)."""
+    (M, K), N = x.shape, w.shape[2]
     M_pad = round_up(M, block_m)
-    return _gmm_padded(pad_to(x, M_pad, 0), w, group_sizes, block_m)[:M]
+    return _gmm_padded(pad_to(x, M_pad, 0), w, group_sizes, block_m, block_k or K, block_n or N)[:M]
 
 
-def gmm(x_MxK, w_GxKxN, group_sizes_G, block_m=128):
+def gmm(x_MxK, w_GxKxN, group_sizes_G, block_m=128, block_k=0, block_n=0):
     """PyTorch entry point, same contract as model.gmm_reference."""
     if x_MxK.shape[0] == 0:  # (an expert-parallel rank sent no rows: nothing to tile; w's gradient is zero)
         return x_MxK.new_zeros((0, w_GxKxN.shape[2])) + 0 * w_GxKxN.sum().to(x_MxK.dtype)
-    return gmm_jax(x_MxK, w_GxKxN, group_sizes_G, block_m=min(block_m, round_up(x_MxK.shape[0], NUM_SUBLANES)))
+    return gmm_jax(x_MxK, w_GxKxN, group_sizes_G, block_m=min(block_m, round_up(x_MxK.shape[0], NUM_SUBLANES)),
+                   block_k=block_k, block_n=block_n)
 
 

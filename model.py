@@ -8,7 +8,7 @@ top-k router over stacked experts. Parameter names follow the Hugging Face check
 lm_head), so released weights load without permutation (MoE experts are stored stacked, w_ExDxF).
 
 Which implementation runs the three hot spots is chosen by name in ModelArgs (attn_impl, loss_impl,
-moe_impl), looked up in the tables below (the Pallas kernels of kernels_pallas.py are named there);
+moe_impl), looked up in the tables below (the Pallas kernels of kernels_splash.py, kernels_pallas.py and kernels_gmm.py are named there);
 `tpu_config(args)` rewrites a config to use them. The model and trainer never change.
 """
 import dataclasses
@@ -177,9 +177,9 @@ def gmm_reference(x_MxK, w_GxKxN, group_sizes_G):
 
 # Every implementation by name. The ones living in other files are named "module:function" and
 # imported when first used (those files do not import this one: no cycle, and no file writes into
-# another's table). kernels_pallas.py holds the Pallas kernels; tensor_parallel.py the loss over a
+# another's table). kernels_splash.py, kernels_pallas.py and kernels_gmm.py hold the Pallas kernels; tensor_parallel.py the loss over a
 # vocabulary split across tp ranks (tensor_parallel.config picks it).
-ATTENTION_IMPLS = {"sdpa": sdpa_attention, "splash": "kernels_pallas:splash_attention"}
+ATTENTION_IMPLS = {"sdpa": sdpa_attention, "splash": "kernels_splash:splash_attention"}
 LOSS_IMPLS = {"plain": plain_cross_entropy, "fused": "kernels_pallas:fused_linear_cross_entropy",
               "vocab_parallel": "tensor_parallel:vocab_parallel_cross_entropy"}
 GMM_IMPLS = {"reference": gmm_reference, "gmm": "kernels_gmm:gmm"}

@@ -25,6 +25,7 @@ from tests.check_optim_data import *  # noqa: E402,F401,F403
 from tests.check_checkpoint import *  # noqa: E402,F401,F403
 from tests.check_refusals import *  # noqa: E402,F401,F403
 from tests.check_kernels import *  # noqa: E402,F401,F403
+from tests.check_tpu_compile import *  # noqa: E402,F401,F403
 from tests.check_parallel import *  # noqa: E402,F401,F403
 from tests.check_context_parallel import *  # noqa: E402,F401,F403
 from tests.check_elastic import *  # noqa: E402,F401,F403

@@ -21,7 +21,7 @@ identity and the model predicts 0, so training starts from a stable point.
 
 Attention (`attention(q_BxHxSxD, k, v) -> BxHxSxD`, non-causal) is chosen by name, `attn_impl`, from
 ATTENTION_IMPLS as model.py chooses its kernels (model.lookup_impl; "module:function" entries are
-imported on first use): "sdpa" (torch's), or "splash" (kernels_pallas.py's block-sparse flash
+imported on first use): "sdpa" (torch's), or "splash" (kernels_splash.py's block-sparse flash
 attention with every block live: `--kernels pallas`). Sampling and the flow-matching loss are in flux/sample.py; diffusers
 checkpoints in flux/hf.py.
 """
@@ -97,7 +97,7 @@ def flash_sdpa(q_BxHxSxD, k_BxHxSxD, v_BxHxSxD):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_BxHxSxD, k_BxHxSxD, v_BxHxSxD)[0]
 
 
-ATTENTION_IMPLS = {"sdpa": sdpa, "flash": flash_sdpa, "splash": "kernels_pallas:splash_full_attention"}
+ATTENTION_IMPLS = {"sdpa": sdpa, "flash": flash_sdpa, "splash": "kernels_splash:splash_full_attention"}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -57,9 +57,9 @@ def test_flux_trains_through_the_shared_trainer_on_every_layout_alike(tmp_path, 
                          runs["spmd"]], env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"})
     xla = launch.Child(["train.py", *common, "--device", "xla", "--out-dir", runs["xla"]], env={"PJRT_DEVICE": "CPU"})
     assert _main([*common, "--out-dir", runs["eager"], "--sample-images", "2"]) == 0
-    import kernels_pallas  # the table names "kernels_pallas:splash_full_attention": count that it is what runs
-    splash_calls, splash = [], kernels_pallas.splash_full_attention
-    monkeypatch.setattr(kernels_pallas, "splash_full_attention", lambda *a: splash_calls.append(1) or splash(*a))
+    import kernels_splash  # the table names "kernels_splash:splash_full_attention": count that it is what runs
+    splash_calls, splash = [], kernels_splash.splash_full_attention
+    monkeypatch.setattr(kernels_splash, "splash_full_attention", lambda *a: splash_calls.append(1) or splash(*a))
     assert _main([*common, "--mode", "compile", "--kernels", "pallas", "--eval-batches", "0",
                   "--out-dir", runs["compiled"]]) == 0
     assert splash_calls

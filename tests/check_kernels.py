@@ -1,4 +1,4 @@
-# jax_op.py + kernels_pallas.py. Oracles: plain PyTorch, JAX's production splash attention and
+# jax_op.py + kernels_pallas.py + kernels_splash.py + kernels_gmm.py. Oracles: plain PyTorch, JAX's production splash attention and
 # megablox kernels, the lowered program's array sizes, CPU (for XLA:CPU through call_jax)
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import json
@@ -27,7 +27,7 @@ TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2
     (1, 2, 2, 64, 16, 20, False, 32),     # window only
 ])
 def test_splash_attention_matches_reference(dtype, B, H, Hkv, S, D, window, segments, block):
-    import kernels_pallas as kp
+    import kernels_splash as kp
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, h, S, D, dtype=dtype, requires_grad=True) for h in (H, Hkv, Hkv))
     seg = torch.randint(0, 3, (B, S)).sort(-1).values if segments else None
@@ -45,7 +45,7 @@ def test_splash_full_attention_equals_plain_softmax_attention():
     """Non-causal splash (FLUX's joint attention): every block live, the padded keys masked; forward
     and gradients equal softmax(q k^T / sqrt(D)) v written here. S = 40 in blocks of 16: two FULL
     blocks and a padded one per row."""
-    import kernels_pallas as kp
+    import kernels_splash as kp
     torch.manual_seed(0)
     B, H, S, D = 2, 2, 40, 16
     q, k, v = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
@@ -107,7 +107,7 @@ def test_splash_matches_jax_production_splash_attention():
     import numpy as np
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-    import kernels_pallas as kp
+    import kernels_splash as kp
     H, S, D, window = 2, 256, 64, 32
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((H, S, D)), jnp.float32) for _ in range(3))
@@ -154,8 +154,9 @@ def test_kernels_never_materialize_the_quadratic_arrays():
     import jax
     import jax.numpy as jnp
     import kernels_pallas as kp
+    import kernels_splash as ks
     S, D = 4096, 64
-    f = lambda q, k, v, s: kp.splash_jax.jax_fn(q, k, v, s, window=0, block=128, segments=1).sum()
+    f = lambda q, k, v, s: ks.splash_jax.jax_fn(q, k, v, s, window=0, block=128, segments=1).sum()
     qs = jax.ShapeDtypeStruct((1, 1, S, D), jnp.float32)
     seg = jax.ShapeDtypeStruct((1, S), jnp.int32)
     biggest = _largest_intermediate(jax.grad(f, (0, 1, 2)), qs, qs, qs, seg)
@@ -170,7 +171,7 @@ def test_kernels_never_materialize_the_quadratic_arrays():
 @pytest.mark.fast
 def test_jax_ops_are_single_nodes_under_make_fx():
     from torch.fx.experimental.proxy_tensor import make_fx
-    import kernels_pallas as kp
+    import kernels_splash as kp
     q, k, v = torch.randn(1, 2, 16, 8), torch.randn(1, 1, 16, 8), torch.randn(1, 1, 16, 8)
 
     def step(q, k, v):
@@ -193,6 +194,7 @@ def child_xla_kernels():
     """(child process) The three kernels on XLA:CPU through call_jax and on CPU: fwd + grads."""
     import torch_xla
     import kernels_pallas as kp
+    import kernels_splash as ks
     import kernels_gmm
     torch.manual_seed(0)
     xla = torch_xla.device()  # the XLA runtime starts before any CPU backward (see README)
@@ -202,7 +204,7 @@ def child_xla_kernels():
 
     def run(d):
         qq, kk, vv, hh, ww, xx, wgw = (z.to(d).requires_grad_() for z in (q, k, v, h, w, x, wg))
-        a = kp.splash_attention(qq, kk, vv, window=5)
+        a = ks.splash_attention(qq, kk, vv, window=5)
         l = kp.fused_linear_cross_entropy(hh, ww, t.to(d))
         m = kernels_gmm.gmm(xx, wgw, gs.to(d))
         total = a.square().sum() + l + m.square().sum()

@@ -1,0 +1,286 @@
+"""tpu_target.py: the real TPU compiler, on a machine with no TPU (JAX's compile-only devices).
+
+libtpu, the TPU's compiler and runtime library, describes a named TPU topology on a host that has no
+chip: `jax.experimental.topologies.get_topology_desc("v5p:2x2x1", platform="tpu")` gives devices that
+can be compiled for, never run on. `jax.jit(f).lower(<ShapeDtypeStructs sharded on them>).compile()`
+then runs XLA:TPU and Mosaic (the Pallas TPU compiler) for real: a program that does not lower, a
+kernel whose blocks exceed VMEM, or temporaries that exceed HBM fail here as on the chip (MaxText's
+train_compile.py checks a pod run this way). Nothing is allocated and nothing runs.
+
+What a compile tells: the program lowers and Mosaic accepts its kernels; per device, the HBM of the
+arguments, outputs and temporaries (`memory_analysis`); the cost model's FLOPs, bytes and
+`optimal_seconds` (`cost_analysis`). What it does not: numerics or speed on a chip, and the cost
+model does not see inside a Mosaic kernel (an opaque custom call: no FLOPs, ~0 s).
+
+The jax / libtpu pair matters: jax serializes a Mosaic kernel in a versioned format that libtpu
+must read, and each libtpu knows only the chips of its day.
+  - jax 0.7.1 (.venv) with libtpu 0.0.24 (requirements-libtpu.txt): v5p, v6e. libtpu 0.0.20 (what
+    jax[tpu] 0.7.1 pins) and 0.0.21 refuse every Mosaic kernel ("Unsupported version: expected <= 7
+    but got 8"); 0.0.24 does not know Ironwood ("Invalid TPU external name: TPU7x").
+  - jax 0.10.2 with libtpu 0.0.52 (.venv-tpu, requirements-tpu.txt): Ironwood (tpu7x).
+libtpu 0.0.24 is kept out of .venv, in a directory of its own (.libtpu, made by .ci/run, or
+$MINITITAN_LIBTPU): importable, it makes every jax process look for a chip first (errors on stderr,
+seconds of waiting). It is loaded here as jax's TPU plugin when a target is first asked for, after
+jax's own backends are up, so that nothing else in the process ever looks for a chip.
+
+    .venv/bin/python tpu_target.py tpu_v5p v5p:2x2x1      # a matmul compiled: the environment works
+    .venv-tpu/bin/python tpu_target.py tpu_v7 8           # (a chip count: the topology of 8 chips)
+"""
+import contextlib
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuKind:
+    prefix: str          # libtpu's topology name: "<prefix>:<dims>"
+    torus_dims: int      # 2 (a 2D torus: v6e) or 3 (v5p, Ironwood)
+    cores_per_chip: int  # JAX devices a chip: Ironwood's two TensorCores are two devices
+    python: str          # the environment whose jax / libtpu pair compiles for it (above)
+
+
+# Names as planner/chips.py gives them. The smallest topology is one host's chips (2x2x1: libtpu
+# refuses less, "not divisible by ... chips_per_host_bounds 2x2x1").
+KINDS = {"tpu_v5p": TpuKind("v5p", 3, 1, ".venv"),
+         "tpu_v6e": TpuKind("v6e", 2, 1, ".venv"),
+         "tpu_v7": TpuKind("tpu7x", 3, 2, ".venv-tpu")}
+MIN_CHIPS = 4
+
+
+class TargetError(ValueError):
+    """A chip, topology or compile environment that cannot work, said in one line (exit 2)."""
+    exit_code = 2
+
+
+class CompileFailed(RuntimeError):
+    """The TPU compiler refused the program for a reason other than HBM (a lowering, a Mosaic kernel,
+    VMEM): `str()` is the line that says why, `.text` the compiler's whole message."""
+
+    def __init__(self, text):
+        super().__init__(_compiler_line(text))
+        self.text = text
+
+
+def topology_name(chip, topology=MIN_CHIPS):
+    """libtpu's name for `chip`'s topology: `topology` as given ("v5p:2x2x1") or a chip count (1 to 4:
+    one host's 2x2(x1); 8, 16, ...: its torus grown as Cloud TPU's slices are, 2x2x2, 2x2x4, 2x4x4)."""
+    kind = _kind(chip)
+    if isinstance(topology, str) and ":" in topology:
+        if not topology.startswith(kind.prefix + ":"):
+            raise TargetError(f"topology {topology!r} is not a {chip} one ({kind.prefix}:...)")
+        return topology
+    n = int(topology)
+    if n < 1 or n > MIN_CHIPS and n & (n - 1):
+        raise TargetError(f"a {chip} topology has 1-{MIN_CHIPS} chips (one host's) or a power of two, not {n}")
+    dims = [2, 2] + [1] * (kind.torus_dims - 2)
+    while _product(dims) < n:  # double the smallest axis (the last of equals): 2x2x1, 2x2x2, 2x2x4, 2x4x4, ...
+        axis = max(a for a in range(len(dims)) if dims[a] == min(dims))
+        dims[axis] *= 2
+    return f"{kind.prefix}:{'x'.join(map(str, dims))}"
+
+
+def _product(dims):
+    out = 1
+    for d in dims:
+        out *= d
+    return out
+
+
+def _kind(chip):
+    if chip not in KINDS:
+        raise TargetError(f"no compile-only target for chip {chip!r}: one of {', '.join(KINDS)}")
+    return KINDS[chip]
+
+
+def python_for(chip):
+    """The interpreter of the environment that compiles for `chip` (for a child process)."""
+    return os.path.join(ROOT, _kind(chip).python, "bin", "python")
+
+
+def libtpu_path():
+    """The libtpu this jax compiles with: jax's own choice ($TPU_LIBRARY_PATH, an importable libtpu:
+    .venv-tpu's), else $MINITITAN_LIBTPU or .libtpu (a `pip install --target` directory, or the .so)."""
+    from jax._src import cloud_tpu_init
+    found = cloud_tpu_init.get_tpu_library_path()  # ($TPU_LIBRARY_PATH, or an importable libtpu)
+    if found:
+        return found
+    where = os.environ.get("MINITITAN_LIBTPU") or os.path.join(ROOT, ".libtpu")
+    path = where if where.endswith(".so") else os.path.join(where, "libtpu", "libtpu.so")
+    if not os.path.isfile(path):
+        raise TargetError(f"no libtpu at {path}: the TPU compiler's environment is not built "
+                          f"(.ci/run builds it; or pip install --no-deps --target .libtpu "
+                          f"-r requirements-libtpu.txt)")
+    return path
+
+
+@contextlib.contextmanager
+def _libtpu_log_dropped():
+    """libtpu logs a page of warnings to fd 2 when it starts on a host with no chip (no accelerator
+    type, no worker hostnames, nothing to act on): dropped. A failure still raises, with its message."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+_TOPOLOGIES = {}
+
+
+def devices(chip, topology=MIN_CHIPS):
+    """The compile-only devices of `chip`'s topology (a name or a chip count), in libtpu's order."""
+    name = topology_name(chip, topology)
+    if name not in _TOPOLOGIES:
+        from jax._src import xla_bridge
+        from jax.experimental import topologies
+        from jax._src import hardware_utils
+        if not xla_bridge.backends_are_initialized() and jax.config.jax_platforms is None \
+                and hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
+            jax.config.update("jax_platforms", "cpu")  # (no chip here: none to look for)
+        jax.devices()  # jax's own backends first: with a libtpu in view they would look for a chip
+        path = libtpu_path()
+        # libtpu takes /tmp/libtpu_lockfile (one process a TPU host); compile-only processes share none
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        try:
+            with _libtpu_log_dropped():
+                if not xla_bridge.xla_client.pjrt_plugin_loaded("tpu"):
+                    xla_bridge.xla_client.load_pjrt_plugin_dynamically("tpu", path)
+                _TOPOLOGIES[name] = topologies.get_topology_desc(topology_name=name, platform="tpu")
+        except Exception as e:  # (an XlaRuntimeError: a name this libtpu does not know)
+            raise TargetError(f"libtpu cannot describe {name}: {_first_line(e)}") from None
+    return list(_TOPOLOGIES[name].devices)
+
+
+def one_device_sharding(chip, topology=MIN_CHIPS):
+    """A replicated sharding on a one-device mesh: where a Mosaic kernel compiles (the compiler does
+    not partition a kernel by itself: several devices need shard_map)."""
+    mesh = jax.sharding.Mesh(devices(chip, topology)[:1], ("one",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+_LOWERING_FOR_TPU = [None]
+
+
+def lowering_for_tpu():
+    """The chip compile() is tracing for (None outside it): the Pallas kernels then lower with Mosaic
+    (interpret=False), whatever this process's own backend is, within that chip's VMEM. The one
+    switch, read by kernels_pallas.pallas_call_prefetch."""
+    return _LOWERING_FOR_TPU[0]
+
+
+@dataclasses.dataclass
+class Compiled:
+    """What the TPU compiler says of a program, per device (bytes)."""
+    chip: str
+    topology: str
+    fits: bool                # the compiler's verdict: room in HBM for its program (temporaries);
+                              # arguments and outputs it does not check (a 48 GiB output compiled for
+                              # v6e's 32 GiB): compare hbm_bytes with the chip's HBM for those
+    message: str              # its out-of-memory message ("" when it fits)
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    temp_bytes: int = 0
+    alias_bytes: int = 0      # outputs that reuse an argument's buffer (donation)
+    flops: float = None       # the cost model's; a Mosaic kernel counts none
+    bytes_accessed: float = None
+    optimal_seconds: float = None
+    compile_s: float = 0.0
+    mosaic_calls: int = 0     # Mosaic kernels in the compiled program (tpu_custom_call)
+
+    @property
+    def hbm_bytes(self):
+        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+    def line(self):
+        if not self.fits:
+            return f"{self.chip} {self.topology}: does not fit: {self.message}"
+        mib = lambda b: f"{b / 2**20:,.1f} MiB"
+        return (f"{self.chip} {self.topology}: compiles in {self.compile_s:.1f} s; per device "
+                f"arguments {mib(self.argument_bytes)}, outputs {mib(self.output_bytes)}, temporaries "
+                f"{mib(self.temp_bytes)}; {self.mosaic_calls} Mosaic kernel(s); cost model: "
+                f"{self.flops or 0:.3g} FLOPs, {self.optimal_seconds or 0:.3g} s")
+
+
+def _first_line(e):
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def compile(fn, *args, chip, topology=MIN_CHIPS):
+    """Compile jax function `fn` on `args` (ShapeDtypeStructs; one without a sharding is placed on
+    one device of the topology) for `chip`, with its Pallas kernels lowered by Mosaic. Returns a
+    Compiled; an HBM overflow is `fits=False` with the compiler's message; any other refusal raises
+    CompileFailed."""
+    name = topology_name(chip, topology)
+    one = one_device_sharding(chip, name)
+    place = lambda a: (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one)
+                       if isinstance(a, jax.ShapeDtypeStruct) and a.sharding is None else a)
+    args = jax.tree.map(place, args)
+    start = time.perf_counter()
+    _LOWERING_FOR_TPU[0] = chip
+    jax.clear_caches()  # (a trace cached in interpret mode must not be reused, nor this one after)
+    try:  # (the default device: Pallas asks it which chip it lowers for, jax 0.10's tpu_info)
+        with jax.default_device(one.mesh.devices.flat[0]):
+            lowered = jax.jit(lambda *a: fn(*a)).lower(*args)
+            compiled = lowered.compile()
+    except Exception as e:
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" in text and ("memory space hbm" in text or "HbmOom" in text):  # (libtpu 0.0.24, 0.0.52)
+            return Compiled(chip, name, False, _first_line(text.split("RESOURCE_EXHAUSTED: ")[-1]),
+                            compile_s=time.perf_counter() - start)
+        raise CompileFailed(text) from None
+    finally:
+        _LOWERING_FOR_TPU[0] = None
+        jax.clear_caches()
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    return Compiled(chip, name, True, "", mem.argument_size_in_bytes, mem.output_size_in_bytes,
+                    mem.temp_size_in_bytes, mem.alias_size_in_bytes, cost.get("flops"),
+                    cost.get("bytes accessed"), cost.get("optimal_seconds"), seconds,
+                    # (counted in the lowered program: jax 0.10.2 cannot print some compiled ones,
+                    # "RET_CHECK ... async-update instruction should have 1 operands but sees 2")
+                    lowered.as_text().count("@tpu_custom_call"))
+
+
+def _compiler_line(text):
+    """The line of a compiler error that says what is wrong (Mosaic puts it after a traceback-like
+    preamble): the first naming an error, else the first."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in lines:
+        if any(w in ln for w in ("rror", "must", "exceed", "Unsupported", "not ", "Ran out")):
+            return ln[:400]
+    return (lines or ["(no message)"])[0][:400]
+
+
+def main(argv):
+    """python tpu_target.py CHIP [TOPOLOGY | CHIPS]: a bf16 matmul compiled, as a check of the
+    environment; `error:` and exit 2 where it cannot be."""
+    if not argv or argv[0] not in KINDS:
+        print(f"usage: tpu_target.py {{{','.join(KINDS)}}} [TOPOLOGY | CHIPS]", file=sys.stderr)
+        return 2
+    chip, topology = argv[0], (argv[1] if len(argv) > 1 else MIN_CHIPS)
+    try:
+        x = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+        print(compile(lambda a, b: jnp.tanh(a @ b), x, x, chip=chip, topology=topology).line())
+    except (TargetError, CompileFailed) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
