@@ -105,6 +105,10 @@ class TrainConfig:
     chip: str = flag("tpu_v5p", "TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")
     plan: bool = flag(False, "with --dry-run: rank every mesh layout of --chips N (dcn x ici x tp, ep; remat)")
     chips: int = flag(0, "chips for --plan")
+    compile: bool = flag(False, "with --dry-run: compile the training step for the --chip topology of the mesh with "
+                         "the real TPU compiler (compile-only devices, no chip): HBM, fits, FLOPs, estimated step")
+    topology: Optional[str] = flag(None, "with --compile: libtpu's topology name, e.g. v5p:2x2x1 (default: the mesh's "
+                                   "device count)")
 
 
 def config_class(cls):

@@ -114,6 +114,7 @@ class Workload:
     n_experts: int = 0         # > 0: the planner also tries ep
     top_k: int = 0
     shape: object = None       # shapes.Shape: the step-time model's view (matmuls, attention, activations)
+    program: object = None     # global batch -> step_compile.Program: the step to compile (--compile)
 
 
 def lm_workload(args, flavor, seq_len):
@@ -123,6 +124,7 @@ def lm_workload(args, flavor, seq_len):
     args = tpu_config(args)
     whole, layer = param_groups(args)
     plain_loss = dataclasses.replace(args, loss_impl="plain")  # (under tp the loss is the vocab-parallel one)
+    reference = dataclasses.replace(args, attn_impl="sdpa", loss_impl="plain")  # (what --compile compiles)
 
     def check(dims):
         for size, refusal_of in ((dims["tp"], tensor_parallel.check), (dims["ep"], expert_parallel.check)):
@@ -133,7 +135,21 @@ def lm_workload(args, flavor, seq_len):
     return Workload(flavor, whole, layer, flops_per_token(args, seq_len) * seq_len, seq_len,
                     lambda remat: saved_bytes_per_sequence(args, seq_len, remat), check, dim=args.dim,
                     n_layers=args.n_layers, n_experts=args.n_experts, top_k=args.top_k,
-                    shape=shapes.lm_shape(args, seq_len, flavor, fused_loss=True))
+                    shape=shapes.lm_shape(args, seq_len, flavor, fused_loss=True),
+                    program=lambda batch_size: lm_program(reference, batch_size, seq_len))
+
+
+def lm_program(args, batch_size, seq_len):
+    """The language model's step for --compile: the model on meta, next-token loss, (B, S) ids twice."""
+    import step_compile
+    from model import dynamic_shapes_reason
+    reason = dynamic_shapes_reason(dataclasses.replace(args, moe_impl="reference"))
+    if reason:
+        raise ValueError(f"--compile: {reason.split(': add')[0]}; the grouped-matmul kernel is a Mosaic call, not compiled here yet")
+    with torch.device("meta"):
+        model = Transformer(args)
+    ids = ((batch_size, seq_len), torch.long)
+    return step_compile.Program(model, next_token_loss, (ids, ids), lambda remat: saved_bytes_per_sequence(args, seq_len, remat))
 
 
 def shape_of(w):
@@ -313,9 +329,35 @@ def main(w, cfg):
         print(json.dumps([{k: r[k] for k in ("mesh", "remat", "local_batch", "total_bytes", "fits", "step_s", "mfu", "bound")}
                           for r in rows]), flush=True)
         return 0
+    if cfg.compile:
+        return compiled_report(w, cfg, mesh.mesh_dims(cfg.mesh or "ici=1"), cfg.remat)
     report = estimate(w, mesh.mesh_dims(cfg.mesh or "ici=1"), cfg.batch_size, cfg.chip, cfg.remat)
     print(format_report(report))
     print(json.dumps(report), flush=True)
+    return 0
+
+
+def compiled_report(w, cfg, dims, remat):
+    """--compile: the step compiled by the TPU compiler for the layout (step_compile.py), beside the
+    planner's figures for the same program (its activations traced with the same implementations)."""
+    import json
+    import step_compile
+    if w.program is None:
+        raise ValueError(f"--compile: the {w.label} workload gives no step to compile")
+    if cfg.scan:
+        raise ValueError("--compile compiles the unrolled step (--scan's custom ops have no JAX form here yet)")
+    program = w.program(cfg.batch_size)
+    planned = estimate(w, dims, cfg.batch_size, cfg.chip, remat, program.saved_bytes(remat))
+    compiled, _ = step_compile.compile_step(program, dims, cfg.chip, cfg.topology, remat, cfg.clip)
+    spec = TPU_SPECS[cfg.chip]
+    r = step_compile.compare(compiled, planned, planned["flops_per_device"], spec["peak"], spec["hbm"])
+    print(step_compile.format_report(r, planned), flush=True)
+    if not compiled.fits:
+        raise ValueError(f"does not fit {compiled.topology}: the TPU compiler says {compiled.message}")
+    if not r["fits"]:
+        raise ValueError(f"does not fit {compiled.topology}: arguments + temporaries + outputs need "
+                         f"{r['total_bytes'] / GiB:.2f} GiB a device of {spec['hbm'] / GiB:.0f} GiB HBM")
+    print(json.dumps(r), flush=True)
     return 0
 
 
