@@ -120,6 +120,7 @@ class Workload:
 def lm_workload(args, flavor, seq_len):
     """A language model's Workload: the TPU config rewrite, then its parameter groups and FLOPs."""
     import expert_parallel
+    import step_compile
     import tensor_parallel
     args = tpu_config(args)
     whole, layer = param_groups(args)
@@ -136,20 +137,8 @@ def lm_workload(args, flavor, seq_len):
                     lambda remat: saved_bytes_per_sequence(args, seq_len, remat), check, dim=args.dim,
                     n_layers=args.n_layers, n_experts=args.n_experts, top_k=args.top_k,
                     shape=shapes.lm_shape(args, seq_len, flavor, fused_loss=True),
-                    program=lambda batch_size: lm_program(reference, batch_size, seq_len))
-
-
-def lm_program(args, batch_size, seq_len):
-    """The language model's step for --compile: the model on meta, next-token loss, (B, S) ids twice."""
-    import step_compile
-    from model import dynamic_shapes_reason
-    reason = dynamic_shapes_reason(dataclasses.replace(args, moe_impl="reference"))
-    if reason:
-        raise ValueError(f"--compile: {reason.split(': add')[0]}; the grouped-matmul kernel is a Mosaic call, not compiled here yet")
-    with torch.device("meta"):
-        model = Transformer(args)
-    ids = ((batch_size, seq_len), torch.long)
-    return step_compile.Program(model, next_token_loss, (ids, ids), lambda remat: saved_bytes_per_sequence(args, seq_len, remat))
+                    program=lambda batch_size: step_compile.lm_program(
+                        reference, batch_size, seq_len, lambda remat: saved_bytes_per_sequence(reference, seq_len, remat)))
 
 
 def shape_of(w):
@@ -326,6 +315,8 @@ def main(w, cfg):
             print(json.dumps([]), flush=True)
             return 0
         print(format_plan(rows, cfg))
+        if cfg.compile:  # the layout ranked first, compiled
+            return compiled_report(w, cfg, mesh.mesh_dims(rows[0]["mesh"]), rows[0]["remat"])
         print(json.dumps([{k: r[k] for k in ("mesh", "remat", "local_batch", "total_bytes", "fits", "step_s", "mfu", "bound")}
                           for r in rows]), flush=True)
         return 0
@@ -338,27 +329,14 @@ def main(w, cfg):
 
 
 def compiled_report(w, cfg, dims, remat):
-    """--compile: the step compiled by the TPU compiler for the layout (step_compile.py), beside the
-    planner's figures for the same program (its activations traced with the same implementations)."""
-    import json
+    """--compile: the step compiled by the TPU compiler (step_compile.py) beside this layout's estimate,
+    whose activations are traced for the same implementations as the compiled program."""
     import step_compile
     if w.program is None:
         raise ValueError(f"--compile: the {w.label} workload gives no step to compile")
-    if cfg.scan:
-        raise ValueError("--compile compiles the unrolled step (--scan's custom ops have no JAX form here yet)")
     program = w.program(cfg.batch_size)
     planned = estimate(w, dims, cfg.batch_size, cfg.chip, remat, program.saved_bytes(remat))
-    compiled, _ = step_compile.compile_step(program, dims, cfg.chip, cfg.topology, remat, cfg.clip)
-    spec = TPU_SPECS[cfg.chip]
-    r = step_compile.compare(compiled, planned, planned["flops_per_device"], spec["peak"], spec["hbm"])
-    print(step_compile.format_report(r, planned), flush=True)
-    if not compiled.fits:
-        raise ValueError(f"does not fit {compiled.topology}: the TPU compiler says {compiled.message}")
-    if not r["fits"]:
-        raise ValueError(f"does not fit {compiled.topology}: arguments + temporaries + outputs need "
-                         f"{r['total_bytes'] / GiB:.2f} GiB a device of {spec['hbm'] / GiB:.0f} GiB HBM")
-    print(json.dumps(r), flush=True)
-    return 0
+    return step_compile.main(program, planned, cfg, TPU_SPECS[cfg.chip])
 
 
 def remat_label(remat):

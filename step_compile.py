@@ -35,6 +35,7 @@ What differs from a run on the chip, and why:
     (8, 128) tile), which no planner counts.
 """
 import dataclasses
+import operator
 import time
 
 import numpy as np
@@ -59,6 +60,19 @@ class Program:
     saved_bytes: object = None
 
 
+def lm_program(args, batch_size, seq_len, saved_bytes):
+    """The language model's step for --compile: the model on meta, next-token loss, (B, S) ids twice;
+    `saved_bytes(remat)`: the planner's activations a sample, traced for the same implementations."""
+    from model import Transformer, dynamic_shapes_reason, next_token_loss
+    reason = dynamic_shapes_reason(dataclasses.replace(args, moe_impl="reference"))
+    if reason:
+        raise ValueError(f"--compile: {reason.split(': add')[0]}; the grouped-matmul kernel is a Mosaic call, not compiled here yet")
+    with torch.device("meta"):
+        model = Transformer(args)
+    ids = ((batch_size, seq_len), torch.long)
+    return Program(model, next_token_loss, (ids, ids), saved_bytes)
+
+
 def capture(program, remat, clip):
     """The step graph, as graph mode traces it (bf16 autocast over fp32 master weights), and its
     example inputs (fake CPU tensors: autocast applies to them, nothing is allocated)."""
@@ -78,8 +92,37 @@ def capture(program, remat, clip):
     with sdpa_kernel(SDPBackend.MATH):
         gm = graph_trainer.capture(step_fn, example)
     if remat:
-        gm = graph_passes.remat(gm)
+        gm = behind_barrier(graph_passes.remat(gm))
     return for_torchax(gm, example), example
+
+
+@torch.library.custom_op("minititan_compile::barrier", mutates_args=())
+def barrier(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Identity on the saved activations (jax.lax.optimization_barrier once lowered)."""
+    return [x.clone() for x in xs]
+
+
+barrier.register_fake(lambda xs: [torch.empty_like(x) for x in xs])
+
+
+def behind_barrier(gm):
+    """The backward reads the saved activations through one optimization barrier. Without it XLA's
+    common-subexpression pass merges each recomputed op with its forward twin (the same op on the same
+    values): the remat pass's recompute vanished (the compiler counted the same FLOPs and temporaries
+    with --remat as without). JAX's checkpoint puts its residuals behind the same barrier."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    end = graph_passes.forward_end_index(gm)
+    saved = graph_passes.saved_activations(gm)
+    marker = list(gm.graph.nodes)[end]
+    with gm.graph.inserting_after(marker):
+        fenced = gm.graph.call_function(torch.ops.minititan_compile.barrier.default, (saved,))
+    with gm.graph.inserting_after(fenced):
+        behind = [gm.graph.call_function(operator.getitem, (fenced, i)) for i in range(len(saved))]
+    for value, after in zip(saved, behind):
+        value.replace_all_uses_with(after, delete_user_cb=lambda user: order.get(user, -1) > end)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
 
 
 # each _foreach_ op's one-tensor form (optim.py uses these)
@@ -146,7 +189,12 @@ def jax_step(gm, out_shardings):
     """The step graph as a JAX function: torchax runs its aten ops on JAX values (tracers, under jit)."""
     import jax
     import torchax
+    from torchax.ops import ops_registry
+    barrier_op = torch.ops.minititan_compile.barrier.default
+    if barrier_op not in ops_registry.all_aten_ops:  # (torchax 0.0.7's override_op_definition is broken)
+        ops_registry.register_torch_dispatch_op(barrier_op, lambda xs: list(jax.lax.optimization_barrier(list(xs))))
     env = torchax.default_env()
+    env.load_ops()
 
     def step(*inputs):
         with env:
@@ -217,3 +265,24 @@ def format_report(r, planned):
              f"  {'MFU implied (estimate / stepmodel)':<44} {100 * r['estimated_mfu']:13.1f}% {100 * r['planned_mfu']:13.1f}%",
              f"  compile {r['compile_s']:.1f} s (the compiler's cost model estimates the step time: not a measurement)"]
     return "\n".join(lines)
+
+
+def main(program, planned, cfg, spec):
+    """--compile (dryrun.compiled_report): `program` compiled for cfg's chip and topology on the
+    planner's layout, its figures beside `planned` (dryrun.estimate for the same program); one
+    `error:` line (ValueError) when it does not fit."""
+    import json
+    if cfg.scan:
+        raise ValueError("--compile compiles the unrolled step (--scan's custom ops have no JAX form here yet)")
+    dims = {"dcn": 1, "tp": 1, "ep": 1, **dict(p.split("=") for p in planned["mesh"].split(","))}
+    dims = {k: int(v) for k, v in dims.items()}
+    compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"], cfg.clip)
+    r = compare(compiled, planned, planned["flops_per_device"], spec["peak"], spec["hbm"])
+    print(format_report(r, planned), flush=True)
+    if not compiled.fits:
+        raise ValueError(f"does not fit {compiled.topology}: the TPU compiler says {compiled.message}")
+    if not r["fits"]:
+        raise ValueError(f"does not fit {compiled.topology}: arguments + temporaries + outputs need "
+                         f"{r['total_bytes'] / GiB:.2f} GiB a device of {spec['hbm'] / GiB:.0f} GiB HBM")
+    print(json.dumps(r), flush=True)
+    return 0
