@@ -236,6 +236,8 @@ def validate(cfg):
                                   ("--backend", cfg.backend)) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:
         raise ConfigError(f"{', '.join(graph_only)} transform(s) the step graph: add --mode graph")
+    if (cfg.compile or cfg.topology) and not cfg.dry_run:
+        raise ConfigError("--compile and --topology compile the step for a TPU without running it: add --dry-run")
     if cfg.backend == "xla" and cfg.device in ("cpu", "cuda"):
         raise ConfigError(f"--backend xla needs --device xla (or a TPU), not --device {cfg.device}")
     try:

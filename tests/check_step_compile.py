@@ -89,3 +89,6 @@ def test_a_step_that_cannot_fit_is_the_compilers_out_of_memory_in_one_line():
     lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
     assert rc == 2 and len(lines) == 1, err[-3000:]
     assert lines[0].startswith("error: does not fit v5p:2x2x1: the TPU compiler says") and "hbm" in lines[0].lower(), lines
+    rc, _, err = run_train(["--compile", "--steps", "1"])  # (without --dry-run it was ignored: a training run)
+    assert rc == 2 and err.strip().splitlines() == ["error: --compile and --topology compile the step for a TPU "
+                                                    "without running it: add --dry-run"], err[-2000:]
