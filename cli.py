@@ -111,6 +111,10 @@ class TrainConfig:
     chip: str = flag("tpu_v5p", "TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")
     plan: bool = flag(False, "with --dry-run: rank every mesh layout of --chips N (dcn x ici x tp, ep; remat)")
     chips: int = flag(0, "chips for --plan")
+    compile: bool = flag(False, "with --dry-run: compile the training step for the --chip topology of the mesh with "
+                         "the real TPU compiler (compile-only devices, no chip): HBM, fits, FLOPs, estimated step")
+    topology: Optional[str] = flag(None, "with --compile: libtpu's topology name, e.g. v5p:2x2x1 (default: the mesh's "
+                                   "device count)")
 
 
 def config_class(cls):
@@ -238,6 +242,8 @@ def validate(cfg):
                                   ("--backend", cfg.backend)) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:
         raise ConfigError(f"{', '.join(graph_only)} transform(s) the step graph: add --mode graph")
+    if (cfg.compile or cfg.topology) and not cfg.dry_run:
+        raise ConfigError("--compile and --topology compile the step for a TPU without running it: add --dry-run")
     # --device auto / tpu is an XLA device only through torch_xla's TPU runtime (device.pick_device; torch_tpu,
     # the other TPU route, lives in an environment without torch_xla)
     if cfg.backend == "xla" and not (cfg.device == "xla" or (cfg.device in ("auto", "tpu") and dev.pjrt_is_tpu())):

@@ -116,15 +116,18 @@ class Workload:
     top_k: int = 0
     shape: object = None       # shapes.Shape: the step-time model's view (matmuls, attention, activations)
     splits_sequences: bool = False  # the planner also tries cp (context parallel: the task's loss allows it)
+    program: object = None     # global batch -> step_compile.Program: the step to compile (--compile)
 
 
 def lm_workload(args, flavor, seq_len):
     """A language model's Workload: the TPU config rewrite, then its parameter groups and FLOPs."""
     import expert_parallel
+    import step_compile
     import tensor_parallel
     args = tpu_config(args)
     whole, layer = param_groups(args)
     plain_loss = dataclasses.replace(args, loss_impl="plain")  # (under tp the loss is the vocab-parallel one)
+    reference = dataclasses.replace(args, attn_impl="sdpa", loss_impl="plain")  # (what --compile compiles)
 
     def check(dims):
         cp = dims.get("cp", 1)
@@ -138,7 +141,9 @@ def lm_workload(args, flavor, seq_len):
     return Workload(flavor, whole, layer, flops_per_token(args, seq_len) * seq_len, seq_len,
                     lambda remat: saved_bytes_per_sequence(args, seq_len, remat), check, dim=args.dim,
                     n_layers=args.n_layers, n_experts=args.n_experts, top_k=args.top_k,
-                    shape=shapes.lm_shape(args, seq_len, flavor, fused_loss=True), splits_sequences=True)
+                    shape=shapes.lm_shape(args, seq_len, flavor, fused_loss=True), splits_sequences=True,
+                    program=lambda batch_size: step_compile.lm_program(
+                        reference, batch_size, seq_len, lambda remat: saved_bytes_per_sequence(reference, seq_len, remat)))
 
 
 def shape_of(w):
@@ -355,14 +360,32 @@ def main(w, cfg):
             print(json.dumps([]), flush=True)
             return 0
         print(format_plan(rows, cfg))
+        if cfg.compile:  # the layout ranked first, compiled
+            return compiled_report(w, cfg, mesh.mesh_dims(rows[0]["mesh"]), rows[0]["remat"])
         print(json.dumps([{k: r[k] for k in ("mesh", "remat", "local_batch", "total_bytes", "fits", "step_s", "mfu", "bound")}
                           for r in rows]), flush=True)
         return 0
+    if cfg.compile:
+        return compiled_report(w, cfg, mesh.mesh_dims(cfg.mesh or "ici=1"), cfg.remat)
     report = estimate(w, mesh.mesh_dims(cfg.mesh or "ici=1"), cfg.batch_size, cfg.chip, cfg.remat,
                       microbatches=accumulation)
     print(format_report(report))
     print(json.dumps(report), flush=True)
     return 0
+
+
+def compiled_report(w, cfg, dims, remat):
+    """--compile: the step compiled by the TPU compiler (step_compile.py) beside this layout's estimate,
+    whose activations are traced for the same implementations as the compiled program."""
+    import step_compile
+    if w.program is None:
+        raise ValueError(f"--compile: the {w.label} workload gives no step to compile")
+    if getattr(cfg, "grad_accum", 1) > 1:
+        raise ValueError("--compile compiles one pass over the batch: --grad-accum is not compiled yet (the planner's "
+                         "estimate without --compile counts it)")
+    program = w.program(cfg.batch_size)
+    planned = estimate(w, dims, cfg.batch_size, cfg.chip, remat, program.saved_bytes(remat))
+    return step_compile.main(program, planned, cfg, TPU_SPECS[cfg.chip])
 
 
 def remat_label(remat):

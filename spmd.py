@@ -38,6 +38,19 @@ from layer_scan import StackedLayers
 from parallel import Parallel
 
 
+def partition_spec(shape, ici, stacked=False, cp=1):
+    """A parameter's partition spec: one dim over ici x cp (FSDP: the cp ranks are data-parallel for
+    the weights), the rest whole; replicated over dcn. Dim 0, unless another divides evenly where it
+    does not. A --scan weight (L, out, in) is never split on the layer axis (as scanned JAX models shard
+    their weights): each layer's slice is then itself sharded, and XLA gathers one layer inside the
+    While body, not the whole stack before it. (Also the shardings of the step compiled for a TPU
+    topology: step_compile.py.)"""
+    dims = range(1 if stacked else 0, len(shape))
+    dim = next((d for d in dims if shape[d] % (ici * cp) == 0), dims[0])
+    axes = ("ici", "cp") if cp > 1 else "ici"
+    return tuple(axes if d == dim else None for d in range(len(shape)))
+
+
 class XlaSpmd(Parallel):
     """One process driving every XLA device (parallel.Parallel's interface): global tensors carry
     partition specs, so gradients, norms and losses are already global and need no reduction."""
@@ -66,13 +79,7 @@ class XlaSpmd(Parallel):
         self.hosts = xr.process_count()  # (one process a host on a pod; always 1 on XLA:CPU: docs/tpu.md)
 
     def spec(self, t, stacked=False):
-        """Partition spec: one dim over ici (FSDP), the rest whole; replicated over dcn. Dim 0, unless
-        another divides evenly where it does not. A --scan weight (L, out, in) is never split on the
-        layer axis (as scanned JAX models shard their weights): each layer's slice is then itself
-        sharded, and XLA gathers one layer inside the While body, not the whole stack before it."""
-        dims = range(1 if stacked else 0, t.dim())
-        dim = next((d for d in dims if t.shape[d] % self.param_split == 0), dims[0])
-        return tuple(("ici", "cp") if d == dim else None for d in range(t.dim()))
+        return partition_spec(t.shape, self.ici, stacked, self.cp)
 
     def parallelize(self, model, units=(), family=None):
         """Every parameter gets a partition spec; a parameter of a --scan stack (a StackedLayers unit)

@@ -44,6 +44,7 @@ from tests.check_flux_pipeline import *  # noqa: E402,F401,F403
 from tests.check_grpo import *  # noqa: E402,F401,F403
 from tests.check_vllm import *  # noqa: E402,F401,F403
 from tests.check_profiling import *  # noqa: E402,F401,F403
+from tests.check_step_compile import *  # noqa: E402,F401,F403
 
 if __name__ == "__main__":  # child processes: python test_all.py <child function> [args...]
     globals()[sys.argv[1]](*sys.argv[2:])

@@ -218,11 +218,12 @@ def _first_line(e):
     return lines[0] if lines else type(e).__name__
 
 
-def compile(fn, *args, chip, topology=MIN_CHIPS):
+def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=()):
     """Compile jax function `fn` on `args` (ShapeDtypeStructs; one without a sharding is placed on
     one device of the topology) for `chip`, with its Pallas kernels lowered by Mosaic. Returns a
     Compiled; an HBM overflow is `fits=False` with the compiler's message; any other refusal raises
-    CompileFailed."""
+    CompileFailed. `donate_argnums`: arguments whose buffers the outputs may reuse (a training step's
+    weights and optimizer state, updated in place: alias_bytes)."""
     name = topology_name(chip, topology)
     one = one_device_sharding(chip, name)
     place = lambda a: (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one)
@@ -233,7 +234,7 @@ def compile(fn, *args, chip, topology=MIN_CHIPS):
     jax.clear_caches()  # (a trace cached in interpret mode must not be reused, nor this one after)
     try:  # (the default device: Pallas asks it which chip it lowers for, jax 0.10's tpu_info)
         with jax.default_device(one.mesh.devices.flat[0]):
-            lowered = jax.jit(lambda *a: fn(*a)).lower(*args)
+            lowered = jax.jit(lambda *a: fn(*a), donate_argnums=donate_argnums).lower(*args)
             compiled = lowered.compile()
     except Exception as e:
         text = str(e)

@@ -1,0 +1,323 @@
+"""step_compile.py: our training step compiled for a TPU pod by the real TPU compiler, on a CPU machine.
+
+    python train.py --dry-run --compile --flavor llama3_debug --mesh ici=4 --chip tpu_v5p
+    python train.py --dry-run --compile --flavor llama3_8b --set n_layers=2 --mesh ici=4 --batch-size 8 --seq-len 2048
+
+The question it answers is MaxText's train_compile.py's: will this run compile and fit on that pod?
+The program is the one graph mode runs, not a rewrite of it: graph_trainer.build_step_fn (forward, the
+workload's loss, backward, global-norm clipping, optim.adamw) captured by make_fx into one aten graph
+on fake tensors (nothing allocated: Qwen3-8B's fp32 weights alone are 32 GB), after the graph passes
+the flags ask for (--remat: graph_passes.remat). torchax then runs that graph's aten ops on JAX
+tracers, so `jax.jit` lowers the whole step to one StableHLO program, with every parameter and AdamW
+moment sharded by the layout's partition spec (spmd.partition_spec: the GSPMD layout train.py gives
+XLA, dim 0 over ici unless another dim divides where it does not; replicated over dcn; the batch over
+dcn x ici), the weights and moments donated (updated in place, as torch_xla aliases them). XLA:TPU
+compiles it for the named topology through JAX's compile-only devices (tpu_target.py): the compiler's
+verdict, its per-device HBM (arguments, temporaries, outputs), its cost model's FLOPs and
+`optimal_seconds`. That time is the compiler's estimate, not a measurement: no chip ran anything.
+
+Why torchax rather than torch_xla's HLO of the SPMD step: torch_xla records a step on lazy tensors
+backed by device data, so its HLO needs the model allocated on some device (the host, here); its
+partitioner runs against the devices of its own runtime. torchax needs neither: its tensors wrap JAX
+values, tracers included, so ShapeDtypeStructs with NamedShardings on the compile-only devices go in
+and the program comes out of JAX's own `lower().compile()`, the route MaxText's tool takes.
+
+What differs from a run on the chip, and why:
+  - attention, loss and experts are the reference implementations (model.py's tables without the
+    TPU rewrite): a Mosaic kernel needs a one-device mesh or shard_map, and the cost model does not see
+    inside one. The attention is SDPA's math form (the S x S scores, causal by mask), chosen before
+    autograd so that its backward is plain aten ops as well; the MoE's reference dispatch has
+    data-dependent shapes and is refused (model.dynamic_shapes_reason).
+  - the `_foreach_*` ops of clipping and AdamW (no torchax lowering) are unfolded into the same
+    arithmetic tensor by tensor; token ids are int32 (JAX without x64); a tensor with no dimension
+    divisible by ici is replicated (JAX shards evenly; GSPMD would pad).
+  - the arguments' bytes include the TPU's tile padding (a shard's last two dims rounded up to the
+    (8, 128) tile), which no planner counts.
+"""
+import dataclasses
+import math
+import operator
+import time
+
+import numpy as np
+import torch
+
+import graph_passes
+import graph_trainer
+import optim
+import spmd
+
+GiB = 2**30
+
+
+@dataclasses.dataclass
+class Program:
+    """What a workload hands the compile (dryrun.Workload.program): the model on the meta device, its
+    loss(model, batch) -> (reported, differentiated), the global batch's (shape, torch dtype) each, and
+    the planner's saved-activation bytes a sample of this same program (remat -> bytes)."""
+    model: object
+    loss: object
+    batch: tuple
+    saved_bytes: object = None
+
+
+def lm_program(args, batch_size, seq_len, saved_bytes):
+    """The language model's step for --compile: the model on meta, next-token loss, (B, S) ids twice;
+    `saved_bytes(remat)`: the planner's activations a sample, traced for the same implementations."""
+    from model import Transformer, dynamic_shapes_reason, next_token_loss
+    reason = dynamic_shapes_reason(dataclasses.replace(args, moe_impl="reference"))
+    if reason:
+        raise ValueError(f"--compile: {reason.split(': add')[0]}; the grouped-matmul kernel is a Mosaic call, not compiled here yet")
+    with torch.device("meta"):
+        model = Transformer(args)
+    ids = ((batch_size, seq_len), torch.long)
+    return Program(model, next_token_loss, (ids, ids), saved_bytes)
+
+
+def capture(program, remat, clip):
+    """The step graph, as graph mode traces it (bf16 autocast over fp32 master weights), and its
+    example inputs (fake CPU tensors: autocast applies to them, nothing is allocated)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    model = program.model
+    names = [n for n, _ in model.named_parameters()]
+    metas = list(model.parameters())
+    with FakeTensorMode():
+        params = [torch.empty(p.shape) for p in metas]
+        example = (params, [torch.empty(b.shape, dtype=b.dtype) for b in model.buffers()],
+                   [torch.empty_like(p) for p in params], [torch.empty_like(p) for p in params],
+                   torch.empty(()), torch.empty(()), *[torch.empty(s, dtype=d) for s, d in program.batch])
+    defaults = optim.AdamW.__init__.__defaults__  # (betas, eps, weight_decay): the trainer's optimizer's
+    step_fn = graph_trainer.build_step_fn(model, names, program.loss, clip, *defaults, optim.decay_mask(names, metas),
+                                          lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    with sdpa_kernel(SDPBackend.MATH):
+        gm = graph_trainer.capture(step_fn, example)
+    if remat:
+        gm = behind_barrier(graph_passes.remat(gm))
+    return for_torchax(gm, example), example
+
+
+@torch.library.custom_op("minititan_compile::barrier", mutates_args=())
+def barrier(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Identity on the saved activations (jax.lax.optimization_barrier once lowered)."""
+    return [x.clone() for x in xs]
+
+
+barrier.register_fake(lambda xs: [torch.empty_like(x) for x in xs])
+
+
+def behind_barrier(gm):
+    """The backward reads the saved activations through one optimization barrier. Without it XLA's
+    common-subexpression pass merges each recomputed op with its forward twin (the same op on the same
+    values): the remat pass's recompute vanished (the compiler counted the same FLOPs and temporaries
+    with --remat as without). JAX's checkpoint puts its residuals behind the same barrier."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    end = graph_passes.forward_end_index(gm)
+    saved = graph_passes.saved_activations(gm)
+    marker = list(gm.graph.nodes)[end]
+    with gm.graph.inserting_after(marker):
+        fenced = gm.graph.call_function(torch.ops.minititan_compile.barrier.default, (saved,))
+    with gm.graph.inserting_after(fenced):
+        behind = [gm.graph.call_function(operator.getitem, (fenced, i)) for i in range(len(saved))]
+    for value, after in zip(saved, behind):
+        value.replace_all_uses_with(after, delete_user_cb=lambda user: order.get(user, -1) > end)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+# each _foreach_ op's one-tensor form (optim.py uses these)
+PER_TENSOR = {"lerp": torch.lerp, "mul": torch.mul, "div": torch.div, "add": torch.add, "sqrt": torch.sqrt,
+              "addcmul": lambda s, a, b, value=1: torch.addcmul(s, a, b, value=value),
+              "norm": lambda t, ord=2, dtype=None: torch.linalg.vector_norm(t, ord, dtype=dtype)}
+
+
+def _unfolded(op):
+    one = PER_TENSOR[op._schema.name.split("::_foreach_")[1]]
+
+    def per_tensor(*args, **kw):
+        n = next(len(a) for a in args if isinstance(a, (list, tuple)))
+        return [one(*(a[i] if isinstance(a, (list, tuple)) else a for a in args), **kw) for i in range(n)]
+    return per_tensor
+
+
+@torch.library.custom_op("minititan_compile::over_batch", mutates_args=())
+def over_batch(x: torch.Tensor) -> torch.Tensor:
+    """Identity; lowered, a sharding constraint: dim 0 split over the data-parallel devices."""
+    return x.clone()
+
+
+over_batch.register_fake(lambda x: torch.empty_like(x))
+_ROWS_SHARDING = [None]  # (the lowering's sharding: the mesh of the compile in progress)
+
+
+def rows_over_batch(gm, tokens, param_shapes):
+    """Every (tokens, width) activation, the batch's tokens flattened into rows (the loss's hidden
+    states, logits and their gradients), stays split over the data-parallel devices by its rows.
+    XLA's propagation alone let a Qwen3-8B step on 256 chips hold its (B x S, vocabulary) logits split
+    far fewer ways than 256 (a 32-bit DMA bound refused the buffer). Constraining every batch-major
+    activation instead raised a 4096-wide block's temporaries by 31%: only these."""
+    for node in list(gm.graph.nodes):
+        val = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(val, torch.Tensor) or val.dim() != 2 \
+                or val.shape[0] != tokens or tuple(val.shape) in param_shapes:
+            continue
+        with gm.graph.inserting_after(node):
+            kept = gm.graph.call_function(torch.ops.minititan_compile.over_batch.default, (node,))
+        node.replace_all_uses_with(kept, delete_user_cb=lambda user: user is not kept)
+    gm.recompile()
+    return gm
+
+
+def for_torchax(gm, example):
+    """The graph as torchax can run it: `_foreach_*` ops unfolded (a retrace), the forward-end marker
+    (an identity) dropped, and no device named (the graph was traced on CPU; torchax's is JAX's)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    table = {n.target: _unfolded(n.target) for n in gm.graph.nodes
+             if n.op == "call_function" and "aten._foreach_" in str(n.target)}
+    gm = make_fx(gm, decomposition_table=table, tracing_mode="fake")(*example)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target == torch.ops.minititan.forward_end.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+        elif "device" in node.kwargs:  # a cast keeps its tensor's place; a factory op makes a JAX array
+            node.kwargs = {**node.kwargs, "device": None if node.target == torch.ops.aten._to_copy.default else "jax"}
+    gm.recompile()
+    return gm
+
+
+def abstract_inputs(example, dims, devices):
+    """ShapeDtypeStructs of the step's inputs on a (dcn, ici) mesh of the compile-only devices, with
+    the layout's shardings; and the outputs' (new weights and moments like the old, scalars whole)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    mesh = Mesh(np.array(devices).reshape(dims["dcn"], dims["ici"]), ("dcn", "ici"))
+    whole = NamedSharding(mesh, PartitionSpec())
+
+    def param(t):
+        spec = spmd.partition_spec(tuple(t.shape), dims["ici"])
+        even = all(n % dims["ici"] == 0 for n, s in zip(t.shape, spec) if s)
+        return NamedSharding(mesh, PartitionSpec(*spec) if even else PartitionSpec())
+
+    def struct(t, sharding):
+        dtype = {torch.int64: np.int32}.get(t.dtype, torch.empty((), dtype=t.dtype).numpy().dtype) \
+            if t.dtype != torch.bfloat16 else jax.numpy.bfloat16
+        return jax.ShapeDtypeStruct(tuple(t.shape), dtype, sharding=sharding)
+    params, buffers, exp_avg, exp_avg_sq, step, lr, *batch = example
+    shardings = [param(p) for p in params]
+    states = [[struct(t, s) for t, s in zip(ts, shardings)] for ts in (params, exp_avg, exp_avg_sq)]
+    over_dp = NamedSharding(mesh, PartitionSpec(("dcn", "ici")))
+    inputs = (states[0], [struct(b, whole) for b in buffers], states[1], states[2], struct(step, whole),
+              struct(lr, whole), *[struct(t, over_dp if t.dim() else whole) for t in batch])
+    return inputs, (shardings, list(shardings), list(shardings), whole, whole)
+
+
+def jax_step(gm, out_shardings):
+    """The step graph as a JAX function: torchax runs its aten ops on JAX values (tracers, under jit)."""
+    import jax
+    import torchax
+    from torchax.ops import ops_registry
+    barrier_op = torch.ops.minititan_compile.barrier.default
+    if barrier_op not in ops_registry.all_aten_ops:  # (torchax 0.0.7's override_op_definition is broken)
+        ops_registry.register_torch_dispatch_op(barrier_op, lambda xs: list(jax.lax.optimization_barrier(list(xs))))
+        ops_registry.register_torch_dispatch_op(torch.ops.minititan_compile.over_batch.default,
+                                                lambda x: jax.lax.with_sharding_constraint(x, _ROWS_SHARDING[0]))
+    env = torchax.default_env()
+    env.load_ops()
+
+    def step(*inputs):
+        with env:
+            outputs = gm(*env.j2t_iso(inputs))
+        new_params, exp_avg, exp_avg_sq, loss, norm = env.t2j_iso(outputs)
+        return jax.lax.with_sharding_constraint((list(new_params), list(exp_avg), list(exp_avg_sq), loss, norm),
+                                                out_shardings)
+    return step
+
+
+def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0):
+    """Compile `program`'s training step for `chip`'s topology (a libtpu name, default the mesh's
+    device count) on the (dcn, ici) layout `dims`: a tpu_target.Compiled, plus the capture seconds."""
+    import tpu_target
+    if dims.get("tp", 1) > 1 or dims.get("ep", 1) > 1 or dims.get("cp", 1) > 1:
+        raise ValueError("--dry-run --compile lays out FSDP / HSDP meshes (dcn, ici); tp, ep and cp are not compiled yet")
+    name = tpu_target.topology_name(chip, topology or dims["dcn"] * dims["ici"])
+    devices = tpu_target.devices(chip, name)
+    if len(devices) != dims["dcn"] * dims["ici"]:
+        raise ValueError(f"topology {name} has {len(devices)} devices; the mesh has {dims['dcn'] * dims['ici']}")
+    start = time.perf_counter()
+    gm, example = capture(program, remat, clip)
+    inputs, out_shardings = abstract_inputs(example, dims, devices)
+    gm = rows_over_batch(gm, math.prod(program.batch[0][0]), {tuple(p.shape) for p in example[0]})
+    _ROWS_SHARDING[0] = inputs[-1].sharding  # (the batch's: dim 0 over dcn x ici)
+    capture_s = time.perf_counter() - start
+    try:
+        compiled = tpu_target.compile(jax_step(gm, out_shardings), *inputs, chip=chip, topology=name,
+                                      donate_argnums=(0, 2, 3))
+    except tpu_target.CompileFailed as e:
+        raise ValueError(f"the TPU compiler refused the step for {name}: {e}") from None
+    return compiled, capture_s
+
+
+def compare(compiled, planned, flops_per_device, peak, hbm):
+    """The compiler's figures beside the planner's (dryrun.estimate's report for the same layout)."""
+    mem = planned["memory_bytes"]
+    state = sum(v for k, v in mem.items() if k.startswith(("params", "AdamW")))
+    out = compiled.output_bytes - compiled.alias_bytes
+    total = compiled.argument_bytes + compiled.temp_bytes + out
+    flops = compiled.flops or 0.0
+    seconds = compiled.optimal_seconds or 0.0
+    return {"topology": compiled.topology, "compiler_fits": compiled.fits, "message": compiled.message,
+            "fits": compiled.fits and total <= hbm, "hbm_bytes": hbm,
+            "argument_bytes": compiled.argument_bytes, "temp_bytes": compiled.temp_bytes, "output_bytes": out,
+            "total_bytes": total, "planned_state_bytes": state, "planned_temp_bytes": planned["total_bytes"] - state,
+            "planned_gathered_bytes": sum(v for k, v in mem.items() if k.startswith("gathered")),
+            "planned_total_bytes": planned["total_bytes"], "planned_fits": planned["fits"],
+            "flops": flops, "flops_per_step": flops_per_device, "estimated_step_s": seconds,
+            "estimated_mfu": flops_per_device / (seconds * peak) if seconds else 0.0,
+            "planned_step_s": planned["step_s"], "planned_mfu": planned["mfu"], "compile_s": compiled.compile_s}
+
+
+def format_report(r, planned):
+    g = lambda b: f"{b / GiB:10.3f} GiB"
+    head = (f"compiled for {r['topology']} ({planned['devices']} x {planned['chip']}, mesh {planned['mesh']}): "
+            f"{planned['flavor']}, {planned['local_batch']} x {planned['seq_len']} tokens per data-parallel rank, "
+            f"remat {'on' if planned['remat'] else 'off'}; XLA:TPU on compile-only devices, no chip")
+    if not r["compiler_fits"]:
+        return head
+    lines = [head, f"  {'per device':<44} {'compiler':>14} {'planner':>14}",
+             f"  {'arguments (weights, AdamW state, batch)':<44} {g(r['argument_bytes'])} {g(r['planned_state_bytes'])}",
+             f"  {'temporaries (grads, activations, workspace)':<44} {g(r['temp_bytes'])} {g(r['planned_temp_bytes'])}",
+             f"  {'  of which the FSDP gathered block':<44} {'':>14} {g(r['planned_gathered_bytes'])}",
+             f"  {'outputs not aliased to an argument':<44} {g(r['output_bytes'])} {g(0)}",
+             f"  {'total':<44} {g(r['total_bytes'])} {g(r['planned_total_bytes'])}   of {r['hbm_bytes'] / GiB:.0f} GiB HBM",
+             f"  {'fits':<44} {'yes' if r['fits'] else 'NO':>14} {'yes' if r['planned_fits'] else 'NO':>14}",
+             f"  {'FLOPs (compiler / flops_per_step)':<44} {r['flops']:14.4e} {r['flops_per_step']:14.4e}   "
+             f"ratio {r['flops'] / r['flops_per_step']:.4f}" + ("  (remat: the excess is the recompute)" if planned["remat"] else ""),
+             f"  {'step time (cost model estimate / stepmodel)':<44} {r['estimated_step_s'] * 1e3:11.3f} ms "
+             f"{r['planned_step_s'] * 1e3:11.3f} ms",
+             f"  {'MFU implied (estimate / stepmodel)':<44} {100 * r['estimated_mfu']:13.1f}% {100 * r['planned_mfu']:13.1f}%",
+             f"  compile {r['compile_s']:.1f} s (the compiler's cost model estimates the step time: not a measurement)"]
+    return "\n".join(lines)
+
+
+def main(program, planned, cfg, spec):
+    """--compile (dryrun.compiled_report): `program` compiled for cfg's chip and topology on the
+    planner's layout, its figures beside `planned` (dryrun.estimate for the same program); one
+    `error:` line (ValueError) when it does not fit."""
+    import json
+    if cfg.scan:
+        raise ValueError("--compile compiles the unrolled step (--scan's custom ops have no JAX form here yet)")
+    dims = {"dcn": 1, "tp": 1, "ep": 1, **dict(p.split("=") for p in planned["mesh"].split(","))}
+    dims = {k: int(v) for k, v in dims.items()}
+    compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"], cfg.clip)
+    r = compare(compiled, planned, planned["flops_per_device"], spec["peak"], spec["hbm"])
+    print(format_report(r, planned), flush=True)
+    if not compiled.fits:
+        raise ValueError(f"does not fit {compiled.topology}: the TPU compiler says {compiled.message}")
+    if not r["fits"]:
+        raise ValueError(f"does not fit {compiled.topology}: arguments + temporaries + outputs need "
+                         f"{r['total_bytes'] / GiB:.2f} GiB a device of {spec['hbm'] / GiB:.0f} GiB HBM")
+    print(json.dumps(r), flush=True)
+    return 0

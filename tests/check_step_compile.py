@@ -1,0 +1,94 @@
+# step_compile.py (train.py --dry-run --compile). Oracle: the TPU compiler itself (libtpu on compile-only
+# v5p devices), the layout's shard shapes counted here, model.flops_per_token
+"""Part of the suite: collected and run through test_all.py (`pytest test_all.py`).
+
+Each compile runs in a child (train.py, as a user runs it), once per distinct command line; the tests
+read its JSON line. Where the compile environment is missing (.libtpu) the child's one `error:` line
+is the failure's message."""
+import json
+
+from model import FLAVORS, ModelArgs, Transformer
+from tests.common import run_train
+
+_RUNS = {}
+DEBUG = ("--flavor", "llama3_debug", "--batch-size", "8", "--seq-len", "256")
+# mid-size: Llama 3 8B's width (4096, GQA 32/8, SwiGLU 14336), one block, a smaller vocabulary: every
+# shard a whole number of the TPU's (8, 128) tiles, so the arguments' bytes carry no padding
+MID = ("--flavor", "llama3_8b", "--set", "n_layers=1", "--set", "vocab_size=16384", "--batch-size", "8",
+       "--seq-len", "2048")
+
+
+def compile_run(*flags):
+    """(rc, stdout, stderr) of `train.py --dry-run --compile` for v5p:2x2x1, FSDP over its 4 chips."""
+    if flags not in _RUNS:
+        _RUNS[flags] = run_train(["--dry-run", "--compile", "--chip", "tpu_v5p", "--mesh", "ici=4", *flags], timeout=900)
+    return _RUNS[flags]
+
+
+def compiled(*flags):
+    rc, out, err = compile_run(*flags)
+    assert rc == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def layout_state_bytes(args, ici=4):
+    """Weights + AdamW's two moments (fp32) a device under FSDP over `ici`: every parameter split over
+    its dim 0 (each divides here; asserted), counted from the model's own parameter shapes."""
+    import torch
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert all(p.shape[0] % ici == 0 for p in model.parameters())
+    return sum(3 * 4 * p.numel() // ici for p in model.parameters())
+
+
+def test_debug_step_compiles_for_a_v5p_host_with_the_flops_we_count():
+    """llama3_debug's whole step compiles for v5p:2x2x1 and the compiler finds it fits; its cost model's
+    FLOPs a device are flops_per_step's within 5% (no remat: the excess is the softmax, norms and
+    AdamW's elementwise work, which the 6N + 12 L H Dh S formula leaves out)."""
+    r = compiled(*DEBUG)
+    assert r["compiler_fits"] and r["fits"] and r["topology"] == "v5p:2x2x1"
+    assert abs(r["flops"] / r["flops_per_step"] - 1) <= 0.05, (r["flops"], r["flops_per_step"])
+    assert r["estimated_step_s"] > 0 and r["argument_bytes"] >= layout_state_bytes(FLAVORS["llama3_debug"])
+
+
+def test_remat_recomputes_less_than_the_forward():
+    """--remat (graph_passes.remat: keep the matmul outputs, recompute the rest in the backward): the
+    compiler counts more FLOPs than without, and the excess, the recompute's share, is below the
+    forward's third of the step (it recomputes no matmul). Before the barrier (step_compile.
+    behind_barrier) XLA merged every recomputed op with its forward twin: a share of exactly 0."""
+    plain, remat = compiled(*DEBUG), compiled(*DEBUG, "--remat")
+    share = remat["flops"] / plain["flops"] - 1
+    print(f"remat: recompute share {100 * share:.2f}% of the step's FLOPs")
+    print(f"temporaries: {plain['temp_bytes']} without, {remat['temp_bytes']} with --remat")
+    assert 0 < share < 1 / 3, share
+
+
+def test_mid_size_state_bytes_are_the_layouts_shards_and_activations_in_band():
+    """A 4096-wide model: the compiler's arguments a device are the layout's weight and AdamW shards
+    exactly, plus the batch's shard and the rope table and two scalars (one 512-byte tile each); the
+    planner counts the same state bytes; its gradients, saved activations and transient peak are
+    within 15% of the compiler's temporaries (measured: -4% here, -9% at 4 x 1024). Its FSDP
+    gathered block (two bf16 copies of a block, SimpleFSDP's prefetch) is left out: the GSPMD program
+    has no room for it (docs/planning.md)."""
+    args = ModelArgs(**{**FLAVORS["llama3_8b"].__dict__, "n_layers": 1, "vocab_size": 16384})
+    r = compiled(*MID)
+    state, batch = layout_state_bytes(args), 2 * 8 * 2048 * 4 // 4  # (int32 ids and targets)
+    assert r["planned_state_bytes"] == state
+    assert r["argument_bytes"] - state - batch == 3 * 512, (r["argument_bytes"], state, batch)
+    activations = r["planned_temp_bytes"] - r["planned_gathered_bytes"]  # (gradients, saved, transient)
+    assert abs(activations / r["temp_bytes"] - 1) <= 0.15, (activations, r["temp_bytes"])
+    assert abs(r["flops"] / r["flops_per_step"] - 1) <= 0.05, (r["flops"], r["flops_per_step"])
+
+
+def test_a_step_that_cannot_fit_is_the_compilers_out_of_memory_in_one_line():
+    """64 sequences of 8192 tokens a device through the reference attention (an S x S score matrix a
+    head, kept for the backward: ~150 GiB in one block): the compiler runs out of HBM; the run says so
+    in one line, exit 2."""
+    rc, out, err = compile_run("--flavor", "llama3_debug", "--set", "n_layers=1", "--set", "max_seq_len=8192",
+                               "--batch-size", "256", "--seq-len", "8192")
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
+    assert rc == 2 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("error: does not fit v5p:2x2x1: the TPU compiler says") and "hbm" in lines[0].lower(), lines
+    rc, _, err = run_train(["--compile", "--steps", "1"])  # (without --dry-run it was ignored: a training run)
+    assert rc == 2 and err.strip().splitlines() == ["error: --compile and --topology compile the step for a TPU "
+                                                    "without running it: add --dry-run"], err[-2000:]
