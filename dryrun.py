@@ -360,12 +360,12 @@ def main(w, cfg):
             print(json.dumps([]), flush=True)
             return 0
         print(format_plan(rows, cfg))
-        if cfg.compile:  # the layout ranked first, compiled
+        if getattr(cfg, "compile", False):  # the layout ranked first, compiled
             return compiled_report(w, cfg, mesh.mesh_dims(rows[0]["mesh"]), rows[0]["remat"])
         print(json.dumps([{k: r[k] for k in ("mesh", "remat", "local_batch", "total_bytes", "fits", "step_s", "mfu", "bound")}
                           for r in rows]), flush=True)
         return 0
-    if cfg.compile:
+    if getattr(cfg, "compile", False):  # (a namespace without the flag: the estimate)
         return compiled_report(w, cfg, mesh.mesh_dims(cfg.mesh or "ici=1"), cfg.remat)
     report = estimate(w, mesh.mesh_dims(cfg.mesh or "ici=1"), cfg.batch_size, cfg.chip, cfg.remat,
                       microbatches=accumulation)
