@@ -26,6 +26,7 @@ which runs its whole launch path; the README's torchrun commands are what `ranks
 import atexit
 import multiprocessing
 import os
+import re
 import runpy
 import shutil
 import signal
@@ -143,8 +144,10 @@ class Child:
 
 
 def _read(folder, remove=False):
-    """(stdout, stderr) as text from a child's folder."""
-    out = tuple(open(os.path.join(folder, name), errors="replace").read()
+    """(stdout, stderr) as text from a child's folder; from a crash's faulthandler report, the stacks
+    without its last line, the list of every extension module (thousands of characters: a failing
+    test's message is the stderr's tail, and the list pushed the crashed threads' stacks out of it)."""
+    out = tuple(re.sub(r"\nExtension modules: [^\n]*", "", open(os.path.join(folder, name), errors="replace").read())
                 if os.path.exists(os.path.join(folder, name)) else "" for name in ("stdout", "stderr"))
     if remove:
         shutil.rmtree(folder, ignore_errors=True)
