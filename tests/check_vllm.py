@@ -27,18 +27,42 @@ VLLM_POLICY = ["--set", "dim=64", "--set", "n_layers=2", "--set", "n_heads=2", "
 
 
 def _engine_pids():
-    """The pids of running vLLM engine processes (rl.vllm_server), anyone's."""
+    """The pids of running vLLM engine processes (rl.vllm_server) started under this pytest worker of this
+    run (its PYTEST_XDIST_WORKER and _TESTRUNUID are in their environment, inherited through any trainer
+    between): another worker's or another run's engines are theirs to check."""
+    mine = [f"{k}={os.environ[k]}\0".encode() for k in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_TESTRUNUID")
+            if k in os.environ]
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"rl.vllm_server" in f.read():
-                    with open(f"/proc/{pid}/stat") as s:
-                        if s.read().rsplit(")", 1)[1].split()[0] != "Z":
-                            pids.append(int(pid))
+                if b"rl.vllm_server" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+                if not all(m in environ for m in mine):
+                    continue
+            with open(f"/proc/{pid}/stat") as s:
+                if s.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    pids.append(int(pid))
         except OSError:
             continue
     return pids
+
+
+def _described(pids):
+    """What a failed no-process-left check prints of each pid: state, parent, group, age, command line."""
+    ticks, uptime = os.sysconf("SC_CLK_TCK"), float(open("/proc/uptime").read().split()[0])
+    out = []
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")[:200]
+            out.append(f"pid {pid} state {fields[0]} ppid {fields[1]} pgid {fields[2]} "
+                       f"age {uptime - int(fields[19]) / ticks:.1f}s: {cmd}")
+        except OSError:
+            out.append(f"pid {pid} (gone since)")
+    return "; ".join(out)
 
 
 def _left_after(processes, grace_s=10.0):
@@ -49,6 +73,19 @@ def _left_after(processes, grace_s=10.0):
     while processes() and time.monotonic() < deadline:
         time.sleep(0.1)
     return processes()
+
+
+@pytest.fixture(autouse=True)
+def no_engine_left_by_this_test(request):
+    """After each of this file's tests, no vLLM engine that started during it is still running (checked
+    for each test, so that a leak is named by the test that made it, with what the process is)."""
+    if request.node.function.__module__ != __name__:  # (autouse reaches test_all's every test: only ours)
+        yield
+        return
+    before = set(_engine_pids())
+    yield
+    left = _left_after(lambda: [p for p in _engine_pids() if p not in before])
+    assert not left, f"vLLM engine processes left by {request.node.name}: {_described(left)}"
 
 
 def _policy(args, seed):
@@ -341,7 +378,7 @@ def test_grpo_through_vllm_trains_and_its_greedy_evaluation_equals_our_engine_on
     """`--task grpo --engine vllm` through the trainer: rollouts from the vLLM process every second step
     with the policy version of the pushed weights, rewards and gradients logged, and the held-out
     completions it shows at steps 0 and 4 equal our own engine's greedy decode of the warm start's
-    and the final saved weights (so each push reached vLLM whole); the engine is gone at the end."""
+    and the final saved weights (so each push reached vLLM whole); no engine is left (the fixture above)."""
     import checkpoint
     from rl import arithmetic, rollout
     out = str(tmp_path / "run")
@@ -357,7 +394,6 @@ def test_grpo_through_vllm_trains_and_its_greedy_evaluation_equals_our_engine_on
         comp = ours.generate(test, 1, 4, temperature=0.0, eos_id=10).completions_BxC.tolist()
         want = [bytes(p).decode() + repr(bytes(c).split(b"\n")[0].decode("utf-8", "replace")) for p, c in zip(test, comp)]
         assert shown[step] == want, (step, shown[step], want)
-    assert not _left_after(_engine_pids)
 
 
 def test_grpo_through_vllm_a_killed_engine_is_exit_4_and_ctrl_c_exit_130_leaving_no_process(vllm_warm, tmp_path,
@@ -409,11 +445,8 @@ def test_grpo_through_vllm_a_killed_engine_is_exit_4_and_ctrl_c_exit_130_leaving
     assert len(lines) == 1 and "vLLM engine process died (exit code -9)" in lines[0], errs["engine killed"][-2000:]
     assert procs["Ctrl-C"].returncode == 130, errs["Ctrl-C"][-2000:]
     assert procs["trainer killed"].returncode == -9
-    left = lambda: {pid for how in hows for pid in engines[how]} & set(_engine_pids())
-    deadline = time.monotonic() + 10  # (the kernel delivers the engine's SIGKILL as the trainer exits)
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not left()
+    left = _left_after(lambda: {pid for how in hows for pid in engines[how]} & set(_engine_pids()))
+    assert not left, _described(left)  # (the kernel delivers the engine's SIGKILL as the trainer exits)
     assert not [folder for folder in folders.values() if os.path.exists(folder)], folders  # (the run's files)
 
 
