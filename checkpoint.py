@@ -15,7 +15,6 @@ The write protocol, in order (a crash between any two steps leaves the previous 
 `step_N` and verifies it, so a missing or garbage `latest` cannot hide the checkpoints.
 """
 import copy
-import hashlib
 import json
 import os
 import re
@@ -28,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 import layer_scan
 import task
+from atomic import fsync, replace_dir, sha256_of, write
 from errors import BadInput, WriteFailed, interrupted, peer_failure
 
 
@@ -53,22 +53,6 @@ def _rank():
 def _barrier():
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def sha256_of(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def step_dirs(ckpt_dir):
@@ -124,26 +108,18 @@ def write_shards(tmp, state, planner=None):
 
 def _write_meta(tmp, meta):
     files = {f: sha256_of(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
+    path = os.path.join(tmp, "meta.json")
+    with open(path, "w") as f:  # (inside step_N.tmp/: the directory's rename is what commits it)
         json.dump(dict(meta, files=files), f)
-        f.flush()
-        os.fsync(f.fileno())
+    fsync(path)
 
 
 def _commit(tmp, final):
-    if os.path.isdir(final):  # a re-run of the same step (resumed from an older checkpoint)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(os.path.dirname(final))
+    replace_dir(tmp, final)  # (a `final` already there: a re-run of its step, resumed from an older checkpoint)
 
 
 def _point_latest(ckpt_dir, name):
-    pointer_tmp = os.path.join(ckpt_dir, "latest.tmp")
-    with open(pointer_tmp, "w") as f:
-        f.write(name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer_tmp, os.path.join(ckpt_dir, "latest"))
+    write(os.path.join(ckpt_dir, "latest"), name, durable=True)
 
 
 def _write_error(ckpt_dir, name, e):
