@@ -88,7 +88,7 @@ def save(ckpt_dir, step, state, meta, planner=None):
         shutil.rmtree(tmp, ignore_errors=True)  # leave nothing half-written behind
         if isinstance(e, dist.DistError) or peer_failure(e) or interrupted(e) or \
                 not isinstance(e, (Exception, dcp.api.CheckpointException)):  # (DCP's is a BaseException)
-            raise  # interrupted, or a peer died mid-save: train.py's own one-line errors
+            raise  # interrupted, or a peer died mid-save: process.py's own one-line errors
         raise _write_error(ckpt_dir, name, e) from None
     if _rank() == 0:
         _commit(tmp, final)                                    # 3.
@@ -259,7 +259,7 @@ def newest_name(ckpt_dir):
 
 class RunComplete(Exception):
     """--resume auto on a run whose newest checkpoint is its final one (a restart that came after the
-    end): nothing to train, and nothing wrong. train.main says so in one line and exits 0."""
+    end): nothing to train, and nothing wrong. process.run says so in one line and exits 0."""
 
 
 def check_compatible(path, meta, allow_change=(), refusal=lambda key, saved, now: None, complete_ok=False):
@@ -322,7 +322,7 @@ def load(path, state, planner=None):
         # another version, or a state of other names: a model of another layout). DCP's CheckpointException
         # is a BaseException, which `except Exception` would let through as a traceback.
         if isinstance(e, dist.DistError) or peer_failure(e) or interrupted(e):
-            raise  # a dead peer, SIGINT / SIGTERM mid-load: train.py's own lines
+            raise  # a dead peer, SIGINT / SIGTERM mid-load: process.py's own lines
         raise CheckpointError(f"checkpoint {path} could not be loaded ({str(e).strip().splitlines()[-1][:200]})") from None
     return state
 
