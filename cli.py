@@ -26,18 +26,7 @@ import profiling
 import task as workloads
 from errors import EXIT_BAD_INPUT, ConfigError, error_line
 from flags import finite_float, flag, with_overrides  # noqa: F401  (with_overrides: also reached as cli's)
-
-# What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
-RESUME_CHECKED = ("seed", "batch_size", "grad_accum", "seq_len", "lr", "warmup", "clip", "weight_decay", "dtype", "steps")
-RESHARD = "mesh"  # --allow-change mesh: resume on another layout (DCP reshards the checkpoint on load)
-# (and what a workload's meta() records beside them, as its `resume_policy` says: task.py)
-
-
-def resume_refusal(cls, key, saved, now):
-    """Why a resume of workload `cls` cannot change setting `key` (checkpoint.check_compatible's `refusal`):
-    the shared settings above may change with --allow-change, the workload's as its resume_policy says."""
-    return None if key in RESUME_CHECKED else cls.resume_refusal(key, saved, now)
-
+from resume import RESHARD, RESUME_CHECKED, check_allow_change
 
 @dataclasses.dataclass
 class TrainConfig:
@@ -95,8 +84,9 @@ class TrainConfig:
     resume_from: Optional[str] = flag(None, "continue from this checkpoint (e.g. step_000010; newer ones are set "
                                       "aside as *.superseded)", metavar="STEP_DIR")
     allow_change: str = flag("", f"on resume, accept these changed settings (comma list of "
-                             f"{', '.join(RESUME_CHECKED)}, {RESHARD} (another layout), and the workload's own: lm, flux: "
-                             f"data; sft, grpo: init_from and their flags but --updates-per-batch)", metavar="NAMES")
+                             f"{', '.join(RESUME_CHECKED)}, {RESHARD} (another layout), and the "
+                             f"workload's own: lm, flux: data; sft, grpo: init_from and their flags but "
+                             f"--updates-per-batch; resume.py)", metavar="NAMES")
     watchdog: float = flag(300.0, "end the run (exit 4) after this many seconds without progress, e.g. a stalled "
                            "peer (0: off; raise it for long first-step compiles)")
     halt_at: int = flag(0, "stop after this step as if preempted (tests resume)")
@@ -234,10 +224,7 @@ def validate(cfg):
         if not (getattr(cfg, name) >= 0 and math.isfinite(getattr(cfg, name))):
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0{' seconds' if name == 'watchdog' else ''}, "
                               f"got {getattr(cfg, name)}")
-    unknown = set(filter(None, cfg.allow_change.split(","))) - {*RESUME_CHECKED, RESHARD, *cls.resume_changeable()}
-    if unknown:
-        raise ConfigError(f"--allow-change {cfg.allow_change!r}: unknown {sorted(unknown)}; choose from "
-                          f"{', '.join(RESUME_CHECKED + (RESHARD,) + cls.resume_changeable())}")
+    check_allow_change(cfg.allow_change, cls)
     graph_only = [f for f, on in (("--remat", cfg.remat), ("--offload", cfg.offload), ("--split", cfg.split),
                                   ("--backend", cfg.backend)) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:

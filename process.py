@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import checkpoint
 import mesh
+import resume
 from errors import (EXIT_BAD_INPUT, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, Interrupted,
                     MinititanError, PeerGone, describe_write_failure, error_line, peer_failure)
 
@@ -48,7 +49,7 @@ def run(body, argv=None):
     signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         return body(argv, at)
-    except checkpoint.RunComplete as done:  # (--resume auto after the final checkpoint: a restart, not bad input)
+    except resume.RunComplete as done:  # (--resume auto after the final checkpoint: a restart, not bad input)
         if _rank(at.parallel) == 0:
             print(f"note: {done}", file=sys.stderr, flush=True)
         at.parallel.close()

@@ -10,8 +10,6 @@ graph (the whole step, optimizer included, as one traced graph: graph_trainer.py
 one line and the exit code of its kind (process.py; the table: errors.py); the last good checkpoint always stays.
 """
 import contextlib
-import functools
-import json
 import math
 import os
 import sys
@@ -29,8 +27,9 @@ import mesh
 import optim
 import process
 import profiling
+import resume
 import rundir
-from cli import RESUME_CHECKED, parse_config, resume_refusal
+from cli import parse_config
 from errors import EXIT_NONFINITE, ConfigError
 from parallel import Parallel, layout_kind
 from task import workload_class
@@ -77,10 +76,8 @@ class Trainer:
         self.task.setup_data(self.parallel.dp_rank, dp)
         self.notes = list(self.task.notes)
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
-        self.meta = self.run_meta()
-        self.resume_from, note = checkpoint.choose(self.ckpt_dir, cfg.resume, cfg.resume_from, self.meta,
-                                                   set(cfg.allow_change.split(",")),
-                                                   functools.partial(resume_refusal, type(self.task)))
+        self.meta = resume.run_record(cfg, self.task, self.model_args, self.parallel.mesh_spec)
+        self.resume_from, note = resume.choose(self.ckpt_dir, cfg, self.meta, type(self.task))
         self.notes += [f"note: {note}"] if note else []
         dev.reset_peak_memory("cpu")  # the build's host peak, measured (README: what a rank holds at start)
         rss_before = dev.host_peak_rss_bytes()
@@ -100,16 +97,6 @@ class Trainer:
         self.peak, self.peak_label = dev.peak_flops(self.device)
         dev.sync(self.device)  # XLA: parameters and AdamW state become device data before step 1, so
         self.step_fn = self.make_step_fn()  # step 1 builds the same program as every later step
-
-    def run_meta(self):
-        """What a checkpoint records of the run, and a resume must match (checkpoint.check_compatible)."""
-        cfg = self.cfg
-        meta = {"flavor": self.family.label(), "task": cfg.task, "model_args": self.family.record(self.model_args),
-                "mesh": self.parallel.mesh_spec,
-                "train": {**{k: getattr(cfg, k) for k in RESUME_CHECKED}, **self.task.meta()}}
-        if cfg.scan:
-            meta["layers"] = "stacked"
-        return json.loads(json.dumps(meta))  # as meta.json will hold it (tuples become lists), so it compares
 
     def check_memory(self):
         """What a process holds at start must fit: its shards of the weights, gradients and AdamW state
@@ -192,7 +179,7 @@ class Trainer:
 
     def restore(self, path):
         """The resume checkpoint fills the model and AdamW state in place, each process its own shards
-        (DCP; XLA SPMD through its planners), whatever layout wrote it (checkpoint.check_compatible)."""
+        (DCP; XLA SPMD through its planners), whatever layout wrote it (resume.check_compatible)."""
         self.parallel.place_state({"params": self.params, **self.opt.state})  # (SPMD: the specs DCP reads into)
         live = self.state()
         _, load_planner = self.parallel.checkpoint_planners()
@@ -283,7 +270,7 @@ class Trainer:
         one), print the notes, log the start line."""
         cfg, p = self.cfg, self.parallel
         if self.resume_from and p.writes_files:
-            checkpoint.set_aside_newer(self.ckpt_dir, self.step)
+            resume.set_aside_newer(self.ckpt_dir, self.step)
         for note in self.notes if p.writes_files else ():
             print(note, file=sys.stderr, flush=True)
         n_params = sum(t.numel() for t in self.model.parameters())

@@ -229,27 +229,28 @@ def test_a_resume_offers_only_changes_cli_accepts_and_grpo_records_what_its_poli
     import json
     import checkpoint
     import cli
+    import resume
     import train
     cfg = cli.parse_config(["--task", "grpo", "--set", "dim=64", "--set", "n_heads=4", "--set", "n_layers=1"])
     workload = train.make_workload(cfg)
     cls = type(workload)
     assert set(workload.meta()["grpo"]) | {"init_from"} == set(cls.resume_policy)
-    assert set(cls.resume_changeable()) == set(cls.resume_policy) - {"updates_per_batch"}
-    meta = {"task": "grpo", "train": {**{k: getattr(cfg, k) for k in cli.RESUME_CHECKED}, **workload.meta()}}
+    assert set(resume.changeable(cls)) == {*resume.RESUME_CHECKED, "mesh", *cls.resume_policy} - {"updates_per_batch"}
+    meta = {"task": "grpo", "train": {**{k: getattr(cfg, k) for k in resume.RESUME_CHECKED}, **workload.meta()}}
     saved = json.loads(json.dumps(meta))
     saved["train"]["grpo"].update(colour=1, temperature=0.5)
     os.makedirs(tmp_path / "ckpt")
     (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(saved))
-    refusal = functools.partial(cli.resume_refusal, cls)
+    refusal = functools.partial(resume.refusal_for, cls)
     with pytest.raises(checkpoint.CheckpointError) as refused:
-        checkpoint.check_compatible(str(tmp_path / "ckpt"), meta, (), refusal)
+        resume.check_compatible(str(tmp_path / "ckpt"), meta, (), refusal)
     assert "colour: saved 1, now None" in str(refused.value) and "--allow-change" not in str(refused.value)
     del saved["train"]["grpo"]["colour"]
     (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(saved))
     with pytest.raises(checkpoint.CheckpointError, match="pass --allow-change temperature to continue"):
-        checkpoint.check_compatible(str(tmp_path / "ckpt"), meta, (), refusal)
+        resume.check_compatible(str(tmp_path / "ckpt"), meta, (), refusal)
     offered = cli.parse_config(["--task", "grpo", "--allow-change", "temperature"]).allow_change.split(",")
-    checkpoint.check_compatible(str(tmp_path / "ckpt"), meta, offered, refusal)
+    resume.check_compatible(str(tmp_path / "ckpt"), meta, offered, refusal)
 
 
 def test_the_flux_family_is_whole_when_the_workload_is_built(tmp_path):
