@@ -107,17 +107,28 @@ class TrainConfig:
                                    "device count)")
 
 
+CONFIG_CLASSES = {}  # workload name -> its run's config class, TrainConfig_<name> (made by config_class)
+
+
 def config_class(cls):
     """A run's configuration class: TrainConfig's fields and workload `cls`'s own flags (its `Flags`) as
     fields of its own, one flat declared dataclass (`TrainConfig_grpo`): `dataclasses.fields(cfg)` lists
     every flag the run has, and another workload's flag is no attribute of it."""
-    name = f"TrainConfig_{cls.name}"
-    if name not in globals():  # (a module-level name: a config pickles like TrainConfig)
+    if cls.name not in CONFIG_CLASSES:
         own = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
                for f in dataclasses.fields(cls.Flags)]
-        globals()[name] = dataclasses.make_dataclass(name, own, bases=(TrainConfig,))
-        globals()[name].__module__ = __name__
-    return globals()[name]
+        made = dataclasses.make_dataclass(f"TrainConfig_{cls.name}", own, bases=(TrainConfig,))
+        made.__module__ = __name__
+        CONFIG_CLASSES[cls.name] = made
+    return CONFIG_CLASSES[cls.name]
+
+
+def __getattr__(name):
+    """cli.TrainConfig_<task>: how pickle finds a config's class by its name, as it finds TrainConfig."""
+    task = name[len("TrainConfig_"):] if name.startswith("TrainConfig_") else None
+    if task in workloads.WORKLOADS:
+        return config_class(workloads.workload_class(task))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -119,7 +119,7 @@ class Trainer:
         the seed or --init-from; a resume's checkpoint fills it later (restore)."""
         cfg = self.cfg
         return materialize.build(self.family, self.model_args, self.parallel, seed=cfg.seed, scan=cfg.scan,
-                                 init_from=cfg.init_from, pretrained=not self.resume_from, traced=cfg.mode == "graph")
+                                 init_from=cfg.init_from, resuming=bool(self.resume_from), traced=cfg.mode == "graph")
 
     # ---------------------------------------------------------------------------------------------
     def autocast(self):
