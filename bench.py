@@ -22,6 +22,7 @@ import time
 
 import torch
 
+import atomic
 import bench_flux
 from bench_rollout import rollout_table
 
@@ -376,9 +377,7 @@ def _write(name, md, obj):
     os.makedirs(os.path.join(HERE, "bench_results"), exist_ok=True)
     for ext, text in (("md", md + "\n"), ("json", json.dumps(obj, indent=1))):
         path = os.path.join(HERE, "bench_results", f"{name}.{ext}")
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
+        atomic.write(path, text)
     print(md)
 
 

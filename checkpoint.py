@@ -15,7 +15,6 @@ The write protocol, in order (a crash between any two steps leaves the previous 
 `step_N` and verifies it, so a missing or garbage `latest` cannot hide the checkpoints.
 """
 import copy
-import hashlib
 import json
 import os
 import re
@@ -28,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 import layer_scan
 import task
+from atomic import fsync, replace_dir, sha256_of, write
 from errors import BadInput, WriteFailed, interrupted, peer_failure
 
 
@@ -53,22 +53,6 @@ def _rank():
 def _barrier():
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def sha256_of(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def step_dirs(ckpt_dir):
@@ -104,11 +88,11 @@ def save(ckpt_dir, step, state, meta, planner=None):
         shutil.rmtree(tmp, ignore_errors=True)  # leave nothing half-written behind
         if isinstance(e, dist.DistError) or peer_failure(e) or interrupted(e) or \
                 not isinstance(e, (Exception, dcp.api.CheckpointException)):  # (DCP's is a BaseException)
-            raise  # interrupted, or a peer died mid-save: train.py's own one-line errors
+            raise  # interrupted, or a peer died mid-save: process.py's own one-line errors
         raise _write_error(ckpt_dir, name, e) from None
     if _rank() == 0:
         _commit(tmp, final)                                    # 3.
-        _point_latest(ckpt_dir, name)                          # 4.
+        point_latest(ckpt_dir, name)                          # 4.
     _barrier()
     return final
 
@@ -124,26 +108,18 @@ def write_shards(tmp, state, planner=None):
 
 def _write_meta(tmp, meta):
     files = {f: sha256_of(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
+    path = os.path.join(tmp, "meta.json")
+    with open(path, "w") as f:  # (inside step_N.tmp/: the directory's rename is what commits it)
         json.dump(dict(meta, files=files), f)
-        f.flush()
-        os.fsync(f.fileno())
+    fsync(path)
 
 
 def _commit(tmp, final):
-    if os.path.isdir(final):  # a re-run of the same step (resumed from an older checkpoint)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(os.path.dirname(final))
+    replace_dir(tmp, final)  # (a `final` already there: a re-run of its step, resumed from an older checkpoint)
 
 
-def _point_latest(ckpt_dir, name):
-    pointer_tmp = os.path.join(ckpt_dir, "latest.tmp")
-    with open(pointer_tmp, "w") as f:
-        f.write(name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer_tmp, os.path.join(ckpt_dir, "latest"))
+def point_latest(ckpt_dir, name):
+    write(os.path.join(ckpt_dir, "latest"), name, durable=True)
 
 
 def _write_error(ckpt_dir, name, e):
@@ -198,143 +174,10 @@ def newest_verified(paths, instead, fall_back=False):
                           f"{instead(good) if good else 'no good checkpoint remains'}")
 
 
-def find_resumable(ckpt_dir, fall_back=False):
-    """(path, note) of the newest checkpoint to resume from, or (None, note) if there is none.
-
-    The newest `step_N` must verify: if it does not, the run is refused with the newest good one
-    named (resume from it explicitly with --resume-from), rather than silently going back in time.
-    `fall_back` (--resume auto: a restart nobody watches) takes that good one instead, saying so in
-    the note; the trainer then sets the broken newer ones aside (set_aside_newer), as --resume-from
-    does. With no good one left it refuses all the same: starting over would overwrite them.
-    """
-    found = step_dirs(ckpt_dir)
-    if not found:
-        return None, f"no checkpoint in {ckpt_dir}: starting at step 0"
-    newest, problem = newest_verified([p for _, p in found], lambda good: f"the newest good checkpoint is {good}: "
-                                      f"pass --resume-from {os.path.basename(good)}", fall_back)
-    if problem:
-        return newest, (f"checkpoint {found[0][1]} is broken: {problem}; --resume auto resumes from the newest good "
-                        f"one, {os.path.basename(newest)} (the newer ones are set aside as *.superseded)")
-    note = None
-    try:
-        with open(os.path.join(ckpt_dir, "latest"), encoding="utf-8") as f:
-            pointer = f.read().strip()
-    except (OSError, UnicodeDecodeError):
-        pointer = None
-    if pointer != os.path.basename(newest):
-        note = (f"{os.path.join(ckpt_dir, 'latest')} is missing or does not name the newest checkpoint; "
-                f"resuming from {os.path.basename(newest)}, which verifies")
-    return newest, note
-
-
-def choose(ckpt_dir, resume, resume_from, meta, allow_change=(), refusal=lambda key, saved, now: None):
-    """(checkpoint to resume from or None, a note or None), refusing what would lose data or silently
-    change the run: checkpoints without --resume, a broken newest one (--resume auto: the newest good
-    one), another model, mesh, layout or training config, a checkpoint already at or past --steps.
-    `resume`: None, "newest" (--resume) or "auto"."""
-    path, note = resume_path(ckpt_dir, resume, resume_from)
-    if path is not None:
-        check_compatible(path, meta, allow_change, refusal, complete_ok=resume == "auto")
-    return path, note
-
-
-def resume_path(ckpt_dir, resume, resume_from):
-    """(the checkpoint a resume takes or None, a note or None): the one decision of which, for `choose` and
-    for what a workload reads of it before the trainer checks it (GRPO's recorded warm start)."""
-    if not (resume or resume_from):
-        if holds_checkpoints(ckpt_dir):
-            raise CheckpointError(f"{os.path.dirname(ckpt_dir)} already holds checkpoints; pass --resume or "
-                                  f"another --out-dir")
-        return None, None
-    return (resolve(ckpt_dir, resume_from), None) if resume_from else find_resumable(ckpt_dir, resume == "auto")
-
-
-def resolve(ckpt_dir, name):
-    """An explicitly named checkpoint (--resume-from): it must verify."""
-    path = name if os.path.isdir(name) else os.path.join(ckpt_dir, name)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"--resume-from {name}: no such checkpoint in {ckpt_dir}")
-    problem = verify(path)
-    if problem:
-        raise CheckpointError(f"--resume-from {name}: {problem}")
-    return path
-
-
-def set_aside_newer(ckpt_dir, step):
-    """Rename checkpoints newer than `step` to `step_N.superseded` (kept, not resumed from; a second
-    time `.superseded.2`, ...), after `latest` names `step`: a crash half-way leaves a consistent
-    directory, and doing it again is harmless (one process does it: train.py's writer)."""
-    newer = [path for s, path in step_dirs(ckpt_dir) if s > step]
-    if newer:
-        _point_latest(ckpt_dir, f"step_{step:06d}")
-    for path in newer:
-        target, n = path + ".superseded", 1
-        while os.path.exists(target):
-            n += 1
-            target = f"{path}.superseded.{n}"
-        os.rename(path, target)
-
-
 def newest_name(ckpt_dir):
     """The newest complete checkpoint's directory name, or None (for one-line error messages)."""
     found = step_dirs(ckpt_dir)
     return os.path.basename(found[0][1]) if found else None
-
-
-class RunComplete(Exception):
-    """--resume auto on a run whose newest checkpoint is its final one (a restart that came after the
-    end): nothing to train, and nothing wrong. train.main says so in one line and exits 0."""
-
-
-def check_compatible(path, meta, allow_change=(), refusal=lambda key, saved, now: None, complete_ok=False):
-    """Refuse a checkpoint of another model, mesh, layer layout or training config (one-line reason).
-    Training-config keys named in `allow_change` may differ (a deliberate change), unless the
-    workload's `refusal(key, saved, now)` says why that change cannot be (Workload.resume_refusal).
-    `complete_ok` (--resume auto): the run's own final checkpoint is RunComplete, not a refusal."""
-    saved = read_meta(path)
-    was, now = saved.get("task", "lm"), meta.get("task", "lm")  # (a record without one: an lm run's)
-    if was != now:  # named first: every setting of the two workloads would differ, none --allow-change's
-        raise CheckpointError(f"checkpoint {path} is from a --task {was} run, this run is --task {now}: a run "
-                              f"resumes with its own workload (resume it with --task {was}, or give --task {now} "
-                              f"another --out-dir)")
-    for key in ("flavor", "model_args"):
-        if saved.get(key) != meta.get(key):
-            raise CheckpointError(f"checkpoint {path} is from another model ({key}: saved "
-                                  f"{saved.get(key)!r}, this run {meta.get(key)!r})")
-    if saved.get("mesh") != meta.get("mesh") and "mesh" not in allow_change:  # (DCP reshards on load)
-        raise CheckpointError(f"checkpoint {path} was saved on mesh {saved.get('mesh')!r}, this run "
-                              f"uses {meta.get('mesh')!r} (pass --allow-change mesh to reshard it on load)")
-    if saved.get("layers", "per-layer") != meta.get("layers", "per-layer"):  # parameter names differ
-        raise CheckpointError(f"checkpoint {path} holds {saved.get('layers', 'per-layer')} layer weights, this "
-                              f"run {meta.get('layers', 'per-layer')}: resume with{'out' if meta.get('layers') else ''} --scan")
-    old, new = saved.get("train", {}), meta.get("train", {})
-    if saved.get("step", 0) >= new.get("steps", float("inf")):
-        if complete_ok and saved.get("step") == new["steps"] == old.get("steps"):
-            raise RunComplete(f"{path} is the run's final checkpoint (step {saved['step']} of --steps "
-                              f"{new['steps']}): the run is complete, nothing to train")
-        raise CheckpointError(f"{path} is at step {saved.get('step')}, --steps is {new['steps']}: nothing to "
-                              f"train (raise --steps, with --allow-change steps)")
-    diffs = []  # (name, saved, now); a record of settings (grpo's, sft's) differs setting by setting, each
-    for k in new:  # named as its flag, so that the --allow-change offered is one cli.py accepts
-        if old.get(k) == new[k]:
-            continue
-        if isinstance(old.get(k), dict) and isinstance(new[k], dict):
-            diffs += [(f, old[k].get(f), new[k].get(f)) for f in sorted({**old[k], **new[k]})
-                      if old[k].get(f) != new[k].get(f)]
-        else:
-            diffs.append((k, old.get(k), new[k]))
-    fixed = [(d, refusal(*d)) for d in diffs]
-    fixed = [(d, why) for d, why in fixed if why]
-    if fixed:  # not a deliberate change: the checkpoint would not fit the run (or not resume exactly)
-        what = ", ".join(f"{k}: saved {a!r}, now {b!r}" for (k, a, b), _ in fixed)
-        raise CheckpointError(f"--resume with a different training config ({what}): "
-                              f"{' and '.join(sorted({why for _, why in fixed}))}; it cannot change on a resume")
-    changed = [d for d in diffs if d[0] not in allow_change]
-    if changed:
-        what = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in changed)
-        raise CheckpointError(f"--resume with a different training config ({what}); pass "
-                              f"--allow-change {','.join(k for k, _, _ in changed)} to continue with the new values")
-    return saved
 
 
 def load(path, state, planner=None):
@@ -346,7 +189,7 @@ def load(path, state, planner=None):
         # another version, or a state of other names: a model of another layout). DCP's CheckpointException
         # is a BaseException, which `except Exception` would let through as a traceback.
         if isinstance(e, dist.DistError) or peer_failure(e) or interrupted(e):
-            raise  # a dead peer, SIGINT / SIGTERM mid-load: train.py's own lines
+            raise  # a dead peer, SIGINT / SIGTERM mid-load: process.py's own lines
         raise CheckpointError(f"checkpoint {path} could not be loaded ({str(e).strip().splitlines()[-1][:200]})") from None
     return state
 

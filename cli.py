@@ -26,18 +26,7 @@ import profiling
 import task as workloads
 from errors import EXIT_BAD_INPUT, ConfigError, error_line
 from flags import finite_float, flag, with_overrides  # noqa: F401  (with_overrides: also reached as cli's)
-
-# What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
-RESUME_CHECKED = ("seed", "batch_size", "grad_accum", "seq_len", "lr", "warmup", "clip", "weight_decay", "dtype", "steps")
-RESHARD = "mesh"  # --allow-change mesh: resume on another layout (DCP reshards the checkpoint on load)
-# (and what a workload's meta() records beside them, as its `resume_policy` says: task.py)
-
-
-def resume_refusal(cls, key, saved, now):
-    """Why a resume of workload `cls` cannot change setting `key` (checkpoint.check_compatible's `refusal`):
-    the shared settings above may change with --allow-change, the workload's as its resume_policy says."""
-    return None if key in RESUME_CHECKED else cls.resume_refusal(key, saved, now)
-
+from resume import RESHARD, RESUME_CHECKED, check_allow_change
 
 @dataclasses.dataclass
 class TrainConfig:
@@ -95,8 +84,9 @@ class TrainConfig:
     resume_from: Optional[str] = flag(None, "continue from this checkpoint (e.g. step_000010; newer ones are set "
                                       "aside as *.superseded)", metavar="STEP_DIR")
     allow_change: str = flag("", f"on resume, accept these changed settings (comma list of "
-                             f"{', '.join(RESUME_CHECKED)}, {RESHARD} (another layout), and the workload's own: lm, flux: "
-                             f"data; sft, grpo: init_from and their flags but --updates-per-batch)", metavar="NAMES")
+                             f"{', '.join(RESUME_CHECKED)}, {RESHARD} (another layout), and the "
+                             f"workload's own: lm, flux: data; sft, grpo: init_from and their flags but "
+                             f"--updates-per-batch; resume.py)", metavar="NAMES")
     watchdog: float = flag(300.0, "end the run (exit 4) after this many seconds without progress, e.g. a stalled "
                            "peer (0: off; raise it for long first-step compiles)")
     halt_at: int = flag(0, "stop after this step as if preempted (tests resume)")
@@ -117,17 +107,28 @@ class TrainConfig:
                                    "device count)")
 
 
+CONFIG_CLASSES = {}  # workload name -> its run's config class, TrainConfig_<name> (made by config_class)
+
+
 def config_class(cls):
     """A run's configuration class: TrainConfig's fields and workload `cls`'s own flags (its `Flags`) as
     fields of its own, one flat declared dataclass (`TrainConfig_grpo`): `dataclasses.fields(cfg)` lists
     every flag the run has, and another workload's flag is no attribute of it."""
-    name = f"TrainConfig_{cls.name}"
-    if name not in globals():  # (a module-level name: a config pickles like TrainConfig)
+    if cls.name not in CONFIG_CLASSES:
         own = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
                for f in dataclasses.fields(cls.Flags)]
-        globals()[name] = dataclasses.make_dataclass(name, own, bases=(TrainConfig,))
-        globals()[name].__module__ = __name__
-    return globals()[name]
+        made = dataclasses.make_dataclass(f"TrainConfig_{cls.name}", own, bases=(TrainConfig,))
+        made.__module__ = __name__
+        CONFIG_CLASSES[cls.name] = made
+    return CONFIG_CLASSES[cls.name]
+
+
+def __getattr__(name):
+    """cli.TrainConfig_<task>: how pickle finds a config's class by its name, as it finds TrainConfig."""
+    task = name[len("TrainConfig_"):] if name.startswith("TrainConfig_") else None
+    if task in workloads.WORKLOADS:
+        return config_class(workloads.workload_class(task))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -234,10 +235,7 @@ def validate(cfg):
         if not (getattr(cfg, name) >= 0 and math.isfinite(getattr(cfg, name))):
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0{' seconds' if name == 'watchdog' else ''}, "
                               f"got {getattr(cfg, name)}")
-    unknown = set(filter(None, cfg.allow_change.split(","))) - {*RESUME_CHECKED, RESHARD, *cls.resume_changeable()}
-    if unknown:
-        raise ConfigError(f"--allow-change {cfg.allow_change!r}: unknown {sorted(unknown)}; choose from "
-                          f"{', '.join(RESUME_CHECKED + (RESHARD,) + cls.resume_changeable())}")
+    check_allow_change(cfg.allow_change, cls)
     graph_only = [f for f, on in (("--remat", cfg.remat), ("--offload", cfg.offload), ("--split", cfg.split),
                                   ("--backend", cfg.backend)) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:

@@ -23,6 +23,7 @@ import sysconfig
 
 import numpy as np
 
+import atomic
 from errors import BadInput
 import torch
 
@@ -127,26 +128,15 @@ def cache_dir():
     return os.environ.get("MINITITAN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "minititan")
 
 
-def sha256_of(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _write_atomic(path, write):
-    """write(f) into a temporary name, then rename it to `path` (atomic: a concurrent or crashed run
-    never reads half a file). The temporary file never outlives a failure (an interrupt included);
-    a failed write is an OSError naming `path` (np.save's short write carries no errno or name)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    """write(f) into `path` atomically (a concurrent or crashed run never reads half a file); a failed
+    write is an OSError naming `path` (np.save's short write carries no errno or name)."""
     try:
-        with open(tmp, "wb") as f:
+        with atomic.written(path) as tmp, open(tmp, "wb") as f:
             write(f)
-        os.replace(tmp, path)
     except OSError as e:
         why = e.strerror or f"a short write, {e}: the disk is full or a file-size limit was hit"
         raise OSError(e.errno, f"writing the token cache failed ({why})", path) from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _read_cached(path):
@@ -160,7 +150,7 @@ def _read_cached(path):
     except (OSError, ValueError):  # (written by a version without checksums, or lost)
         return None, "has no readable checksum file"
     try:
-        if sha256_of(path) != want:
+        if atomic.sha256_of(path) != want:
             return None, "does not match its checksum (corrupt or truncated)"
         ids = np.load(path, mmap_mode="r")
     except (OSError, ValueError) as e:
@@ -204,7 +194,7 @@ def tokenize(train, val, tokenizer_dir, cache=None, notes=None):
             fresh = _encode(tok, text)
             # the checksum is written second: a crash between the two renames is a mismatch, not trust
             _write_atomic(file, lambda f: np.save(f, fresh))
-            _write_atomic(file + ".sha256", lambda f: f.write(sha256_of(file).encode()))
+            _write_atomic(file + ".sha256", lambda f: f.write(atomic.sha256_of(file).encode()))
             ids = np.load(file, mmap_mode="r")
         out.append(ids)
     return out[0], out[1], tok.get_vocab_size()

@@ -1,6 +1,6 @@
 """errors.py: every way a run can fail that is not a bug, as a kind with the exit code it ends in.
 
-Every module's own errors subclass one of these kinds, so train.main catches by kind and prints one
+Every module's own errors subclass one of these kinds, so process.run catches by kind and prints one
 `error:` line, importing no workload to do it (a rollout engine's death is a PeerGone like a dead
 torchrun rank). The lowest layer: it imports nothing. The table below is the exit codes' one home
 (the README, train.py and docs/promises.md point here):

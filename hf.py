@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+import atomic
 import checkpoint
 from errors import BadInput
 from parallel import local_box, local_tensor
@@ -358,8 +359,7 @@ def _write_files(model, out, max_shard_bytes):
                     json.dump(shard, f, indent=2)
             else:
                 save_file(shard, file, metadata={"format": "pt"})
-            with open(file, "rb") as f:  # on disk before the rename makes it part of the export
-                os.fsync(f.fileno())
+            atomic.fsync(file)  # on disk before the rename makes it part of the export
         except (OSError, SafetensorError) as e:  # disk full, file-size limit (safetensors' Rust writer: its own error)
             raise OSError(f"writing {name} failed: {getattr(e, 'strerror', None) or e}") from None
 
@@ -381,30 +381,20 @@ def save(model, path, max_shard_bytes=5 * 2**30, overwrite=False):
     check_target(path, overwrite)
     path = os.path.abspath(path)
     parent, base = os.path.split(path)
-    tmp, old = (os.path.join(parent, f".{base}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
+    tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}")
     try:
         os.makedirs(parent, exist_ok=True)
-        for stale in (tmp, old):  # (left by a killed export with this pid)
+        for stale in (tmp, tmp + ".old"):  # (left by a killed export with this pid)
             shutil.rmtree(stale, ignore_errors=True)
         os.mkdir(tmp)
     except OSError as e:
         raise HFError(f"cannot write {path}: {e.strerror}: {e.filename}") from None
     try:
         _write_files(model, tmp, max_shard_bytes)
-        if os.path.isdir(path) and os.listdir(path):  # --overwrite: set the old one aside until the new is in
-            os.rename(path, old)
-        os.rename(tmp, path)  # (rename replaces an empty directory atomically)
     except BaseException:
-        if os.path.isdir(old) and not os.path.exists(path):
-            os.rename(old, path)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(old, ignore_errors=True)
-    fd = os.open(parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    atomic.replace_dir(tmp, path)  # (--overwrite: the old directory is replaced whole)
     return path
 
 

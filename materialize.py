@@ -88,11 +88,11 @@ def units(model, family, scan):
     return family.blocks(model)
 
 
-def build(family, args, parallel, *, seed, scan, init_from, pretrained, traced):
+def build(family, args, parallel, *, seed, scan, init_from, resuming, traced):
     """`family`'s model of `args` built on the meta device, maybe stacked (--scan), parallelized by
-    `parallel`, and only then filled, each process its own shards: from the seed (`pretrained`: not a
-    resume; the family's load_pretrained then reads --init-from over it). A resume leaves the shards
-    allocated, unfilled: its checkpoint fills them (train.Trainer.restore). A family without an
+    `parallel`, and only then filled, each process its own shards: from the seed, then the family's
+    load_pretrained reads --init-from over it. `resuming` leaves the shards allocated, unfilled: the
+    checkpoint fills them (train.Trainer.restore). A family without an
     `initializer`, and --scan with --init-from (stacking renames the weights: they are loaded first),
     build it whole, seeded, as before. `traced`: graph mode (ahead-of-time tracing, as --scan)."""
     dynamic = family.dynamic_shapes_reason(args)
@@ -102,7 +102,7 @@ def build(family, args, parallel, *, seed, scan, init_from, pretrained, traced):
     with torch.device("meta"):
         model = family.build(args)
     init = family.initializer(model) if family.initializer else None
-    whole = init is None or bool(scan and pretrained and init_from)
+    whole = init is None or bool(scan and not resuming and init_from)
     if whole:  # on the host, initialized by its constructor (seeded above: the same values)
         model = family.build(args)
     built = built_names(model)
@@ -110,18 +110,18 @@ def build(family, args, parallel, *, seed, scan, init_from, pretrained, traced):
     if scan and not stacks:
         raise ConfigError(f"--scan stacks a model's identical blocks; the {family.label()} model has none")
     if scan:
-        if pretrained and whole:  # (stacking renames the weights: load them first)
+        if not resuming and whole:  # (stacking renames the weights: load them first)
             family.load_pretrained(model)
         model = layer_scan.stack_layers(model, stacks, built)
     names = seed_names(model, built)
     model = parallel.parallelize(model, units(model, family, scan), family)
     if not whole:
         family.init_buffers(model)
-        if pretrained:
+        if not resuming:
             fill_from_seed(model, names, init, parallel.fill, seed)
-    if pretrained and not scan:  # under a mesh each rank reads only its own pieces
+    if not resuming and not scan:  # under a mesh each rank reads only its own pieces
         family.load_pretrained(model)
-    if pretrained:
+    if not resuming:
         parallel.place_state({"params": list(model.parameters())})
     return model
 

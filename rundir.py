@@ -10,7 +10,6 @@ A run directory holds what a user cannot afford to lose (checkpoints, metrics.js
     collective's wait) with one line naming where it stalled, and exit code 4. It is a Python thread:
     collectives and XLA waits release the GIL, so it runs while the main thread is blocked.
 """
-import contextlib
 import fcntl
 import json
 import math
@@ -20,6 +19,7 @@ import sys
 import threading
 import time
 
+import atomic
 from errors import BadInput
 
 
@@ -139,14 +139,12 @@ class RunDir:
             lr_ax.plot(*zip(*series["lr"]), color="grey", alpha=0.4)
             lr_ax.set_ylabel("learning rate", color="grey")
         fig.tight_layout()
-        tmp = os.path.join(self.path, "loss.png.tmp")
+        path = os.path.join(self.path, "loss.png")
         try:
-            fig.savefig(tmp, format="png", dpi=100)
-            os.replace(tmp, os.path.join(self.path, "loss.png"))
-        except OSError as e:  # (matplotlib's errors may not name the file: name it, leave no .tmp)
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise OSError(e.errno, e.strerror or str(e), os.path.join(self.path, "loss.png")) from None
+            with atomic.written(path) as tmp:
+                fig.savefig(tmp, format="png", dpi=100)
+        except OSError as e:  # (matplotlib's errors may not name the file: name it)
+            raise OSError(e.errno, e.strerror or str(e), path) from None
         finally:
             plt.close(fig)
 

@@ -13,7 +13,7 @@ same torch_xla calls:
          written once); a shard's data is copied to the host only when DCP asks for it, one tensor's
          shards at a time. DCP's metadata records each shard as a chunk of the global tensor, the same
          format a torchrun DTensor checkpoint has, so one process or any torchrun layout reads it
-         (DCP reshards on load: checkpoint.check_compatible lets the mesh change with --allow-change mesh).
+         (DCP reshards on load: resume.check_compatible lets the mesh change with --allow-change mesh).
   load   each distinct local shard is a host buffer DCP reads into (from whatever chunks the files
          hold: another layout's); when a tensor's shards are complete they are loaded into the live
          sharded tensor on its devices (`_load_local_shards`, the partition spec kept) and dropped; a

@@ -36,7 +36,7 @@ model, parallelize function and loss beside the shared trainer):
     family_class                its ModelFamily's class (for checks before it is built)
     resume_policy               what a resume may change, the one form: each meta() key -> True (with
                                 --allow-change KEY), why not (a clause), or f(saved, now) -> None or why;
-                                a key it does not name cannot change (resume_refusal, resume_changeable)
+                                a key it does not name cannot change (resume.py reads it)
     check_flags(cfg)            its own validation (classmethod; ConfigError: one line, exit 2)
     splits_sequences            True if its loss is a mean over the batch's tokens, as many per rank when
                                 a sequence is split over cp ranks (so cp ranks' mean is the whole's)
@@ -174,18 +174,6 @@ class Workload:
     def __init__(self, cfg):
         self.cfg = cfg
         self.family = None
-
-    @classmethod
-    def resume_refusal(cls, key, saved, now):
-        """Why meta() key `key` cannot go from `saved` to `now` on a resume (not even with --allow-change:
-        the checkpoint would not fit the run), or None, as `resume_policy` says."""
-        rule = cls.resume_policy.get(key, "this version does not take a change of it")
-        return None if rule is True else rule(saved, now) if callable(rule) else rule
-
-    @classmethod
-    def resume_changeable(cls):
-        """The meta() keys --allow-change may name (a refusal never offers another)."""
-        return tuple(k for k, rule in cls.resume_policy.items() if not isinstance(rule, str))
 
     @classmethod
     def check_flags(cls, cfg):

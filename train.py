@@ -7,20 +7,15 @@ task.WORKLOADS by --task) on every parallel layout (parallel.py, chosen by paral
 
 `--mode` is the optimization ladder: eager (plain loop) -> compile (each block torch.compile'd) ->
 graph (the whole step, optimizer included, as one traced graph: graph_trainer.py). A failure ends in
-one line and the exit code of its kind (the table: errors.py); the last good checkpoint always stays.
+one line and the exit code of its kind (process.py; the table: errors.py); the last good checkpoint always stays.
 """
 import contextlib
-import faulthandler
-import functools
-import json
 import math
 import os
-import signal
 import sys
 import time
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 import accum
 import checkpoint
@@ -30,11 +25,12 @@ import graph_trainer
 import materialize
 import mesh
 import optim
+import process
 import profiling
+import resume
 import rundir
-from cli import RESUME_CHECKED, parse_config, resume_refusal
-from errors import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, ConfigError,
-                    Interrupted, MinititanError, PeerGone, describe_write_failure, error_line, peer_failure)
+from cli import parse_config
+from errors import EXIT_NONFINITE, ConfigError
 from parallel import Parallel, layout_kind
 from task import workload_class
 
@@ -80,10 +76,8 @@ class Trainer:
         self.task.setup_data(self.parallel.dp_rank, dp)
         self.notes = list(self.task.notes)
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
-        self.meta = self.run_meta()
-        self.resume_from, note = checkpoint.choose(self.ckpt_dir, cfg.resume, cfg.resume_from, self.meta,
-                                                   set(cfg.allow_change.split(",")),
-                                                   functools.partial(resume_refusal, type(self.task)))
+        self.meta = resume.run_record(cfg, self.task, self.model_args, self.parallel.mesh_spec)
+        self.resume_from, note = resume.choose(self.ckpt_dir, cfg, self.meta, type(self.task))
         self.notes += [f"note: {note}"] if note else []
         dev.reset_peak_memory("cpu")  # the build's host peak, measured (README: what a rank holds at start)
         rss_before = dev.host_peak_rss_bytes()
@@ -103,16 +97,6 @@ class Trainer:
         self.peak, self.peak_label = dev.peak_flops(self.device)
         dev.sync(self.device)  # XLA: parameters and AdamW state become device data before step 1, so
         self.step_fn = self.make_step_fn()  # step 1 builds the same program as every later step
-
-    def run_meta(self):
-        """What a checkpoint records of the run, and a resume must match (checkpoint.check_compatible)."""
-        cfg = self.cfg
-        meta = {"flavor": self.family.label(), "task": cfg.task, "model_args": self.family.record(self.model_args),
-                "mesh": self.parallel.mesh_spec,
-                "train": {**{k: getattr(cfg, k) for k in RESUME_CHECKED}, **self.task.meta()}}
-        if cfg.scan:
-            meta["layers"] = "stacked"
-        return json.loads(json.dumps(meta))  # as meta.json will hold it (tuples become lists), so it compares
 
     def check_memory(self):
         """What a process holds at start must fit: its shards of the weights, gradients and AdamW state
@@ -135,7 +119,7 @@ class Trainer:
         the seed or --init-from; a resume's checkpoint fills it later (restore)."""
         cfg = self.cfg
         return materialize.build(self.family, self.model_args, self.parallel, seed=cfg.seed, scan=cfg.scan,
-                                 init_from=cfg.init_from, pretrained=not self.resume_from, traced=cfg.mode == "graph")
+                                 init_from=cfg.init_from, resuming=bool(self.resume_from), traced=cfg.mode == "graph")
 
     # ---------------------------------------------------------------------------------------------
     def autocast(self):
@@ -195,7 +179,7 @@ class Trainer:
 
     def restore(self, path):
         """The resume checkpoint fills the model and AdamW state in place, each process its own shards
-        (DCP; XLA SPMD through its planners), whatever layout wrote it (checkpoint.check_compatible)."""
+        (DCP; XLA SPMD through its planners), whatever layout wrote it (resume.check_compatible)."""
         self.parallel.place_state({"params": self.params, **self.opt.state})  # (SPMD: the specs DCP reads into)
         live = self.state()
         _, load_planner = self.parallel.checkpoint_planners()
@@ -286,7 +270,7 @@ class Trainer:
         one), print the notes, log the start line."""
         cfg, p = self.cfg, self.parallel
         if self.resume_from and p.writes_files:
-            checkpoint.set_aside_newer(self.ckpt_dir, self.step)
+            resume.set_aside_newer(self.ckpt_dir, self.step)
         for note in self.notes if p.writes_files else ():
             print(note, file=sys.stderr, flush=True)
         n_params = sum(t.numel() for t in self.model.parameters())
@@ -358,108 +342,27 @@ class Trainer:
 
 
 # ------------------------------------------------------------------------------------------------
-# main: every failure ends in one line and an exit code that says what happened
-
-def _raise_interrupted(signum, frame):
-    raise Interrupted(signum)
-
-
 def main(argv=None):
-    trainer, parallel = None, None
-    signal.signal(signal.SIGTERM, _raise_interrupted)
-    try:
-        cfg = parse_config(argv)
-        if cfg.dry_run:
-            import dryrun
-            workload = make_workload(cfg)
-            try:
-                plan = workload.family.plan(workload.args, cfg)
-                return dryrun.main(plan, cfg)
-            except ValueError as e:  # a mesh, batch or chip the plan cannot use
-                raise ConfigError(str(e)) from None
-        parallel = choose_parallel(cfg)
-        trainer = Trainer(cfg, parallel)
-        rc = trainer.run()
-        parallel.close()  # only on the happy path: after a peer failure it could wait on the dead
-        return rc
-    except checkpoint.RunComplete as done:  # (--resume auto after the final checkpoint: a restart, not bad input)
-        if _rank(parallel) == 0:
-            print(f"note: {done}", file=sys.stderr, flush=True)
-        parallel.close()
-        return 0
-    except MinititanError as e:  # bad input (2), a peer or engine gone (4), a failed write (5): by kind
-        rank = _rank(parallel)
-        if isinstance(e, mesh.SaidAlready):
-            return e.exit_code
-        if e.exit_code == EXIT_BAD_INPUT and rank != 0:
-            return _refused_on_a_rank(e, rank)
-        where = f" at step {trainer.step if trainer else 0}" if isinstance(e, PeerGone) else ""
-        error_line(f"a write failed: {describe_write_failure(e)}" if e.exit_code == EXIT_WRITE_FAILED else f"{e}{where}")
-        return e.exit_code
-    except (KeyboardInterrupt, Interrupted) as e:
-        signum = getattr(e, "signum", signal.SIGINT)
-        if trainer is None and _rank(parallel) != 0:
-            return 128 + signum  # (before the trainer exists rank 0 speaks: torchrun stopping this rank as
-            #                      rank 0 refused first, even before any process group, or a stop to all)
-        kept = checkpoint.newest_name(trainer.ckpt_dir) if trainer else None
-        error_line(f"interrupted by {signal.Signals(signum).name} at step {trainer.step if trainer else 0}; "
-                   f"{f'checkpoint {kept} is kept' if kept else 'no checkpoint was written'} (a partial one is removed)")
-        return 128 + signum
-    except OSError as e:  # disk full, file-size limit, read-only disk: the checkpoint on disk is intact
-        error_line(f"a write failed: {describe_write_failure(e)}")
-        return EXIT_WRITE_FAILED
-    except (RuntimeError, torch.distributed.DistError, CheckpointException) as e:  # (DCP's: a BaseException)
-        return _runtime_failure(e, trainer, parallel)
+    """A run from its command line: exit code 0, or one line and the code of its kind (process.py)."""
+    return process.run(_run, argv)
 
 
-def _rank(parallel):
-    """This process's global rank: the Parallel's, or torchrun's RANK before the process group exists."""
-    return parallel.global_rank if parallel is not None else int(os.environ.get("RANK", "0"))
-
-
-REFUSAL_GRACE_S = 10.0  # how long a rank > 0 waits, silent, for rank 0 to say the same refusal
-
-
-def _refused_on_a_rank(e, rank):
-    """Bad input on torchrun's rank `rank` > 0 (exit 2). The checks are the same on every rank, so rank 0
-    refuses too and says it: one line, not one per rank. torchrun then stops this rank (SIGTERM), which
-    ends it quietly with the same exit code. Still running after the grace period, rank 0 did not refuse
-    (input that differs between ranks, e.g. files on another host): this rank says it, named."""
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(EXIT_BAD_INPUT))
-    try:
-        time.sleep(REFUSAL_GRACE_S)
-    except KeyboardInterrupt:  # (Ctrl-C reaches every rank: rank 0 has said what happened)
-        return EXIT_BAD_INPUT
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    error_line(f"rank {rank}: {e}")
-    return EXIT_BAD_INPUT
-
-
-def _runtime_failure(e, trainer, parallel):
-    """A peer's death (exit 4) or this process's own failure (exit 1), told apart and said in one line."""
-    rank = f"rank {parallel.global_rank}: " if parallel is not None and parallel.mesh_spec else ""
-    where = f" at step {trainer.step}" if trainer else ""
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    if peer_failure(e):
-        error_line(f"{rank}a collective failed{where}: a peer process died or stalled ({first})")
-        return EXIT_PEER_FAILED
-    if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
-        kept = checkpoint.newest_name(trainer.ckpt_dir) if trainer else None
-        error_line(f"{rank}out of memory{where} ({first}); "
-                   f"{f'checkpoint {kept} is intact' if kept else 'nothing was saved'}: lower --batch-size or add ranks")
-        return EXIT_OWN_FAILURE
-    if parallel is None or not parallel.mesh_spec:
-        raise e  # one process and not a known failure: a bug, keep its traceback
-    error_line(f"{rank}failed{where}: {type(e).__name__}: {first}")
-    return EXIT_OWN_FAILURE
+def _run(argv, at):
+    cfg = parse_config(argv)
+    if cfg.dry_run:
+        import dryrun
+        workload = make_workload(cfg)
+        try:
+            plan = workload.family.plan(workload.args, cfg)
+            return dryrun.main(plan, cfg)
+        except ValueError as e:  # a mesh, batch or chip the plan cannot use
+            raise ConfigError(str(e)) from None
+    at.parallel = choose_parallel(cfg)
+    at.trainer = Trainer(cfg, at.parallel)
+    rc = at.trainer.run()
+    at.parallel.close()  # only on the happy path: after a peer failure it could wait on the dead
+    return rc
 
 
 if __name__ == "__main__":
-    faulthandler.enable()  # a crash in C++ (gloo, XLA) still prints every thread's Python stack
-    code = main()
-    if code == EXIT_PEER_FAILED:  # a dead peer can leave gloo's threads and destructors waiting on it at
-        sys.stdout.flush()        # interpreter teardown: the line is written, leave without teardown
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    process.main(_run)

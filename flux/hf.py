@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import atomic
 from errors import BadInput
 from flux.model import Flux, FluxArgs, check_args
 
@@ -262,12 +263,10 @@ def save(model, path):
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
         save_file({k: v.cpu() for k, v in tensors.items()}, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
-        if os.path.isdir(path) and not os.listdir(path):
-            os.rmdir(path)
-        os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    atomic.replace_dir(tmp, path)
     return path
 
 

@@ -27,6 +27,7 @@ import re
 import numpy as np
 import torch
 
+import atomic
 from errors import BadInput, WriteFailed
 
 PARTS = ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler", "transformer")
@@ -207,17 +208,13 @@ def write_failed(e, path):
 
 @contextlib.contextmanager
 def written(path):
-    """`with written(path) as tmp:` write tmp; it is renamed to `path` once the block ends. A failed write
-    (OSError, SafetensorError) removes tmp and raises WriteFailed naming `path`; anything else removes tmp too."""
+    """`with written(path) as tmp:` atomic.written, its failed write (OSError, SafetensorError) one
+    WriteFailed naming `path`."""
     from safetensors import SafetensorError
-    tmp = path + ".tmp"
     try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if isinstance(e, (OSError, SafetensorError)) and not isinstance(e, WriteFailed):
-            raise write_failed(e, path) from None
-        raise
-
+        with atomic.written(path) as tmp:
+            yield tmp
+    except (OSError, SafetensorError) as e:
+        if isinstance(e, WriteFailed):
+            raise
+        raise write_failed(e, path) from None

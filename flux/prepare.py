@@ -30,6 +30,7 @@ import sys
 
 import torch
 
+import atomic
 from errors import BadInput, WriteFailed, describe_write_failure, error_line
 from flux import pipeline
 
@@ -115,9 +116,8 @@ def encode_batch(parts, rows, size):
 def batch_fingerprints(batches, folder, flux_dir, max_sequence_length):
     """One hash per batch of everything its encodings depend on: which images (by path and bytes), their
     captions and labels, in order, and the encoders (the directory, the T5 length)."""
-    from checkpoint import sha256_of  # (a file's bytes, as a checkpoint's are checked)
     settings = [os.path.abspath(folder), os.path.abspath(flux_dir), max_sequence_length]
-    return [hashlib.sha256(json.dumps([settings, [[os.path.relpath(p, folder), sha256_of(p), t, lab]
+    return [hashlib.sha256(json.dumps([settings, [[os.path.relpath(p, folder), atomic.sha256_of(p), t, lab]
                                                   for p, t, lab in batch]]).encode()).hexdigest() for batch in batches]
 
 

@@ -340,7 +340,7 @@ class FluxDigits(Workload):
 
     def meta(self):
         """The data's content hash, None for the digits: always recorded, so that a resume that drops
-        --data (or adds it) is seen to change it (checkpoint.check_compatible compares this run's keys);
+        --data (or adds it) is seen to change it (resume.check_compatible compares this run's keys);
         the distilled guidance and prompt dropout it trains with (flux.sample's defaults for the run)."""
         return {"data": self.src.fingerprint, "distilled_guidance": self.guidance, "prompt_dropout": self.drop_prompt}
 

@@ -20,10 +20,11 @@ never decodes or `int()`s them, so any junk a policy writes (non-UTF-8, NULs, a 
 newline at all) scores 0 instead of raising: the parser is `split at the first newline, compare`.
 """
 import argparse
-import os
 import sys
 
 import torch
+
+import atomic
 
 EOS = ord("\n")
 DIGITS = frozenset(b"0123456789")
@@ -112,7 +113,7 @@ def get_task(name, seed=0, format_credit=0.0):
 
 
 def main(argv=None):
-    """`write FILE`: n solved training problems as text (atomically: a tmp name, then os.replace)."""
+    """`write FILE`: n solved training problems as text (atomically: atomic.write)."""
     p = argparse.ArgumentParser(description="write a verifiable task's solved training problems as text")
     p.add_argument("command", choices=["write"])
     p.add_argument("path")
@@ -125,14 +126,7 @@ def main(argv=None):
         if cfg.problems < 1:
             raise ValueError(f"--problems must be >= 1, got {cfg.problems}")
         text = get_task(cfg.task, cfg.seed).train_text(cfg.problems, cfg.seed)
-        tmp = f"{cfg.path}.tmp{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(text)
-            os.replace(tmp, cfg.path)
-        finally:  # (a failed write leaves no partial file behind)
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        atomic.write(cfg.path, text)  # (a failed write leaves no partial file behind)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ import os
 import torch
 
 import checkpoint
+import resume
 from flags import flag
 from errors import ConfigError
 from lm_task import LanguageModelFamily
@@ -70,8 +71,8 @@ def _recorded_warm_start(cfg):
     """(path, sha256) of the warm-start checkpoint recorded by the checkpoint this run resumes from, or None."""
     if not (cfg.resume or cfg.resume_from) or not cfg.out_dir:
         return None
-    try:  # (the trainer's own choice, checkpoint.resume_path; it refuses a broken or absent one itself)
-        path, _ = checkpoint.resume_path(os.path.join(cfg.out_dir, "checkpoints"), cfg.resume, cfg.resume_from)
+    try:  # (the trainer's own choice, resume.resume_path; it refuses a broken or absent one itself)
+        path, _ = resume.resume_path(os.path.join(cfg.out_dir, "checkpoints"), cfg.resume, cfg.resume_from)
         record = checkpoint.read_meta(path)["train"]["init_from"] if path else None
     except (checkpoint.CheckpointError, KeyError, TypeError):
         return None

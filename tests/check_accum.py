@@ -288,7 +288,7 @@ def test_a_workload_that_does_not_declare_its_loss_reduction_refuses_the_flag(mo
 
 
 def test_a_resume_with_another_accumulation_needs_allow_change_and_then_continues(corpus, tmp_path, capsys):
-    """meta.json records grad_accum with the batch settings (cli.RESUME_CHECKED): a resume with another
+    """meta.json records grad_accum with the batch settings (resume.RESUME_CHECKED): a resume with another
     value is refused in one line naming --allow-change grad_accum (the update is the same math, but its
     rounding is not: a resume stays bit for bit unless asked otherwise); with it the run continues and
     matches the uninterrupted run to the accumulation's rounding."""

@@ -150,8 +150,8 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(what, value, corpus
     assert rc == 3 and f"error: {what} is {value} at step 5" in capsys.readouterr().err
     ckpts = os.path.join(out_dir, "checkpoints")
     assert sorted(os.listdir(ckpts)) == ["latest", "step_000003"]
-    import checkpoint
-    assert checkpoint.find_resumable(ckpts)[0].endswith("step_000003")
+    import resume
+    assert resume.find_resumable(ckpts)[0].endswith("step_000003")
 
 
 def test_an_out_dir_that_is_a_file_or_unwritable_is_refused(corpus, tmp_path, capsys):
@@ -182,6 +182,7 @@ def test_checkpoint_write_protocol_survives_a_crash_at_every_step(tmp_path, monk
     rename, the `latest` pointer. After each crash `latest` names a complete checkpoint and the
     resumable one holds exactly what its step saved (a crash before the rename: the previous one)."""
     import checkpoint
+    import resume
     ckpt_dir = str(tmp_path / "ck")
     checkpoint.save(ckpt_dir, 1, {"w": torch.full((4,), 1.0)}, {"flavor": "x"})
     committed = 1
@@ -189,16 +190,16 @@ def test_checkpoint_write_protocol_survives_a_crash_at_every_step(tmp_path, monk
     def crash(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    for step, name in enumerate(["write_shards", "sha256_of", "_write_meta", "_commit", "_point_latest"], start=2):
+    for step, name in enumerate(["write_shards", "sha256_of", "_write_meta", "_commit", "point_latest"], start=2):
         with monkeypatch.context() as m:
             m.setattr(checkpoint, name, crash)
             with pytest.raises(OSError):
                 checkpoint.save(ckpt_dir, step, {"w": torch.full((4,), float(step))}, {"flavor": "x"})
-        if name == "_point_latest":  # renamed, so complete: only the pointer is behind
+        if name == "point_latest":  # renamed, so complete: only the pointer is behind
             committed = step
         pointer = open(os.path.join(ckpt_dir, "latest")).read()
         assert checkpoint.verify(os.path.join(ckpt_dir, pointer)) is None, name
-        path, _ = checkpoint.find_resumable(ckpt_dir)
+        path, _ = resume.find_resumable(ckpt_dir)
         assert path.endswith(f"step_{committed:06d}") and checkpoint.verify(path) is None, name
         restored = checkpoint.load(path, {"w": torch.zeros(4)})["w"]
         assert torch.equal(restored, torch.full((4,), float(committed))), name
@@ -310,7 +311,7 @@ def test_small_data_says_validation_is_skipped(tmp_path, capsys):
 
 
 def test_disk_full_during_a_checkpoint_removes_the_partial_one_and_keeps_the_last(corpus, tmp_path):
-    import checkpoint
+    import resume
     out = str(tmp_path / "run")
     common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "3", "--out-dir", out]
     assert run_train([*common, "--halt-at", "3"])[0] == 0
@@ -321,7 +322,7 @@ def test_disk_full_during_a_checkpoint_removes_the_partial_one_and_keeps_the_las
     assert rc == 5 and len(err.splitlines()) == 1, err
     assert err.startswith("error: a write failed: writing checkpoint step_000006 failed") and "step_000003 is kept" in err
     assert _files(out) == before  # no step_000006.tmp left behind, step_000003 untouched
-    assert checkpoint.find_resumable(os.path.join(out, "checkpoints"))[0].endswith("step_000003")
+    assert resume.find_resumable(os.path.join(out, "checkpoints"))[0].endswith("step_000003")
     assert run_train([*common, "--resume"])[0] == 0 and sorted(losses(out))[-1] == 6
 
 

@@ -80,7 +80,7 @@ def child_train_losing_a_rank(rank, step, *argv):
     code = train.main(list(argv))
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # (as train.py's __main__ after a dead peer: no teardown waiting on it)
+    os._exit(code)  # (as process.main after a dead peer: no teardown waiting on it)
 
 
 def _every_tensor(ckpt, path):

@@ -19,13 +19,14 @@ from tests.check_graph import _gathers
 def _flux_weights(run_dir, task=None, scan=False):
     """The final weights; a --scan run's (L, ...) stacks unstacked into the plain model's names."""
     import checkpoint
+    import resume
     from flux import model as flux
     from flux import task as flux_task
     import layer_scan
     model = task.family.build(task.args) if task else flux_task.ConditionedFlux(flux.FLAVORS["flux_debug"])
     if scan:
         layer_scan.stack_layers(model, model.flux.pack_for_scan(flux_task.PROMPT_TOKENS))
-    path, _ = checkpoint.find_resumable(os.path.join(run_dir, "checkpoints"))
+    path, _ = resume.find_resumable(os.path.join(run_dir, "checkpoints"))
     state, plain = checkpoint.load(path, {"model": model.state_dict()})["model"], {}
     for name, w in state.items():
         stack = re.fullmatch(r"(flux\.(?:double|single)_blocks)\.block__(.+)", name)

@@ -78,9 +78,10 @@ def test_a_rank_stopped_before_its_process_group_exists_ends_quietly(corpus, tmp
     rank 0 stopped there still says it (seen in a two-worker run: a second "interrupted by SIGTERM at
     step 0" line beside rank 0's refusal)."""
     import train
+    from errors import Interrupted
 
     def stopped(cfg):
-        raise train.Interrupted(signal.SIGTERM)
+        raise Interrupted(signal.SIGTERM)
     monkeypatch.setattr(train, "choose_parallel", stopped)
     args = [*TINY, "--data", corpus, "--steps", "2", "--out-dir", str(tmp_path / "r")]
     monkeypatch.setenv("RANK", "1")
@@ -99,7 +100,7 @@ def test_mesh_that_does_not_match_world_size_fails_fast(corpus, tmp_path):
     import tensor_parallel
     rc, _, err = torchrun(2, [*DIST_TINY, "--data", corpus, "--steps", "2", "--mesh", "ici=4",
                               "--out-dir", str(tmp_path / "r")], timeout=120)
-    # rank 0 alone says a refusal, every rank exits 2 (train._refused_on_a_rank; torchrun itself then adds
+    # rank 0 alone says a refusal, every rank exits 2 (process._refused_on_a_rank; torchrun itself then adds
     # its ChildFailedError summary and exits 1: tests/launch.py returns the failing rank's code instead)
     lines = [l for l in err.splitlines() if l.startswith("error:")]
     assert rc == 2 and len(lines) == 1 and "error: --mesh 'ici=4' has 4 devices but the world size is 2" in lines[0], \

@@ -208,7 +208,7 @@ def child_train_signalled_at(step, sig, *argv):
             os.kill(os.getpid(), getattr(signal, sig))
         return train_step(self)
     train.Trainer.train_step = train_step_signalled
-    sys.exit(train.main(list(argv)))  # (and the interpreter's teardown, as train.py's own __main__)
+    sys.exit(train.main(list(argv)))  # (and the interpreter's teardown, as process.main)
 
 
 def _real_python(argv, limits=None):

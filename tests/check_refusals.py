@@ -91,17 +91,17 @@ def test_a_refusal_on_a_rank_above_0_waits_silent_for_rank_0_and_then_speaks_nam
     exit 2, quietly); only if it is still running after the grace period (rank 0 did not refuse) does it
     speak, naming itself. The whole launch: test_mesh_that_does_not_match_world_size_fails_fast."""
     import signal
-    import train
+    import process
     monkeypatch.setenv("RANK", "1")
     heard = []
-    monkeypatch.setattr(train.time, "sleep", lambda s: heard.append((s, capsys.readouterr().err,
+    monkeypatch.setattr(process.time, "sleep", lambda s: heard.append((s, capsys.readouterr().err,
                                                                      signal.getsignal(signal.SIGTERM))))
     before = signal.getsignal(signal.SIGTERM)
     assert _main(["--steps", "0", "--out-dir", str(tmp_path / "r")]) == 2
     (waited, said_meanwhile, on_sigterm), = heard
-    assert waited == train.REFUSAL_GRACE_S and said_meanwhile == "" and on_sigterm not in (before, train._raise_interrupted)
+    assert waited == process.REFUSAL_GRACE_S and said_meanwhile == "" and on_sigterm not in (before, process._raise_interrupted)
     assert capsys.readouterr().err == "error: rank 1: --steps must be positive, got 0\n"
-    assert signal.getsignal(signal.SIGTERM) == train._raise_interrupted  # (the grace's handler is undone)
+    assert signal.getsignal(signal.SIGTERM) == process._raise_interrupted  # (the grace's handler is undone)
 
 
 def test_checkpoint_knows_an_interruption_by_its_class_not_its_name():
@@ -112,8 +112,8 @@ def test_checkpoint_knows_an_interruption_by_its_class_not_its_name():
     import traceback
     from torch.distributed.checkpoint.api import CheckpointException
     import errors
-    import train
-    assert train.Interrupted is errors.Interrupted and str(errors.Interrupted(signal.SIGTERM)) == "SIGTERM"
+    import process
+    assert process.Interrupted is errors.Interrupted and str(errors.Interrupted(signal.SIGTERM)) == "SIGTERM"
     stop = errors.Interrupted(signal.SIGTERM)
     assert errors.interrupted(stop) and errors.interrupted(KeyboardInterrupt())
     assert errors.interrupted(CheckpointException("save failed", {0: (stop, traceback.StackSummary())}))

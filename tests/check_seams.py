@@ -115,6 +115,26 @@ def test_the_layers_import_downwards_only():
             visit(m, [])
 
 
+@pytest.mark.fast
+def test_atomic_writes_and_the_process_shell_each_have_one_home():
+    """Every whole-or-nothing write (a temporary renamed over its target: os.replace), fsync and file
+    digest of our modules is atomic.py's; the trainer (train.py) installs no signal handler, catches no
+    interruption and ends no process: process.py does. Read from each module's own calls and names (ast)."""
+    import ast
+    ours = _our_modules(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    calls, names = {}, {}
+    for m, path in ours.items():
+        tree = ast.parse(open(path).read())
+        calls[m] = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        names[m] = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+                   {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    hand_rolled = {m: sorted(calls[m] & {"os.replace", "os.fsync", "hashlib.file_digest"}) for m in ours if m != "atomic"}
+    assert not {m: c for m, c in hand_rolled.items() if c}, hand_rolled
+    shell = {"signal", "Interrupted", "KeyboardInterrupt", "_exit", "exit", "faulthandler"}
+    assert not names["train"] & shell, names["train"] & shell
+    assert "signal.signal" in calls["process"] and "os._exit" in calls["process"]
+
+
 
 
 class Line(task_lib.ModelFamily):
@@ -229,27 +249,28 @@ def test_a_resume_offers_only_changes_cli_accepts_and_grpo_records_what_its_poli
     import json
     import checkpoint
     import cli
+    import resume
     import train
     cfg = cli.parse_config(["--task", "grpo", "--set", "dim=64", "--set", "n_heads=4", "--set", "n_layers=1"])
     workload = train.make_workload(cfg)
     cls = type(workload)
     assert set(workload.meta()["grpo"]) | {"init_from"} == set(cls.resume_policy)
-    assert set(cls.resume_changeable()) == set(cls.resume_policy) - {"updates_per_batch"}
-    meta = {"task": "grpo", "train": {**{k: getattr(cfg, k) for k in cli.RESUME_CHECKED}, **workload.meta()}}
+    assert set(resume.changeable(cls)) == {*resume.RESUME_CHECKED, "mesh", *cls.resume_policy} - {"updates_per_batch"}
+    meta = {"task": "grpo", "train": {**{k: getattr(cfg, k) for k in resume.RESUME_CHECKED}, **workload.meta()}}
     saved = json.loads(json.dumps(meta))
     saved["train"]["grpo"].update(colour=1, temperature=0.5)
     os.makedirs(tmp_path / "ckpt")
     (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(saved))
-    refusal = functools.partial(cli.resume_refusal, cls)
+    refusal = functools.partial(resume.refusal_for, cls)
     with pytest.raises(checkpoint.CheckpointError) as refused:
-        checkpoint.check_compatible(str(tmp_path / "ckpt"), meta, (), refusal)
+        resume.check_compatible(str(tmp_path / "ckpt"), meta, (), refusal)
     assert "colour: saved 1, now None" in str(refused.value) and "--allow-change" not in str(refused.value)
     del saved["train"]["grpo"]["colour"]
     (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(saved))
     with pytest.raises(checkpoint.CheckpointError, match="pass --allow-change temperature to continue"):
-        checkpoint.check_compatible(str(tmp_path / "ckpt"), meta, (), refusal)
+        resume.check_compatible(str(tmp_path / "ckpt"), meta, (), refusal)
     offered = cli.parse_config(["--task", "grpo", "--allow-change", "temperature"]).allow_change.split(",")
-    checkpoint.check_compatible(str(tmp_path / "ckpt"), meta, offered, refusal)
+    resume.check_compatible(str(tmp_path / "ckpt"), meta, offered, refusal)
 
 
 def test_the_flux_family_is_whole_when_the_workload_is_built(tmp_path):
@@ -309,9 +330,10 @@ def test_each_decision_has_one_home(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for d in ("", "flux", "rl"):
         for f in os.listdir(os.path.join(root, d)):
-            if f.endswith(".py") and f != "checkpoint.py":  # nobody else lists a run's checkpoints to pick one
+            if f.endswith(".py") and f not in ("checkpoint.py", "resume.py"):  # nobody else lists a run's checkpoints to pick one
                 assert not any("step_dirs" in called for called in _calls(os.path.join(root, d, f)).values()), f
-    verifying = {fn for fn, called in _calls(os.path.join(root, "checkpoint.py")).items() if "verify" in called}
+    verifying = {fn for f in ("checkpoint.py", "resume.py")
+                 for fn, called in _calls(os.path.join(root, f)).items() if "verify" in called}
     assert verifying == {"newest_verified", "resolve"}, verifying
     for name in ("lm", "flux"):  # a record of no model of this version: the same kind from either family
         run = tmp_path / name

@@ -211,6 +211,7 @@ def _restore(path, copy):
 def _full_params(ckpt_dir, args, name=None):
     """Load a (possibly sharded) checkpoint into full, plain tensors in this process."""
     import checkpoint
+    import resume
     import train
     cfg = train.parse_config(args)
     model = Transformer(train.model_args(cfg))
@@ -218,7 +219,7 @@ def _full_params(ckpt_dir, args, name=None):
         import layer_scan
         model = layer_scan.stack_layers(model)
     state = {"model": model.state_dict()}
-    path = os.path.join(ckpt_dir, name) if name else checkpoint.find_resumable(ckpt_dir)[0]
+    path = os.path.join(ckpt_dir, name) if name else resume.find_resumable(ckpt_dir)[0]
     return checkpoint.load(path, state)["model"]
 
 
