@@ -12,7 +12,7 @@ import accum
 from model import Transformer, next_token_loss
 
 from tests import launch
-from tests.common import TINY, _main, _near, _ranks_equal_one_process, _train_losses, _trainer, shared_run, tiny_args
+from tests.common import DIST_TINY, TINY, _main, _near, _ranks_equal_one_process, _train_losses, _trainer, shared_run, tiny_args
 
 
 def _flat(grads):
@@ -35,7 +35,7 @@ def test_microbatch_gradients_sum_to_the_whole_batch_gradient_mean_and_sum_reduc
     params = list(model.parameters())
     x, y = torch.randint(0, 256, (8, 16)), torch.randint(0, 256, (8, 16))
 
-    def grads_of(loss):
+    def grads_of(loss, last=True):
         return torch.autograd.grad(loss, params)
     want = grads_of(next_token_loss(model, (x, y))[1])
     reported, got = accum.loss_and_grads(next_token_loss, model, (x, y), accum.Microbatches(4, "mean"), grads_of,
@@ -119,6 +119,83 @@ def test_grad_accum_on_two_ranks_equals_one_process(impl, mode, corpus, tmp_path
         params = next(r for r in map(json.loads, open(os.path.join(multi, "metrics.jsonl"))) if r.get("event") == "start")
         gradient = 4 * params["params"]  # (fp32; a few rows of padding where a dim does not split evenly)
         assert gradient <= graph["reduce_scatter_bytes"] < 1.05 * gradient, (graph, gradient)  # (not 2x: once, summed)
+
+
+def child_fsdp2_collectives_a_step(*argv):
+    """(torchrun) FSDP2 trainers of `argv` without and with --grad-accum 4, one after the other on the
+    same ranks, each 3 steps from the same seed weights: the gradient-reducing collectives FSDP2 issues
+    in step 2 (calls and bytes of torch.distributed's reduce_scatter_tensor and all_reduce, counted at
+    the call: FSDP2 calls them by name; the trainer's own reductions are functional collectives), the
+    pre-clip gradients of step 1 (this rank's shards, as the step hands them to clipping), the losses,
+    gradient norms and final weight shards. Rank 0 prints the largest gaps over the ranks."""
+    from unittest import mock
+    import torch.distributed as dist
+    import optim as o
+    import train
+    counted = {"reduce_scatter_tensor": [0, 0], "all_reduce": [0, 0]}  # [calls, bytes]
+    counting = [False]
+
+    def counter(name, real):
+        def call(*args, **kwargs):
+            if counting[0]:
+                t = kwargs["input"] if name == "reduce_scatter_tensor" else (args[0] if args else kwargs["tensor"])
+                counted[name][0] += 1
+                counted[name][1] += t.numel() * t.element_size()
+            return real(*args, **kwargs)
+        return call
+    runs, clip = {}, o.clip_by_global_norm
+    for n in (1, 4):
+        tr = train.Trainer(train.parse_config([*argv, "--grad-accum", str(n), "--out-dir", f"{argv[-1]}.{n}"]))
+        seen = []
+
+        def clipped(grads, *a, **kw):
+            seen.append([g.detach().clone() for g in grads])
+            return clip(grads, *a, **kw)
+        losses, norms, calls = [], [], {}
+        for step in (1, 2, 3):
+            counted.update({k: [0, 0] for k in counted})
+            counting[0] = step == 2
+            with mock.patch.object(dist, "reduce_scatter_tensor", counter("reduce_scatter_tensor", dist.reduce_scatter_tensor)), \
+                    mock.patch.object(dist, "all_reduce", counter("all_reduce", dist.all_reduce)), \
+                    mock.patch.object(o, "clip_by_global_norm", clipped):
+                batch = tr.parallel.place_batch(tr.task.batch(step))
+                loss, norm = tr.step_fn(*batch, torch.tensor(o.lr_at(step, tr.cfg.lr, tr.cfg.warmup, tr.cfg.steps)))
+            losses.append(loss.item())
+            norms.append(norm.item())
+            calls = calls or ({k: list(v) for k, v in counted.items()} if step == 2 else {})
+        runs[n] = {"calls": calls, "grads": seen[0], "losses": losses, "norms": norms,
+                   "weights": [p.detach().clone() for p in tr.parallel.local(tr.params)]}
+        del tr
+    gap = lambda key: max(float((a - b).abs().max()) for a, b in zip(runs[1][key], runs[4][key]))
+    scale = max(float(g.abs().max()) for g in runs[1]["grads"])
+    mine = torch.tensor([gap("grads"), scale, gap("weights")], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(json.dumps({"calls": {n: runs[n]["calls"] for n in runs}, "losses": {n: runs[n]["losses"] for n in runs},
+                          "norms": {n: runs[n]["norms"] for n in runs}, "grad_gap": mine[0].item(),
+                          "grad_scale": mine[1].item(), "weight_gap": mine[2].item()}))
+
+
+@pytest.mark.parametrize("nproc,mesh", [(2, "ici=2"), (4, "dcn=2,ici=2")])
+def test_fsdp2_reduces_gradients_once_a_step_under_accumulation(nproc, mesh, corpus, tmp_path):
+    """FSDP2 with --grad-accum 4 issues the gradient collectives of one step without accumulation: as
+    many reduce-scatters of as many bytes (each FSDP unit's once, not once a microbatch: 4x before),
+    and under HSDP as many dcn all-reduces; and the step is still the unaccumulated one on the same
+    batch: the pre-clip gradient shards before any update (to 1e-6 of the largest entry: sums in
+    another order), the losses, norms and weights after 3 AdamW steps (the accumulation tests' bounds)."""
+    args = [*DIST_TINY, "--data", corpus, "--batch-size", "16", "--steps", "3", "--eval-batches", "0",
+            "--ckpt-interval", "0", "--mesh", mesh, "--dp-impl", "fsdp2", "--out-dir", str(tmp_path / "r")]
+    rc, out, err = launch.ranks(nproc, ["test_all.py", "child_fsdp2_collectives_a_step", *args])
+    assert rc == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
+    one, four = res["calls"]["1"], res["calls"]["4"]
+    print(f"\n{mesh}: gradient collectives a step (calls, bytes) without accumulation {one}, in 4 microbatches {four}")
+    assert one["reduce_scatter_tensor"][0] > 0 and four == one, (one, four)
+    assert (one["all_reduce"][0] > 0) == mesh.startswith("dcn"), one
+    assert res["grad_gap"] <= 1e-6 * res["grad_scale"], res
+    _near(res["losses"]["1"], res["losses"]["4"], atol=1e-6)
+    _near(res["norms"]["1"], res["norms"]["4"], atol=0, rtol=1e-5)
+    assert res["weight_gap"] <= 1e-5, res
 
 
 def test_grad_accum_under_xla_spmd_equals_one_cpu_process(corpus, tmp_path):
@@ -266,7 +343,7 @@ def test_each_workloads_loss_splits_into_microbatches_as_it_declares(argv):
         model.init_buffers()
     params = list(model.parameters())
 
-    def grads_of(loss):
+    def grads_of(loss, last=True):
         return torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
     want = grads_of(workload.loss(model, batch)[1])
     _, got = accum.loss_and_grads(workload.loss, model, batch, accum.Microbatches(2, type(workload).loss_reduction(cfg)),
