@@ -11,7 +11,7 @@ import torch
 import context_parallel as cp_lib
 from model import Attention, Transformer
 
-from tests.common import DIST_TINY, _main, _ranks_equal_one_process, ran_on, shared_run, tiny_args
+from tests.common import DIST_TINY, _main, _ranks_equal_one_process, background, ran_on, shared_run, tiny_args
 
 PACKED_WINDOW = ["--set", "doc_sep=10", "--set", "sliding_window=8"]  # (10: '\n', every line a document)
 
@@ -192,6 +192,35 @@ def test_a_cp_rank_saves_a_cp_th_of_one_process_activations(corpus, tmp_path):
     print(f"\nsaved activations: one process {whole / 2**20:.2f} MiB, cp=4 ranks {[round(r / 2**20, 2) for r in ranks]} MiB "
           f"(1/4: {whole / 4 / 2**20:.2f}; not split: K/V {gathered_kv / 2**20:.2f}, weights {weights / 2**20:.2f})")
     assert all(whole / 4 <= r <= whole / 4 + gathered_kv + weights for r in ranks), (whole, ranks)
+
+
+def test_four_cp_ranks_train_4x_the_sequence_one_process_holds_under_a_memory_limit(corpus, tmp_path_factory):
+    """Under any memory limit from the larger of the first two peaks below to the third: one process
+    trains sequences of S tokens, 4 cp ranks train sequences of 4S, and one process cannot train 2S
+    (so S is the largest power of two it holds). The cp run equals one process on the same batch of 4S
+    (losses, pre-clip norms, validation, weights). Measured: a step's peak above the RSS before it, a
+    cp rank's the largest of the 4 (child_step_peak_memory: 24.7 MiB one process at S = 256 tokens x 8
+    rows, 32.9 MiB a cp rank at 4S, which holds S tokens a row and the whole sequence's keys and values
+    a layer; 51.5 MiB one process at 2S). Plain causal attention: one process builds no mask, a cp rank
+    an S x 4S one."""
+    from tests.check_accum import step_peaks
+    S = 256
+    common = [*DIST_TINY, "--data", corpus, "--batch-size", "8", "--steps", "3", "--eval-batches", "1",
+              "--ckpt-interval", "0", "--sample-tokens", "0"]
+    length = lambda s: ["--seq-len", str(s), "--set", f"max_seq_len={s}"]
+    out = str(tmp_path_factory.mktemp("peaks") / "r")
+    ranks = background(step_peaks, 4, [length(4 * S)], [*common, "--mesh", "ici=1,cp=4", "--out-dir", out + "cp"])
+    fits, twice = step_peaks(1, [length(S), length(2 * S)], [*common, "--out-dir", out])
+    (split,) = ranks.result()
+    limit = max(fits["peak"], split["peak"])
+    print(f"\nstep peak: one process {S} tokens {fits['peak'] / 2**20:.1f} MiB, {2 * S} tokens {twice['peak'] / 2**20:.1f} "
+          f"MiB; a cp=4 rank {4 * S} tokens {split['peak'] / 2**20:.1f} MiB")
+    assert twice["peak"] > 1.2 * limit, (fits, split, twice)  # (a margin: the peaks are whole pages)
+    args = [*common, *length(4 * S)]
+    single = shared_run(args, tmp_path_factory)
+    multi = shared_run([*args, "--mesh", "ici=1,cp=4"], tmp_path_factory, 4)
+    assert ran_on(multi) == ("cpu", 4)
+    _ranks_equal_one_process(single, multi, 3, args)
 
 
 def test_spmd_cp_splits_the_sequence_dim_and_equals_one_cpu_process(corpus, tmp_path):
