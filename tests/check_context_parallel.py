@@ -11,7 +11,7 @@ import torch
 import context_parallel as cp_lib
 from model import Attention, Transformer
 
-from tests.common import DIST_TINY, _main, _ranks_equal_one_process, background, ran_on, shared_run, tiny_args
+from tests.common import DIST_TINY, _main, assert_close, _ranks_equal_one_process, background, ran_on, shared_run, tiny_args
 
 PACKED_WINDOW = ["--set", "doc_sep=10", "--set", "sliding_window=8"]  # (10: '\n', every line a document)
 
@@ -60,6 +60,45 @@ def test_a_sequence_view_attends_as_the_formula_under_a_window_and_documents():
     assert cp_lib.WholeSequence.view(tokens, tiny_args()) is None  # (plain causal: the implementation's path)
 
 
+def test_a_cp_ranks_splash_kernel_attends_as_the_formula_over_its_chunks(monkeypatch):
+    """The splash kernel under cp (--kernels pallas: ContextParallel.view gives a ChunkedKernelView, no
+    mask): each rank of cp=2 attends from its head and tail chunks, one kernel call each at its query
+    offset, over the keys gathered in rank order; its output equals the whole sequence's attention
+    written out query by query at the rank's positions, under a window and packed documents; its
+    gradients equal those of the reference path (the mask over the same gathered keys). The gather is
+    played by indexing the whole sequence's keys in rank order (one process, no group)."""
+    torch.manual_seed(0)
+    B, H, Hkv, S, D, C, window = 2, 4, 2, 32, 16, 2, 6
+    tokens = torch.randint(1, 6, (B, S))
+    tokens[0, [5, 20]] = tokens[1, 11] = 0  # (document ends)
+    q, k, v = (torch.randn(B, n, S, D, requires_grad=True) for n in (H, Hkv, Hkv))
+    want = _attention_by_hand(q, k, v, window, cp_lib.document_ids(tokens, 0))
+    in_rank_order = torch.cat([cp_lib.head_tail_positions(S, C, r) for r in range(C)])
+    monkeypatch.setattr(cp_lib.funcol, "all_gather_tensor", lambda t, gather_dim, group: tokens[:, in_rank_order])
+    for rank in range(C):
+        pos = cp_lib.head_tail_positions(S, C, rank)
+        mine = {id(t): t[:, :, pos] for t in (q, k, v)}
+        whole = {id(mine[id(t)]): t[:, :, in_rank_order] for t in (k, v)}
+        cp = cp_lib.ContextParallel(C, rank, None)
+        monkeypatch.setattr(cp, "gather", lambda x, dim: whole[id(x)])
+        outs = {}
+        for impl in ("splash", "sdpa"):
+            view = cp.view(tokens[:, pos], tiny_args(attn_impl=impl, sliding_window=window, doc_sep=0))
+            if impl == "splash":
+                assert isinstance(view, cp_lib.ChunkedKernelView)
+                outs[impl] = view.attend(mine[id(q)], mine[id(k)], mine[id(v)])
+            else:
+                keys, values, mask = view.update(mine[id(k)], mine[id(v)])
+                outs[impl] = torch.nn.functional.scaled_dot_product_attention(
+                    mine[id(q)], keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1), attn_mask=mask)
+        assert_close(outs["splash"], want[:, :, pos].detach(), f"rank {rank} output", atol=2e-6, rtol=0)
+        cot = torch.randn_like(outs["sdpa"])
+        got = torch.autograd.grad((outs["splash"] * cot).sum(), (q, k, v), retain_graph=True)
+        ref = torch.autograd.grad((outs["sdpa"] * cot).sum(), (q, k, v), retain_graph=True)
+        for name, a, b in zip("qkv", got, ref):
+            assert_close(a, b, f"rank {rank} d{name}", atol=2e-6, rtol=0)
+
+
 def test_packed_documents_score_as_each_document_run_alone():
     """doc_sep: a packed row's logits over each document equal that document run alone (RoPE is
     relative, so a document's place in the row changes nothing but float rounding)."""
@@ -76,7 +115,7 @@ def test_packed_documents_score_as_each_document_run_alone():
 
 
 CP_RUNS = [(2, "ici=1,cp=2", "simple", ["--mode", "graph"]), (4, "ici=1,cp=4", "simple", PACKED_WINDOW),
-           (4, "ici=2,cp=2", "fsdp2", PACKED_WINDOW)]
+           (4, "ici=2,cp=2", "fsdp2", PACKED_WINDOW), (2, "ici=1,cp=2", "simple", ["--kernels", "pallas", *PACKED_WINDOW])]
 
 
 @pytest.mark.parametrize("nproc,mesh,impl,extra", CP_RUNS)
