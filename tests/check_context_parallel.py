@@ -115,7 +115,8 @@ def test_packed_documents_score_as_each_document_run_alone():
 
 
 CP_RUNS = [(2, "ici=1,cp=2", "simple", ["--mode", "graph"]), (4, "ici=1,cp=4", "simple", PACKED_WINDOW),
-           (4, "ici=2,cp=2", "fsdp2", PACKED_WINDOW), (2, "ici=1,cp=2", "simple", ["--kernels", "pallas", *PACKED_WINDOW])]
+           (4, "ici=2,cp=2", "fsdp2", PACKED_WINDOW),
+           (2, "ici=1,cp=2", "simple", ["--mode", "graph", "--kernels", "pallas", *PACKED_WINDOW])]
 
 
 @pytest.mark.parametrize("nproc,mesh,impl,extra", CP_RUNS)
@@ -123,7 +124,8 @@ def test_context_parallel_ranks_equal_one_process(nproc, mesh, impl, extra, corp
     """cp ranks (each holding 1/cp of every sequence, head and tail chunks), beside SimpleFSDP / FSDP2
     on the same ranks, against one process on the same global batch: losses, pre-clip gradient norms,
     validation and final weights to 1e-5, plain causal (graph mode: the gathers traced into the step
-    graph with SimpleFSDP's passes) and with packed documents under a sliding window (eager)."""
+    graph with SimpleFSDP's passes), with packed documents under a sliding window (eager), and so
+    through the splash kernel per rank in graph mode (--kernels pallas: ChunkedKernelView)."""
     common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "1",
               "--sample-tokens", "0", *extra]
     single = shared_run(common, tmp_path_factory)
