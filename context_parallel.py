@@ -18,7 +18,9 @@ What stays right per chunk: RoPE takes the tokens' global positions (Transformer
 the causal, sliding-window and packed-document masks compare global positions and document ids
 (document ids need the whole sequence's separators: the tokens are all-gathered once per forward, an
 int per token). The gathered keys stay in the gather's order (rank by rank): attention does not care
-in which order keys arrive, only which it may see, and the mask is built for that order.
+in which order keys arrive, only which it may see, and the mask is built for that order. Under the
+splash kernel (--kernels pallas) a rank builds no mask: the keys go back to sequence order and the
+kernel runs once per chunk at the chunk's query offset (ChunkedKernelView).
 
 Parameters: the cp ranks are data-parallel ranks for the weights (they read the same rows but hold
 different tokens): FSDP shards over dp x cp and averages their gradients, as torchtitan's
