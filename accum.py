@@ -27,9 +27,11 @@ Where the loop runs: eager and compile mode run it in Python (train.py's eager s
 are called N times); graph mode unrolls it inside the one traced step (graph_trainer.py): N copies of
 forward + backward, one gradient sum, one clip, one AdamW update (the graph grows ~N times; a scan over
 microbatches, as MaxText's, would keep it one copy long: not built, docs/accumulation.md). Under a
-mesh each rank sums its own rows' gradients: reduced once a microbatch (FSDP2's hooks, eager SimpleFSDP,
-GSPMD), or once a step where graph mode's SimpleFSDP passes rewrite the N reduce-scatters of a parameter
-into one of their sum (fsdp_passes.reduce_once).
+mesh each rank sums its own rows' gradients, reduced over the ranks once a step where the layout can
+hold the unreduced sum (FSDP2: its gradient sync off before the last microbatch, HSDP's dcn all-reduce
+with it; graph mode's SimpleFSDP passes rewrite the N reduce-scatters of a parameter into one of their
+sum, fsdp_passes.reduce_once), else once a microbatch, keeping only the sharded sum (eager SimpleFSDP,
+GSPMD).
 """
 REDUCTIONS = ("mean", "sum")
 
@@ -61,20 +63,23 @@ class Microbatches:
 
 def loss_and_grads(loss_fn, model, batch, microbatches, grad_fn, autocast):
     """(loss to report, gradients) of the whole `batch`, one microbatch at a time: `loss_fn(model,
-    micro) -> (reported, differentiated)` (the workload's), `grad_fn(loss) -> [gradient per parameter]`
-    (autograd, or the layout's: reduced over ranks), each microbatch's loss weighted as its reduction
-    says; the gradients summed. With one microbatch this is exactly the unaccumulated step."""
+    micro) -> (reported, differentiated)` (the workload's), `grad_fn(loss, last) -> [gradient per
+    parameter]` (autograd, or the layout's: reduced over ranks), each microbatch's loss weighted as its
+    reduction says; the gradients summed. A layout that sums a step's gradients itself and reduces them
+    once (FSDP2 without gradient sync) returns None before the `last` microbatch and the sum at it.
+    With one microbatch this is exactly the unaccumulated step."""
+    parts = microbatches.split(batch)
     reported_sum, grads_sum = None, None
-    for micro, weight in microbatches.split(batch):
+    for i, (micro, weight) in enumerate(parts):
         with autocast():
             reported, loss = loss_fn(model, micro)
-        grads = grad_fn(loss if weight is None else loss * weight)
+        grads = grad_fn(loss if weight is None else loss * weight, i == len(parts) - 1)
         reported = reported.detach() if weight is None else reported.detach() * weight
-        if grads_sum is None:
-            reported_sum, grads_sum = reported, list(grads)
-        else:  # (in place: one buffer per parameter, whatever the count)
-            reported_sum = reported_sum + reported
-            grads_sum = [a.add_(g) for a, g in zip(grads_sum, grads)]
+        reported_sum = reported if reported_sum is None else reported_sum + reported
+        if grads is None:  # (the layout holds the running sum)
+            continue
+        # (in place: one buffer per parameter, whatever the count)
+        grads_sum = list(grads) if grads_sum is None else [a.add_(g) for a, g in zip(grads_sum, grads)]
     return reported_sum, grads_sum
 
 

@@ -18,7 +18,9 @@ What stays right per chunk: RoPE takes the tokens' global positions (Transformer
 the causal, sliding-window and packed-document masks compare global positions and document ids
 (document ids need the whole sequence's separators: the tokens are all-gathered once per forward, an
 int per token). The gathered keys stay in the gather's order (rank by rank): attention does not care
-in which order keys arrive, only which it may see, and the mask is built for that order.
+in which order keys arrive, only which it may see, and the mask is built for that order. Under the
+splash kernel (--kernels pallas) a rank builds no mask: the keys go back to sequence order and the
+kernel runs once per chunk at the chunk's query offset (ChunkedKernelView).
 
 Parameters: the cp ranks are data-parallel ranks for the weights (they read the same rows but hold
 different tokens): FSDP shards over dp x cp and averages their gradients, as torchtitan's
@@ -117,17 +119,45 @@ class ContextParallel:
 
     def view(self, tokens_BxS, args):
         """The SequenceView of this rank's tokens (B, S/C): its global positions; the keys of the whole
-        sequence, gathered in rank order, and the mask of which each query may see."""
+        sequence, gathered in rank order, and the mask of which each query may see. Under the splash
+        kernel (attn_impl "splash"): a ChunkedKernelView, which builds no mask."""
         seq_len, device = tokens_BxS.shape[1] * self.size, tokens_BxS.device
         pos = head_tail_positions(seq_len, self.size, self.rank, device)
         key_pos = torch.cat([head_tail_positions(seq_len, self.size, r, device) for r in range(self.size)])
-        q_seg = k_seg = None
+        ids = None
         if args.doc_sep is not None:  # document ids count the separators of the whole sequence before a token
             gathered = funcol.all_gather_tensor(tokens_BxS, gather_dim=1, group=self.group)
             whole = torch.empty_like(gathered).index_copy_(1, key_pos, gathered)  # (back in sequence order)
             ids = document_ids(whole, args.doc_sep)
-            q_seg, k_seg = ids[:, pos], ids[:, key_pos]
+        if args.attn_impl == "splash":
+            return ChunkedKernelView(self, pos, key_pos, args.sliding_window, ids)
+        q_seg, k_seg = (None, None) if ids is None else (ids[:, pos], ids[:, key_pos])
         return SequenceView(pos, key_pos, args.sliding_window, q_seg, k_seg, gather=lambda x: self.gather(x, 2))
+
+
+class ChunkedKernelView(SequenceView):
+    """A cp rank's attention through the splash kernel (kernels_splash.splash_chunk_attention): the
+    gathered keys and values put back in sequence order, then one kernel call per chunk of this rank's
+    queries (head, tail), each over the keys from position 0 to the chunk's end at its own query offset,
+    with the chunk's and the keys' document ids; the two outputs concatenated (each call sees every key
+    its queries may see: no log-sum-exp merge). No (S/C) x S mask is built; each rank visits 2C + 1
+    chunks' worth of key blocks."""
+
+    def __init__(self, cp, positions, key_positions, window, ids):  # (no mask: SequenceView's is not built)
+        self.cp, self.positions, self.window, self.ids = cp, positions, window, ids  # (positions: RoPE's)
+        self.order = torch.argsort(key_positions)  # gathered (rank order) -> sequence order
+
+    def attend(self, q_BxHxSxD, k_BxKxSxD, v_BxKxSxD):
+        from kernels_splash import splash_chunk_attention
+        keys, values = (self.cp.gather(t, 2)[:, :, self.order] for t in (k_BxKxSxD, v_BxKxSxD))
+        n, size, rank = q_BxHxSxD.shape[2] // 2, self.cp.size, self.cp.rank
+        out = []
+        for chunk, start in ((0, rank * n), (1, (2 * size - 1 - rank) * n)):  # (head_tail_positions' chunks)
+            end = start + n
+            seg = (None, None) if self.ids is None else (self.ids[:, start:end], self.ids[:, :end])
+            out.append(splash_chunk_attention(q_BxHxSxD[:, :, chunk * n:(chunk + 1) * n], keys[:, :, :end],
+                                              values[:, :, :end], start, self.window, *seg))
+        return torch.cat(out, dim=2)
 
 
 class HeadTailOrder:

@@ -63,7 +63,7 @@ def build_step_fn(model, names, loss_fn, clip, betas, eps, weight_decay, mask, a
             state = {**{f"model.{n}": t for n, t in zip(names, parallel.like(leaves, placed_like))},
                      **{f"model.{n}": b for n, b in zip(buffer_names, buffers)}}
 
-            def grads_of(loss):  # forward_end marks the forward/backward boundary (the passes read the first)
+            def grads_of(loss, last):  # forward_end marks the forward/backward boundary (the passes read the first)
                 return torch.autograd.grad(graph_passes.forward_end(loss), leaves)
             reported, grads = accum.loss_and_grads(lambda module, micro: torch.func.functional_call(module, state, micro),
                                                    loss_module, batch, microbatches, grads_of, autocast)

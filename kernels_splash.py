@@ -37,13 +37,15 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
 @functools.lru_cache(maxsize=None)
-def block_layout(n_blocks, block, window, segments, causal=1):
+def block_layout(n_blocks, block, window, segments, causal=1, q_blocks=None, q_offset=0):
     """Host-side block sparsity: for each query block the kv blocks to visit and their kind, and the
     transposed lists for the dk/dv kernel. Returns numpy int32 (count, index, kind) x 2. Not causal:
-    every block is live (FULL, or PARTIAL where segment ids must be checked)."""
-    kinds = np.zeros((n_blocks, n_blocks), np.int32)
-    for i in range(n_blocks):
-        qs, qe = i * block, (i + 1) * block - 1
+    every block is live (FULL, or PARTIAL where segment ids must be checked). `n_blocks` kv blocks
+    from position 0; `q_blocks` query blocks (default as many) from block `q_offset` on (a chunk of a
+    sequence: context parallelism's)."""
+    kinds = np.zeros((q_blocks or n_blocks, n_blocks), np.int32)
+    for i in range(q_blocks or n_blocks):
+        qs, qe = (q_offset + i) * block, (q_offset + i + 1) * block - 1
         for j in range(n_blocks):
             ks, ke = j * block, (j + 1) * block - 1
             if causal and (ks > qe or (window and qs - ke >= window)):
@@ -53,9 +55,9 @@ def block_layout(n_blocks, block, window, segments, causal=1):
 
     def lists(k):
         count = (k != EMPTY).sum(1).astype(np.int32)
-        index = np.zeros((n_blocks, max(1, count.max())), np.int32)
+        index = np.zeros((k.shape[0], max(1, count.max())), np.int32)
         kind = np.zeros_like(index)
-        for r in range(n_blocks):
+        for r in range(k.shape[0]):
             nz = np.nonzero(k[r])[0]
             index[r, :len(nz)], kind[r, :len(nz)] = nz, k[r, nz]
         return count, index, kind
@@ -85,7 +87,7 @@ def _visit(cnt, r, body):
 
 
 def _splash_fwd_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref,
-                       m_sc, l_sc, acc_sc, *, block, window, scale, causal):
+                       m_sc, l_sc, acc_sc, *, block, window, scale, causal, q_off):
     i, t = pl.program_id(2), pl.program_id(3)
 
     @pl.when(t == 0)
@@ -95,7 +97,7 @@ def _splash_fwd_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, segq_ref, segk_ref, 
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
     def body():
-        s = _mask(dot_f32(q_ref[...], k_ref[...], trans_b=True) * scale, i * block, idx[i, t] * block,
+        s = _mask(dot_f32(q_ref[...], k_ref[...], trans_b=True) * scale, (q_off + i) * block, idx[i, t] * block,
                   kind[i, t], window, segq_ref[...], segk_ref[...], causal, True)
         m_prev = m_sc[...]                                     # (block, 128), every lane the same
         m_new = jnp.maximum(m_prev, s.max(-1, keepdims=True))
@@ -113,7 +115,7 @@ def _splash_fwd_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, segq_ref, segk_ref, 
 
 
 def _splash_dq_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref,
-                      segk_ref, dq_ref, dq_sc, *, block, window, scale, causal):
+                      segk_ref, dq_ref, dq_sc, *, block, window, scale, causal, q_off):
     i, t = pl.program_id(2), pl.program_id(3)
 
     @pl.when(t == 0)
@@ -122,7 +124,7 @@ def _splash_dq_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
 
     def body():
         k = k_ref[...]
-        s = _mask(dot_f32(q_ref[...], k, trans_b=True) * scale, i * block, idx[i, t] * block,
+        s = _mask(dot_f32(q_ref[...], k, trans_b=True) * scale, (q_off + i) * block, idx[i, t] * block,
                   kind[i, t], window, segq_ref[...], segk_ref[...], causal, True)
         p = jnp.exp(s - lse_ref[0][:, None])                   # (a (1, block) row as a column)
         ds = p * (dot_f32(do_ref[...], v_ref[...], trans_b=True) - delta_ref[0][:, None])
@@ -135,7 +137,7 @@ def _splash_dq_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
 
 
 def _splash_dkv_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segk_ref,
-                       segq_ref, dk_ref, dv_ref, dk_sc, dv_sc, *, block, window, scale, causal):
+                       segq_ref, dk_ref, dv_ref, dk_sc, dv_sc, *, block, window, scale, causal, q_off):
     j, g, r = pl.program_id(2), pl.program_id(3), pl.program_id(4)  # kv block, head in group, visit
 
     @pl.when((g == 0) & (r == 0))
@@ -145,7 +147,7 @@ def _splash_dkv_kernel(cnt, idx, kind, q_ref, k_ref, v_ref, do_ref, lse_ref, del
 
     def body():  # scores transposed: keys in rows, so the per-query vectors are (1, block) rows
         q, do = q_ref[...], do_ref[...]
-        s_t = _mask(dot_f32(k_ref[...], q, trans_b=True) * scale, j * block, idx[j, r] * block,
+        s_t = _mask(dot_f32(k_ref[...], q, trans_b=True) * scale, j * block, (q_off + idx[j, r]) * block,
                     kind[j, r], window, segk_ref[...], segq_ref[...], causal, False)
         p_t = jnp.exp(s_t - lse_ref[...])
         dv_sc[...] += dot_f32(p_t.astype(do.dtype), do)
@@ -174,44 +176,46 @@ def _scratch(*shapes):
     return [pltpu.VMEM(s, jnp.float32) for s in shapes]
 
 
-def _splash_forward(q, k, v, seg, window, block, segments, causal):
+def _splash_forward(q, k, v, seg_q, seg_k, window, block, segments, causal, q_off):
     B, H, S, D = q.shape
-    group, n = H // k.shape[1], S // block
-    cnt, idx, kind, *_ = map(jnp.asarray, block_layout(n, block, window, segments, causal))
+    group, n, n_kv = H // k.shape[1], S // block, k.shape[2] // block
+    cnt, idx, kind, *_ = map(jnp.asarray, block_layout(n_kv, block, window, segments, causal, n, q_off))
     q_blk = pl.BlockSpec((None, None, block, D), lambda b, h, i, t, *_: (b, h, i, 0))
     kv_blk = pl.BlockSpec((None, None, block, D), lambda b, h, i, t, c, x, _: (b, h // group, _visited(c, x, i, t), 0))
     lanes = pl.BlockSpec((None, None, block, NUM_LANES), lambda b, h, i, t, *_: (b, h, i, 0))
     seg_rows = pl.BlockSpec((None, block, NUM_LANES), lambda b, h, i, t, *_: (b, i, 0))
     seg_cols = pl.BlockSpec((None, 1, block), lambda b, h, i, t, c, x, _: (b, 0, _visited(c, x, i, t)))
-    kern = functools.partial(_splash_fwd_kernel, block=block, window=window, scale=D ** -0.5, causal=causal)
+    kern = functools.partial(_splash_fwd_kernel, block=block, window=window, scale=D ** -0.5, causal=causal,
+                             q_off=q_off)
     o, lse = pallas_call_prefetch(
         kern, grid=(B, H, n, idx.shape[1]), num_scalar_prefetch=3,     # cnt, idx, kind
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, S, NUM_LANES), jnp.float32)),
         in_specs=[q_blk, kv_blk, kv_blk, seg_rows, seg_cols], out_specs=[q_blk, lanes],
         scratch_shapes=_scratch((block, NUM_LANES), (block, NUM_LANES), (block, D)),
-        parallel=3)(cnt, idx, kind, q, k, v, *_seg_layouts(seg))
+        parallel=3)(cnt, idx, kind, q, k, v, _seg_layouts(seg_q)[0], _seg_layouts(seg_k)[1])
     return o, lse[..., 0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _splash_padded(q, k, v, seg, window, block, segments, causal):
-    return _splash_forward(q, k, v, seg, window, block, segments, causal)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _splash_padded(q, k, v, seg_q, seg_k, window, block, segments, causal, q_off):
+    return _splash_forward(q, k, v, seg_q, seg_k, window, block, segments, causal, q_off)[0]
 
 
-def _splash_fwd_rule(q, k, v, seg, window, block, segments, causal):
-    o, lse = _splash_forward(q, k, v, seg, window, block, segments, causal)
-    return o, (q, k, v, seg, o, lse)
+def _splash_fwd_rule(q, k, v, seg_q, seg_k, window, block, segments, causal, q_off):
+    o, lse = _splash_forward(q, k, v, seg_q, seg_k, window, block, segments, causal, q_off)
+    return o, (q, k, v, seg_q, seg_k, o, lse)
 
 
-def _splash_bwd_rule(window, block, segments, causal, res, do):
-    q, k, v, seg, o, lse = res
+def _splash_bwd_rule(window, block, segments, causal, q_off, res, do):
+    q, k, v, seg_q, seg_k, o, lse = res
     B, H, S, D = q.shape
-    Hkv, n, group = k.shape[1], S // block, H // k.shape[1]
+    Hkv, n, n_kv, group = k.shape[1], S // block, k.shape[2] // block, H // k.shape[1]
     delta = (o.astype(jnp.float32) * do.astype(jnp.float32)).sum(-1)  # (B, H, S)
     lse, delta = lse[:, :, None, :], delta[:, :, None, :]             # (B, H, 1, S): rows
-    cnt, idx, kind, cnt_t, idx_t, kind_t = map(jnp.asarray, block_layout(n, block, window, segments, causal))
-    seg_rows, seg_cols = _seg_layouts(seg)
-    statics = dict(block=block, window=window, scale=D ** -0.5, causal=causal)
+    cnt, idx, kind, cnt_t, idx_t, kind_t = map(jnp.asarray, block_layout(n_kv, block, window, segments, causal, n,
+                                                                         q_off))
+    (q_rows, q_cols), (k_rows, k_cols) = _seg_layouts(seg_q), _seg_layouts(seg_k)
+    statics = dict(block=block, window=window, scale=D ** -0.5, causal=causal, q_off=q_off)
     # dq: one program per (batch, head, q block, visit), K/V blocks streamed as in the forward
     q_blk = pl.BlockSpec((None, None, block, D), lambda b, h, i, t, *_: (b, h, i, 0))
     kv_blk = pl.BlockSpec((None, None, block, D), lambda b, h, i, t, c, x, _: (b, h // group, _visited(c, x, i, t), 0))
@@ -223,7 +227,7 @@ def _splash_bwd_rule(window, block, segments, causal, res, do):
                   pl.BlockSpec((None, block, NUM_LANES), lambda b, h, i, t, *_: (b, i, 0)),
                   pl.BlockSpec((None, 1, block), lambda b, h, i, t, c, x, _: (b, 0, _visited(c, x, i, t)))],
         out_specs=q_blk, scratch_shapes=_scratch((block, D)), parallel=3,
-    )(cnt, idx, kind, q, k, v, do, lse, delta, seg_rows, seg_cols)
+    )(cnt, idx, kind, q, k, v, do, lse, delta, q_rows, k_cols)
     # dk/dv: one program per (batch, kv head, kv block, query head of its group, visit); the q blocks
     # that see the kv block (the transposed lists) streamed
     qh = lambda h, g: h * group + g
@@ -231,15 +235,15 @@ def _splash_bwd_rule(window, block, segments, causal, res, do):
     vec_vis = pl.BlockSpec((None, None, 1, block), lambda b, h, j, g, r, c, x, _: (b, qh(h, g), 0, _visited(c, x, j, r)))
     kv_own = pl.BlockSpec((None, None, block, D), lambda b, h, j, *_: (b, h, j, 0))
     dk, dv = pallas_call_prefetch(
-        functools.partial(_splash_dkv_kernel, **statics), grid=(B, Hkv, n, group, idx_t.shape[1]),
+        functools.partial(_splash_dkv_kernel, **statics), grid=(B, Hkv, n_kv, group, idx_t.shape[1]),
         num_scalar_prefetch=3,
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         in_specs=[q_vis, kv_own, kv_own, q_vis, vec_vis, vec_vis,   # q k v do lse delta
                   pl.BlockSpec((None, block, NUM_LANES), lambda b, h, j, *_: (b, j, 0)),
                   pl.BlockSpec((None, 1, block), lambda b, h, j, g, r, c, x, _: (b, 0, _visited(c, x, j, r)))],
         out_specs=[kv_own, kv_own], scratch_shapes=_scratch((block, D), (block, D)), parallel=3,
-    )(cnt_t, idx_t, kind_t, q, k, v, do, lse, delta, seg_rows, seg_cols)
-    return dq, dk, dv, None
+    )(cnt_t, idx_t, kind_t, q, k, v, do, lse, delta, k_rows, q_cols)
+    return dq, dk, dv, None, None
 
 
 _splash_padded.defvjp(_splash_fwd_rule, _splash_bwd_rule)
@@ -253,9 +257,24 @@ def splash_jax(q, k, v, segment_ids, *, window, block, segments, causal=1):
     then the segment check must be on, `segments` 1)."""
     S = q.shape[2]
     S_pad = round_up(S, block)
-    out = _splash_padded(pad_to(q, S_pad, 2), pad_to(k, S_pad, 2), pad_to(v, S_pad, 2),
-                         pad_to(segment_ids, S_pad, 1, -1), window, block, segments, causal)
+    seg = pad_to(segment_ids, S_pad, 1, -1)
+    out = _splash_padded(pad_to(q, S_pad, 2), pad_to(k, S_pad, 2), pad_to(v, S_pad, 2), seg, seg, window, block,
+                         segments, causal, 0)
     return out[:, :, :S]
+
+
+@jax_op("splash_chunk", static=("q_offset", "window", "block", "segments"))
+def splash_chunk_jax(q, k, v, q_segment_ids, kv_segment_ids, *, q_offset, window, block, segments):
+    """Causal splash attention of a chunk of queries q (B, H, Sq, D) at global positions q_offset,
+    q_offset + 1, ... (a multiple of block) over the keys k / v (B, Hkv, Sk, D) at positions 0..Sk-1,
+    with the chunk's and the keys' own segment ids (B, Sq), (B, Sk). Keys past the chunk's last query
+    are never visited; padded keys sit past every real query."""
+    Sq, Sk = q.shape[2], k.shape[2]
+    Sq_pad, Sk_pad = round_up(Sq, block), round_up(Sk, block)
+    out = _splash_padded(pad_to(q, Sq_pad, 2), pad_to(k, Sk_pad, 2), pad_to(v, Sk_pad, 2),
+                         pad_to(q_segment_ids, Sq_pad, 1, -1), pad_to(kv_segment_ids, Sk_pad, 1, -1), window, block,
+                         segments, 1, q_offset // block)
+    return out[:, :, :Sq]
 
 
 def splash_attention(q, k, v, window=None, segment_ids=None, block=128, causal=True):
@@ -268,6 +287,20 @@ def splash_attention(q, k, v, window=None, segment_ids=None, block=128, causal=T
     seg = segment_ids if segment_ids is not None else q.new_zeros(q.shape[0], S, dtype=torch.int32)
     segments = segment_ids is not None or (not causal and S % block != 0)  # (padded keys: segment -1)
     return splash_jax(q, k, v, seg, window=window or 0, block=block, segments=int(segments), causal=int(causal))
+
+
+def splash_chunk_attention(q, k, v, q_offset, window=None, q_segment_ids=None, kv_segment_ids=None):
+    """Causal attention of a chunk of queries at global positions q_offset.. over the keys 0..Sk-1
+    (context parallelism: a rank's head or tail chunk over the gathered sequence up to its end). The
+    block is the largest power of two up to 128 dividing both the chunk's length and its offset, so
+    chunks start on block boundaries and nothing is padded (on a TPU it must be a multiple of 8)."""
+    import math
+    block = math.gcd(math.gcd(q.shape[2], q_offset or q.shape[2]), 128)  # (gcd with 128: a power of two)
+    segments = q_segment_ids is not None
+    q_seg = q_segment_ids if segments else q.new_zeros(q.shape[0], q.shape[2], dtype=torch.int32)
+    kv_seg = kv_segment_ids if segments else q.new_zeros(k.shape[0], k.shape[2], dtype=torch.int32)
+    return splash_chunk_jax(q, k, v, q_seg, kv_seg, q_offset=q_offset, window=window or 0, block=block,
+                            segments=int(segments))
 
 
 def splash_full_attention(q_BxHxSxD, k_BxHkvxSxD, v_BxHkvxSxD, block=128):

@@ -151,6 +151,11 @@ class TorchrunMesh(Parallel):
             self.sq_weights = [1.0 / _copies(p) for p in model.parameters()]
         return model.to_empty(device=self.device) if meta else model
 
+    @property
+    def grad_sum_split(self):
+        """FSDP2 sums a step's gradients unsharded (grads): whole on every rank."""
+        return 1 if self.dp_impl == "fsdp2" else self.param_split
+
     def fill(self, param, whole):
         """This rank's block of the whole tensor into its shard (parallel.local_block: DTensor's split)."""
         local_tensor(param).copy_(local_block(whole, param))
@@ -162,7 +167,8 @@ class TorchrunMesh(Parallel):
             if unit is not model:  # (with --scan: a stack of all the blocks is one unit)
                 fully_shard(unit, mesh=dp_mesh, mp_policy=mp)
         # (FSDP2 re-points uneven local shards at each reshard: take fresh `local()` views per step.)
-        return fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+        self.fsdp_root = fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+        return self.fsdp_root
 
     @staticmethod
     def local(tensors):
@@ -182,12 +188,19 @@ class TorchrunMesh(Parallel):
             return tuple(self.context.split(t.to(self.device)) for t in batch)
         return tuple(t.to(self.device) for t in batch)
 
-    def grads(self, loss, params):
+    def grads(self, loss, params, last=True):
         """d loss / d params as this rank's averaged gradient shards. SimpleFSDP: ordinary autograd
-        (the reduce-scatter is in the graph). FSDP2: backward() fires its reduce-scatter hooks."""
+        (the reduce-scatter is in the graph: once a microbatch in eager mode, each call's own).
+        FSDP2: backward() fires its reduce-scatter hooks, only at a step's `last` microbatch: before
+        it the gradient sync is off (FSDP2's no_sync), FSDP2 adds each microbatch's unsharded
+        gradients into its own sum, and the last backward reduce-scatters (HSDP: and all-reduces over
+        dcn) that sum once; None for the microbatches before it."""
         if self.dp_impl != "fsdp2":
             return self.local(torch.autograd.grad(loss, params))
+        self.fsdp_root.set_requires_gradient_sync(last)
         loss.backward()
+        if not last:
+            return None
         grads = [p.grad for p in params]
         for p in params:
             p.grad = None

@@ -257,7 +257,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, S, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, S, hd)
-        if kv_cache is not None:  # decoding (generate.py): this chunk joins the cache; attend over all of it
+        if hasattr(kv_cache, "attend"):  # a context-parallel rank's kernel over its chunks (context_parallel.py)
+            out = kv_cache.attend(q, k, v.transpose(1, 2))
+        elif kv_cache is not None:  # decoding (generate.py): this chunk joins the cache; attend over all of it
             # (or a SequenceView: the whole sequence's keys under a window / packed-document mask)
             k, v, mask_SxT = kv_cache.update(k, v.transpose(1, 2))
             out = sdpa_attention(q, k, v, mask_SxT=mask_SxT)

@@ -23,9 +23,9 @@ What a layout must answer, and nothing more:
   - checkpoints: `checkpoint_planners()` (DCP planners where the host cannot take the state whole);
   - the step: `local(params)` (what the elementwise optimizer updates), `like(shards, params)` (back
     to the parameters' form for checkpoints and the traced step), `place_state`, `place_batch`,
-    `grads(loss, params)`, `global_sq_norm(sq_N)` (clipping), `mean_over_dp(x)` (logged losses);
-  - bookkeeping: `param_split` (a device's share of a weight: 1 / param_split), `seq_split` (of a
-    sequence's activations), `local_bytes(tensors)`,
+    `grads(loss, params, last)`, `global_sq_norm(sq_N)` (clipping), `mean_over_dp(x)` (logged losses);
+  - bookkeeping: `param_split` (a device's share of a weight: 1 / param_split), `grad_sum_split` (of
+    the gradients' sum over microbatches), `seq_split` (of a sequence's activations), `local_bytes(tensors)`,
     `graph_passes` (the passes graph mode applies by default), `close()`.
 `layout_kind(mesh, device)` is the one decision of which implementation a command line gets: cli.py
 validates the flags against it and train.choose_parallel builds it.
@@ -130,8 +130,16 @@ class Parallel:
     def place_batch(self, batch):
         return tuple(t.to(self.device) for t in batch)
 
-    def grads(self, loss, params):
+    def grads(self, loss, params, last=True):
+        """d loss / d params, this process's part, reduced over the ranks that share it. `last`: False
+        for a step's microbatches before its last (--grad-accum, accum.loss_and_grads): a layout that
+        keeps the running sum itself, to reduce it once at the last, returns None for them."""
         return list(torch.autograd.grad(loss, params))
+
+    @property
+    def grad_sum_split(self):
+        """The ways the gradients' running sum over microbatches is split (--grad-accum: check_memory)."""
+        return self.param_split
 
     def global_sq_norm(self, sq_N):
         """Per-tensor squared norms of what `local` returned -> the squared norm of the whole model."""

@@ -106,7 +106,8 @@ class Trainer:
         Refused before anything is allocated or written (the dry run at full scale)."""
         cfg, family = self.cfg, self.family
         local_batch = cfg.batch_size // self.parallel.dp_size // cfg.grad_accum
-        weights = (16 + 4 * (cfg.grad_accum > 1)) * family.param_count(self.model_args) / self.parallel.param_split
+        weights = 16 * family.param_count(self.model_args) / self.parallel.param_split
+        weights += 4 * (cfg.grad_accum > 1) * family.param_count(self.model_args) / self.parallel.grad_sum_split
         weights += 4 * materialize.largest_whole(family, self.model_args, cfg.scan, cfg.init_from)
         acts = family.activation_bytes(self.model_args, local_batch, cfg.seq_len, dev.free_memory_bytes(self.device))
         acts /= self.parallel.seq_split  # (context parallel: a rank's tokens, its (S / cp) x S scores)
@@ -144,7 +145,7 @@ class Trainer:
     def eager_step(self, *batch_and_lr):
         *batch, lr = batch_and_lr  # (--grad-accum N: N microbatches' gradients summed, accum.py)
         reported, grads = accum.loss_and_grads(self.task.loss, self.model, batch, self.microbatches,
-                                               lambda loss: self.parallel.grads(loss, self.params), self.autocast)
+                                               lambda loss, last: self.parallel.grads(loss, self.params, last), self.autocast)
         grads, norm = optim.clip_by_global_norm(grads, self.cfg.clip, self.parallel.global_sq_norm)
         step = dev.scalar(self.opt.step_count + 1, self.device) if dev.is_xla(self.device) else None
         self.opt.step(grads, lr, self.parallel.local(self.params), step)

@@ -12,7 +12,7 @@ import accum
 from model import Transformer, next_token_loss
 
 from tests import launch
-from tests.common import TINY, _main, _near, _ranks_equal_one_process, _train_losses, _trainer, shared_run, tiny_args
+from tests.common import DIST_TINY, TINY, _main, _near, _ranks_equal_one_process, _train_losses, _trainer, shared_run, tiny_args
 
 
 def _flat(grads):
@@ -35,7 +35,7 @@ def test_microbatch_gradients_sum_to_the_whole_batch_gradient_mean_and_sum_reduc
     params = list(model.parameters())
     x, y = torch.randint(0, 256, (8, 16)), torch.randint(0, 256, (8, 16))
 
-    def grads_of(loss):
+    def grads_of(loss, last=True):
         return torch.autograd.grad(loss, params)
     want = grads_of(next_token_loss(model, (x, y))[1])
     reported, got = accum.loss_and_grads(next_token_loss, model, (x, y), accum.Microbatches(4, "mean"), grads_of,
@@ -121,6 +121,83 @@ def test_grad_accum_on_two_ranks_equals_one_process(impl, mode, corpus, tmp_path
         assert gradient <= graph["reduce_scatter_bytes"] < 1.05 * gradient, (graph, gradient)  # (not 2x: once, summed)
 
 
+def child_fsdp2_collectives_a_step(*argv):
+    """(torchrun) FSDP2 trainers of `argv` without and with --grad-accum 4, one after the other on the
+    same ranks, each 3 steps from the same seed weights: the gradient-reducing collectives FSDP2 issues
+    in step 2 (calls and bytes of torch.distributed's reduce_scatter_tensor and all_reduce, counted at
+    the call: FSDP2 calls them by name; the trainer's own reductions are functional collectives), the
+    pre-clip gradients of step 1 (this rank's shards, as the step hands them to clipping), the losses,
+    gradient norms and final weight shards. Rank 0 prints the largest gaps over the ranks."""
+    from unittest import mock
+    import torch.distributed as dist
+    import optim as o
+    import train
+    counted = {"reduce_scatter_tensor": [0, 0], "all_reduce": [0, 0]}  # [calls, bytes]
+    counting = [False]
+
+    def counter(name, real):
+        def call(*args, **kwargs):
+            if counting[0]:
+                t = kwargs["input"] if name == "reduce_scatter_tensor" else (args[0] if args else kwargs["tensor"])
+                counted[name][0] += 1
+                counted[name][1] += t.numel() * t.element_size()
+            return real(*args, **kwargs)
+        return call
+    runs, clip = {}, o.clip_by_global_norm
+    for n in (1, 4):
+        tr = train.Trainer(train.parse_config([*argv, "--grad-accum", str(n), "--out-dir", f"{argv[-1]}.{n}"]))
+        seen = []
+
+        def clipped(grads, *a, **kw):
+            seen.append([g.detach().clone() for g in grads])
+            return clip(grads, *a, **kw)
+        losses, norms, calls = [], [], {}
+        for step in (1, 2, 3):
+            counted.update({k: [0, 0] for k in counted})
+            counting[0] = step == 2
+            with mock.patch.object(dist, "reduce_scatter_tensor", counter("reduce_scatter_tensor", dist.reduce_scatter_tensor)), \
+                    mock.patch.object(dist, "all_reduce", counter("all_reduce", dist.all_reduce)), \
+                    mock.patch.object(o, "clip_by_global_norm", clipped):
+                batch = tr.parallel.place_batch(tr.task.batch(step))
+                loss, norm = tr.step_fn(*batch, torch.tensor(o.lr_at(step, tr.cfg.lr, tr.cfg.warmup, tr.cfg.steps)))
+            losses.append(loss.item())
+            norms.append(norm.item())
+            calls = calls or ({k: list(v) for k, v in counted.items()} if step == 2 else {})
+        runs[n] = {"calls": calls, "grads": seen[0], "losses": losses, "norms": norms,
+                   "weights": [p.detach().clone() for p in tr.parallel.local(tr.params)]}
+        del tr
+    gap = lambda key: max(float((a - b).abs().max()) for a, b in zip(runs[1][key], runs[4][key]))
+    scale = max(float(g.abs().max()) for g in runs[1]["grads"])
+    mine = torch.tensor([gap("grads"), scale, gap("weights")], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(json.dumps({"calls": {n: runs[n]["calls"] for n in runs}, "losses": {n: runs[n]["losses"] for n in runs},
+                          "norms": {n: runs[n]["norms"] for n in runs}, "grad_gap": mine[0].item(),
+                          "grad_scale": mine[1].item(), "weight_gap": mine[2].item()}))
+
+
+@pytest.mark.parametrize("nproc,mesh", [(2, "ici=2"), (4, "dcn=2,ici=2")])
+def test_fsdp2_reduces_gradients_once_a_step_under_accumulation(nproc, mesh, corpus, tmp_path):
+    """FSDP2 with --grad-accum 4 issues the gradient collectives of one step without accumulation: as
+    many reduce-scatters of as many bytes (each FSDP unit's once, not once a microbatch: 4x before),
+    and under HSDP as many dcn all-reduces; and the step is still the unaccumulated one on the same
+    batch: the pre-clip gradient shards before any update (to 1e-6 of the largest entry: sums in
+    another order), the losses, norms and weights after 3 AdamW steps (the accumulation tests' bounds)."""
+    args = [*DIST_TINY, "--data", corpus, "--batch-size", "16", "--steps", "3", "--eval-batches", "0",
+            "--ckpt-interval", "0", "--mesh", mesh, "--dp-impl", "fsdp2", "--out-dir", str(tmp_path / "r")]
+    rc, out, err = launch.ranks(nproc, ["test_all.py", "child_fsdp2_collectives_a_step", *args])
+    assert rc == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
+    one, four = res["calls"]["1"], res["calls"]["4"]
+    print(f"\n{mesh}: gradient collectives a step (calls, bytes) without accumulation {one}, in 4 microbatches {four}")
+    assert one["reduce_scatter_tensor"][0] > 0 and four == one, (one, four)
+    assert (one["all_reduce"][0] > 0) == mesh.startswith("dcn"), one
+    assert res["grad_gap"] <= 1e-6 * res["grad_scale"], res
+    _near(res["losses"]["1"], res["losses"]["4"], atol=1e-6)
+    _near(res["norms"]["1"], res["norms"]["4"], atol=0, rtol=1e-5)
+    assert res["weight_gap"] <= 1e-5, res
+
+
 def test_grad_accum_under_xla_spmd_equals_one_cpu_process(corpus, tmp_path):
     """XLA SPMD on 4 virtual devices, graph mode, 8 rows as 2 microbatches (each device holds 1 row of
     each: accum.Microbatches' strided split): losses, norms and weights against one eager CPU process on
@@ -145,42 +222,85 @@ def test_grad_accum_under_xla_spmd_equals_one_cpu_process(corpus, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Memory: one microbatch's activations, measured, and what the trainer's check and the planner count
 
-def child_accum_peak_memory(corpus):
-    """(child process) The peak resident memory of one eager step of 32 x 128 tokens (activations dominate:
-    the model is 0.13M parameters) as 1 and as 4 microbatches, above what the process held before the
-    step; and the trainer's activation estimate (check_memory's) for each. glibc's malloc is set to map
-    every allocation of 64 KiB or more by itself (mallopt M_MMAP_THRESHOLD: no dynamic threshold), so a
-    freed tensor leaves the process and the peak is what was alive at once, not what the heap kept."""
+def child_step_peak_memory(variants, *argv):
+    """(child process, one or under torchrun) For each variant (a JSON list of argument lists added to
+    `argv`), the peak resident memory of a training step of the Trainer they build, above what the
+    process held before the step (the second step: the first one's one-off allocations aside), the
+    largest over the ranks; and check_memory's activation estimate for it (a rank's microbatch).
+    glibc's malloc maps every allocation of 64 KiB or more by itself (mallopt M_MMAP_THRESHOLD: no
+    dynamic threshold), so a freed tensor leaves the process and the peak is what was alive at once,
+    not what the heap kept. Prints one JSON list, a record a variant (rank 0)."""
     import ctypes
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    import gc
     import optim as o
     import train
     from tests.common import peak_extra_rss
-    out = {}
-    for n in (1, 4):
-        cfg = train.parse_config([*TINY, "--data", corpus, "--batch-size", "32", "--seq-len", "128", "--eval-batches",
-                                  "0", "--ckpt-interval", "0", "--grad-accum", str(n), "--out-dir", f"{corpus}.run{n}"])
+    out = []
+    for i, extra in enumerate(json.loads(variants)):
+        cfg = train.parse_config([*argv, *extra, "--out-dir", f"{argv[argv.index('--out-dir') + 1]}.{i}"])
         tr = train.Trainer(cfg)
-        x, y = tr.task.batch(1)
-        tr.step_fn(x, y, torch.tensor(o.lr_at(1, cfg.lr, cfg.warmup, cfg.steps)))  # (first-step allocations)
-        _, peak = peak_extra_rss([os.getpid()], lambda: tr.step_fn(x, y, torch.tensor(1e-3)))
-        out[n] = {"peak": peak[os.getpid()], "estimate": tr.family.activation_bytes(tr.model_args, 32 // n, 128, None)}
-        del tr
-    print(json.dumps(out))
+        steps = [(tr.parallel.place_batch(tr.task.batch(k)), torch.tensor(o.lr_at(k, cfg.lr, cfg.warmup, cfg.steps)))
+                 for k in (1, 2)]
+        tr.step_fn(*steps[0][0], steps[0][1])  # (first-step allocations)
+        gc.collect()
+        _, peak = peak_extra_rss([os.getpid()], lambda: tr.step_fn(*steps[1][0], steps[1][1]))
+        peak = torch.tensor([peak[os.getpid()]], dtype=torch.float64)
+        if tr.parallel.mesh_spec is not None:
+            import torch.distributed as dist
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        rows = cfg.batch_size // tr.parallel.dp_size // cfg.grad_accum
+        out.append({"peak": peak.item(), "estimate": tr.family.activation_bytes(tr.model_args, rows, cfg.seq_len, None)
+                    / tr.parallel.seq_split})
+        del tr, steps
+        gc.collect()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(out))
+
+
+def step_peaks(nproc, variants, argv):
+    """child_step_peak_memory's records, in one process (nproc 1) or on `nproc` torchrun ranks."""
+    child = ["test_all.py", "child_step_peak_memory", json.dumps(variants), *argv]
+    rc, out, err = launch.python(child, timeout=300) if nproc == 1 else launch.ranks(nproc, child, timeout=300)
+    assert rc == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_a_step_holds_one_microbatchs_activations_measured_and_as_the_trainer_counts_them(corpus):
     """Peak memory of an eager step whose activations dominate: 4 microbatches hold ~1/4 of the whole
     batch's (measured 12.8 vs 51.1 MiB: ratio 0.25); the trainer's check_memory estimate (an upper bound)
     covers the step it admits at 1/4 of the batch, so a batch refused whole is admitted in microbatches."""
-    rc, out, err = launch.python(["test_all.py", "child_accum_peak_memory", corpus], timeout=300)
-    assert rc == 0, err[-3000:]
-    res = {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+    argv = [*TINY, "--data", corpus, "--batch-size", "32", "--seq-len", "128", "--eval-batches", "0", "--ckpt-interval",
+            "0", "--out-dir", os.path.join(os.path.dirname(corpus), "peak")]
+    res = dict(zip((1, 4), step_peaks(1, [["--grad-accum", "1"], ["--grad-accum", "4"]], argv)))
     whole, micro = res[1]["peak"], res[4]["peak"]
     assert whole > 30 * 2**20 and micro < 0.4 * whole, res  # (the gradients and AdamW's temporaries: ~2 MiB)
     for n in (1, 4):
         assert res[n]["peak"] <= res[n]["estimate"], res
     assert res[4]["estimate"] * 4 == res[1]["estimate"]
+
+
+def test_four_ranks_train_8x_the_batch_that_fits_under_a_memory_limit_and_equal_one_process(corpus, tmp_path_factory):
+    """On 4 SimpleFSDP ranks, under any memory limit from the larger of the first two peaks below to
+    the third: a step of B rows a rank fits, the global batch 8x as large (8B rows a rank) trains in 8
+    microbatches, and a step of 2B rows does not fit (so B is the largest power of two that fits
+    whole). The accumulated run equals one process on that global batch (losses, pre-clip norms,
+    validation, weights). Measured: a rank's step peak above its RSS before the step
+    (child_step_peak_memory: 6.5 MiB for B = 4 rows of 128, 7.0 MiB for 8B in 8, 13.0 MiB for 2B)."""
+    B = 4
+    common = [*DIST_TINY, "--data", corpus, "--seq-len", "128", "--set", "max_seq_len=128", "--steps", "3",
+              "--eval-batches", "1", "--ckpt-interval", "0", "--sample-tokens", "0"]
+    out = str(tmp_path_factory.mktemp("peaks") / "r")
+    fits, accumulated, twice = step_peaks(4, [["--batch-size", str(4 * B)], ["--batch-size", str(32 * B), "--grad-accum", "8"],
+                                              ["--batch-size", str(8 * B)]], [*common, "--mesh", "ici=4", "--out-dir", out])
+    limit = max(fits["peak"], accumulated["peak"])
+    print(f"\na rank's step peak: {B} rows {fits['peak'] / 2**20:.1f} MiB, {8 * B} rows in 8 microbatches "
+          f"{accumulated['peak'] / 2**20:.1f} MiB, {2 * B} rows {twice['peak'] / 2**20:.1f} MiB")
+    assert twice["peak"] > 1.2 * limit, (fits, accumulated, twice)  # (a margin: the peaks are whole pages)
+    args = [*common, "--batch-size", str(32 * B)]
+    single = shared_run(args, tmp_path_factory)
+    multi = shared_run([*args, "--mesh", "ici=4", "--grad-accum", "8"], tmp_path_factory, 4)
+    _ranks_equal_one_process(single, multi, 3, args)
 
 
 def test_check_memory_and_the_planner_count_one_microbatch(corpus, tmp_path, capsys):
@@ -266,7 +386,7 @@ def test_each_workloads_loss_splits_into_microbatches_as_it_declares(argv):
         model.init_buffers()
     params = list(model.parameters())
 
-    def grads_of(loss):
+    def grads_of(loss, last=True):
         return torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
     want = grads_of(workload.loss(model, batch)[1])
     _, got = accum.loss_and_grads(workload.loss, model, batch, accum.Microbatches(2, type(workload).loss_reduction(cfg)),

@@ -11,7 +11,7 @@ import torch
 import context_parallel as cp_lib
 from model import Attention, Transformer
 
-from tests.common import DIST_TINY, _main, _ranks_equal_one_process, ran_on, shared_run, tiny_args
+from tests.common import DIST_TINY, _main, assert_close, _ranks_equal_one_process, background, ran_on, shared_run, tiny_args
 
 PACKED_WINDOW = ["--set", "doc_sep=10", "--set", "sliding_window=8"]  # (10: '\n', every line a document)
 
@@ -60,6 +60,45 @@ def test_a_sequence_view_attends_as_the_formula_under_a_window_and_documents():
     assert cp_lib.WholeSequence.view(tokens, tiny_args()) is None  # (plain causal: the implementation's path)
 
 
+def test_a_cp_ranks_splash_kernel_attends_as_the_formula_over_its_chunks(monkeypatch):
+    """The splash kernel under cp (--kernels pallas: ContextParallel.view gives a ChunkedKernelView, no
+    mask): each rank of cp=2 attends from its head and tail chunks, one kernel call each at its query
+    offset, over the keys gathered in rank order; its output equals the whole sequence's attention
+    written out query by query at the rank's positions, under a window and packed documents; its
+    gradients equal those of the reference path (the mask over the same gathered keys). The gather is
+    played by indexing the whole sequence's keys in rank order (one process, no group)."""
+    torch.manual_seed(0)
+    B, H, Hkv, S, D, C, window = 2, 4, 2, 32, 16, 2, 6
+    tokens = torch.randint(1, 6, (B, S))
+    tokens[0, [5, 20]] = tokens[1, 11] = 0  # (document ends)
+    q, k, v = (torch.randn(B, n, S, D, requires_grad=True) for n in (H, Hkv, Hkv))
+    want = _attention_by_hand(q, k, v, window, cp_lib.document_ids(tokens, 0))
+    in_rank_order = torch.cat([cp_lib.head_tail_positions(S, C, r) for r in range(C)])
+    monkeypatch.setattr(cp_lib.funcol, "all_gather_tensor", lambda t, gather_dim, group: tokens[:, in_rank_order])
+    for rank in range(C):
+        pos = cp_lib.head_tail_positions(S, C, rank)
+        mine = {id(t): t[:, :, pos] for t in (q, k, v)}
+        whole = {id(mine[id(t)]): t[:, :, in_rank_order] for t in (k, v)}
+        cp = cp_lib.ContextParallel(C, rank, None)
+        monkeypatch.setattr(cp, "gather", lambda x, dim: whole[id(x)])
+        outs = {}
+        for impl in ("splash", "sdpa"):
+            view = cp.view(tokens[:, pos], tiny_args(attn_impl=impl, sliding_window=window, doc_sep=0))
+            if impl == "splash":
+                assert isinstance(view, cp_lib.ChunkedKernelView)
+                outs[impl] = view.attend(mine[id(q)], mine[id(k)], mine[id(v)])
+            else:
+                keys, values, mask = view.update(mine[id(k)], mine[id(v)])
+                outs[impl] = torch.nn.functional.scaled_dot_product_attention(
+                    mine[id(q)], keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1), attn_mask=mask)
+        assert_close(outs["splash"], want[:, :, pos].detach(), f"rank {rank} output", atol=2e-6, rtol=0)
+        cot = torch.randn_like(outs["sdpa"])
+        got = torch.autograd.grad((outs["splash"] * cot).sum(), (q, k, v), retain_graph=True)
+        ref = torch.autograd.grad((outs["sdpa"] * cot).sum(), (q, k, v), retain_graph=True)
+        for name, a, b in zip("qkv", got, ref):
+            assert_close(a, b, f"rank {rank} d{name}", atol=2e-6, rtol=0)
+
+
 def test_packed_documents_score_as_each_document_run_alone():
     """doc_sep: a packed row's logits over each document equal that document run alone (RoPE is
     relative, so a document's place in the row changes nothing but float rounding)."""
@@ -76,7 +115,8 @@ def test_packed_documents_score_as_each_document_run_alone():
 
 
 CP_RUNS = [(2, "ici=1,cp=2", "simple", ["--mode", "graph"]), (4, "ici=1,cp=4", "simple", PACKED_WINDOW),
-           (4, "ici=2,cp=2", "fsdp2", PACKED_WINDOW)]
+           (4, "ici=2,cp=2", "fsdp2", PACKED_WINDOW),
+           (2, "ici=1,cp=2", "simple", ["--mode", "graph", "--kernels", "pallas", *PACKED_WINDOW])]
 
 
 @pytest.mark.parametrize("nproc,mesh,impl,extra", CP_RUNS)
@@ -84,7 +124,8 @@ def test_context_parallel_ranks_equal_one_process(nproc, mesh, impl, extra, corp
     """cp ranks (each holding 1/cp of every sequence, head and tail chunks), beside SimpleFSDP / FSDP2
     on the same ranks, against one process on the same global batch: losses, pre-clip gradient norms,
     validation and final weights to 1e-5, plain causal (graph mode: the gathers traced into the step
-    graph with SimpleFSDP's passes) and with packed documents under a sliding window (eager)."""
+    graph with SimpleFSDP's passes), with packed documents under a sliding window (eager), and so
+    through the splash kernel per rank in graph mode (--kernels pallas: ChunkedKernelView)."""
     common = [*DIST_TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "0", "--eval-batches", "1",
               "--sample-tokens", "0", *extra]
     single = shared_run(common, tmp_path_factory)
@@ -192,6 +233,35 @@ def test_a_cp_rank_saves_a_cp_th_of_one_process_activations(corpus, tmp_path):
     print(f"\nsaved activations: one process {whole / 2**20:.2f} MiB, cp=4 ranks {[round(r / 2**20, 2) for r in ranks]} MiB "
           f"(1/4: {whole / 4 / 2**20:.2f}; not split: K/V {gathered_kv / 2**20:.2f}, weights {weights / 2**20:.2f})")
     assert all(whole / 4 <= r <= whole / 4 + gathered_kv + weights for r in ranks), (whole, ranks)
+
+
+def test_four_cp_ranks_train_4x_the_sequence_one_process_holds_under_a_memory_limit(corpus, tmp_path_factory):
+    """Under any memory limit from the larger of the first two peaks below to the third: one process
+    trains sequences of S tokens, 4 cp ranks train sequences of 4S, and one process cannot train 2S
+    (so S is the largest power of two it holds). The cp run equals one process on the same batch of 4S
+    (losses, pre-clip norms, validation, weights). Measured: a step's peak above the RSS before it, a
+    cp rank's the largest of the 4 (child_step_peak_memory: 24.7 MiB one process at S = 256 tokens x 8
+    rows, 32.9 MiB a cp rank at 4S, which holds S tokens a row and the whole sequence's keys and values
+    a layer; 51.5 MiB one process at 2S). Plain causal attention: one process builds no mask, a cp rank
+    an S x 4S one."""
+    from tests.check_accum import step_peaks
+    S = 256
+    common = [*DIST_TINY, "--data", corpus, "--batch-size", "8", "--steps", "3", "--eval-batches", "1",
+              "--ckpt-interval", "0", "--sample-tokens", "0"]
+    length = lambda s: ["--seq-len", str(s), "--set", f"max_seq_len={s}"]
+    out = str(tmp_path_factory.mktemp("peaks") / "r")
+    ranks = background(step_peaks, 4, [length(4 * S)], [*common, "--mesh", "ici=1,cp=4", "--out-dir", out + "cp"])
+    fits, twice = step_peaks(1, [length(S), length(2 * S)], [*common, "--out-dir", out])
+    (split,) = ranks.result()
+    limit = max(fits["peak"], split["peak"])
+    print(f"\nstep peak: one process {S} tokens {fits['peak'] / 2**20:.1f} MiB, {2 * S} tokens {twice['peak'] / 2**20:.1f} "
+          f"MiB; a cp=4 rank {4 * S} tokens {split['peak'] / 2**20:.1f} MiB")
+    assert twice["peak"] > 1.2 * limit, (fits, split, twice)  # (a margin: the peaks are whole pages)
+    args = [*common, *length(4 * S)]
+    single = shared_run(args, tmp_path_factory)
+    multi = shared_run([*args, "--mesh", "ici=1,cp=4"], tmp_path_factory, 4)
+    assert ran_on(multi) == ("cpu", 4)
+    _ranks_equal_one_process(single, multi, 3, args)
 
 
 def test_spmd_cp_splits_the_sequence_dim_and_equals_one_cpu_process(corpus, tmp_path):
