@@ -177,7 +177,31 @@ class VLLMEngineProcess(EngineHandle):
                 pass
         self.proc.wait()
         self._close_socket()
+        # The group's other members (vLLM's helpers) die a moment after the leader is reaped, and one still
+        # running can write into the run's folder (its temporary files go there) while it is removed: a
+        # folder was seen left behind that way. The folder goes once none of them runs.
+        _wait_until_gone(self.proc.pid, timeout_s=10.0)
         shutil.rmtree(self.tmp_dir, ignore_errors=True)  # (the run's files; the caches stay, CACHE_ROOT)
+
+
+def _wait_until_gone(pgid, timeout_s):
+    """Wait (up to timeout_s) until no running process is left in process group `pgid` (Linux's /proc;
+    a zombie does not count: it runs nothing and its reaper may be slow)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = False
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state, _, group = f.read().rsplit(")", 1)[1].split()[:3]
+            except OSError:
+                continue
+            if int(group) == pgid and state != "Z":
+                alive = True
+                break
+        if not alive:
+            return
+        time.sleep(0.05)
 
 
 def hf_name(name, shape):

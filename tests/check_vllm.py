@@ -229,13 +229,9 @@ def test_vllm_engine_interrupted_during_its_start_leaves_no_process_of_its_group
     an empty cache root): the handle kills the engine's whole process group before the KeyboardInterrupt
     goes on, and nothing of it comes back (no process; its cache root, removed here, not recreated, as
     an orphan did; its run's files removed). A timeout during the start takes the same path."""
-    import glob
-    import tempfile
     import threading
     from rl import vllm_engine
     seen, cold = {}, str(tmp_path / "cold-cache")
-    runs = lambda: set(glob.glob(os.path.join(tempfile.gettempdir(), "minititan-vllm-*")))
-    before = runs()
 
     def interrupt_when_vllm_has_a_helper():
         deadline = time.monotonic() + 240
@@ -243,7 +239,9 @@ def test_vllm_engine_interrupted_during_its_start_leaves_no_process_of_its_group
             mine = [p for p in _engine_pids() if _parent(p) == os.getpid()]
             helpers = [c for p in mine for c in _children(p)]
             if helpers:
-                seen.update(engine=mine[0], helpers=helpers, cache=_cache_dir_of(mine[0]))
+                with open(f"/proc/{mine[0]}/cmdline", "rb") as f:  # (... rl.vllm_server FD PARENT RUN_FOLDER)
+                    run = f.read().split(b"\0")[5].decode()
+                seen.update(engine=mine[0], helpers=helpers, cache=_cache_dir_of(mine[0]), run=run)
                 os.kill(os.getpid(), signal.SIGINT)
                 return
             time.sleep(0.05)
@@ -253,7 +251,7 @@ def test_vllm_engine_interrupted_during_its_start_leaves_no_process_of_its_group
         vllm_engine.VLLMEngineProcess(VLLM_QWEN, timeout_s=300, cache_root=cold)
     watcher.join()
     assert seen, "vLLM started no helper process"
-    assert seen["cache"] == cold and runs() <= before
+    assert seen["cache"] == cold and not os.path.exists(seen["run"]), seen
     shutil.rmtree(cold, ignore_errors=True)
     time.sleep(2)  # (what an orphan would do meanwhile: recreate the cache directory)
     assert _parent(seen["engine"]) is None and not _left_after(lambda: _group(seen["engine"])), "the engine outlived its start"
