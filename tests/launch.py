@@ -36,6 +36,8 @@ import tempfile
 import time
 import traceback
 
+from errors import EXIT_PEER_FAILED
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 # train imports the core (model, mesh, checkpoint, ...); scikit-learn is the FLUX digits' reader (its import
 # is ~1.2 s of every FLUX child's start, measured). Nothing runs on import; none of ours outside the core.
@@ -184,10 +186,15 @@ def ranks(nproc, argv, env=None, timeout=300):
             raise subprocess.TimeoutExpired(["torchrun", *argv], timeout, *_read(folder))
         time.sleep(0.05)
     if failed is not None:  # as torchrun's agent: the others get SIGTERM, and SIGKILL after 30 s
+        if failed.poll() == EXIT_PEER_FAILED:  # (a peer's death seen first: let a crashed rank finish its
+            for c in children:                 #  faulthandler report and die of its own signal, not ours)
+                c.wait(5)
         for c in children:
             c.kill(signal.SIGTERM)
         for c in children:
             if c.wait(30) is None:
                 c.kill()
                 c.wait()
+        # a crash is the first cause even when its peer's exit 4 was seen before it
+        failed = next((c for c in children if c.poll() in (-signal.SIGSEGV, -signal.SIGABRT)), failed)
     return (failed.poll() if failed is not None else 0, *_read(folder, remove=True))
