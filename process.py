@@ -85,28 +85,12 @@ def main(body):
     threads and destructors can wait on the dead peer at interpreter teardown: the line is written, so
     that exit leaves without teardown."""
     faulthandler.enable()
-    return_freed_host_memory()
     code = run(body)
     if code == EXIT_PEER_FAILED:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
-
-
-def return_freed_host_memory():
-    """glibc's malloc (Linux): every block of 128 KiB or more (glibc's own starting threshold) mapped by
-    itself, so freeing it returns it to the system. By default glibc raises that threshold to the
-    largest block freed so far (up to 32 MiB) and serves such blocks from its heap, which keeps freed
-    pages resident: FSDP2 allocates and frees each unit's gathered weights and unsharded gradients at
-    every block of every step, and a rank's resident memory grew to several times its live bytes
-    (tests/check_parallel.py's memory test). A MALLOC_MMAP_THRESHOLD_ the user set is left as it is."""
-    if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        import ctypes
-        try:
-            ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
-        except (OSError, AttributeError):  # (another C library: nothing to set)
-            pass
 
 
 def _rank(parallel):
