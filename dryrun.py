@@ -384,7 +384,10 @@ def compiled_report(w, cfg, dims, remat):
         raise ValueError("--compile compiles one pass over the batch: --grad-accum is not compiled yet (the planner's "
                          "estimate without --compile counts it)")
     program = w.program(cfg.batch_size)
-    planned = estimate(w, dims, cfg.batch_size, cfg.chip, remat, program.saved_bytes(remat))
+    remat = "full" if getattr(cfg, "scan", False) else remat  # (--scan: a layer's input kept, its forward replayed)
+    traced = policy_name(remat) != "none"
+    planned = estimate(w, dims, cfg.batch_size, cfg.chip, remat,
+                       saved_per_sample(w, remat, {traced: program.saved_bytes(traced)}))
     return step_compile.main(program, planned, cfg, TPU_SPECS[cfg.chip])
 
 
