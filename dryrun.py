@@ -451,7 +451,10 @@ if __name__ == "__main__":
         if argv[:1] == ["--calibrate"] and set(argv[1:]) <= {"--breakdown"}:
             from planner import calibrate
             sys.exit(calibrate.main(argv[1:]))
-        raise ValueError(f"expected --calibrate [--breakdown], got {' '.join(argv) or 'nothing'} (the dry run "
+        if argv[:2] == ["--calibrate", "--compile"]:  # (the compiler column: minutes a run)
+            from planner import compile_column
+            sys.exit(compile_column.main(argv[2:]))
+        raise ValueError(f"expected --calibrate [--breakdown] or --calibrate --compile [RUN_ID ...], got {' '.join(argv) or 'nothing'} (the dry run "
                          f"itself is train.py --dry-run; the CPU anchor python -m planner.anchor)")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
