@@ -73,18 +73,29 @@ def row(run, r):
     if "error" in r:
         return head + f" {r['error']}"
     ratio = r["total_bytes"] / r["planned_total_bytes"] - 1
+    if not r["compiler_fits"]:
+        return head + f" does not fit: {r['message'][:200]}"
     return (head + f" {gib(r['total_bytes']):7.1f} {'yes' if r['fits'] else 'NO':<4} {gib(r['planned_total_bytes']):7.1f} "
-            f"{100 * ratio:+6.0f}%{'' if abs(ratio) <= 0.15 else '!'} {r['estimated_step_s']:8.2f}s {r['planned_step_s']:8.2f}s "
-            f"{published:8.2f}s {100 * r['estimated_mfu']:5.1f}% {r['compile_s']:6.0f}s")
+            f"{100 * ratio:+6.0f}%{'' if abs(ratio) <= 0.15 else '!'} {r['rescaled_step_s']:8.2f}s {r['planned_step_s']:8.2f}s "
+            f"{published:8.2f}s {100 * r['cost_model_mfu']:5.1f}% {r['compile_s']:6.0f}s")
 
 
 def main(ids=()):
-    runs = [r for r in calibrate.load() if not ids or r["id"] in ids]
+    by_id = {r["id"]: r for r in calibrate.load()}
+    unknown = [i for i in ids if i not in by_id]
+    if unknown:
+        raise ValueError(f"no calibration run {', '.join(unknown)}; have {', '.join(by_id)}")
+    runs = [by_id[i] for i in ids] if ids else list(by_id.values())  # (in the order asked for)
     print("compiler column (train.py --dry-run --compile --scan at each published layout and batch; XLA:TPU on "
           "compile-only devices, no chip; the planner's figures for the same program: fp32 FSDP, remat full)")
     print(f"{'run':<38} {'chip':<8} {'topology':<11} {'HBM GiB':>7} {'fits':<4} {'planner':>7} {'diff':>7} "
           f"{'est step':>9} {'planner':>9} {'published':>9} {'MFU':>6} {'compile':>7}")
+    print("(est step: the cost model's seconds at the chip's bf16 peak, in units of its own matmul rate; MFU: "
+          "flops_per_step over that step and peak; diff: the compiler's HBM over the planner's)")
+    results = {}
     for run in runs:
         why = skip_reason(run)
-        print(row(run, {"error": f"skipped: {why}"} if why else compile_run(run)), flush=True)
+        results[run["id"]] = {"error": f"skipped: {why}"} if why else compile_run(run)
+        print(row(run, results[run["id"]]), flush=True)
+    print(json.dumps(results), flush=True)
     return 0
