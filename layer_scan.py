@@ -37,12 +37,13 @@ simplefsdp.LayerGather: forward gathers, backward re-gathers and reduce-scatters
 under GSPMD (spmd.py) the same sharding puts XLA's all-gather inside the While body. FSDP2 treats
 the stack as one unit and gathers it whole.
 """
+import contextlib
 import copy
 import dataclasses
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 
 import device as dev
@@ -115,6 +116,12 @@ def _(h, cos, sin, stacked, block_id):
     return torch.empty_like(h), h.new_empty((), dtype=torch.float32), h.new_empty((stacked[0].shape[0], *h.shape))
 
 
+def _examples_like(h):
+    """Where a block's trace makes its example tensors: real empty ones in a run, fake ones when the
+    step is captured on fake tensors (step_compile: a published run's global (B, S, D) is 100+ GB)."""
+    return FakeTensorMode() if is_fake(h) else contextlib.nullcontext()
+
+
 def _vjp_key(h):
     return tuple(h.shape), h.dtype, str(h.device)
 
@@ -134,7 +141,7 @@ def trace_block_vjp(block_id, h, cos, sin, stacked):
             outs, cots = ((out, aux), (grad_h, grad_aux)) if aux.requires_grad else ((out,), (grad_h,))
             return list(torch.autograd.grad(outs, leaves, cots))  # (dense blocks have a constant aux)
 
-    with disable_proxy_modes_tracing(), unset_fake_temporarily():  # also when called during a capture
+    with disable_proxy_modes_tracing(), unset_fake_temporarily(), _examples_like(h):  # also during a capture
         empty = lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)
         fsdp, shapes = _BLOCKS[block_id].fsdp, [w.shape[1:] for w in stacked]
         if fsdp is not None:  # the vjp sees gathered weights, in the compute dtype
@@ -206,7 +213,7 @@ def trace_block_forward(block_id, h, cos, sin, stacked):
     forwards = _BLOCKS[block_id].forwards
     if _vjp_key(h) in forwards:
         return
-    with disable_proxy_modes_tracing(), unset_fake_temporarily():
+    with disable_proxy_modes_tracing(), unset_fake_temporarily(), _examples_like(h):
         empty = lambda t, shape=None: torch.empty(t.shape if shape is None else shape, dtype=t.dtype, device=t.device)
         example = (empty(h), empty(cos), empty(sin), [empty(w, w.shape[1:]) for w in stacked])
         forwards[_vjp_key(h)] = make_fx(lambda h, cos, sin, params: list(_block_call(block_id, params, h, cos, sin)),

@@ -352,7 +352,7 @@ def format_report(r, planned):
              f"  {'step time (cost model estimate / stepmodel)':<44} {r['estimated_step_s'] * 1e3:11.3f} ms "
              f"{r['planned_step_s'] * 1e3:11.3f} ms",
              f"  {'MFU implied (estimate / stepmodel)':<44} {100 * r['estimated_mfu']:13.1f}% {100 * r['planned_mfu']:13.1f}%",
-             f"  {'  at the cost model's own matmul rate':<44} {100 * r['cost_model_mfu']:13.1f}%   (it prices a bf16 matmul "
+             f"  {'  at the cost model own matmul rate':<44} {100 * r['cost_model_mfu']:13.1f}%   (it prices a bf16 matmul "
              f"at {r['cost_model_rate'] / 1e12:.1f} TFLOP/s: step {r['rescaled_step_s'] * 1e3:.1f} ms at the chip's peak)",
              f"  compile {r['compile_s']:.1f} s (the compiler's cost model estimates the step time: not a measurement)"]
     return "\n".join(lines)
