@@ -62,6 +62,9 @@ def compile_run(run):
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
         return {**json.loads(lines[-1]), "wall_s": time.perf_counter() - start}
+    if proc.returncode < 0 or "Fatal Python error" in proc.stderr:  # (a crash inside libtpu's compile)
+        fatal = [ln for ln in proc.stderr.splitlines() if ln.startswith("Fatal Python error")]
+        return {"error": f"the process died in the compile: {(fatal or [f'signal {-proc.returncode}'])[0]}"}
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     return {"error": (errors or proc.stderr.strip().splitlines()[-1:] or ["(no message)"])[-1][:300]}
 
