@@ -31,6 +31,8 @@ and XLA (torch's scan was not evaluated here). On XLA the two ops' kernels build
 instead of Python loops (torch_xla's scan core, torch_xla/experimental/scan.py, without its
 AOTAutograd layer: our backward op is the vjp), so the compiled program, not only the FX graph,
 stays one block long: the same path in eager XLA (autograd calls the backward op) and graph mode.
+Under torchax (the step compiled for a TPU pod, step_compile.py) the two ops are jax.lax.scan over
+the stacked weights, the body the block's own traced graph (register_torchax).
 Limits: static shapes only (MoE needs the Pallas gmm). Under a SimpleFSDP --mesh the (L, ...)
 weights are sharded after the layer axis and each iteration gathers its own layer (the kernels call
 simplefsdp.LayerGather: forward gathers, backward re-gathers and reduce-scatters, one layer ahead);

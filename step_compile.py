@@ -2,6 +2,7 @@
 
     python train.py --dry-run --compile --flavor llama3_debug --mesh ici=4 --chip tpu_v5p
     python train.py --dry-run --compile --flavor llama3_8b --set n_layers=2 --mesh ici=4 --batch-size 8 --seq-len 2048
+    python train.py --dry-run --compile --scan --flavor qwen3_8b --mesh ici=256 --batch-size 256 --seq-len 4096
 
 The question it answers is MaxText's train_compile.py's: will this run compile and fit on that pod?
 The program is the one graph mode runs, not a rewrite of it: graph_trainer.build_step_fn (forward, the
@@ -14,7 +15,12 @@ XLA, dim 0 over ici unless another dim divides where it does not; replicated ove
 dcn x ici), the weights and moments donated (updated in place, as torch_xla aliases them). XLA:TPU
 compiles it for the named topology through JAX's compile-only devices (tpu_target.py): the compiler's
 verdict, its per-device HBM (arguments, temporaries, outputs), its cost model's FLOPs and
-`optimal_seconds`. That time is the compiler's estimate, not a measurement: no chip ran anything.
+`optimal_seconds`. That time is the compiler's estimate, not a measurement: no chip ran anything,
+and the cost model prices a bf16 matmul at 22.8 TFLOP/s a device on v5p and v6e alike, so the
+report also reads it in units of that rate (cost_model_rate). Under --scan the blocks are
+layer_scan's ops, whose JAX form is a lax.scan (one block in a While loop at any depth); the cost
+model counts a While body once, so the step is compiled again at 2 layers an iteration and every
+layer counted from the difference (every_layer_counted).
 
 Why torchax rather than torch_xla's HLO of the SPMD step: torch_xla records a step on lazy tensors
 backed by device data, so its HLO needs the model allocated on some device (the host, here); its
@@ -371,10 +377,10 @@ def main(program, planned, cfg, spec):
     r = compare(compiled, planned, planned["flops_per_device"], spec["peak"], spec["hbm"],
                 cost_model_rate(cfg.chip, compiled.topology) if compiled.fits else None)
     print(format_report(r, planned), flush=True)
+    print(json.dumps(r), flush=True)  # (also for a step that does not fit: its figures, for a table)
     if not compiled.fits:
         raise ValueError(f"does not fit {compiled.topology}: the TPU compiler says {compiled.message}")
     if not r["fits"]:
         raise ValueError(f"does not fit {compiled.topology}: arguments + temporaries + outputs need "
                          f"{r['total_bytes'] / GiB:.2f} GiB a device of {spec['hbm'] / GiB:.0f} GiB HBM")
-    print(json.dumps(r), flush=True)
     return 0

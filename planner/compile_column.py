@@ -60,20 +60,21 @@ def compile_run(run):
     except subprocess.TimeoutExpired:
         return {"error": f"stopped after {TIMEOUT_S} s"}
     lines = proc.stdout.strip().splitlines()
-    if proc.returncode == 0 and lines:
-        return {**json.loads(lines[-1]), "wall_s": time.perf_counter() - start}
+    figures = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}  # (printed fit or not)
+    if proc.returncode == 0 and figures:
+        return {**figures, "wall_s": time.perf_counter() - start}
     if proc.returncode < 0 or "Fatal Python error" in proc.stderr:  # (a crash inside libtpu's compile)
         fatal = [ln for ln in proc.stderr.splitlines() if ln.startswith("Fatal Python error")]
         return {"error": f"the process died in the compile: {(fatal or [f'signal {-proc.returncode}'])[0]}"}
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    return {"error": (errors or proc.stderr.strip().splitlines()[-1:] or ["(no message)"])[-1][:300]}
+    return {**figures, "error": (errors or proc.stderr.strip().splitlines()[-1:] or ["(no message)"])[-1][:300]}
 
 
 def row(run, r):
     gib = lambda b: b / 2**30
     published = calibrate.published_step(run, calibrate.run_shape(run))
     head = f"{run['id']:<38} {run['chip']:<8} {r.get('topology', ''):<11}"
-    if "error" in r:
+    if "error" in r and "planned_total_bytes" not in r:
         return head + f" {r['error']}"
     ratio = r["total_bytes"] / r["planned_total_bytes"] - 1
     if not r["compiler_fits"]:
