@@ -295,6 +295,9 @@ def every_layer_counted(once, twice, layers):
     its own; at 2 layers the scan is unrolled whole: 2 or 3 bodies counted), and each layer's FLOPs,
     bytes and seconds are the difference over the extra bodies. Memory and the verdict are the rolled
     program's: the one a run compiles."""
+    if not twice.fits:  # (2 layers' temporaries out of HBM: no second count, so no cost figures)
+        return dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None,
+                                   compile_s=once.compile_s + twice.compile_s)
     extra = 1 + layers % 2  # bodies counted: 1 at unroll=1; 2 (+1 remainder) at unroll=2
     fix = lambda a, b: a + (layers - 1) * (b - a) / extra if a is not None and b is not None else a
     return dataclasses.replace(once, flops=fix(once.flops, twice.flops), bytes_accessed=fix(once.bytes_accessed, twice.bytes_accessed),
@@ -361,6 +364,8 @@ def format_report(r, planned):
              f"  {'  at the cost model own matmul rate':<44} {100 * r['cost_model_mfu']:13.1f}%   (it prices a bf16 matmul "
              f"at {r['cost_model_rate'] / 1e12:.1f} TFLOP/s: step {r['rescaled_step_s'] * 1e3:.1f} ms at the chip's peak)",
              f"  compile {r['compile_s']:.1f} s (the compiler's cost model estimates the step time: not a measurement)"]
+    if not r["flops"]:
+        lines[8:12] = ["  FLOPs and step not counted: the second compile (2 layers a While iteration) ran out of HBM"]
     return "\n".join(lines)
 
 

@@ -77,11 +77,13 @@ def row(run, r):
     if "error" in r and "planned_total_bytes" not in r:
         return head + f" {r['error']}"
     ratio = r["total_bytes"] / r["planned_total_bytes"] - 1
+    counted = bool(r["flops"])  # (not when the second, 2-layer-an-iteration compile ran out of HBM)
+    step, mfu = (f"{r['rescaled_step_s']:8.2f}s", f"{100 * r['cost_model_mfu']:5.1f}%") if counted else ("-", "-")
     if not r["compiler_fits"]:
         return head + f" does not fit: {r['message'][:200]}"
     return (head + f" {gib(r['total_bytes']):7.1f} {'yes' if r['fits'] else 'NO':<4} {gib(r['planned_total_bytes']):7.1f} "
-            f"{100 * ratio:+6.0f}%{'' if abs(ratio) <= 0.15 else '!'} {r['rescaled_step_s']:8.2f}s {r['planned_step_s']:8.2f}s "
-            f"{published:8.2f}s {100 * r['cost_model_mfu']:5.1f}% {r['compile_s']:6.0f}s")
+            f"{100 * ratio:+6.0f}%{'' if abs(ratio) <= 0.15 else '!'} {step:>9} {r['planned_step_s']:8.2f}s "
+            f"{published:8.2f}s {mfu:>6} {r['compile_s']:6.0f}s")
 
 
 def main(ids=()):
