@@ -384,7 +384,10 @@ def compiled_report(w, cfg, dims, remat):
         raise ValueError("--compile compiles one pass over the batch: --grad-accum is not compiled yet (the planner's "
                          "estimate without --compile counts it)")
     program = w.program(cfg.batch_size)
-    planned = estimate(w, dims, cfg.batch_size, cfg.chip, remat, program.saved_bytes(remat))
+    remat = "full" if getattr(cfg, "scan", False) else remat  # (--scan: a layer's input kept, its forward replayed)
+    traced = policy_name(remat) != "none"
+    planned = estimate(w, dims, cfg.batch_size, cfg.chip, remat,
+                       saved_per_sample(w, remat, {traced: program.saved_bytes(traced)}))
     return step_compile.main(program, planned, cfg, TPU_SPECS[cfg.chip])
 
 
@@ -448,7 +451,10 @@ if __name__ == "__main__":
         if argv[:1] == ["--calibrate"] and set(argv[1:]) <= {"--breakdown"}:
             from planner import calibrate
             sys.exit(calibrate.main(argv[1:]))
-        raise ValueError(f"expected --calibrate [--breakdown], got {' '.join(argv) or 'nothing'} (the dry run "
+        if argv[:2] == ["--calibrate", "--compile"]:  # (the compiler column: minutes a run)
+            from planner import compile_column
+            sys.exit(compile_column.main(argv[2:]))
+        raise ValueError(f"expected --calibrate [--breakdown] or --calibrate --compile [RUN_ID ...], got {' '.join(argv) or 'nothing'} (the dry run "
                          f"itself is train.py --dry-run; the CPU anchor python -m planner.anchor)")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

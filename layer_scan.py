@@ -31,18 +31,21 @@ and XLA (torch's scan was not evaluated here). On XLA the two ops' kernels build
 instead of Python loops (torch_xla's scan core, torch_xla/experimental/scan.py, without its
 AOTAutograd layer: our backward op is the vjp), so the compiled program, not only the FX graph,
 stays one block long: the same path in eager XLA (autograd calls the backward op) and graph mode.
+Under torchax (the step compiled for a TPU pod, step_compile.py) the two ops are jax.lax.scan over
+the stacked weights, the body the block's own traced graph (register_torchax).
 Limits: static shapes only (MoE needs the Pallas gmm). Under a SimpleFSDP --mesh the (L, ...)
 weights are sharded after the layer axis and each iteration gathers its own layer (the kernels call
 simplefsdp.LayerGather: forward gathers, backward re-gathers and reduce-scatters, one layer ahead);
 under GSPMD (spmd.py) the same sharding puts XLA's all-gather inside the While body. FSDP2 treats
 the stack as one unit and gathers it whole.
 """
+import contextlib
 import copy
 import dataclasses
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 
 import device as dev
@@ -53,6 +56,7 @@ class ScannedBlock:
     template: nn.Module  # one block on the meta device: its code and shapes (weights come stacked)
     names: list          # its parameter names, in the order of the stacked list
     vjps: dict = dataclasses.field(default_factory=dict)  # (shape, dtype, device) -> traced fwd + vjp
+    forwards: dict = dataclasses.field(default_factory=dict)  # the same -> traced forward (register_torchax)
     fsdp: object = None  # under SimpleFSDP: the stack holds shards; a simplefsdp.LayerGather gathers a layer
 
 
@@ -114,6 +118,12 @@ def _(h, cos, sin, stacked, block_id):
     return torch.empty_like(h), h.new_empty((), dtype=torch.float32), h.new_empty((stacked[0].shape[0], *h.shape))
 
 
+def _examples_like(h):
+    """Where a block's trace makes its example tensors: real empty ones in a run, fake ones when the
+    step is captured on fake tensors (step_compile: a published run's global (B, S, D) is 100+ GB)."""
+    return FakeTensorMode() if is_fake(h) else contextlib.nullcontext()
+
+
 def _vjp_key(h):
     return tuple(h.shape), h.dtype, str(h.device)
 
@@ -133,7 +143,7 @@ def trace_block_vjp(block_id, h, cos, sin, stacked):
             outs, cots = ((out, aux), (grad_h, grad_aux)) if aux.requires_grad else ((out,), (grad_h,))
             return list(torch.autograd.grad(outs, leaves, cots))  # (dense blocks have a constant aux)
 
-    with disable_proxy_modes_tracing(), unset_fake_temporarily():  # also when called during a capture
+    with disable_proxy_modes_tracing(), unset_fake_temporarily(), _examples_like(h):  # also during a capture
         empty = lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)
         fsdp, shapes = _BLOCKS[block_id].fsdp, [w.shape[1:] for w in stacked]
         if fsdp is not None:  # the vjp sees gathered weights, in the compute dtype
@@ -196,6 +206,74 @@ def _backward(ctx, grad_h, grad_aux, _grad_carries):
 
 
 scan_layers.register_autograd(_backward, setup_context=_setup)
+
+
+def trace_block_forward(block_id, h, cos, sin, stacked):
+    """Trace one block's forward, (h, cos, sin, params) -> [h, aux], like trace_block_vjp (under the
+    caller's autocast and attention backend, once per shape): the scan body of register_torchax's
+    forward. Called where the step is captured (step_compile.capture), not by the ops themselves."""
+    forwards = _BLOCKS[block_id].forwards
+    if _vjp_key(h) in forwards:
+        return
+    with disable_proxy_modes_tracing(), unset_fake_temporarily(), _examples_like(h):
+        empty = lambda t, shape=None: torch.empty(t.shape if shape is None else shape, dtype=t.dtype, device=t.device)
+        example = (empty(h), empty(cos), empty(sin), [empty(w, w.shape[1:]) for w in stacked])
+        forwards[_vjp_key(h)] = make_fx(lambda h, cos, sin, params: list(_block_call(block_id, params, h, cos, sin)),
+                                        tracing_mode="fake")(*example)
+
+
+def _traced(graphs, shape, dtype):
+    """A block's graph traced for carries of `shape` and (torch) `dtype`, on whichever device."""
+    return next(g for key, g in graphs.items() if key[:2] == (tuple(shape), dtype))
+
+
+def register_torchax(on_jax, unroll=1):
+    """The two ops' JAX forms, for torchax (the TPU compile of the step, step_compile.py): each a
+    `jax.lax.scan` over the stacked weights' layer axis, the scan body one block run by torchax from its
+    traced aten graph, so the compiled program has one block in a While loop, as on XLA above.
+    Forward: the carry is (h, aux), each layer's input stacked as the carries; backward: a reverse
+    scan of the block's vjp (trace_block_vjp) from each saved input, the weight gradients stacked.
+    Both block graphs were traced where the step was captured (trace_block_vjp, trace_block_forward);
+    `on_jax(gm)` makes a copy of one runnable by torchax (its factory ops' device). `unroll`: layers a
+    While iteration runs (XLA's cost model counts a While body once, whatever its trip count:
+    step_compile counts a layer's cost from the difference 2 makes). Registered anew on each call."""
+    import jax
+    import jax.numpy as jnp
+    from torchax.ops import mappings, ops_registry
+
+    def graph(graphs, x):  # (a copy: the eager path runs the vjp graph as traced)
+        return on_jax(copy.deepcopy(_traced(graphs, x.shape, mappings.j2t_dtype(x.dtype))))
+
+    def run(gm, env, *args):  # (inside an op's lowering torchax's modes are off: on again for the body)
+        enabled = env.enabled
+        with env:
+            out = env.t2j_iso(gm(*env.j2t_iso(args)))
+        env.enabled = enabled
+        return out
+
+    def forward(h, cos, sin, stacked, block_id, env):
+        gm = graph(_BLOCKS[block_id].forwards, h)
+
+        def body(carry, weights):
+            out, aux = run(gm, env, carry[0], cos, sin, list(weights))
+            return (out, carry[1] + aux), carry[0]
+        (h, aux), carries = jax.lax.scan(body, (h, jnp.zeros((), jnp.float32)), list(stacked), unroll=unroll)
+        return h, aux, carries
+
+    def backward(carries, cos, sin, stacked, grad_h, grad_aux, block_id, env):
+        gm = graph(_BLOCKS[block_id].vjps, carries[0])
+
+        def body(grad, saved):  # (behind a barrier, as JAX's checkpoint: an unrolled layer's replay is
+            saved = jax.lax.optimization_barrier(saved)  # not merged with its forward by XLA's CSE)
+            grad, *grad_params = run(gm, env, saved[0], cos, sin, list(saved[1]), grad, grad_aux)
+            return grad, grad_params
+        grad_h, grads = jax.lax.scan(body, grad_h, (carries, list(stacked)), reverse=True, unroll=unroll)
+        return [grad_h, *grads]
+
+    for op, form in ((torch.ops.minititan.scan_layers.default, forward),
+                     (torch.ops.minititan.scan_layers_bwd.default, backward)):  # (replaced: no duplicate warning)
+        ops_registry.all_aten_ops[op] = ops_registry.Operator(op, form, is_jax_function=True, is_user_defined=True,
+                                                              needs_env=True, is_view_op=False)
 
 
 class StackedLayers(nn.Module):

@@ -2,6 +2,7 @@
 
     python train.py --dry-run --compile --flavor llama3_debug --mesh ici=4 --chip tpu_v5p
     python train.py --dry-run --compile --flavor llama3_8b --set n_layers=2 --mesh ici=4 --batch-size 8 --seq-len 2048
+    python train.py --dry-run --compile --scan --flavor qwen3_8b --mesh ici=256 --batch-size 256 --seq-len 4096
 
 The question it answers is MaxText's train_compile.py's: will this run compile and fit on that pod?
 The program is the one graph mode runs, not a rewrite of it: graph_trainer.build_step_fn (forward, the
@@ -14,7 +15,12 @@ XLA, dim 0 over ici unless another dim divides where it does not; replicated ove
 dcn x ici), the weights and moments donated (updated in place, as torch_xla aliases them). XLA:TPU
 compiles it for the named topology through JAX's compile-only devices (tpu_target.py): the compiler's
 verdict, its per-device HBM (arguments, temporaries, outputs), its cost model's FLOPs and
-`optimal_seconds`. That time is the compiler's estimate, not a measurement: no chip ran anything.
+`optimal_seconds`. That time is the compiler's estimate, not a measurement: no chip ran anything,
+and the cost model prices a bf16 matmul at 22.8 TFLOP/s a device on v5p and v6e alike, so the
+report also reads it in units of that rate (cost_model_rate). Under --scan the blocks are
+layer_scan's ops, whose JAX form is a lax.scan (one block in a While loop at any depth); the cost
+model counts a While body once, so the step is compiled again at 2 layers an iteration and every
+layer counted from the difference (every_layer_counted).
 
 Why torchax rather than torch_xla's HLO of the SPMD step: torch_xla records a step on lazy tensors
 backed by device data, so its HLO needs the model allocated on some device (the host, here); its
@@ -44,10 +50,12 @@ import torch
 
 import graph_passes
 import graph_trainer
+import layer_scan
 import optim
 import spmd
 
 GiB = 2**30
+AUTOCAST = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # graph mode's: bf16 matmuls over fp32 weights
 
 
 @dataclasses.dataclass
@@ -89,9 +97,14 @@ def capture(program, remat, clip):
                    torch.empty(()), torch.empty(()), *[torch.empty(s, dtype=d) for s, d in program.batch])
     defaults = optim.AdamW.__init__.__defaults__  # (betas, eps, weight_decay): the trainer's optimizer's
     step_fn = graph_trainer.build_step_fn(model, names, program.loss, clip, *defaults, optim.decay_mask(names, metas),
-                                          lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+                                          AUTOCAST)
     with sdpa_kernel(SDPBackend.MATH):
         gm = graph_trainer.capture(step_fn, example)
+        with AUTOCAST():  # --scan: each stack's block forward traced as its vjp was (the scan's JAX form)
+            for node in gm.graph.nodes:
+                if node.target == torch.ops.minititan.scan_layers.default:
+                    h, cos, sin, stacked, block = torch.fx.node.map_arg(node.args, lambda a: a.meta["val"])
+                    layer_scan.trace_block_forward(block, h, cos, sin, stacked)
     if remat:
         gm = behind_barrier(graph_passes.remat(gm))
     return for_torchax(gm, example), example
@@ -177,27 +190,33 @@ def for_torchax(gm, example):
              if n.op == "call_function" and "aten._foreach_" in str(n.target)}
     gm = make_fx(gm, decomposition_table=table, tracing_mode="fake")(*example)
     for node in list(gm.graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target == torch.ops.minititan.forward_end.default:
+        if node.op == "call_function" and node.target == torch.ops.minititan.forward_end.default:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
-        elif "device" in node.kwargs:  # a cast keeps its tensor's place; a factory op makes a JAX array
+    return on_jax(gm)
+
+
+def on_jax(gm):
+    """A graph traced on CPU made runnable by torchax: a cast keeps its tensor's place, a factory op
+    makes a JAX array (also --scan's block graphs: layer_scan.register_torchax)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "device" in node.kwargs:
             node.kwargs = {**node.kwargs, "device": None if node.target == torch.ops.aten._to_copy.default else "jax"}
     gm.recompile()
     return gm
 
 
-def abstract_inputs(example, dims, devices):
+def abstract_inputs(example, dims, devices, stacked):
     """ShapeDtypeStructs of the step's inputs on a (dcn, ici) mesh of the compile-only devices, with
-    the layout's shardings; and the outputs' (new weights and moments like the old, scalars whole)."""
+    the layout's shardings (`stacked`: a flag a parameter, a --scan stack's keeps its layer axis
+    whole); and the outputs' (new weights and moments like the old, scalars whole)."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     mesh = Mesh(np.array(devices).reshape(dims["dcn"], dims["ici"]), ("dcn", "ici"))
     whole = NamedSharding(mesh, PartitionSpec())
 
-    def param(t):
-        spec = spmd.partition_spec(tuple(t.shape), dims["ici"])
+    def param(t, stack):
+        spec = spmd.partition_spec(tuple(t.shape), dims["ici"], stack)
         even = all(n % dims["ici"] == 0 for n, s in zip(t.shape, spec) if s)
         return NamedSharding(mesh, PartitionSpec(*spec) if even else PartitionSpec())
 
@@ -206,7 +225,7 @@ def abstract_inputs(example, dims, devices):
             if t.dtype != torch.bfloat16 else jax.numpy.bfloat16
         return jax.ShapeDtypeStruct(tuple(t.shape), dtype, sharding=sharding)
     params, buffers, exp_avg, exp_avg_sq, step, lr, *batch = example
-    shardings = [param(p) for p in params]
+    shardings = [param(p, stack) for p, stack in zip(params, stacked)]
     states = [[struct(t, s) for t, s in zip(ts, shardings)] for ts in (params, exp_avg, exp_avg_sq)]
     over_dp = NamedSharding(mesh, PartitionSpec(("dcn", "ici")))
     inputs = (states[0], [struct(b, whole) for b in buffers], states[1], states[2], struct(step, whole),
@@ -214,8 +233,9 @@ def abstract_inputs(example, dims, devices):
     return inputs, (shardings, list(shardings), list(shardings), whole, whole)
 
 
-def jax_step(gm, out_shardings):
-    """The step graph as a JAX function: torchax runs its aten ops on JAX values (tracers, under jit)."""
+def jax_step(gm, out_shardings, unroll=1):
+    """The step graph as a JAX function: torchax runs its aten ops on JAX values (tracers, under jit);
+    --scan's ops as lax.scan, `unroll` layers a While iteration (layer_scan.register_torchax)."""
     import jax
     import torchax
     from torchax.ops import ops_registry
@@ -224,6 +244,7 @@ def jax_step(gm, out_shardings):
         ops_registry.register_torch_dispatch_op(barrier_op, lambda xs: list(jax.lax.optimization_barrier(list(xs))))
         ops_registry.register_torch_dispatch_op(torch.ops.minititan_compile.over_batch.default,
                                                 lambda x: jax.lax.with_sharding_constraint(x, _ROWS_SHARDING[0]))
+    layer_scan.register_torchax(on_jax, unroll)
     env = torchax.default_env()
     env.load_ops()
 
@@ -248,20 +269,56 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0):
         raise ValueError(f"topology {name} has {len(devices)} devices; the mesh has {dims['dcn'] * dims['ici']}")
     start = time.perf_counter()
     gm, example = capture(program, remat, clip)
-    inputs, out_shardings = abstract_inputs(example, dims, devices)
+    in_stack = {id(p) for m in program.model.modules() if isinstance(m, layer_scan.StackedLayers) for p in m.parameters()}
+    inputs, out_shardings = abstract_inputs(example, dims, devices, [id(p) in in_stack for p in program.model.parameters()])
     gm = rows_over_batch(gm, math.prod(program.batch[0][0]), {tuple(p.shape) for p in example[0]})
     _ROWS_SHARDING[0] = inputs[-1].sharding  # (the batch's: dim 0 over dcn x ici)
     capture_s = time.perf_counter() - start
-    try:
-        compiled = tpu_target.compile(jax_step(gm, out_shardings), *inputs, chip=chip, topology=name,
+
+    def compiled(unroll):
+        try:
+            return tpu_target.compile(jax_step(gm, out_shardings, unroll), *inputs, chip=chip, topology=name,
                                       donate_argnums=(0, 2, 3))
-    except tpu_target.CompileFailed as e:
-        raise ValueError(f"the TPU compiler refused the step for {name}: {e}") from None
-    return compiled, capture_s
+        except tpu_target.CompileFailed as e:
+            raise ValueError(f"the TPU compiler refused the step for {name}: {e}") from None
+    layers = [m.n_layers for m in program.model.modules() if isinstance(m, layer_scan.StackedLayers)]
+    once = compiled(1)
+    if not layers or layers[0] < 2 or not once.fits:
+        return once, capture_s
+    return every_layer_counted(once, compiled(2), layers[0]), capture_s
 
 
-def compare(compiled, planned, flops_per_device, peak, hbm):
-    """The compiler's figures beside the planner's (dryrun.estimate's report for the same layout)."""
+def every_layer_counted(once, twice, layers):
+    """--scan's cost with every layer counted. XLA's cost model counts a While body once, whatever
+    its trip count (measured: llama3_debug's scan step, 2.130e9 FLOPs at 2 layers, 2.134e9 at 4): so
+    the step is compiled again with 2 layers a While iteration (JAX puts an odd layer in a loop of
+    its own; at 2 layers the scan is unrolled whole: 2 or 3 bodies counted), and each layer's FLOPs,
+    bytes and seconds are the difference over the extra bodies. Memory and the verdict are the rolled
+    program's: the one a run compiles."""
+    if not twice.fits:  # (2 layers' temporaries out of HBM: no second count, so no cost figures)
+        return dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None,
+                                   compile_s=once.compile_s + twice.compile_s)
+    extra = 1 + layers % 2  # bodies counted: 1 at unroll=1; 2 (+1 remainder) at unroll=2
+    fix = lambda a, b: a + (layers - 1) * (b - a) / extra if a is not None and b is not None else a
+    return dataclasses.replace(once, flops=fix(once.flops, twice.flops), bytes_accessed=fix(once.bytes_accessed, twice.bytes_accessed),
+                               optimal_seconds=fix(once.optimal_seconds, twice.optimal_seconds),
+                               compile_s=once.compile_s + twice.compile_s)
+
+
+def cost_model_rate(chip, topology):
+    """FLOP/s the compiler's cost model gives one device on a bf16 (8192 x 8192)^2 matmul: its
+    `optimal_seconds` is not the chip's time (measured: 22.8 TFLOP/s for v5p and v6e alike, 5% and
+    2.5% of their published bf16 peaks), so a step's estimate is also read in units of this rate."""
+    import jax
+    import tpu_target
+    x = jax.ShapeDtypeStruct((8192, 8192), jax.numpy.bfloat16)
+    mm = tpu_target.compile(lambda a, b: a @ b, x, x, chip=chip, topology=topology)
+    return mm.flops / mm.optimal_seconds
+
+
+def compare(compiled, planned, flops_per_device, peak, hbm, rate=None):
+    """The compiler's figures beside the planner's (dryrun.estimate's report for the same layout);
+    `rate`: the cost model's own matmul FLOP/s (cost_model_rate), to read its step against."""
     mem = planned["memory_bytes"]
     state = sum(v for k, v in mem.items() if k.startswith(("params", "AdamW")))
     out = compiled.output_bytes - compiled.alias_bytes
@@ -275,15 +332,21 @@ def compare(compiled, planned, flops_per_device, peak, hbm):
             "planned_gathered_bytes": sum(v for k, v in mem.items() if k.startswith("gathered")),
             "planned_total_bytes": planned["total_bytes"], "planned_fits": planned["fits"],
             "flops": flops, "flops_per_step": flops_per_device, "estimated_step_s": seconds,
+            "bytes_accessed": compiled.bytes_accessed or 0.0,
             "estimated_mfu": flops_per_device / (seconds * peak) if seconds else 0.0,
+            "cost_model_rate": rate or 0.0, "cost_model_mfu": flops_per_device / (seconds * rate) if seconds and rate else 0.0,
+            "rescaled_step_s": seconds * rate / peak if rate else 0.0,
             "planned_step_s": planned["step_s"], "planned_mfu": planned["mfu"], "compile_s": compiled.compile_s}
+
+
+REMAT_LABELS = {False: "remat off", True: "remat on", "full": "--scan (each layer's input kept, its forward replayed)"}
 
 
 def format_report(r, planned):
     g = lambda b: f"{b / GiB:10.3f} GiB"
     head = (f"compiled for {r['topology']} ({planned['devices']} x {planned['chip']}, mesh {planned['mesh']}): "
             f"{planned['flavor']}, {planned['local_batch']} x {planned['seq_len']} tokens per data-parallel rank, "
-            f"remat {'on' if planned['remat'] else 'off'}; XLA:TPU on compile-only devices, no chip")
+            f"{REMAT_LABELS.get(planned['remat'], planned['remat'])}; XLA:TPU on compile-only devices, no chip")
     if not r["compiler_fits"]:
         return head
     lines = [head, f"  {'per device':<44} {'compiler':>14} {'planner':>14}",
@@ -298,7 +361,11 @@ def format_report(r, planned):
              f"  {'step time (cost model estimate / stepmodel)':<44} {r['estimated_step_s'] * 1e3:11.3f} ms "
              f"{r['planned_step_s'] * 1e3:11.3f} ms",
              f"  {'MFU implied (estimate / stepmodel)':<44} {100 * r['estimated_mfu']:13.1f}% {100 * r['planned_mfu']:13.1f}%",
+             f"  {'  at the cost model own matmul rate':<44} {100 * r['cost_model_mfu']:13.1f}%   (it prices a bf16 matmul "
+             f"at {r['cost_model_rate'] / 1e12:.1f} TFLOP/s: step {r['rescaled_step_s'] * 1e3:.1f} ms at the chip's peak)",
              f"  compile {r['compile_s']:.1f} s (the compiler's cost model estimates the step time: not a measurement)"]
+    if not r["flops"]:
+        lines[8:12] = ["  FLOPs and step not counted: the second compile (2 layers a While iteration) ran out of HBM"]
     return "\n".join(lines)
 
 
@@ -307,17 +374,18 @@ def main(program, planned, cfg, spec):
     planner's layout, its figures beside `planned` (dryrun.estimate for the same program); one
     `error:` line (ValueError) when it does not fit."""
     import json
-    if cfg.scan:
-        raise ValueError("--compile compiles the unrolled step (--scan's custom ops have no JAX form here yet)")
     dims = {"dcn": 1, "tp": 1, "ep": 1, **dict(p.split("=") for p in planned["mesh"].split(","))}
     dims = {k: int(v) for k, v in dims.items()}
-    compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"], cfg.clip)
-    r = compare(compiled, planned, planned["flops_per_device"], spec["peak"], spec["hbm"])
+    if cfg.scan:  # (the planner's column is then remat "full": dryrun.compiled_report)
+        layer_scan.stack_layers(program.model)
+    compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"] is True, cfg.clip)
+    r = compare(compiled, planned, planned["flops_per_device"], spec["peak"], spec["hbm"],
+                cost_model_rate(cfg.chip, compiled.topology) if compiled.fits else None)
     print(format_report(r, planned), flush=True)
+    print(json.dumps(r), flush=True)  # (also for a step that does not fit: its figures, for a table)
     if not compiled.fits:
         raise ValueError(f"does not fit {compiled.topology}: the TPU compiler says {compiled.message}")
     if not r["fits"]:
         raise ValueError(f"does not fit {compiled.topology}: arguments + temporaries + outputs need "
                          f"{r['total_bytes'] / GiB:.2f} GiB a device of {spec['hbm'] / GiB:.0f} GiB HBM")
-    print(json.dumps(r), flush=True)
     return 0

@@ -238,7 +238,8 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=()):
             compiled = lowered.compile()
     except Exception as e:
         text = str(e)
-        if "RESOURCE_EXHAUSTED" in text and ("memory space hbm" in text or "HbmOom" in text):  # (libtpu 0.0.24, 0.0.52)
+        if "RESOURCE_EXHAUSTED" in text and ("memory space hbm" in text or "HbmOom" in text  # (libtpu 0.0.24, 0.0.52;
+                                             or "space=hbm" in text):  # one buffer larger than HBM, 0.0.24)
             return Compiled(chip, name, False, _first_line(text.split("RESOURCE_EXHAUSTED: ")[-1]),
                             compile_s=time.perf_counter() - start)
         raise CompileFailed(text) from None

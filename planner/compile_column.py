@@ -1,0 +1,107 @@
+"""compile_column.py: the calibration table's compiler column. `python dryrun.py --calibrate --compile
+[RUN_ID ...]` compiles each published run of calibration.json that a family here can express, at its
+published layout, global batch and sequence, for its chip's pod topology, with the real TPU compiler
+(`train.py --dry-run --compile --scan`, one child process a run, one at a time), and prints, per
+device: the compiler's HBM and verdict beside the planner's for the same program, and the compiler's
+estimated step beside the planner's and the published step.
+
+What is compiled is minititan's program, not the published one: fp32 weights and AdamW moments
+sharded over every chip (FSDP), the blocks under --scan (each layer's input kept, its forward replayed
+in the backward: MaxText's "full" remat, whatever the run published), the reference attention and
+loss (XLA's, not the Pallas kernels: the compiler's cost model does not see inside a Mosaic kernel).
+So the planner's HBM beside it is for that same program (remat "full"); the published layout's own
+planner figures (its remat policy, precision and kernels) are in `dryrun.py --calibrate`.
+A run is skipped, with the reason, where the compile cannot express it: MoE (refused under --compile),
+FLUX, several slices (dcn > 1: one slice's topology is described), tensor / expert parallelism, and
+Ironwood (.venv-tpu, whose jax / libtpu pair knows tpu7x, has no torchax).
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+from planner import calibrate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 600
+# Published architectures with no model.py flavor, as a flavor with overrides (shapes.PLANNER_MODELS)
+# (Llama 3's rope scaling changes the rotary table's values, not a shape)
+FLAVOR_OF = {"llama2_70b": ("llama3_70b", ["--set", "vocab_size=32000"])}
+
+
+def skip_reason(run):
+    """Why a run cannot be compiled here (None: it can)."""
+    if run["model"].startswith("flux"):
+        return "FLUX: not compiled yet"
+    if calibrate.run_shape(run).n_experts:
+        return "MoE: refused under --compile (the grouped matmul's reference has data-dependent shapes)"
+    if run["dcn"] > 1:
+        return f"{run['dcn']} slices: tpu_target describes one slice's topology"
+    if run.get("tp", 1) > 1 or run.get("ep", 1) > 1:
+        return "tp / ep: not compiled yet"
+    if run["chip"] == "tpu_v7":
+        return "Ironwood: .venv-tpu (jax 0.10.2 + libtpu 0.0.52) has no torchax"
+    return None
+
+
+def command(run):
+    flavor, extra = FLAVOR_OF.get(run["model"], (run["model"], []))
+    return [sys.executable, os.path.join(ROOT, "train.py"), "--dry-run", "--compile", "--scan", "--chip", run["chip"],
+            "--flavor", flavor, *extra, "--set", f"max_seq_len={run['seq_len']}", "--mesh", f"ici={run['ici']}",
+            "--batch-size", str(run["global_batch"]), "--seq-len", str(run["seq_len"])]
+
+
+def compile_run(run):
+    """The compile's JSON line (step_compile.compare), or {"error": one line}."""
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(command(run), capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"stopped after {TIMEOUT_S} s"}
+    lines = proc.stdout.strip().splitlines()
+    figures = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}  # (printed fit or not)
+    if proc.returncode == 0 and figures:
+        return {**figures, "wall_s": time.perf_counter() - start}
+    if proc.returncode < 0 or "Fatal Python error" in proc.stderr:  # (a crash inside libtpu's compile)
+        fatal = [ln for ln in proc.stderr.splitlines() if ln.startswith("Fatal Python error")]
+        return {"error": f"the process died in the compile: {(fatal or [f'signal {-proc.returncode}'])[0]}"}
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    return {**figures, "error": (errors or proc.stderr.strip().splitlines()[-1:] or ["(no message)"])[-1][:300]}
+
+
+def row(run, r):
+    gib = lambda b: b / 2**30
+    published = calibrate.published_step(run, calibrate.run_shape(run))
+    head = f"{run['id']:<38} {run['chip']:<8} {r.get('topology', ''):<11}"
+    if "error" in r and "planned_total_bytes" not in r:
+        return head + f" {r['error']}"
+    ratio = r["total_bytes"] / r["planned_total_bytes"] - 1
+    counted = bool(r["flops"])  # (not when the second, 2-layer-an-iteration compile ran out of HBM)
+    step, mfu = (f"{r['rescaled_step_s']:8.2f}s", f"{100 * r['cost_model_mfu']:5.1f}%") if counted else ("-", "-")
+    if not r["compiler_fits"]:
+        return head + f" does not fit: {r['message'][:200]}"
+    return (head + f" {gib(r['total_bytes']):7.1f} {'yes' if r['fits'] else 'NO':<4} {gib(r['planned_total_bytes']):7.1f} "
+            f"{100 * ratio:+6.0f}%{'' if abs(ratio) <= 0.15 else '!'} {step:>9} {r['planned_step_s']:8.2f}s "
+            f"{published:8.2f}s {mfu:>6} {r['compile_s']:6.0f}s")
+
+
+def main(ids=()):
+    by_id = {r["id"]: r for r in calibrate.load()}
+    unknown = [i for i in ids if i not in by_id]
+    if unknown:
+        raise ValueError(f"no calibration run {', '.join(unknown)}; have {', '.join(by_id)}")
+    runs = [by_id[i] for i in ids] if ids else list(by_id.values())  # (in the order asked for)
+    print("compiler column (train.py --dry-run --compile --scan at each published layout and batch; XLA:TPU on "
+          "compile-only devices, no chip; the planner's figures for the same program: fp32 FSDP, remat full)")
+    print(f"{'run':<38} {'chip':<8} {'topology':<11} {'HBM GiB':>7} {'fits':<4} {'planner':>7} {'diff':>7} "
+          f"{'est step':>9} {'planner':>9} {'published':>9} {'MFU':>6} {'compile':>7}")
+    print("(est step: the cost model's seconds at the chip's bf16 peak, in units of its own matmul rate; MFU: "
+          "flops_per_step over that step and peak; diff: the compiler's HBM over the planner's)")
+    results = {}
+    for run in runs:
+        why = skip_reason(run)
+        results[run["id"]] = {"error": f"skipped: {why}"} if why else compile_run(run)
+        print(row(run, results[run["id"]]), flush=True)
+    print(json.dumps(results), flush=True)
+    return 0
