@@ -68,11 +68,14 @@ def holds_checkpoints(ckpt_dir):
     return bool(step_dirs(ckpt_dir)) or os.path.exists(os.path.join(ckpt_dir, "latest"))
 
 
-def save(ckpt_dir, step, state, meta, planner=None):
+def save(ckpt_dir, step, state, meta, shards=None):
     """Write `state` (a nested dict of tensors / picklable values) as checkpoint `step`, atomically:
     the four steps of the protocol in the module docstring, one function each. Tensors are copied to
-    the host first (to_cpu), unless a layout's DCP `planner` copies them shard by shard (spmd_checkpoint.py)."""
-    state = state if planner is not None else to_cpu(state)
+    the host first (to_cpu), unless the layout writes them shard by shard from its devices
+    (`shards`, Parallel.checkpoint_shards: spmd_checkpoint.DeviceShards)."""
+    if shards is not None:
+        shards.place(state)
+    state, planner = (to_cpu(state), None) if shards is None else (state, shards.save_planner())
     name = f"step_{step:06d}"
     final, tmp = os.path.join(ckpt_dir, name), os.path.join(ckpt_dir, name + ".tmp")
     if _rank() == 0:
@@ -192,6 +195,27 @@ def load(path, state, planner=None):
             raise  # a dead peer, SIGINT / SIGTERM mid-load: process.py's own lines
         raise CheckpointError(f"checkpoint {path} could not be loaded ({str(e).strip().splitlines()[-1][:200]})") from None
     return state
+
+
+def load_into(path, live, shards=None):
+    """Fill the live state (the trainer's own tensors, in the nested dict it saves) from `path` in
+    place: DCP reads into host copies (to_cpu), each then copied into its live tensor, unless the
+    layout reads into its devices shard by shard (`shards`, as in `save`)."""
+    if shards is not None:
+        shards.place(live)
+    host = load(path, to_cpu(live), None) if shards is None else load(path, live, shards.load_planner())
+
+    def copy_into(live_tree, host_tree):
+        for key, value in live_tree.items():
+            if isinstance(value, dict):
+                copy_into(value, host_tree[key])
+            elif isinstance(value, torch.Tensor) and host_tree[key] is not value:
+                value.copy_(host_tree[key])
+    with torch.no_grad():
+        copy_into(live, host)
+    if shards is not None:
+        shards.place(live)
+    return live
 
 
 # ------------------------------------------------------------------------------------------------

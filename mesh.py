@@ -130,9 +130,9 @@ class TorchrunMesh(Parallel):
             raise MeshError(f"--mesh {self.mesh_spec!r}: {e}") from None
 
     def parallelize(self, model, units=(), family=None):
-        """The family's own split (tensor parallel, then expert parallel: ModelFamily.split), then data
-        parallel (SimpleFSDP, or FSDP2: the oracle, one fully_shard unit per block of `units`, then the
-        rest). A model on the meta device stays there until the shards are placed, then each rank
+        """What the mesh does to a model, in order (docs/layouts.md): the family's own split (tensor
+        parallel, then expert parallel: ModelFamily.split), its sequence over cp, then data parallel
+        (SimpleFSDP, or FSDP2: the oracle, one fully_shard unit per block of `units`, then the rest). A model on the meta device stays there until the shards are placed, then each rank
         allocates only its own (materialize.py fills them)."""
         meta = any(p.is_meta for p in model.parameters())
         model = model if meta else model.to(self.device)

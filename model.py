@@ -12,7 +12,6 @@ moe_impl), looked up in the tables below (the Pallas kernels of kernels_splash.p
 `tpu_config(args)` rewrites a config to use them. The model and trainer never change.
 """
 import dataclasses
-import importlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -175,24 +174,41 @@ def gmm_reference(x_MxK, w_GxKxN, group_sizes_G):
     return torch.cat(out, dim=0) if out else x_MxK.new_zeros(0, w_GxKxN.shape[-1])
 
 
-# Every implementation by name. The ones living in other files are named "module:function" and
-# imported when first used (those files do not import this one: no cycle, and no file writes into
-# another's table). kernels_splash.py, kernels_pallas.py and kernels_gmm.py hold the Pallas kernels; tensor_parallel.py the loss over a
-# vocabulary split across tp ranks (tensor_parallel.config picks it).
-ATTENTION_IMPLS = {"sdpa": sdpa_attention, "splash": "kernels_splash:splash_attention"}
-LOSS_IMPLS = {"plain": plain_cross_entropy, "fused": "kernels_pallas:fused_linear_cross_entropy",
-              "vocab_parallel": "tensor_parallel:vocab_parallel_cross_entropy"}
-GMM_IMPLS = {"reference": gmm_reference, "gmm": "kernels_gmm:gmm"}
+# Every implementation by name, as a function that returns it. The ones living in other files are
+# imported when a run first asks for them: the Pallas kernels (kernels_splash.py, kernels_pallas.py,
+# kernels_gmm.py) load JAX, and tensor_parallel.py (the loss over a vocabulary split across tp ranks,
+# which tensor_parallel.config picks) loads torch's tensor-parallel API; a run without them pays for
+# neither. No file writes into another's table.
+def _splash_attention():
+    from kernels_splash import splash_attention
+    return splash_attention
+
+
+def _fused_linear_cross_entropy():
+    from kernels_pallas import fused_linear_cross_entropy
+    return fused_linear_cross_entropy
+
+
+def _vocab_parallel_cross_entropy():
+    from tensor_parallel import vocab_parallel_cross_entropy
+    return vocab_parallel_cross_entropy
+
+
+def _pallas_gmm():
+    from kernels_gmm import gmm
+    return gmm
+
+
+ATTENTION_IMPLS = {"sdpa": lambda: sdpa_attention, "splash": _splash_attention}
+LOSS_IMPLS = {"plain": lambda: plain_cross_entropy, "fused": _fused_linear_cross_entropy,
+              "vocab_parallel": _vocab_parallel_cross_entropy}
+GMM_IMPLS = {"reference": lambda: gmm_reference, "gmm": _pallas_gmm}
 
 
 def lookup_impl(registry, name, kind):
     if name not in registry:
         raise ValueError(f"unknown {kind} implementation {name!r}; have {sorted(registry)}")
-    fn = registry[name]
-    if isinstance(fn, str):
-        module, attr = fn.split(":")
-        fn = getattr(importlib.import_module(module), attr)
-    return fn
+    return registry[name]()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ What a layout must answer, and nothing more:
     data parallel; `units` are the model's repeated modules as the trainer gets them from the workload;
     a model on the meta device comes back allocated, each process holding only its own shards) and
     `fill(param, whole)` (this process's block of a whole tensor into `param`: materialize.py);
-  - checkpoints: `checkpoint_planners()` (DCP planners where the host cannot take the state whole);
+  - checkpoints: `checkpoint_shards()` (None: DCP through host copies; or how checkpoint.py writes and
+    reads this layout's state shard by shard on its devices: spmd_checkpoint.DeviceShards);
   - the step: `local(params)` (what the elementwise optimizer updates), `like(shards, params)` (back
     to the parameters' form for checkpoints and the traced step), `place_state`, `place_batch`,
     `grads(loss, params, last)`, `global_sq_norm(sq_N)` (clipping), `mean_over_dp(x)` (logged losses);
@@ -105,9 +106,9 @@ class Parallel:
         return model.to(self.device)
 
     @staticmethod
-    def checkpoint_planners():
-        """(save, load) DCP planners for this layout's state, or (None, None): DCP's own, on the host."""
-        return None, None
+    def checkpoint_shards():
+        """None: checkpoint.py copies the state to the host and DCP writes each process's shards."""
+        return None
 
     @staticmethod
     def fill(param, whole):

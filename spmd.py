@@ -20,7 +20,7 @@ parameter filled by an in-place copy loses its spec after the first update (`fil
 `model.to` does). The model comes built on the meta device (materialize.py): `parallelize` allocates
 it and `fill` sends each whole parameter, one at a time, to its shards. The mesh is `Mesh` here and
 `HybridMesh` on a TPU pod slice (ICI inside a slice, DCN across). Checkpoints are written and read
-shard by shard (`checkpoint_planners`: spmd_checkpoint.py), each distinct device shard once, in DCP's
+shard by shard (`checkpoint_shards`: spmd_checkpoint.py), each distinct device shard once, in DCP's
 format, so one process or a torchrun mesh resumes from them (--allow-change mesh); what a multi-host
 pod adds (a process group for DCP across hosts) is not run here (docs/tpu.md).
 The Pallas kernels under SPMD would need manual sharding around the custom call: refused for now.
@@ -90,8 +90,9 @@ class XlaSpmd(Parallel):
         model = Parallel.parallelize(self, model)
         if self.sequence is not None:
             family.split_sequence(model, self.sequence)
-        params = list(model.parameters())
+        names, params = zip(*model.named_parameters())
         self.specs, self.spec_of = specs, {id(p): s for p, s in zip(params, specs)}
+        self.spec_of_name = dict(zip(names, specs))
         self.mark(params)
         return model
 
@@ -109,15 +110,14 @@ class XlaSpmd(Parallel):
             self.xs.mark_sharding(t, self.mesh, spec)
         return tensors
 
-    @staticmethod
-    def checkpoint_planners():
-        """Each distinct device shard written once, and read back into its devices (spmd_checkpoint.py)."""
+    def checkpoint_shards(self):
+        """Each distinct device shard written once and read back into its device, every tensor of the
+        state with its parameter's partition spec around both (spmd_checkpoint.py)."""
         import spmd_checkpoint
-        return spmd_checkpoint.SaveShards(), spmd_checkpoint.LoadShards()
+        return spmd_checkpoint.DeviceShards(lambda t, spec: self.xs.mark_sharding(t, self.mesh, spec), self.spec_of_name)
 
     def place_state(self, state):
-        """AdamW's moments like their parameters (zeros_like does not carry the spec); after a
-        checkpoint restore, the parameters too (a copy from the host leaves a tensor replicated)."""
+        """AdamW's moments like their parameters (zeros_like does not carry the spec)."""
         for tensors in state.values():
             self.mark(tensors)
 

@@ -51,6 +51,32 @@ def distinct_shards(t):
     return [(torch.Size(a for a, _ in box), torch.Size(b - a for a, b in box), where) for box, where in found.items()]
 
 
+class DeviceShards:
+    """What checkpoint.save / load_into need from XLA SPMD: the two planners below, and `place(state)`,
+    which gives every tensor of the trainer's state keyed by a parameter's name (the weights, AdamW's
+    moments) that parameter's partition spec. checkpoint.py places the state before a save (an in-place
+    update can leave a tensor without its spec) and before and after a load (a copy from the host
+    leaves a tensor replicated)."""
+
+    def __init__(self, mark_sharding, spec_of_name):
+        self.mark_sharding, self.spec_of_name = mark_sharding, spec_of_name
+
+    @staticmethod
+    def save_planner():
+        return SaveShards()
+
+    @staticmethod
+    def load_planner():
+        return LoadShards()
+
+    def place(self, tree):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                self.place(value)
+            elif key in self.spec_of_name:
+                self.mark_sharding(value, self.spec_of_name[key])
+
+
 class SaveShards(DefaultSavePlanner):
     """DCP save planner: XLA tensors as their distinct shards, each copied to the host when written."""
 

@@ -174,29 +174,15 @@ class Trainer:
                 "step": torch.tensor(self.step), "rng": torch.get_rng_state()}
 
     def save(self):
-        self.parallel.place_state({"params": self.params, **self.opt.state})  # (SPMD: specs after in-place updates)
-        save_planner, _ = self.parallel.checkpoint_planners()
-        checkpoint.save(self.ckpt_dir, self.step, self.state(), self.meta, save_planner)
+        checkpoint.save(self.ckpt_dir, self.step, self.state(), self.meta, self.parallel.checkpoint_shards())
 
     def restore(self, path):
         """The resume checkpoint fills the model and AdamW state in place, each process its own shards
         (DCP; XLA SPMD through its planners), whatever layout wrote it (resume.check_compatible)."""
-        self.parallel.place_state({"params": self.params, **self.opt.state})  # (SPMD: the specs DCP reads into)
-        live = self.state()
-        _, load_planner = self.parallel.checkpoint_planners()
-        host = checkpoint.load(path, live if load_planner else checkpoint.to_cpu(live), load_planner)
-        with torch.no_grad():
-            for key, tensor in live["model"].items():
-                if host["model"][key] is not tensor:
-                    tensor.copy_(host["model"][key])
-            for kind in ("exp_avg", "exp_avg_sq"):
-                for name, tensor in live["optim"][kind].items():
-                    if host["optim"][kind][name] is not tensor:
-                        tensor.copy_(host["optim"][kind][name])
-        self.parallel.place_state({"params": self.params, **self.opt.state})  # (SPMD: copies from the host)
-        self.step = int(host["step"])
+        state = checkpoint.load_into(path, self.state(), self.parallel.checkpoint_shards())
+        self.step = int(state["step"])
         self.opt.step_count = self.step
-        torch.set_rng_state(host["rng"])
+        torch.set_rng_state(state["rng"])
 
     # ---------------------------------------------------------------------------------------------
     def log(self, record, line, to_stderr=False):

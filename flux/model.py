@@ -20,8 +20,8 @@ Modulation and final layers start at zero (torchtitan's init_weights): each bloc
 identity and the model predicts 0, so training starts from a stable point.
 
 Attention (`attention(q_BxHxSxD, k, v) -> BxHxSxD`, non-causal) is chosen by name, `attn_impl`, from
-ATTENTION_IMPLS as model.py chooses its kernels (model.lookup_impl; "module:function" entries are
-imported on first use): "sdpa" (torch's), or "splash" (kernels_splash.py's block-sparse flash
+ATTENTION_IMPLS as model.py chooses its kernels (model.lookup_impl; each entry a function that
+returns the implementation, the kernel's importing JAX on first use): "sdpa" (torch's), or "splash" (kernels_splash.py's block-sparse flash
 attention with every block live: `--kernels pallas`). Sampling and the flow-matching loss are in flux/sample.py; diffusers
 checkpoints in flux/hf.py.
 """
@@ -97,7 +97,12 @@ def flash_sdpa(q_BxHxSxD, k_BxHxSxD, v_BxHxSxD):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_BxHxSxD, k_BxHxSxD, v_BxHxSxD)[0]
 
 
-ATTENTION_IMPLS = {"sdpa": sdpa, "flash": flash_sdpa, "splash": "kernels_splash:splash_full_attention"}
+def _splash_full_attention():
+    from kernels_splash import splash_full_attention
+    return splash_full_attention
+
+
+ATTENTION_IMPLS = {"sdpa": lambda: sdpa, "flash": lambda: flash_sdpa, "splash": _splash_full_attention}
 
 
 # ------------------------------------------------------------------------------------------------
