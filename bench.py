@@ -210,9 +210,10 @@ def flux_markdown(rows):
                       f"`{' '.join(bench_flux.FLUX_FLAGS[:8])}` (hidden 256, 8 heads, 2 double + 2 single blocks, 32 images x 20 tokens)",
                       ""] + markdown_table(
         ["FLUX step", "ms/step", "images/s", "x JAX step (throughput)", "TFLOP/s", "MFU (vs measured fp32 GEMM peak)",
-         "warm-up s (2 steps, compiling alongside the others)"], rows,
+         "ms: call / launch / wait (bench_flux.flux_table)", "warm-up s (2 steps, compiling alongside the others)"], rows,
         lambda r: [r["mode"], f"{r['ms_per_step']:.1f}", f"{r['images_per_s']:.0f}", f"{r.get('x_jax', float('nan')):.2f}",
-                   f"{r['tflops']:.3f}", f"{100 * r['mfu']:.0f}%", f"{r['warmup_s']:.1f}"]))
+                   f"{r['tflops']:.3f}", f"{100 * r['mfu']:.0f}%",
+                   f"{r['call_ms']:.1f} / {r['launch_ms']:.1f} / {r['wait_ms']:.1f}", f"{r['warmup_s']:.1f}"]))
 
 
 def rollout_markdown(rows):

@@ -44,32 +44,44 @@ def serve_steps(config, bench_trainer):
 
         def run(i):
             batch = tuple(jnp.asarray(x.numpy()) for x in trainer.task.batch(i))
+            t0 = time.perf_counter()
             state[0], state[1], loss, _ = jstep(state[0], state[1], batch, jnp.float32(lr(i)), jnp.float32(i))
+            t1 = time.perf_counter()  # (jit dispatches asynchronously: the call returns before the step ran)
             float(loss)  # waits for the step
+            return t1 - t0, 0.0
     else:
         def run(i):
-            loss, _ = step(*trainer.parallel.place_batch(trainer.task.batch(i)), dev.scalar(lr(i), trainer.device))
-            dev.sync(trainer.device)
+            batch = trainer.parallel.place_batch(trainer.task.batch(i))
+            t0 = time.perf_counter()
+            loss, _ = step(*batch, dev.scalar(lr(i), trainer.device))
+            t1 = time.perf_counter()  # (XLA: the step recorded as a lazy graph, nothing run yet; CPU: all of it)
+            dev.sync(trainer.device)  # (XLA: the graph hashed, its compiled program found and launched)
+            t2 = time.perf_counter()
             loss.item()
+            return t1 - t0, t2 - t1
     t0 = time.perf_counter()
     run(1), run(2)
     print(json.dumps({"ready": True, "warmup_s": time.perf_counter() - t0, "flops_per_step": trainer.flops_per_step,
                       "units_per_step": trainer.task.units_per_step}), flush=True)
     i = 2
     for line in sys.stdin:
-        times = []
+        times, phases = [], []
         for _ in range(int(line)):
             i += 1
             t0 = time.perf_counter()
-            run(i)
+            phases.append(run(i))
             times.append(time.perf_counter() - t0)
-        print(json.dumps({"times": times}), flush=True)
+        print(json.dumps({"times": times, "phases": phases}), flush=True)
 
 
 def flux_table(peak_flops, repeats=3, steps=4):
     """FLUX training steps (FLUX_FLAGS), every configuration a warm process (serve_steps), timed in turn
     A B C D A B C D; ms/step is the median of all timed steps; MFU from flux/model.py's FLOP formula over
-    the CPU's measured GEMM peak; `x_jax`: throughput over the pure-JAX step's (1.0 = as fast)."""
+    the CPU's measured GEMM peak; `x_jax`: throughput over the pure-JAX step's (1.0 = as fast). Where a
+    step's time goes (medians): `call_ms` until the step function returns (eager: the whole step; XLA:
+    recording the step as a lazy graph, nothing run yet; JAX: the asynchronous dispatch), `launch_ms`
+    (XLA: the graph hashed, its compiled program found and launched), `wait_ms` the rest (waiting for
+    the program to finish and the loss to reach the host)."""
     import tempfile
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     logs = {c: tempfile.TemporaryFile("w+") for c in FLUX_CONFIGS}
@@ -83,7 +95,7 @@ def flux_table(peak_flops, repeats=3, steps=4):
         return None
 
     ready = {c: reply(c) for c in FLUX_CONFIGS}  # (all four compile at once)
-    times = {c: [] for c in FLUX_CONFIGS}
+    times, phases = {c: [] for c in FLUX_CONFIGS}, {c: [] for c in FLUX_CONFIGS}
     for _ in range(repeats):
         for c in FLUX_CONFIGS:
             if ready[c]:
@@ -91,6 +103,7 @@ def flux_table(peak_flops, repeats=3, steps=4):
                 procs[c].stdin.flush()
                 got = reply(c)
                 times[c] += got["times"] if got else []
+                phases[c] += got["phases"] if got else []
                 ready[c] = ready[c] if got else None
     for c in FLUX_CONFIGS:
         procs[c].stdin.close()
@@ -104,9 +117,11 @@ def flux_table(peak_flops, repeats=3, steps=4):
             rows.append({"mode": c, "error": (said or ["failed"])[-1]})
             continue
         med = statistics.median(times[c])
+        call, launch = (1000 * statistics.median(p[k] for p in phases[c]) for k in (0, 1))
         rows.append({"mode": c, "ms_per_step": 1000 * med, "images_per_s": ready[c]["units_per_step"] / med,
                      "tflops": ready[c]["flops_per_step"] / med / 1e12, "mfu": ready[c]["flops_per_step"] / med / peak,
-                     "warmup_s": ready[c]["warmup_s"], "timed_steps": len(times[c])})
+                     "warmup_s": ready[c]["warmup_s"], "timed_steps": len(times[c]),
+                     "call_ms": call, "launch_ms": launch, "wait_ms": 1000 * med - call - launch})
     jax_ms = next((r["ms_per_step"] for r in rows if r["mode"] == "jax" and "error" not in r), None)
     for r in rows:
         if jax_ms and "error" not in r:

@@ -116,7 +116,7 @@ class Workload:
     top_k: int = 0
     shape: object = None       # shapes.Shape: the step-time model's view (matmuls, attention, activations)
     splits_sequences: bool = False  # the planner also tries cp (context parallel: the task's loss allows it)
-    program: object = None     # global batch -> step_compile.Program: the step to compile (--compile)
+    program: object = None     # (global batch, --kernels) -> step_compile.Program: the step to compile (--compile)
 
 
 def lm_workload(args, flavor, seq_len):
@@ -127,7 +127,7 @@ def lm_workload(args, flavor, seq_len):
     args = tpu_config(args)
     whole, layer = param_groups(args)
     plain_loss = dataclasses.replace(args, loss_impl="plain")  # (under tp the loss is the vocab-parallel one)
-    reference = dataclasses.replace(args, attn_impl="sdpa", loss_impl="plain")  # (what --compile compiles)
+    reference = dataclasses.replace(args, attn_impl="sdpa", loss_impl="plain")  # (--compile without --kernels pallas)
 
     def check(dims):
         cp = dims.get("cp", 1)
@@ -138,12 +138,16 @@ def lm_workload(args, flavor, seq_len):
             if refusal:
                 return refusal
         return None
+
+    def program(batch_size, kernels):  # (--compile: the Pallas kernels with --kernels pallas, else the reference)
+        compiled = args if kernels == "pallas" else reference
+        return step_compile.lm_program(compiled, batch_size, seq_len,
+                                       lambda remat: saved_bytes_per_sequence(compiled, seq_len, remat))
     return Workload(flavor, whole, layer, flops_per_token(args, seq_len) * seq_len, seq_len,
                     lambda remat: saved_bytes_per_sequence(args, seq_len, remat), check, dim=args.dim,
                     n_layers=args.n_layers, n_experts=args.n_experts, top_k=args.top_k,
                     shape=shapes.lm_shape(args, seq_len, flavor, fused_loss=True), splits_sequences=True,
-                    program=lambda batch_size: step_compile.lm_program(
-                        reference, batch_size, seq_len, lambda remat: saved_bytes_per_sequence(reference, seq_len, remat)))
+                    program=program)
 
 
 def shape_of(w):
@@ -383,7 +387,7 @@ def compiled_report(w, cfg, dims, remat):
     if getattr(cfg, "grad_accum", 1) > 1:
         raise ValueError("--compile compiles one pass over the batch: --grad-accum is not compiled yet (the planner's "
                          "estimate without --compile counts it)")
-    program = w.program(cfg.batch_size)
+    program = w.program(cfg.batch_size, getattr(cfg, "kernels", "reference"))
     remat = "full" if getattr(cfg, "scan", False) else remat  # (--scan: a layer's input kept, its forward replayed)
     traced = policy_name(remat) != "none"
     planned = estimate(w, dims, cfg.batch_size, cfg.chip, remat,

@@ -121,7 +121,7 @@ def _torch_dtype_of(d):
 
 
 @functools.lru_cache(maxsize=None)
-def _vjp_fn(fn, float_mask):
+def vjp_fn(fn, float_mask):
     """JAX: (*inputs, cotangent) -> grads of the floating inputs, via jax.vjp."""
     def vjp(*args, **statics):
         *inputs, cot = args
@@ -140,6 +140,10 @@ def _vjp_fn(fn, float_mask):
 
 def _result_dtype(f, args):
     return jax.eval_shape(f, *args).dtype
+
+
+KERNELS = {}  # op name ("minititan::splash") -> its registered call: .op, .vjp_op, .jax_fn, .n_tensors,
+# .statics (step_compile.py lowers each as its JAX function when it compiles the step for a TPU)
 
 
 def jax_op(name, static=None):
@@ -174,7 +178,7 @@ def _register(fn, qualified, params, static, defaults):
 
     bwd = torch.library.custom_op(f"{qualified}_vjp", mutates_args=(),
                                   schema=_schema_types(params + ["cotangent"], static, 2))(
-        lambda *args: _run(_vjp_fn(fn, tuple(t.dtype.is_floating_point for t in args[:len(params)])),
+        lambda *args: _run(vjp_fn(fn, tuple(t.dtype.is_floating_point for t in args[:len(params)])),
                            list(args[:len(params) + 1]),
                            tuple(zip(static, args[len(params) + 1:])), many=True))
 
@@ -196,5 +200,6 @@ def _register(fn, qualified, params, static, defaults):
 
     def call(*tensors, **statics):  # (a static left out takes the function's default)
         return fwd(*tensors, *[int(statics[s] if s in statics else defaults[s]) for s in static])
-    call.op, call.jax_fn = fwd, fn
+    call.op, call.vjp_op, call.jax_fn, call.n_tensors, call.statics = fwd, bwd, fn, len(params), static
+    KERNELS[qualified] = call
     return call

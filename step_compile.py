@@ -3,6 +3,7 @@
     python train.py --dry-run --compile --flavor llama3_debug --mesh ici=4 --chip tpu_v5p
     python train.py --dry-run --compile --flavor llama3_8b --set n_layers=2 --mesh ici=4 --batch-size 8 --seq-len 2048
     python train.py --dry-run --compile --scan --flavor qwen3_8b --mesh ici=256 --batch-size 256 --seq-len 4096
+    python train.py --dry-run --compile --kernels pallas --flavor llama3_8b --set n_layers=2 --mesh ici=4 --seq-len 8192
 
 The question it answers is MaxText's train_compile.py's: will this run compile and fit on that pod?
 The program is the one graph mode runs, not a rewrite of it: graph_trainer.build_step_fn (forward, the
@@ -29,11 +30,13 @@ values, tracers included, so ShapeDtypeStructs with NamedShardings on the compil
 and the program comes out of JAX's own `lower().compile()`, the route MaxText's tool takes.
 
 What differs from a run on the chip, and why:
-  - attention, loss and experts are the reference implementations (model.py's tables without the
-    TPU rewrite): a Mosaic kernel needs a one-device mesh or shard_map, and the cost model does not see
-    inside one. The attention is SDPA's math form (the S x S scores, causal by mask), chosen before
-    autograd so that its backward is plain aten ops as well; the MoE's reference dispatch has
-    data-dependent shapes and is refused (model.dynamic_shapes_reason).
+  - attention and loss are the reference implementations unless --kernels pallas: SDPA's math form
+    (the S x S scores, causal by mask, chosen before autograd so that its backward is plain aten ops
+    as well) and the whole logits, which the cost model prices in full. With --kernels pallas they are
+    our Mosaic kernels, each under shard_map (sharded_kernels.py: the partitioner cannot split a custom
+    call), which the cost model cannot see: FLOPs and step then leave their share out (kernel_flops).
+    The MoE's reference dispatch has data-dependent shapes and its grouped matmul is not lowered:
+    refused (model.dynamic_shapes_reason).
   - the `_foreach_*` ops of clipping and AdamW (no torchax lowering) are unfolded into the same
     arithmetic tensor by tensor; token ids are int32 (JAX without x64); a tensor with no dimension
     divisible by ici is replicated (JAX shards evenly; GSPMD would pad).
@@ -62,11 +65,13 @@ AUTOCAST = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # graph mode's: 
 class Program:
     """What a workload hands the compile (dryrun.Workload.program): the model on the meta device, its
     loss(model, batch) -> (reported, differentiated), the global batch's (shape, torch dtype) each, and
-    the planner's saved-activation bytes a sample of this same program (remat -> bytes)."""
+    the planner's saved-activation bytes a sample of this same program (remat -> bytes), and the
+    FLOPs of the step inside Mosaic kernels (kernel_flops), which the compiler's cost model cannot see."""
     model: object
     loss: object
     batch: tuple
     saved_bytes: object = None
+    kernel_flops: float = 0.0
 
 
 def lm_program(args, batch_size, seq_len, saved_bytes):
@@ -79,7 +84,16 @@ def lm_program(args, batch_size, seq_len, saved_bytes):
     with torch.device("meta"):
         model = Transformer(args)
     ids = ((batch_size, seq_len), torch.long)
-    return Program(model, next_token_loss, (ids, ids), saved_bytes)
+    return Program(model, next_token_loss, (ids, ids), saved_bytes, kernel_flops(args, batch_size * seq_len, seq_len))
+
+
+def kernel_flops(args, tokens, seq_len):
+    """The step's FLOPs inside the Pallas kernels (--kernels pallas: sharded_kernels.py), as
+    model.flops_per_token counts them: splash attention's scores and values, 12 L H Dh S a token
+    (forward and backward, the full S x S), and the fused loss's projection, 6 V D a token."""
+    attention = 12 * args.n_layers * args.n_heads * args.hd * seq_len if args.attn_impl == "splash" else 0
+    loss = 6 * args.vocab_size * args.dim if args.loss_impl == "fused" else 0
+    return tokens * (attention + loss)
 
 
 def capture(program, remat, clip):
@@ -244,7 +258,9 @@ def jax_step(gm, out_shardings, unroll=1):
         ops_registry.register_torch_dispatch_op(barrier_op, lambda xs: list(jax.lax.optimization_barrier(list(xs))))
         ops_registry.register_torch_dispatch_op(torch.ops.minititan_compile.over_batch.default,
                                                 lambda x: jax.lax.with_sharding_constraint(x, _ROWS_SHARDING[0]))
+    import sharded_kernels
     layer_scan.register_torchax(on_jax, unroll)
+    sharded_kernels.register_torchax()
     env = torchax.default_env()
     env.load_ops()
 
@@ -273,6 +289,8 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0):
     inputs, out_shardings = abstract_inputs(example, dims, devices, [id(p) in in_stack for p in program.model.parameters()])
     gm = rows_over_batch(gm, math.prod(program.batch[0][0]), {tuple(p.shape) for p in example[0]})
     _ROWS_SHARDING[0] = inputs[-1].sharding  # (the batch's: dim 0 over dcn x ici)
+    import sharded_kernels
+    sharded_kernels.use(inputs[-1].sharding.mesh)
     capture_s = time.perf_counter() - start
 
     def compiled(unroll):
@@ -316,9 +334,12 @@ def cost_model_rate(chip, topology):
     return mm.flops / mm.optimal_seconds
 
 
-def compare(compiled, planned, flops_per_device, peak, hbm, rate=None):
+def compare(compiled, planned, flops_per_device, peak, hbm, rate=None, kernel_flops_per_device=0.0):
     """The compiler's figures beside the planner's (dryrun.estimate's report for the same layout);
-    `rate`: the cost model's own matmul FLOP/s (cost_model_rate), to read its step against."""
+    `rate`: the cost model's own matmul FLOP/s (cost_model_rate), to read its step against. With Mosaic
+    kernels in the program its FLOPs and step are the rest's (kernel_flops_per_device left out of
+    flops_per_device on both sides: the cost model does not price a kernel)."""
+    flops_per_device = flops_per_device - kernel_flops_per_device
     mem = planned["memory_bytes"]
     state = sum(v for k, v in mem.items() if k.startswith(("params", "AdamW")))
     out = compiled.output_bytes - compiled.alias_bytes
@@ -331,7 +352,9 @@ def compare(compiled, planned, flops_per_device, peak, hbm, rate=None):
             "total_bytes": total, "planned_state_bytes": state, "planned_temp_bytes": planned["total_bytes"] - state,
             "planned_gathered_bytes": sum(v for k, v in mem.items() if k.startswith("gathered")),
             "planned_total_bytes": planned["total_bytes"], "planned_fits": planned["fits"],
-            "flops": flops, "flops_per_step": flops_per_device, "estimated_step_s": seconds,
+            "flops": flops, "flops_per_step": flops_per_device, "kernel_flops": kernel_flops_per_device,
+            "mosaic_calls": compiled.mosaic_calls,
+            "estimated_step_s": seconds,
             "bytes_accessed": compiled.bytes_accessed or 0.0,
             "estimated_mfu": flops_per_device / (seconds * peak) if seconds else 0.0,
             "cost_model_rate": rate or 0.0, "cost_model_mfu": flops_per_device / (seconds * rate) if seconds and rate else 0.0,
@@ -357,13 +380,16 @@ def format_report(r, planned):
              f"  {'total':<44} {g(r['total_bytes'])} {g(r['planned_total_bytes'])}   of {r['hbm_bytes'] / GiB:.0f} GiB HBM",
              f"  {'fits':<44} {'yes' if r['fits'] else 'NO':>14} {'yes' if r['planned_fits'] else 'NO':>14}",
              f"  {'FLOPs (compiler / flops_per_step)':<44} {r['flops']:14.4e} {r['flops_per_step']:14.4e}   "
-             f"ratio {r['flops'] / r['flops_per_step']:.4f}" + ("  (remat: the excess is the recompute)" if planned["remat"] else ""),
+             f"ratio {r['flops'] / r['flops_per_step']:.4f}" + ("  (remat: the excess is the recompute)" if planned["remat"] else "")
+             + (f"\n  {'  left out: inside the Mosaic kernels':<44} {'':>14} {r['kernel_flops']:14.4e}   "
+                "(the cost model does not see them: FLOPs, step and MFU are the rest's)" if r["kernel_flops"] else ""),
              f"  {'step time (cost model estimate / stepmodel)':<44} {r['estimated_step_s'] * 1e3:11.3f} ms "
              f"{r['planned_step_s'] * 1e3:11.3f} ms",
              f"  {'MFU implied (estimate / stepmodel)':<44} {100 * r['estimated_mfu']:13.1f}% {100 * r['planned_mfu']:13.1f}%",
              f"  {'  at the cost model own matmul rate':<44} {100 * r['cost_model_mfu']:13.1f}%   (it prices a bf16 matmul "
              f"at {r['cost_model_rate'] / 1e12:.1f} TFLOP/s: step {r['rescaled_step_s'] * 1e3:.1f} ms at the chip's peak)",
-             f"  compile {r['compile_s']:.1f} s (the compiler's cost model estimates the step time: not a measurement)"]
+             f"  compile {r['compile_s']:.1f} s (the compiler's cost model estimates the step time: not a measurement); "
+             f"{r['mosaic_calls']} Mosaic kernel call(s)"]
     if not r["flops"]:
         lines[8:12] = ["  FLOPs and step not counted: the second compile (2 layers a While iteration) ran out of HBM"]
     return "\n".join(lines)
@@ -380,7 +406,8 @@ def main(program, planned, cfg, spec):
         layer_scan.stack_layers(program.model)
     compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"] is True, cfg.clip)
     r = compare(compiled, planned, planned["flops_per_device"], spec["peak"], spec["hbm"],
-                cost_model_rate(cfg.chip, compiled.topology) if compiled.fits else None)
+                cost_model_rate(cfg.chip, compiled.topology) if compiled.fits else None,
+                program.kernel_flops / planned["devices"])
     print(format_report(r, planned), flush=True)
     print(json.dumps(r), flush=True)  # (also for a step that does not fit: its figures, for a table)
     if not compiled.fits:

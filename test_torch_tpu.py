@@ -168,7 +168,7 @@ def test_our_gmm_kernel_through_torch_tpus_jax_op_schema_fake_and_values():
                                atol=1e-5, rtol=1e-5)
 
     # the backward op (many outputs: Tensor[]) through the same door, against torch autograd
-    bwd = jax_op.native_tpu_op(jax_op._vjp_fn(kp.gmm_jax.jax_fn, (True, True, False)), 4, ("block_m",), True)
+    bwd = jax_op.native_tpu_op(jax_op.vjp_fn(kp.gmm_jax.jax_fn, (True, True, False)), 4, ("block_m",), True)
     assert str(bwd._opoverload._schema).endswith("*, SymInt block_m) -> Tensor[]")
     dy = torch.randn(40, 8, generator=gen)
     dx, dw = bwd(*arrays, JaxBacked(jax.numpy.asarray(dy.numpy())), block_m=block_m)

@@ -1,14 +1,16 @@
 """compile_column.py: the calibration table's compiler column. `python dryrun.py --calibrate --compile
 [RUN_ID ...]` compiles each published run of calibration.json that a family here can express, at its
 published layout, global batch and sequence, for its chip's pod topology, with the real TPU compiler
-(`train.py --dry-run --compile --scan`, one child process a run, one at a time), and prints, per
+(`train.py --dry-run --compile --scan --kernels pallas`, one child process a run, one at a time), and prints, per
 device: the compiler's HBM and verdict beside the planner's for the same program, and the compiler's
 estimated step beside the planner's and the published step.
 
 What is compiled is minititan's program, not the published one: fp32 weights and AdamW moments
 sharded over every chip (FSDP), the blocks under --scan (each layer's input kept, its forward replayed
-in the backward: MaxText's "full" remat, whatever the run published), the reference attention and
-loss (XLA's, not the Pallas kernels: the compiler's cost model does not see inside a Mosaic kernel).
+in the backward: MaxText's "full" remat, whatever the run published), and our Pallas kernels for the
+attention and the loss (splash and the fused loss under shard_map: sharded_kernels.py), as the
+published runs use splash attention. The compiler's cost model does not see inside a Mosaic kernel,
+so its step and MFU are the program outside the kernels' (their FLOPs left out on both sides).
 So the planner's HBM beside it is for that same program (remat "full"); the published layout's own
 planner figures (its remat policy, precision and kernels) are in `dryrun.py --calibrate`.
 A run is skipped, with the reason, where the compile cannot express it: MoE (refused under --compile),
@@ -24,7 +26,7 @@ import time
 from planner import calibrate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMEOUT_S = 600
+TIMEOUT_S = 900
 # Published architectures with no model.py flavor, as a flavor with overrides (shapes.PLANNER_MODELS)
 # (Llama 3's rope scaling changes the rotary table's values, not a shape)
 FLAVOR_OF = {"llama2_70b": ("llama3_70b", ["--set", "vocab_size=32000"])}
@@ -47,7 +49,8 @@ def skip_reason(run):
 
 def command(run):
     flavor, extra = FLAVOR_OF.get(run["model"], (run["model"], []))
-    return [sys.executable, os.path.join(ROOT, "train.py"), "--dry-run", "--compile", "--scan", "--chip", run["chip"],
+    return [sys.executable, os.path.join(ROOT, "train.py"), "--dry-run", "--compile", "--scan", "--kernels", "pallas",
+            "--chip", run["chip"],
             "--flavor", flavor, *extra, "--set", f"max_seq_len={run['seq_len']}", "--mesh", f"ici={run['ici']}",
             "--batch-size", str(run["global_batch"]), "--seq-len", str(run["seq_len"])]
 
@@ -92,12 +95,13 @@ def main(ids=()):
     if unknown:
         raise ValueError(f"no calibration run {', '.join(unknown)}; have {', '.join(by_id)}")
     runs = [by_id[i] for i in ids] if ids else list(by_id.values())  # (in the order asked for)
-    print("compiler column (train.py --dry-run --compile --scan at each published layout and batch; XLA:TPU on "
-          "compile-only devices, no chip; the planner's figures for the same program: fp32 FSDP, remat full)")
+    print("compiler column (train.py --dry-run --compile --scan --kernels pallas at each published layout and batch; "
+          "XLA:TPU on compile-only devices, no chip; the planner's figures for the same program: fp32 FSDP, remat full)")
     print(f"{'run':<38} {'chip':<8} {'topology':<11} {'HBM GiB':>7} {'fits':<4} {'planner':>7} {'diff':>7} "
           f"{'est step':>9} {'planner':>9} {'published':>9} {'MFU':>6} {'compile':>7}")
-    print("(est step: the cost model's seconds at the chip's bf16 peak, in units of its own matmul rate; MFU: "
-          "flops_per_step over that step and peak; diff: the compiler's HBM over the planner's)")
+    print("(est step: the cost model's seconds at the chip's bf16 peak, in units of its own matmul rate, outside the "
+          "Mosaic kernels; MFU: flops_per_step outside the kernels over that step and peak; diff: the compiler's HBM "
+          "over the planner's)")
     results = {}
     for run in runs:
         why = skip_reason(run)

@@ -37,7 +37,10 @@ def test_data_parallel_matches_single_process(nproc, mesh, impl, flavor, corpus,
     multi = shared_run([*common, "--mesh", mesh, "--dp-impl", impl], tmp_path_factory, nproc)
     # (Partial("sum") for Partial("avg") doubles every gradient and still trains the same: the pre-clip
     # norms see it. And every rank validates its own rows.)
-    p_single = _ranks_equal_one_process(single, multi, 10, common)
+    # The weights after 10 AdamW steps: for MoE within adam_spread (a token's rounding-level gate change
+    # moves its experts' gradients; measured 5.8e-6, at 0.58 of the dense runs' 1e-5 on this CPU)
+    p_single = _ranks_equal_one_process(single, multi, 10, common, weights_atol=adam_spread(common, tmp_path_factory)
+                                        if "moe" in flavor else 1e-5)
     # MFU is per device: all ranks' FLOP/s over the sum of their peaks (it was over one device's peak).
     for rec in (json.loads(line) for line in open(os.path.join(multi, "metrics.jsonl"))):
         if "mfu" in rec:
@@ -443,12 +446,15 @@ def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, ex
     single_args = [*common, *[a for a in extra if a in MOE_EXACT]]
     single = shared_run(single_args, tmp_path_factory)
     multi = shared_run([*common, *extra, "--mesh", mesh], tmp_path_factory, nproc)
-    # Losses and gradient norms to 1e-5, the sharp oracle. The weights after 10 AdamW steps: within how far
+    # Losses to 1e-5, the sharp oracle. The weights after 10 AdamW steps: within how far
     # one process's own weights move when its gradients carry rounding-size errors (adam_spread: 5.5e-5 and
     # 6.2e-5 measured for the MoE and dense runs), as sums in another order (ranks, TP partial sums, the
     # Pallas gmm) give them: Adam's normalization carries a near-zero gradient's last bits into a full
     # update (1.6e-5 and 2.4e-5 were measured on two CPUs; a wrong update is lr-sized, 3e-3)
-    p_single = _ranks_equal_one_process(single, multi, 10, [*common, *extra],
+    # Gradient norms: TP sums every split matmul's partial products in another order, not only the
+    # gradients: measured up to 6.4e-6 relative (dcn=2,ici=1,tp=2, this CPU), bounded at 5e-5 (a TP
+    # reduction missing or counted twice moves a norm by 1e-2 or more)
+    p_single = _ranks_equal_one_process(single, multi, 10, [*common, *extra], norms_rtol=5e-5,
                                         weights_atol=adam_spread(single_args, tmp_path_factory))
     dims = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
     ici, tp = dims["ici"], dims.get("tp", 1)

@@ -1,5 +1,6 @@
-# step_compile.py (train.py --dry-run --compile). Oracle: the TPU compiler itself (libtpu on compile-only
-# v5p devices), the layout's shard shapes counted here, model.flops_per_token
+# step_compile.py (train.py --dry-run --compile) and sharded_kernels.py. Oracle: the TPU compiler itself
+# (libtpu on compile-only v5p devices), the layout's shard shapes counted here, model.flops_per_token; the
+# unsharded JAX kernel (itself checked against plain PyTorch in tests/check_kernels.py)
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`).
 
 Each compile runs in a child (train.py, as a user runs it), once per distinct command line; the tests
@@ -8,6 +9,7 @@ is the failure's message."""
 import json
 
 from model import FLAVORS, ModelArgs, Transformer
+from tests import launch
 from tests.common import run_train
 
 _RUNS = {}
@@ -16,6 +18,9 @@ DEBUG = ("--flavor", "llama3_debug", "--batch-size", "8", "--seq-len", "256")
 # shard a whole number of the TPU's (8, 128) tiles, so the arguments' bytes carry no padding
 MID = ("--flavor", "llama3_8b", "--set", "n_layers=1", "--set", "vocab_size=16384", "--batch-size", "8",
        "--seq-len", "2048")
+# 64 sequences of 8192 tokens a device: the reference attention's S x S scores do not fit (~150 GiB)
+LONG = ("--flavor", "llama3_debug", "--set", "n_layers=1", "--set", "max_seq_len=8192", "--batch-size", "256",
+        "--seq-len", "8192")
 
 
 def compile_run(*flags):
@@ -105,11 +110,79 @@ def test_a_step_that_cannot_fit_is_the_compilers_out_of_memory_in_one_line():
     """64 sequences of 8192 tokens a device through the reference attention (an S x S score matrix a
     head, kept for the backward: ~150 GiB in one block): the compiler runs out of HBM; the run says so
     in one line, exit 2."""
-    rc, out, err = compile_run("--flavor", "llama3_debug", "--set", "n_layers=1", "--set", "max_seq_len=8192",
-                               "--batch-size", "256", "--seq-len", "8192")
+    rc, out, err = compile_run(*LONG)
     lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
     assert rc == 2 and len(lines) == 1, err[-3000:]
     assert lines[0].startswith("error: does not fit v5p:2x2x1: the TPU compiler says") and "hbm" in lines[0].lower(), lines
     rc, _, err = run_train(["--compile", "--steps", "1"])  # (without --dry-run it was ignored: a training run)
     assert rc == 2 and err.strip().splitlines() == ["error: --compile and --topology compile the step for a TPU "
                                                     "without running it: add --dry-run"], err[-2000:]
+
+
+def test_the_pallas_kernels_fit_the_step_the_reference_attention_cannot():
+    """--kernels pallas under --compile: splash attention and the fused loss run as Mosaic kernels under
+    shard_map (sharded_kernels.py) in the step whose reference attention is out of HBM (the test
+    above): it fits (measured: 11.0 GiB a device); four Mosaic calls a kernel (its forward, and in the
+    backward's vjp the forward again and its two backward kernels: 8 for one layer; 0 would mean the
+    reference ran); the compiler's FLOPs are flops_per_step's less the kernels' (step_compile.
+    kernel_flops, which the cost model cannot see) within 5% (measured +1.3%)."""
+    r = compiled(*LONG, "--kernels", "pallas")
+    assert r["compiler_fits"] and r["fits"], r["message"]
+    assert r["mosaic_calls"] == 8, r["mosaic_calls"]
+    assert r["kernel_flops"] > 0 and abs(r["flops"] / r["flops_per_step"] - 1) <= 0.05, (r["flops"], r["flops_per_step"])
+
+
+def child_sharded_kernels():
+    """(child process, 4 JAX CPU devices, Pallas in interpret mode) Each kernel under shard_map over the
+    (dcn=1, ici=4) mesh, forward and backward, against the unsharded kernel and its jax.vjp: the
+    largest difference over the largest reference value, per output."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    import jax_op
+    import kernels_pallas  # noqa: F401  (registers the kernels)
+    import kernels_splash  # noqa: F401
+    import sharded_kernels
+    sharded_kernels.use(Mesh(np.array(jax.devices()).reshape(1, 4), ("dcn", "ici")))
+    rng = np.random.default_rng(0)
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    sizes = {}
+
+    def against(name, sharded, reference):
+        for i, (a, b) in enumerate(zip(sharded, reference)):
+            sizes[f"{name}[{i}]"] = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+    # the loss: 16 rows a device; device 0's rows all ignored, two more elsewhere (its mean is 0 / 0)
+    h, w, targets = f32(64, 32), 0.3 * f32(300, 32), rng.integers(0, 300, 64)
+    targets[:16], targets[[20, 33]] = -100, -100
+    targets = jnp.asarray(targets, jnp.int32)
+    call, statics = jax_op.KERNELS["minititan::fused_linear_cross_entropy"], (-100, 16, 128)
+    forward, backward = sharded_kernels.mean_over_rows(call)
+    loss, pullback = jax.vjp(lambda h, w: call.jax_fn(h, w, targets, **dict(zip(call.statics, statics))), h, w)
+    against("loss", [forward(h, w, targets, *statics), *backward(h, w, targets, jnp.float32(0.7), *statics)],
+            [loss, *pullback(jnp.float32(0.7))])
+    # splash: two packed documents a sequence, one sequence a device
+    q, k, v = f32(4, 2, 64, 16), f32(4, 1, 64, 16), f32(4, 1, 64, 16)
+    segments = jnp.asarray(np.repeat([[0] * 40 + [1] * 24], 4, 0), jnp.int32)
+    call, statics = jax_op.KERNELS["minititan::splash"], (0, 16, 1, 1)
+    forward, backward = sharded_kernels.by_sequence(call)
+    out, pullback = jax.vjp(lambda q, k, v: call.jax_fn(q, k, v, segments, **dict(zip(call.statics, statics))), q, k, v)
+    cotangent = f32(*out.shape)
+    against("splash", [forward(q, k, v, segments, *statics), *backward(q, k, v, segments, cotangent, *statics)],
+            [out, *pullback(cotangent)])
+    print("sizes", json.dumps(sizes))
+
+
+def test_each_kernel_under_shard_map_equals_the_unsharded_kernel_on_four_devices():
+    """sharded_kernels.py's two layouts on 4 CPU devices: splash attention split by sequence, and the
+    fused loss split by rows with its psums (the kept-row weighting, the head's gradient summed, a
+    device whose rows are all ignored): output and gradients equal the unsharded kernel's, relative to
+    their largest value, within 1e-5 (measured: at most 3.6e-7, the backward's float sums in another
+    order; a missing n_d / N or psum is off by a factor of ~1 / 4)."""
+    rc, out, err = launch.python(["test_all.py", "child_sharded_kernels"],
+                                 env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"})
+    assert rc == 0, err[-3000:]
+    sizes = json.loads(out.split("sizes")[1])
+    print(sizes)
+    assert len(sizes) == 7 and all(s <= 1e-5 for s in sizes.values()), sizes  # (a NaN fails: nan <= x is False)

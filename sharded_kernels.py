@@ -1,0 +1,124 @@
+"""sharded_kernels.py: the Pallas kernels inside the training step compiled for a TPU pod.
+
+    python train.py --dry-run --compile --kernels pallas --flavor llama3_8b --mesh ici=4 --seq-len 8192
+
+step_compile.py hands the whole step to XLA's SPMD partitioner (GSPMD), which splits XLA's own ops
+over the devices by the layout's shardings. A Mosaic kernel is a custom call whose inside the
+partitioner cannot see: the TPU compiler refuses to split it (tpu_target.py). So each kernel is
+lowered as its JAX function (the one jax_op.py registered as a PyTorch op) under `jax.shard_map` over
+the data-parallel devices, dcn x ici: every device calls the kernel on its own rows of the batch, as
+MaxText wraps its splash kernel. Where the kernel's result mixes rows (the loss is one mean over all
+of them) the devices combine their pieces with a psum. Per kernel, what each device holds:
+
+  splash attention   q, k, v (B, H, S, D) and the segment ids (B, S): its sequences (dim 0 split);
+                     the output and the backward's dq, dk, dv the same. Nothing crosses devices.
+  fused loss         h (N, D) and targets (N,): its rows (the batch's tokens, dim 0 split); the head
+                     w (V, D) whole (FSDP gathers it for the forward anyway). Device d's kernel gives
+                     m_d, the mean over its n_d kept rows, so
+                         1. loss = sum_d n_d m_d / N, with N = sum_d n_d (two psums);
+                         2. d loss / d h_d = (n_d / N) d m_d / d h_d: d's own vjp at cotangent c n_d / N;
+                         3. d loss / d w = sum_d of those vjps' dw (a psum: whole on every device, then
+                            GSPMD keeps each device's FSDP shard of it; a psum_scatter would move half
+                            the bytes, not done).
+                     A device whose rows are all ignored has m_d = 0 / 0: its terms are set to 0.
+  grouped matmul     not lowered: the MoE's reference dispatch is refused under --compile, and the
+                     grouped matmul's rows are routed tokens, not the batch's (expert parallel).
+
+The cost model does not see inside a Mosaic kernel (no FLOPs, ~0 s): with the kernels the compiler's
+FLOPs and step leave out attention's scores and the loss's projection (step_compile.kernel_flops).
+Verified here: the compile (the kernels' Mosaic calls counted, the HBM they save) and, on CPU devices
+in interpret mode, the sharded loss and attention against the unsharded JAX functions
+(tests/check_step_compile.py). Not verified: a run on a chip.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax.sharding import PartitionSpec as P
+
+import jax_op
+
+_MESH = [None]  # (the compile in progress's (dcn, ici) mesh: set by `use`)
+BATCH_AXES = ("dcn", "ici")
+
+
+def use(mesh):
+    """The mesh the kernels are split over, for the next compile (step_compile.compile_step)."""
+    _MESH[0] = mesh
+
+
+def _sharded(body, in_specs, out_specs):
+    return jax.shard_map(body, mesh=_MESH[0], in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _split(call, args):
+    return args[:call.n_tensors], dict(zip(call.statics, args[call.n_tensors:]))
+
+
+def by_sequence(call):
+    """(forward, backward) of a kernel whose every tensor is batch-major and per-sequence (splash)."""
+    rows = P(BATCH_AXES)
+
+    def forward(*args):
+        tensors, statics = _split(call, args)
+        return _sharded(functools.partial(call.jax_fn, **statics), (rows,) * len(tensors), rows)(*tensors)
+
+    def backward(*args):
+        tensors, statics = _split(call, args[:call.n_tensors] + args[call.n_tensors + 1:])
+        floats = tuple(jnp.issubdtype(t.dtype, jnp.floating) for t in tensors)
+        vjp = functools.partial(jax_op.vjp_fn(call.jax_fn, floats), **statics)
+        return _sharded(vjp, (rows,) * (len(tensors) + 1), [rows] * sum(floats))(*tensors, args[call.n_tensors])
+    return forward, backward
+
+
+def mean_over_rows(call, ignore_index="ignore_index"):
+    """(forward, backward) of the fused loss: rows split, the head whole, one mean (steps 1-3 above)."""
+    rows, whole = P(BATCH_AXES), P()
+
+    def kept(targets, statics):
+        return jnp.sum(targets != statics[ignore_index]).astype(jnp.float32)
+
+    def forward(h, w, targets, *static_args):
+        statics = dict(zip(call.statics, static_args))
+
+        def body(h, w, targets):
+            n = kept(targets, statics)
+            m = jnp.where(n > 0, call.jax_fn(h, w, targets, **statics).astype(jnp.float32), 0.0)
+            return jax.lax.psum(m * n, BATCH_AXES) / jax.lax.psum(n, BATCH_AXES)  # 1.
+        return _sharded(body, (rows, whole, rows), whole)(h, w, targets)
+
+    def backward(h, w, targets, cotangent, *static_args):
+        statics = dict(zip(call.statics, static_args))
+        vjp = functools.partial(jax_op.vjp_fn(call.jax_fn, (True, True, False)), **statics)
+
+        def body(h, w, targets, cotangent):
+            n = kept(targets, statics)
+            dh, dw = vjp(h, w, targets, cotangent * n / jax.lax.psum(n, BATCH_AXES))  # 2.
+            dh, dw = jnp.where(n > 0, dh, 0), jnp.where(n > 0, dw, 0)
+            return [dh, jax.lax.psum(dw, BATCH_AXES)]  # 3.
+        return _sharded(body, (rows, whole, rows, whole), [rows, whole])(h, w, targets, cotangent)
+    return forward, backward
+
+
+LAYOUTS = {"minititan::splash": by_sequence, "minititan::fused_linear_cross_entropy": mean_over_rows}
+
+
+def op_overload(qualified):
+    namespace, name = qualified.split("::")
+    return getattr(getattr(torch.ops, namespace), name).default
+
+
+def register_torchax():
+    """Each kernel's forward and backward op (jax_op.KERNELS) as its sharded JAX function, for torchax
+    (once a process: torchax 0.0.7 cannot override an op it has); a kernel without a layout here is
+    left out, and a step that uses it fails to lower, naming the op."""
+    import kernels_pallas  # noqa: F401  (registers the fused loss)
+    import kernels_splash  # noqa: F401  (registers splash)
+    from torchax.ops import ops_registry
+    for name, make in LAYOUTS.items():
+        if op_overload(name) in ops_registry.all_aten_ops:
+            continue
+        forward, backward = make(jax_op.KERNELS[name])
+        ops_registry.register_torch_dispatch_op(op_overload(name), forward)
+        ops_registry.register_torch_dispatch_op(op_overload(name + "_vjp"), backward)
