@@ -19,7 +19,8 @@ BENCH = os.path.join(HERE, "bench.py")  # (its `--child flux CONFIG` runs serve_
 # flux_debug widened to 256 (8 heads, 2 + 2 blocks): 7.06M parameters (3.9x), 32 digits a step
 FLUX_FLAGS = ["--task", "flux", "--batch-size", "32", "--set", "hidden_size=256", "--set", "num_heads=8",
               "--watchdog", "0"]  # (inductor compiling this step on a loaded 2-core machine took > 300 s)
-FLUX_CONFIGS = ["plain", "--mode graph --backend inductor", "--mode graph --device xla", "jax"]
+FLUX_CONFIGS = ["plain", "--mode graph --backend inductor", "--mode graph --device xla",
+                "--mode graph --device xla --backend openxla", "jax"]
 
 
 def serve_steps(config, bench_trainer):

@@ -56,8 +56,9 @@ class TrainConfig:
     # how it runs
     device: str = flag("auto", "auto | tpu | xla | cuda | cpu")
     mode: str = flag("eager", "optimization ladder", choices=["eager", "compile", "graph"])
-    backend: Optional[str] = flag(None, "graph mode backend (default: xla on XLA devices, else fx)",
-                                  choices=["fx", "inductor", "xla"])
+    backend: Optional[str] = flag(None, "graph mode backend (default: xla on XLA devices, else fx); openxla: "
+                                  "xla through torch_xla's dynamo bridge (the step not recorded again each step)",
+                                  choices=["fx", "inductor", "xla", "openxla"])
     remat: bool = flag(False, "graph mode: recompute all but matmul outputs in the backward")
     offload: bool = flag(False, "graph mode: saved activations to host memory and back")
     scan: bool = flag(False, "run the blocks as one scan over stacked weights (XLA: a While loop; MoE needs --kernels pallas)")
@@ -244,9 +245,11 @@ def validate(cfg):
         raise ConfigError("--compile and --topology compile the step for a TPU without running it: add --dry-run")
     # --device auto / tpu is an XLA device only through torch_xla's TPU runtime (device.pick_device; torch_tpu,
     # the other TPU route, lives in an environment without torch_xla)
-    if cfg.backend == "xla" and not (cfg.device == "xla" or (cfg.device in ("auto", "tpu") and dev.pjrt_is_tpu())):
-        raise ConfigError(f"--backend xla needs an XLA device (--device xla, or a TPU with PJRT_DEVICE=TPU), "
+    if cfg.backend in ("xla", "openxla") and not (cfg.device == "xla" or (cfg.device in ("auto", "tpu") and dev.pjrt_is_tpu())):
+        raise ConfigError(f"--backend {cfg.backend} needs an XLA device (--device xla, or a TPU with PJRT_DEVICE=TPU), "
                           f"not --device {cfg.device}")
+    if cfg.backend == "openxla" and cfg.mesh:
+        raise ConfigError("--backend openxla runs on one XLA device: under --mesh use --backend xla")
     try:
         fsdp_passes.chosen(cfg.fsdp_passes)
         if cfg.profile is not None:

@@ -10,7 +10,10 @@ between backward and update. Pallas kernels appear as single opaque nodes (jax_o
 
 Backends: "fx" (the GraphModule's generated Python code, run op by op), "inductor"
 (torch.compile of the graph), "xla" (the graph's aten ops run on XLA tensors: torch_xla traces
-them lazily into one HLO program per step, compiled once and cached by graph hash).
+them lazily into one HLO program per step, compiled once and cached by graph hash), "openxla" (the
+same program through torch_xla's dynamo bridge: recorded once, then run from its cache without
+recording the graph's ops again each step, which costs "xla" ~35 ms a FLUX step on a 2-core CPU:
+docs/measured.md).
 The traced graph must run under torch.no_grad(): autograd is already inside it.
 """
 import torch
@@ -157,7 +160,8 @@ class GraphStep:
         if self.gm is None:
             self.gm = self.transform(capture(self.step_fn, args))
             run = self.gm if not self.split else graph_passes.SplitStep(self.gm, self.split)
-            self.compiled = torch.compile(run, backend="inductor") if self.backend == "inductor" else run
+            self.compiled = torch.compile(run, backend="inductor") if self.backend == "inductor" else \
+                torch.compile(run, backend="openxla", fullgraph=True) if self.backend == "openxla" else run
         with torch.no_grad():
             new_params, exp_avg, exp_avg_sq, reported, norm = self.compiled(*args)
         self.opt.commit(new_params, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})

@@ -21,6 +21,7 @@ of them) the devices combine their pieces with a psum. Per kernel, what each dev
                             GSPMD keeps each device's FSDP shard of it; a psum_scatter would move half
                             the bytes, not done).
                      A device whose rows are all ignored has m_d = 0 / 0: its terms are set to 0.
+                     Its tiles are the chip's (kernels_pallas.ce_blocks), not the capture's defaults.
   grouped matmul     not lowered: the MoE's reference dispatch is refused under --compile, and the
                      grouped matmul's rows are routed tokens, not the batch's (expert parallel).
 
@@ -79,8 +80,19 @@ def mean_over_rows(call, ignore_index="ignore_index"):
     def kept(targets, statics):
         return jnp.sum(targets != statics[ignore_index]).astype(jnp.float32)
 
+    def chip_blocks(statics, w):
+        """The chip's own tiles when compiling for one (kernels_pallas.ce_blocks: the dW kernel's VMEM
+        within the chip's limit), not the interpret-mode defaults the graph was captured with: at a
+        width of 8192 those overflow VMEM (measured: Llama 2 70B's loss on v5p)."""
+        import kernels_pallas
+        import tpu_target
+        chip = tpu_target.lowering_for_tpu()
+        if chip:
+            statics["block_n"], statics["block_v"] = kernels_pallas.ce_blocks(chip, w.shape[1], w.shape[0])
+        return statics
+
     def forward(h, w, targets, *static_args):
-        statics = dict(zip(call.statics, static_args))
+        statics = chip_blocks(dict(zip(call.statics, static_args)), w)
 
         def body(h, w, targets):
             n = kept(targets, statics)
@@ -89,7 +101,7 @@ def mean_over_rows(call, ignore_index="ignore_index"):
         return _sharded(body, (rows, whole, rows), whole)(h, w, targets)
 
     def backward(h, w, targets, cotangent, *static_args):
-        statics = dict(zip(call.statics, static_args))
+        statics = chip_blocks(dict(zip(call.statics, static_args)), w)
         vjp = functools.partial(jax_op.vjp_fn(call.jax_fn, (True, True, False)), **statics)
 
         def body(h, w, targets, cotangent):

@@ -133,6 +133,9 @@ def test_graph_mode_flags_are_checked_by_cli_alone(monkeypatch):
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     for argv, message in ((["--mode", "graph", "--backend", "xla"], "--backend xla needs an XLA device"),
                           (["--mode", "graph", "--backend", "xla", "--device", "cpu"], "--backend xla needs an XLA device"),
+                          (["--mode", "graph", "--backend", "openxla", "--device", "cpu"], "--backend openxla needs an XLA device"),
+                          (["--mode", "graph", "--backend", "openxla", "--device", "xla", "--mesh", "ici=2"],
+                           "--backend openxla runs on one XLA device: under --mesh use --backend xla"),
                           (["--mode", "graph", "--mesh", "ici=2", "--dp-impl", "fsdp2"], "FSDP2's hooks do not trace")):
         with pytest.raises(cli.ConfigError, match=re.escape(message)):
             cli.parse_config(argv)
