@@ -80,19 +80,21 @@ def mean_over_rows(call, ignore_index="ignore_index"):
     def kept(targets, statics):
         return jnp.sum(targets != statics[ignore_index]).astype(jnp.float32)
 
-    def chip_blocks(statics, w):
+    def chip_blocks(statics, h, w):
         """The chip's own tiles when compiling for one (kernels_pallas.ce_blocks: the dW kernel's VMEM
-        within the chip's limit), not the interpret-mode defaults the graph was captured with: at a
-        width of 8192 those overflow VMEM (measured: Llama 2 70B's loss on v5p)."""
+        within the chip's limit, at the inputs' width: h and w reach the kernel in fp32, the model's
+        dtype, since autocast does not cast a custom op's inputs), not the interpret-mode defaults the
+        graph was captured with: at a width of 8192 those overflow VMEM (measured: Llama 2 70B's loss)."""
         import kernels_pallas
         import tpu_target
         chip = tpu_target.lowering_for_tpu()
         if chip:
-            statics["block_n"], statics["block_v"] = kernels_pallas.ce_blocks(chip, w.shape[1], w.shape[0])
+            itemsize = max(jnp.dtype(h.dtype).itemsize, jnp.dtype(w.dtype).itemsize)
+            statics["block_n"], statics["block_v"] = kernels_pallas.ce_blocks(chip, w.shape[1], w.shape[0], itemsize)
         return statics
 
     def forward(h, w, targets, *static_args):
-        statics = chip_blocks(dict(zip(call.statics, static_args)), w)
+        statics = chip_blocks(dict(zip(call.statics, static_args)), h, w)
 
         def body(h, w, targets):
             n = kept(targets, statics)
@@ -101,7 +103,7 @@ def mean_over_rows(call, ignore_index="ignore_index"):
         return _sharded(body, (rows, whole, rows), whole)(h, w, targets)
 
     def backward(h, w, targets, cotangent, *static_args):
-        statics = chip_blocks(dict(zip(call.statics, static_args)), w)
+        statics = chip_blocks(dict(zip(call.statics, static_args)), h, w)
         vjp = functools.partial(jax_op.vjp_fn(call.jax_fn, (True, True, False)), **statics)
 
         def body(h, w, targets, cotangent):

@@ -317,6 +317,10 @@ def every_layer_counted(once, twice, layers):
         return dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None,
                                    compile_s=once.compile_s + twice.compile_s)
     extra = 1 + layers % 2  # bodies counted: 1 at unroll=1; 2 (+1 remainder) at unroll=2
+    if not (twice.flops or 0) > (once.flops or 0) or not (twice.optimal_seconds or 0) > (once.optimal_seconds or 0):
+        # (the second program counted no more than the first: no per-layer figure to take from them)
+        return dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None,
+                                   compile_s=once.compile_s + twice.compile_s)
     fix = lambda a, b: a + (layers - 1) * (b - a) / extra if a is not None and b is not None else a
     return dataclasses.replace(once, flops=fix(once.flops, twice.flops), bytes_accessed=fix(once.bytes_accessed, twice.bytes_accessed),
                                optimal_seconds=fix(once.optimal_seconds, twice.optimal_seconds),
@@ -391,7 +395,8 @@ def format_report(r, planned):
              f"  compile {r['compile_s']:.1f} s (the compiler's cost model estimates the step time: not a measurement); "
              f"{r['mosaic_calls']} Mosaic kernel call(s)"]
     if not r["flops"]:
-        lines[8:12] = ["  FLOPs and step not counted: the second compile (2 layers a While iteration) ran out of HBM"]
+        lines[8:12] = ["  FLOPs and step not counted: the second compile (2 layers a While iteration) ran out of HBM, "
+                       "or counted no more than the first"]
     return "\n".join(lines)
 
 
