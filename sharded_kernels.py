@@ -1,6 +1,7 @@
 """sharded_kernels.py: the Pallas kernels inside the training step compiled for a TPU pod.
 
-    python train.py --dry-run --compile --kernels pallas --flavor llama3_8b --mesh ici=4 --seq-len 8192
+    python train.py --dry-run --compile --kernels pallas --chip tpu_v5p --mesh ici=4 --flavor llama3_debug \
+        --set n_layers=1 --set max_seq_len=8192 --batch-size 256 --seq-len 8192
 
 step_compile.py hands the whole step to XLA's SPMD partitioner (GSPMD), which splits XLA's own ops
 over the devices by the layout's shardings. A Mosaic kernel is a custom call whose inside the

@@ -3,7 +3,8 @@
     python train.py --dry-run --compile --flavor llama3_debug --mesh ici=4 --chip tpu_v5p
     python train.py --dry-run --compile --flavor llama3_8b --set n_layers=2 --mesh ici=4 --batch-size 8 --seq-len 2048
     python train.py --dry-run --compile --scan --flavor qwen3_8b --mesh ici=256 --batch-size 256 --seq-len 4096
-    python train.py --dry-run --compile --kernels pallas --flavor llama3_8b --set n_layers=2 --mesh ici=4 --seq-len 8192
+    python train.py --dry-run --compile --kernels pallas --chip tpu_v5p --mesh ici=4 --flavor llama3_debug \
+        --set n_layers=1 --set max_seq_len=8192 --batch-size 256 --seq-len 8192
 
 The question it answers is MaxText's train_compile.py's: will this run compile and fit on that pod?
 The program is the one graph mode runs, not a rewrite of it: graph_trainer.build_step_fn (forward, the
