@@ -10,7 +10,7 @@ flux/task.py). The whole step (graph_trainer.build_step_fn with the task's loss)
 on meta tensors, at full width and with the TPU kernels (a language model's config rewrite; FLUX's
 flash attention), so the graph's saved activations are exact for one block of each kind and one
 more; the per-block differences extrapolate to the full depths (blocks of a kind are the same:
-`extrapolate`). Nothing is allocated. Memory, host memory, the verdict and the step time are
+planner/activations.py). Nothing is allocated. Memory, host memory, the verdict and the step time are
 planner/stepmodel.py's, one model for the dry run, --plan and the calibration: parameters, gradients
 and AdamW state from the family's parameter groups and the layout (fp32; the TP-split weights over
 ici x tp, the experts over all data-parallel ranks, the rest over ici; replicated over dcn), as
@@ -35,15 +35,11 @@ saves whole, fragmentation and XLA's own buffers, and DCN topology (one number p
 import dataclasses
 import math
 
-import torch
-
 from planner import chips as chips_lib
-import graph_passes
 from planner import shapes
 from planner import stepmodel
-import graph_trainer
-import optim
-from model import Transformer, flops_per_token, next_token_loss, param_counts, tpu_config
+from planner.activations import saved_bytes_per_sequence
+from model import flops_per_token, param_counts, tpu_config
 
 GiB = 2**30
 # Per chip (chips.py: published HBM bytes and bandwidth, ICI bandwidth, bf16 peak), in the older dict
@@ -52,50 +48,12 @@ TPU_SPECS = {name: dict(hbm=c.hbm_bytes, hbm_bw=c.hbm_bw, ici_bw=c.ici_bw, peak=
              for name, c in chips_lib.CHIPS.items()}
 
 
-def step_saved_bytes(model, loss, batch, remat):
-    """Saved-activation bytes of the whole training step of `model` (on meta, cast to bf16) with a
-    task's `loss(model, batch)` on an example `batch` of meta tensors: traced, nothing allocated."""
-    model = model.to(torch.bfloat16)
-    names = [n for n, _ in model.named_parameters()]
-    params = [p.detach() for p in model.parameters()]
-    state = [torch.zeros_like(p) for p in params]
-    step_fn = graph_trainer.build_step_fn(model, names, loss, 1.0, (0.9, 0.95), 1e-8, 0.1,
-                                          optim.decay_mask(names, params), lambda: torch.autocast("cpu", enabled=False))
-    one = torch.ones((), device="meta")
-    gm = graph_trainer.capture(step_fn, (params, list(model.buffers()), state, state, one, one, *batch))
-    if remat:
-        gm = graph_passes.remat(gm)
-    return graph_passes.saved_bytes(gm)
-
-
-def extrapolate(saved_at, depths):
-    """Saved bytes at full depth from traces at one block of each kind (`saved_at({field: n})`), plus
-    one more block of each kind in turn: blocks of a kind are equal, so bytes are linear in each depth."""
-    ones = {field: 1 for field in depths}
-    base = saved_at(ones)
-    return base + sum((n - 1) * (saved_at({**ones, field: 2}) - base) for field, n in depths.items())
-
-
-def traced_saved_bytes(args, local_batch, seq_len, remat):
-    """Saved-activation bytes of the traced language-model step for `args` (bf16 compute), on meta tensors."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    tokens = torch.zeros(local_batch, seq_len, dtype=torch.long, device="meta")
-    return step_saved_bytes(model, next_token_loss, (tokens, tokens), remat)
-
-
 param_groups = shapes.lm_param_groups   # (the one count: the step model's shapes use it too)
 # stepmodel's memory terms under the dry run's labels (minititan's layout: fp32 state)
 MEMORY_LABELS = {"parameters": "params (fp32 shard)", "gradients": "grads (fp32 shard)",
                  "optimizer state": "AdamW state (fp32 shard)", "gradient accumulator": "grad sum (fp32 shard, --grad-accum)",
                  "gathered block (bf16, x2)": "gathered layer (bf16, x2 prefetch)",
                  "saved activations": "saved activations (bf16)", "transient peak": "transient peak (one layer, bf16)"}
-
-
-def saved_bytes_per_sequence(args, seq_len, remat):
-    """Saved activations of one sequence (bf16), traced at 1 and 2 layers, extrapolated to the depth."""
-    return extrapolate(lambda depth: traced_saved_bytes(dataclasses.replace(args, **depth), 1, seq_len, remat),
-                       {"n_layers": args.n_layers})
 
 
 @dataclasses.dataclass

@@ -129,14 +129,14 @@ class LanguageModelFamily(ModelFamily):
     def activation_bytes(self, args, local_batch, seq_len, free_bytes):
         """A cheap upper bound first (fp32: ~16 D + 4 F values saved per token and layer, the S x S
         scores per head, three copies of the logits); only if that could come near the free memory,
-        the dry run's traced figure (dryrun.saved_bytes_per_sequence, bf16, so doubled for fp32)."""
+        the dry run's traced figure (planner/activations.py, bf16, so doubled for fp32)."""
         B, S, L, a = local_batch, seq_len, args.n_layers, args
         ffn = a.top_k * a.moe_ffn_dim if a.n_experts else a.ffn_dim
         bound = 4 * (B * S * L * (16 * a.dim + 4 * ffn) + B * a.n_heads * S * S * L + 3 * B * S * a.vocab_size)
         if free_bytes is None or bound < free_bytes / 4:
             return bound
-        import dryrun
-        return 2 * B * dryrun.saved_bytes_per_sequence(args, S, remat=False)
+        from planner.activations import saved_bytes_per_sequence
+        return 2 * B * saved_bytes_per_sequence(args, S, remat=False)
 
     def plan(self, args, cfg):
         import dryrun

@@ -372,6 +372,7 @@ def plan_workload(args, cfg):
     All of it is data parallel (no tp / ep); FSDP gathers one block at a time, the double one
     the larger."""
     import dryrun
+    from planner import activations
     from flux.shape import flux_shape
     side, T = latent_geometry(args, cfg.image_size or (PUBLISHED_SIZE if args.in_channels == 4 * VAE_CHANNELS else SIDE))
     S = (side // 2) ** 2
@@ -384,7 +385,7 @@ def plan_workload(args, cfg):
             x0, eps = torch.empty(1, S, args.in_channels, **bf16), torch.empty(1, S, args.in_channels, **bf16)
             batch = (x0, eps, torch.empty(1), torch.empty(1, T, args.context_in_dim, **bf16),
                      torch.empty(1, args.vec_in_dim, **bf16))
-        return dryrun.step_saved_bytes(model, flow_matching_loss, batch, remat)
+        return activations.step_saved_bytes(model, flow_matching_loss, batch, remat)
 
     with torch.device("meta"):
         one_of_each = flux.Flux(dataclasses.replace(args, depth=1, depth_single_blocks=1))
@@ -396,6 +397,6 @@ def plan_workload(args, cfg):
     return dryrun.Workload(
         cfg.flavor, {"tp": 0, "experts": 0, "rest": flux.param_count(args)},
         {"tp": 0, "experts": 0, "rest": largest}, flux.flops_per_sample(args, S, T), S + T,
-        lambda remat: dryrun.extrapolate(lambda d: saved_at(d, remat), depths), no_tp,
+        lambda remat: activations.extrapolate(lambda d: saved_at(d, remat), depths), no_tp,
         dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks,
         shape=flux_shape(args, S, T, cfg.flavor))

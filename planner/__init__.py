@@ -9,10 +9,12 @@ Read in this order:
                       its backward reads (language models; planner-only Llama 2 70B, Mixtral 8x7B / 8x22B;
                       another family describes its own through ModelFamily.plan: FLUX in flux/shape.py);
                       MaxText's and MaxDiffusion's remat policies, an unknown name refused
+    activations.py    a workload's saved-activation bytes, traced from its whole step on meta tensors
     stepmodel.py      step time and memory from named parts: matmuls at a shape-dependent fraction of peak,
                       splash attention, HBM-bound ops, collectives (latency + bytes / bandwidth, overlapped),
                       host offload, a host overhead; the host memory a process needs; `fits`, the one verdict
     calibrate.py      calibration.json's published runs predicted and compared; the fit of the free
                       constants, leave-one-out and the held-out runs (`python dryrun.py --calibrate`)
     anchor.py         this CPU as the chip: predicted against the measured default step (`python -m planner.anchor`)
+    compile_column.py the calibration table's compiler column (`python dryrun.py --calibrate --compile`)
 """

@@ -52,11 +52,12 @@ def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones(c
     # Every row equals its layout's own dry run (in this process; the activation bytes a sequence,
     # the one traced figure, traced once per remat setting as a single dry run does)
     import dryrun
+    from planner import activations
     import mesh as mesh_lib
     import model
     import train
     args = train.model_args(train.parse_config(flags))
-    per_sequence = {r: dryrun.saved_bytes_per_sequence(model.tpu_config(args), 4096, r) for r in (False, True)}
+    per_sequence = {r: activations.saved_bytes_per_sequence(model.tpu_config(args), 4096, r) for r in (False, True)}
     assert any(r["remat"] for r in rows) and not all(r["remat"] for r in rows)
     for row in (r for r in rows if isinstance(r["remat"], bool)):  # (the two policies traced)
         own = dryrun.dry_run(args, "qwen3_235b_a22b", mesh_lib.mesh_dims(row["mesh"]), 256, 4096, "tpu_v5p",
