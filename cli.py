@@ -60,7 +60,8 @@ class TrainConfig:
                                   "xla through torch_xla's dynamo bridge (the step not recorded again each step)",
                                   choices=["fx", "inductor", "xla", "openxla"])
     remat: bool = flag(False, "graph mode: recompute all but matmul outputs in the backward")
-    offload: bool = flag(False, "graph mode: saved activations to host memory and back")
+    offload: bool = flag(False, "graph mode: saved activations to host memory and back (--dry-run --compile "
+                         "--scan: each layer's input)")
     scan: bool = flag(False, "run the blocks as one scan over stacked weights (XLA: a While loop; MoE needs --kernels pallas)")
     split: int = flag(0, "graph mode: cut the step graph into N stages run in order")
     fsdp_passes: str = flag("auto", "graph mode under a SimpleFSDP mesh: comma list of reshard, bucket, prefetch, "

@@ -346,7 +346,10 @@ def compiled_report(w, cfg, dims, remat):
         raise ValueError("--compile compiles one pass over the batch: --grad-accum is not compiled yet (the planner's "
                          "estimate without --compile counts it)")
     program = w.program(cfg.batch_size, getattr(cfg, "kernels", "reference"))
-    remat = "full" if getattr(cfg, "scan", False) else remat  # (--scan: a layer's input kept, its forward replayed)
+    if getattr(cfg, "offload", False) and not getattr(cfg, "scan", False):
+        raise ValueError("--compile --offload offloads --scan's layer inputs to host: add --scan")
+    if getattr(cfg, "scan", False):  # (a layer's input kept, or offloaded with --offload; its forward replayed)
+        remat = {"decoder_layer_input": "offload"} if getattr(cfg, "offload", False) else "full"
     traced = policy_name(remat) != "none"
     planned = estimate(w, dims, cfg.batch_size, cfg.chip, remat,
                        saved_per_sample(w, remat, {traced: program.saved_bytes(traced)}))

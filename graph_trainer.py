@@ -46,14 +46,16 @@ class _LossOf(nn.Module):
 
 
 def build_step_fn(model, names, loss_fn, clip, betas, eps, weight_decay, mask, autocast, parallel=None,
-                  microbatches=None):
+                  microbatches=None, param_dtype=None):
     """The pure step function that make_fx traces. `loss_fn(model, batch) -> (loss to report, loss to
     differentiate)` is the task's. Under a mesh `params` are the local shards: `parallel.like` wraps
     them back into DTensors for the model (whose parameter reads all-gather and whose backward
     reduce-scatters), and the gradient norm and logged loss are reduced across ranks, all inside.
     `microbatches` (accum.Microbatches, --grad-accum): the loop over them is unrolled into the graph,
     each microbatch's forward + backward in turn (the passes take the first microbatch's forward as the
-    forward: the first forward_end marker), one gradient sum, one update."""
+    forward: the first forward_end marker), one gradient sum, one update. `param_dtype` (bf16): the
+    forward reads the weights cast to it, FSDP2's MixedPrecisionPolicy(param_dtype) over fp32 master
+    weights, so its activations (the residual stream too) are bf16; the gradients come back fp32."""
     parallel = parallel or Parallel(None)
     microbatches = microbatches or accum.Microbatches(1, "mean")
     buffer_names = [n for n, _ in model.named_buffers()]
@@ -63,7 +65,8 @@ def build_step_fn(model, names, loss_fn, clip, betas, eps, weight_decay, mask, a
     def step_fn(params, buffers, exp_avg, exp_avg_sq, step, lr, *batch):
         with torch.enable_grad():
             leaves = [p.detach().requires_grad_() for p in params]
-            state = {**{f"model.{n}": t for n, t in zip(names, parallel.like(leaves, placed_like))},
+            compute = [p.to(param_dtype) for p in leaves] if param_dtype else leaves
+            state = {**{f"model.{n}": t for n, t in zip(names, parallel.like(compute, placed_like))},
                      **{f"model.{n}": b for n, b in zip(buffer_names, buffers)}}
 
             def grads_of(loss, last):  # forward_end marks the forward/backward boundary (the passes read the first)

@@ -227,7 +227,7 @@ def _traced(graphs, shape, dtype):
     return next(g for key, g in graphs.items() if key[:2] == (tuple(shape), dtype))
 
 
-def register_torchax(on_jax, unroll=1):
+def register_torchax(on_jax, unroll=1, offload=False):
     """The two ops' JAX forms, for torchax (the TPU compile of the step, step_compile.py): each a
     `jax.lax.scan` over the stacked weights' layer axis, the scan body one block run by torchax from its
     traced aten graph, so the compiled program has one block in a While loop, as on XLA above.
@@ -236,7 +236,9 @@ def register_torchax(on_jax, unroll=1):
     Both block graphs were traced where the step was captured (trace_block_vjp, trace_block_forward);
     `on_jax(gm)` makes a copy of one runnable by torchax (its factory ops' device). `unroll`: layers a
     While iteration runs (XLA's cost model counts a While body once, whatever its trip count:
-    step_compile counts a layer's cost from the difference 2 makes). Registered anew on each call."""
+    step_compile counts a layer's cost from the difference 2 makes). `offload`: each layer's input goes
+    to host memory as the forward makes it and comes back as the backward reaches it (MaxText's
+    `decoder_layer_input: offload`), so HBM holds one layer's, not L. Registered anew on each call."""
     import jax
     import jax.numpy as jnp
     from torchax.ops import mappings, ops_registry
@@ -256,7 +258,7 @@ def register_torchax(on_jax, unroll=1):
 
         def body(carry, weights):
             out, aux = run(gm, env, carry[0], cos, sin, list(weights))
-            return (out, carry[1] + aux), carry[0]
+            return (out, carry[1] + aux), jax.device_put(carry[0], jax.memory.Space.Host) if offload else carry[0]
         (h, aux), carries = jax.lax.scan(body, (h, jnp.zeros((), jnp.float32)), list(stacked), unroll=unroll)
         return h, aux, carries
 
@@ -265,6 +267,8 @@ def register_torchax(on_jax, unroll=1):
 
         def body(grad, saved):  # (behind a barrier, as JAX's checkpoint: an unrolled layer's replay is
             saved = jax.lax.optimization_barrier(saved)  # not merged with its forward by XLA's CSE)
+            if offload:
+                saved = (jax.device_put(saved[0], jax.memory.Space.Device), saved[1])
             grad, *grad_params = run(gm, env, saved[0], cos, sin, list(saved[1]), grad, grad_aux)
             return grad, grad_params
         grad_h, grads = jax.lax.scan(body, grad_h, (carries, list(stacked)), reverse=True, unroll=unroll)

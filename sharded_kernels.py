@@ -18,9 +18,11 @@ of them) the devices combine their pieces with a psum. Per kernel, what each dev
                      m_d, the mean over its n_d kept rows, so
                          1. loss = sum_d n_d m_d / N, with N = sum_d n_d (two psums);
                          2. d loss / d h_d = (n_d / N) d m_d / d h_d: d's own vjp at cotangent c n_d / N;
-                         3. d loss / d w = sum_d of those vjps' dw (a psum: whole on every device, then
-                            GSPMD keeps each device's FSDP shard of it; a psum_scatter would move half
-                            the bytes, not done).
+                         3. d loss / d w = sum_d of those vjps' dw, reduce-scattered (psum_scatter):
+                            each device keeps 1/n of the sum, split on the first dim that n divides
+                            (the FSDP shard GSPMD wants, or a reshard away), where a psum would hold
+                            the whole sum on every device beside the local dw; a psum where neither
+                            dim divides.
                      A device whose rows are all ignored has m_d = 0 / 0: its terms are set to 0.
                      Its tiles are the chip's (kernels_pallas.ce_blocks), not the capture's defaults.
   grouped matmul     not lowered: the MoE's reference dispatch is refused under --compile, and the
@@ -111,8 +113,13 @@ def mean_over_rows(call, ignore_index="ignore_index"):
             n = kept(targets, statics)
             dh, dw = vjp(h, w, targets, cotangent * n / jax.lax.psum(n, BATCH_AXES))  # 2.
             dh, dw = jnp.where(n > 0, dh, 0), jnp.where(n > 0, dw, 0)
-            return [dh, jax.lax.psum(dw, BATCH_AXES)]  # 3.
-        return _sharded(body, (rows, whole, rows, whole), [rows, whole])(h, w, targets, cotangent)
+            if split is None:
+                return [dh, jax.lax.psum(dw, BATCH_AXES)]
+            return [dh, jax.lax.psum_scatter(dw, BATCH_AXES, scatter_dimension=split, tiled=True)]  # 3.
+        devices = _MESH[0].devices.size
+        split = next((d for d in (0, 1) if w.shape[d] % devices == 0), None)
+        dw_spec = whole if split is None else P(*[None] * split, BATCH_AXES)
+        return _sharded(body, (rows, whole, rows, whole), [rows, dw_spec])(h, w, targets, cotangent)
     return forward, backward
 
 

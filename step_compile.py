@@ -22,7 +22,9 @@ and the cost model prices a bf16 matmul at 22.8 TFLOP/s a device on v5p and v6e 
 report also reads it in units of that rate (cost_model_rate). Under --scan the blocks are
 layer_scan's ops, whose JAX form is a lax.scan (one block in a While loop at any depth); the cost
 model counts a While body once, so the step is compiled again at 2 layers an iteration and every
-layer counted from the difference (every_layer_counted).
+layer counted from the difference (every_layer_counted). --scan --offload sends each layer's input
+to host memory as the scan makes it (MaxText's `decoder_layer_input: offload`): the compiler's host
+bytes are reported beside the planner's.
 
 Why torchax rather than torch_xla's HLO of the SPMD step: torch_xla records a step on lazy tensors
 backed by device data, so its HLO needs the model allocated on some device (the host, here); its
@@ -44,14 +46,15 @@ What differs from a run on the chip, and why:
   - the arguments' bytes include the TPU's tile padding (a shard's last two dims rounded up to the
     (8, 128) tile), which no planner counts.
 """
+import contextlib
 import dataclasses
 import math
-import operator
 import time
 
 import numpy as np
 import torch
 
+import compile_graph
 import graph_passes
 import graph_trainer
 import layer_scan
@@ -59,7 +62,7 @@ import optim
 import spmd
 
 GiB = 2**30
-AUTOCAST = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # graph mode's: bf16 matmuls over fp32 weights
+AUTOCAST = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # --dtype bf16's: bf16 matmuls
 
 
 @dataclasses.dataclass
@@ -73,6 +76,8 @@ class Program:
     batch: tuple
     saved_bytes: object = None
     kernel_flops: float = 0.0
+    twin: object = None  # (mesh, clip) -> (jax fn, its abstract inputs, donated argnums): the same step written
+    #                      in JAX, compiled beside ours (FLUX's flux/jax_step.py: flux/compiled.py)
 
 
 def lm_program(args, batch_size, seq_len, saved_bytes):
@@ -97,9 +102,12 @@ def kernel_flops(args, tokens, seq_len):
     return tokens * (attention + loss)
 
 
-def capture(program, remat, clip):
-    """The step graph, as graph mode traces it (bf16 autocast over fp32 master weights), and its
-    example inputs (fake CPU tensors: autocast applies to them, nothing is allocated)."""
+def capture(program, remat, clip, dtype="fp32"):
+    """The step graph, as graph mode traces it, and its example inputs (fake CPU tensors: autocast
+    applies to them, nothing is allocated). `dtype` is --dtype as the FSDP mesh runs it: fp32
+    throughout, or bf16: the fp32 master weights cast to bf16 for the forward (FSDP2's
+    MixedPrecisionPolicy(param_dtype=bf16), SimpleFSDP's gather dtype) under bf16 autocast, so the
+    activations and the residual stream are bf16, as MaxText's `dtype: bfloat16` keeps them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.attention import SDPBackend, sdpa_kernel
     model = program.model
@@ -111,114 +119,36 @@ def capture(program, remat, clip):
                    [torch.empty_like(p) for p in params], [torch.empty_like(p) for p in params],
                    torch.empty(()), torch.empty(()), *[torch.empty(s, dtype=d) for s, d in program.batch])
     defaults = optim.AdamW.__init__.__defaults__  # (betas, eps, weight_decay): the trainer's optimizer's
+    autocast = AUTOCAST if dtype == "bf16" else contextlib.nullcontext
     step_fn = graph_trainer.build_step_fn(model, names, program.loss, clip, *defaults, optim.decay_mask(names, metas),
-                                          AUTOCAST)
+                                          autocast, compile_graph.GradsLikeParams(None),
+                                          param_dtype=torch.bfloat16 if dtype == "bf16" else None)
     with sdpa_kernel(SDPBackend.MATH):
         gm = graph_trainer.capture(step_fn, example)
-        with AUTOCAST():  # --scan: each stack's block forward traced as its vjp was (the scan's JAX form)
-            for node in gm.graph.nodes:
+        with autocast():  # --scan: each stack's block forward traced as its vjp was (the scan's JAX form)
+            for node in gm.graph.nodes:  # (at the dtypes the step reached it with)
                 if node.target == torch.ops.minititan.scan_layers.default:
                     h, cos, sin, stacked, block = torch.fx.node.map_arg(node.args, lambda a: a.meta["val"])
                     layer_scan.trace_block_forward(block, h, cos, sin, stacked)
     if remat:
-        gm = behind_barrier(graph_passes.remat(gm))
-    return for_torchax(gm, example), example
+        gm = compile_graph.behind_barrier(graph_passes.remat(gm))
+    return compile_graph.for_torchax(gm, example), example
 
 
-@torch.library.custom_op("minititan_compile::barrier", mutates_args=())
-def barrier(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Identity on the saved activations (jax.lax.optimization_barrier once lowered)."""
-    return [x.clone() for x in xs]
+def layout_mesh(dims, devices):
+    """The (dcn, ici) mesh of the compile-only devices."""
+    from jax.sharding import Mesh
+    return Mesh(np.array(devices).reshape(dims["dcn"], dims["ici"]), ("dcn", "ici"))
 
 
-barrier.register_fake(lambda xs: [torch.empty_like(x) for x in xs])
-
-
-def behind_barrier(gm):
-    """The backward reads the saved activations through one optimization barrier. Without it XLA's
-    common-subexpression pass merges each recomputed op with its forward twin (the same op on the same
-    values): the remat pass's recompute vanished (the compiler counted the same FLOPs and temporaries
-    with --remat as without). JAX's checkpoint puts its residuals behind the same barrier."""
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    end = graph_passes.forward_end_index(gm)
-    saved = graph_passes.saved_activations(gm)
-    marker = list(gm.graph.nodes)[end]
-    with gm.graph.inserting_after(marker):
-        fenced = gm.graph.call_function(torch.ops.minititan_compile.barrier.default, (saved,))
-    with gm.graph.inserting_after(fenced):
-        behind = [gm.graph.call_function(operator.getitem, (fenced, i)) for i in range(len(saved))]
-    for value, after in zip(saved, behind):
-        value.replace_all_uses_with(after, delete_user_cb=lambda user: order.get(user, -1) > end)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
-
-
-# each _foreach_ op's one-tensor form (optim.py uses these)
-PER_TENSOR = {"lerp": torch.lerp, "mul": torch.mul, "div": torch.div, "add": torch.add, "sqrt": torch.sqrt,
-              "addcmul": lambda s, a, b, value=1: torch.addcmul(s, a, b, value=value),
-              "norm": lambda t, ord=2, dtype=None: torch.linalg.vector_norm(t, ord, dtype=dtype)}
-
-
-def _unfolded(op):
-    one = PER_TENSOR[op._schema.name.split("::_foreach_")[1]]
-
-    def per_tensor(*args, **kw):
-        n = next(len(a) for a in args if isinstance(a, (list, tuple)))
-        return [one(*(a[i] if isinstance(a, (list, tuple)) else a for a in args), **kw) for i in range(n)]
-    return per_tensor
-
-
-@torch.library.custom_op("minititan_compile::over_batch", mutates_args=())
-def over_batch(x: torch.Tensor) -> torch.Tensor:
-    """Identity; lowered, a sharding constraint: dim 0 split over the data-parallel devices."""
-    return x.clone()
-
-
-over_batch.register_fake(lambda x: torch.empty_like(x))
-_ROWS_SHARDING = [None]  # (the lowering's sharding: the mesh of the compile in progress)
-
-
-def rows_over_batch(gm, tokens, param_shapes):
-    """Every (tokens, width) activation, the batch's tokens flattened into rows (the loss's hidden
-    states, logits and their gradients), stays split over the data-parallel devices by its rows.
-    XLA's propagation alone let a Qwen3-8B step on 256 chips hold its (B x S, vocabulary) logits split
-    far fewer ways than 256 (a 32-bit DMA bound refused the buffer). Constraining every batch-major
-    activation instead raised a 4096-wide block's temporaries by 31%: only these."""
-    for node in list(gm.graph.nodes):
-        val = node.meta.get("val")
-        if node.op != "call_function" or not isinstance(val, torch.Tensor) or val.dim() != 2 \
-                or val.shape[0] != tokens or tuple(val.shape) in param_shapes:
-            continue
-        with gm.graph.inserting_after(node):
-            kept = gm.graph.call_function(torch.ops.minititan_compile.over_batch.default, (node,))
-        node.replace_all_uses_with(kept, delete_user_cb=lambda user: user is not kept)
-    gm.recompile()
-    return gm
-
-
-def for_torchax(gm, example):
-    """The graph as torchax can run it: `_foreach_*` ops unfolded (a retrace), the forward-end marker
-    (an identity) dropped, and no device named (the graph was traced on CPU; torchax's is JAX's)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-    table = {n.target: _unfolded(n.target) for n in gm.graph.nodes
-             if n.op == "call_function" and "aten._foreach_" in str(n.target)}
-    gm = make_fx(gm, decomposition_table=table, tracing_mode="fake")(*example)
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target == torch.ops.minititan.forward_end.default:
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-    return on_jax(gm)
-
-
-def on_jax(gm):
-    """A graph traced on CPU made runnable by torchax: a cast keeps its tensor's place, a factory op
-    makes a JAX array (also --scan's block graphs: layer_scan.register_torchax)."""
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and "device" in node.kwargs:
-            node.kwargs = {**node.kwargs, "device": None if node.target == torch.ops.aten._to_copy.default else "jax"}
-    gm.recompile()
-    return gm
+def param_sharding(mesh, shape, stack=False):
+    """A parameter's (and its AdamW moments') sharding: spmd.partition_spec's dim over ici (`stack`: a
+    --scan stack keeps its layer axis whole); replicated where the dim it picks does not divide."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    ici = mesh.shape["ici"]
+    spec = spmd.partition_spec(tuple(shape), ici, stack)
+    even = all(n % ici == 0 for n, s in zip(shape, spec) if s)
+    return NamedSharding(mesh, PartitionSpec(*spec) if even else PartitionSpec())
 
 
 def abstract_inputs(example, dims, devices, stacked):
@@ -226,14 +156,10 @@ def abstract_inputs(example, dims, devices, stacked):
     the layout's shardings (`stacked`: a flag a parameter, a --scan stack's keeps its layer axis
     whole); and the outputs' (new weights and moments like the old, scalars whole)."""
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-    mesh = Mesh(np.array(devices).reshape(dims["dcn"], dims["ici"]), ("dcn", "ici"))
+    from jax.sharding import NamedSharding, PartitionSpec
+    mesh = layout_mesh(dims, devices)
     whole = NamedSharding(mesh, PartitionSpec())
-
-    def param(t, stack):
-        spec = spmd.partition_spec(tuple(t.shape), dims["ici"], stack)
-        even = all(n % dims["ici"] == 0 for n, s in zip(t.shape, spec) if s)
-        return NamedSharding(mesh, PartitionSpec(*spec) if even else PartitionSpec())
+    param = lambda t, stack: param_sharding(mesh, t.shape, stack)
 
     def struct(t, sharding):
         dtype = {torch.int64: np.int32}.get(t.dtype, torch.empty((), dtype=t.dtype).numpy().dtype) \
@@ -248,19 +174,14 @@ def abstract_inputs(example, dims, devices, stacked):
     return inputs, (shardings, list(shardings), list(shardings), whole, whole)
 
 
-def jax_step(gm, out_shardings, unroll=1):
+def jax_step(gm, out_shardings, unroll=1, offload=False):
     """The step graph as a JAX function: torchax runs its aten ops on JAX values (tracers, under jit);
     --scan's ops as lax.scan, `unroll` layers a While iteration (layer_scan.register_torchax)."""
     import jax
     import torchax
-    from torchax.ops import ops_registry
-    barrier_op = torch.ops.minititan_compile.barrier.default
-    if barrier_op not in ops_registry.all_aten_ops:  # (torchax 0.0.7's override_op_definition is broken)
-        ops_registry.register_torch_dispatch_op(barrier_op, lambda xs: list(jax.lax.optimization_barrier(list(xs))))
-        ops_registry.register_torch_dispatch_op(torch.ops.minititan_compile.over_batch.default,
-                                                lambda x: jax.lax.with_sharding_constraint(x, _ROWS_SHARDING[0]))
     import sharded_kernels
-    layer_scan.register_torchax(on_jax, unroll)
+    compile_graph.register_torchax()
+    layer_scan.register_torchax(compile_graph.on_jax, unroll, offload)
     sharded_kernels.register_torchax()
     env = torchax.default_env()
     env.load_ops()
@@ -274,37 +195,56 @@ def jax_step(gm, out_shardings, unroll=1):
     return step
 
 
-def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0):
+def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtype="fp32", offload=False):
     """Compile `program`'s training step for `chip`'s topology (a libtpu name, default the mesh's
-    device count) on the (dcn, ici) layout `dims`: a tpu_target.Compiled, plus the capture seconds."""
+    device count) on the (dcn, ici) layout `dims`: a tpu_target.Compiled, plus the capture seconds.
+    `dtype`: capture's; `offload` (--scan): each layer's input in host memory between its
+    forward and backward (layer_scan.register_torchax)."""
     import tpu_target
     if dims.get("tp", 1) > 1 or dims.get("ep", 1) > 1 or dims.get("cp", 1) > 1:
         raise ValueError("--dry-run --compile lays out FSDP / HSDP meshes (dcn, ici); tp, ep and cp are not compiled yet")
-    name = tpu_target.topology_name(chip, topology or dims["dcn"] * dims["ici"])
-    devices = tpu_target.devices(chip, name)
+    name = tpu_target.topology_name(chip, topology or dims["ici"])  # (one slice's; dcn: that many slices)
+    devices = tpu_target.devices(chip, name, slices=dims["dcn"])
     if len(devices) != dims["dcn"] * dims["ici"]:
-        raise ValueError(f"topology {name} has {len(devices)} devices; the mesh has {dims['dcn'] * dims['ici']}")
+        raise ValueError(f"{dims['dcn']} x topology {name} has {len(devices)} devices; the mesh has "
+                         f"{dims['dcn'] * dims['ici']}")
+    label = name if dims["dcn"] == 1 else f"{dims['dcn']} x {name}"
     start = time.perf_counter()
-    gm, example = capture(program, remat, clip)
+    gm, example = capture(program, remat, clip, dtype)
     in_stack = {id(p) for m in program.model.modules() if isinstance(m, layer_scan.StackedLayers) for p in m.parameters()}
     inputs, out_shardings = abstract_inputs(example, dims, devices, [id(p) in in_stack for p in program.model.parameters()])
-    gm = rows_over_batch(gm, math.prod(program.batch[0][0]), {tuple(p.shape) for p in example[0]})
-    _ROWS_SHARDING[0] = inputs[-1].sharding  # (the batch's: dim 0 over dcn x ici)
+    gm = compile_graph.rows_over_batch(gm, math.prod(program.batch[0][0]), {tuple(p.shape) for p in example[0]})
+    compile_graph.use(inputs[-1].sharding, out_shardings[0])  # (the batch's: dim 0 over dcn x ici)
     import sharded_kernels
     sharded_kernels.use(inputs[-1].sharding.mesh)
     capture_s = time.perf_counter() - start
 
     def compiled(unroll):
         try:
-            return tpu_target.compile(jax_step(gm, out_shardings, unroll), *inputs, chip=chip, topology=name,
-                                      donate_argnums=(0, 2, 3))
+            return dataclasses.replace(tpu_target.compile(jax_step(gm, out_shardings, unroll, offload), *inputs,
+                                                          chip=chip, topology=name, donate_argnums=(0, 2, 3)),
+                                       topology=label)
         except tpu_target.CompileFailed as e:
-            raise ValueError(f"the TPU compiler refused the step for {name}: {e}") from None
+            raise ValueError(f"the TPU compiler refused the step for {label}: {e}") from None
     layers = [m.n_layers for m in program.model.modules() if isinstance(m, layer_scan.StackedLayers)]
     once = compiled(1)
     if not layers or layers[0] < 2 or not once.fits:
         return once, capture_s
+    if offload:  # (libtpu 0.0.24 refuses the offloaded inputs' dynamic slices in a 2-layer While body,
+        # "Error encountered while compiling %dynamic-slice-start": no per-layer count, so no cost figures)
+        return dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None), capture_s
     return every_layer_counted(once, compiled(2), layers[0]), capture_s
+
+
+def compile_twin(program, dims, chip, topology, clip):
+    """The program's twin (Program.twin) compiled for the same topology (one slice's name) and (dcn,
+    ici) layout."""
+    import tpu_target
+    fn, inputs, donated = program.twin(layout_mesh(dims, tpu_target.devices(chip, topology, dims["dcn"])), clip)
+    try:
+        return tpu_target.compile(fn, *inputs, chip=chip, topology=topology, donate_argnums=donated)
+    except tpu_target.CompileFailed as e:
+        raise ValueError(f"the TPU compiler refused the JAX twin for {topology}: {e}") from None
 
 
 def every_layer_counted(once, twice, layers):
@@ -359,6 +299,7 @@ def compare(compiled, planned, flops_per_device, peak, hbm, rate=None, kernel_fl
             "planned_total_bytes": planned["total_bytes"], "planned_fits": planned["fits"],
             "flops": flops, "flops_per_step": flops_per_device, "kernel_flops": kernel_flops_per_device,
             "mosaic_calls": compiled.mosaic_calls,
+            "host_bytes": compiled.host_bytes, "planned_host_bytes": planned.get("host_bytes", 0),
             "estimated_step_s": seconds,
             "bytes_accessed": compiled.bytes_accessed or 0.0,
             "estimated_mfu": flops_per_device / (seconds * peak) if seconds else 0.0,
@@ -370,11 +311,17 @@ def compare(compiled, planned, flops_per_device, peak, hbm, rate=None, kernel_fl
 REMAT_LABELS = {False: "remat off", True: "remat on", "full": "--scan (each layer's input kept, its forward replayed)"}
 
 
+def remat_label(remat):
+    if isinstance(remat, dict):  # (--scan --offload: dryrun.compiled_report's policy)
+        return "--scan --offload (each layer's input offloaded to host, its forward replayed)"
+    return REMAT_LABELS.get(remat, remat)
+
+
 def format_report(r, planned):
     g = lambda b: f"{b / GiB:10.3f} GiB"
     head = (f"compiled for {r['topology']} ({planned['devices']} x {planned['chip']}, mesh {planned['mesh']}): "
             f"{planned['flavor']}, {planned['local_batch']} x {planned['seq_len']} tokens per data-parallel rank, "
-            f"{REMAT_LABELS.get(planned['remat'], planned['remat'])}; XLA:TPU on compile-only devices, no chip")
+            f"{remat_label(planned['remat'])}; XLA:TPU on compile-only devices, no chip")
     if not r["compiler_fits"]:
         return head
     lines = [head, f"  {'per device':<44} {'compiler':>14} {'planner':>14}",
@@ -384,6 +331,7 @@ def format_report(r, planned):
              f"  {'outputs not aliased to an argument':<44} {g(r['output_bytes'])} {g(0)}",
              f"  {'total':<44} {g(r['total_bytes'])} {g(r['planned_total_bytes'])}   of {r['hbm_bytes'] / GiB:.0f} GiB HBM",
              f"  {'fits':<44} {'yes' if r['fits'] else 'NO':>14} {'yes' if r['planned_fits'] else 'NO':>14}",
+             f"  {'host memory (offloaded activations)':<44} {g(r['host_bytes'])} {g(r['planned_host_bytes'])}",
              f"  {'FLOPs (compiler / flops_per_step)':<44} {r['flops']:14.4e} {r['flops_per_step']:14.4e}   "
              f"ratio {r['flops'] / r['flops_per_step']:.4f}" + ("  (remat: the excess is the recompute)" if planned["remat"] else "")
              + (f"\n  {'  left out: inside the Mosaic kernels':<44} {'':>14} {r['kernel_flops']:14.4e}   "
@@ -395,9 +343,14 @@ def format_report(r, planned):
              f"at {r['cost_model_rate'] / 1e12:.1f} TFLOP/s: step {r['rescaled_step_s'] * 1e3:.1f} ms at the chip's peak)",
              f"  compile {r['compile_s']:.1f} s (the compiler's cost model estimates the step time: not a measurement); "
              f"{r['mosaic_calls']} Mosaic kernel call(s)"]
+    if "twin_fits" in r:
+        lines.append(f"  the same step in pure JAX (its twin), same topology, layout and attention: "
+                     + (f"{r['twin_total_bytes'] / GiB:.3f} GiB, FLOPs {r['twin_flops']:.4e}, estimated step "
+                        f"{r['twin_step_s'] * 1e3:.3f} ms: ours at {r['twin_speed']:.3f}x its speed (its step over ours)"
+                        if r["twin_fits"] else "does not fit"))
     if not r["flops"]:
-        lines[8:12] = ["  FLOPs and step not counted: the second compile (2 layers a While iteration) ran out of HBM, "
-                       "or counted no more than the first"]
+        lines[9:13] = ["  FLOPs and step not counted: the second compile (2 layers a While iteration) ran out of HBM, "
+                       "counted no more than the first, or was not made (--offload: refused by this libtpu)"]
     return "\n".join(lines)
 
 
@@ -409,11 +362,21 @@ def main(program, planned, cfg, spec):
     dims = {"dcn": 1, "tp": 1, "ep": 1, **dict(p.split("=") for p in planned["mesh"].split(","))}
     dims = {k: int(v) for k, v in dims.items()}
     if cfg.scan:  # (the planner's column is then remat "full": dryrun.compiled_report)
+        if not hasattr(program.model, "layers"):
+            raise ValueError("--compile --scan stacks a decoder's `layers`; this model's blocks are not compiled under --scan yet")
         layer_scan.stack_layers(program.model)
-    compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"] is True, cfg.clip)
+    compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"] is True, cfg.clip,
+                               cfg.dtype, cfg.offload)
+    one_slice = compiled.topology.split(" x ")[-1]
     r = compare(compiled, planned, planned["flops_per_device"], spec["peak"], spec["hbm"],
-                cost_model_rate(cfg.chip, compiled.topology) if compiled.fits else None,
+                cost_model_rate(cfg.chip, one_slice) if compiled.fits else None,
                 program.kernel_flops / planned["devices"])
+    if program.twin and compiled.fits:
+        twin = compile_twin(program, dims, cfg.chip, one_slice, cfg.clip)
+        r.update(twin_fits=twin.fits, twin_total_bytes=twin.hbm_bytes, twin_argument_bytes=twin.argument_bytes,
+                 twin_flops=twin.flops or 0.0,
+                 twin_step_s=twin.optimal_seconds or 0.0, twin_compile_s=twin.compile_s,
+                 twin_speed=(twin.optimal_seconds or 0.0) / compiled.optimal_seconds if compiled.optimal_seconds else 0.0)
     print(format_report(r, planned), flush=True)
     print(json.dumps(r), flush=True)  # (also for a step that does not fit: its figures, for a table)
     if not compiled.fits:

@@ -139,10 +139,12 @@ def _libtpu_log_dropped():
 _TOPOLOGIES = {}
 
 
-def devices(chip, topology=MIN_CHIPS):
-    """The compile-only devices of `chip`'s topology (a name or a chip count), in libtpu's order."""
+def devices(chip, topology=MIN_CHIPS, slices=1):
+    """The compile-only devices of `chip`'s topology (a name or a chip count), in libtpu's order;
+    `slices` > 1: that many slices of it, joined by DCN (slice by slice, as MaxText's
+    compile_topology_num_slices)."""
     name = topology_name(chip, topology)
-    if name not in _TOPOLOGIES:
+    if (name, slices) not in _TOPOLOGIES:
         from jax._src import xla_bridge
         from jax.experimental import topologies
         from jax._src import hardware_utils
@@ -157,10 +159,11 @@ def devices(chip, topology=MIN_CHIPS):
             with _libtpu_log_dropped():
                 if not xla_bridge.xla_client.pjrt_plugin_loaded("tpu"):
                     xla_bridge.xla_client.load_pjrt_plugin_dynamically("tpu", path)
-                _TOPOLOGIES[name] = topologies.get_topology_desc(topology_name=name, platform="tpu")
+                _TOPOLOGIES[name, slices] = topologies.get_topology_desc(
+                    topology_name=name, platform="tpu", **({"num_slices": slices} if slices > 1 else {}))
         except Exception as e:  # (an XlaRuntimeError: a name this libtpu does not know)
             raise TargetError(f"libtpu cannot describe {name}: {_first_line(e)}") from None
-    return list(_TOPOLOGIES[name].devices)
+    return list(_TOPOLOGIES[name, slices].devices)
 
 
 def one_device_sharding(chip, topology=MIN_CHIPS):
@@ -198,6 +201,7 @@ class Compiled:
     optimal_seconds: float = None
     compile_s: float = 0.0
     mosaic_calls: int = 0     # Mosaic kernels in the compiled program (tpu_custom_call)
+    host_bytes: int = 0       # host memory the program's temporaries take (offloaded activations)
 
     @property
     def hbm_bytes(self):
@@ -255,7 +259,7 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=()):
                     cost.get("bytes accessed"), cost.get("optimal_seconds"), seconds,
                     # (counted in the lowered program: jax 0.10.2 cannot print some compiled ones,
                     # "RET_CHECK ... async-update instruction should have 1 operands but sees 2")
-                    lowered.as_text().count("@tpu_custom_call"))
+                    lowered.as_text().count("@tpu_custom_call"), getattr(mem, "host_temp_size_in_bytes", 0))
 
 
 def _compiler_line(text):

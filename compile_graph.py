@@ -1,0 +1,176 @@
+"""compile_graph.py: the captured step graph made ready for torchax and XLA's SPMD partitioner.
+
+step_compile.py captures the training step as one aten graph (make_fx, fake tensors) and has torchax
+run it on JAX tracers. Between the two, the graph needs what a GSPMD program needs and the trainer's
+graph does not say: where values must stay split, and what XLA must not merge. Each is a small
+custom op, an identity in PyTorch, lowered to one JAX primitive (register_torchax):
+
+  barrier      the saved activations, read by the backward through jax.lax.optimization_barrier
+               (behind_barrier), as JAX's checkpoint reads its residuals;
+  over_batch   a (tokens, width) activation kept split over the data-parallel devices by its rows
+               (rows_over_batch): jax.lax.with_sharding_constraint;
+  like_param   a weight, as the forward reads it, and its gradient, as autograd makes it, kept in the
+               parameter's own sharding (GradsLikeParams): with_sharding_constraint.
+
+and what torchax 0.0.7 lacks: the `_foreach_*` ops unfolded tensor by tensor, no device named
+(for_torchax, on_jax). The shardings are the compile in progress's (use).
+"""
+import operator
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import graph_passes
+from parallel import Parallel
+
+@torch.library.custom_op("minititan_compile::barrier", mutates_args=())
+def barrier(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Identity on the saved activations (jax.lax.optimization_barrier once lowered)."""
+    return [x.clone() for x in xs]
+
+
+barrier.register_fake(lambda xs: [torch.empty_like(x) for x in xs])
+
+
+def behind_barrier(gm):
+    """The backward reads the saved activations through one optimization barrier. Without it XLA's
+    common-subexpression pass merges each recomputed op with its forward twin (the same op on the same
+    values): the remat pass's recompute vanished (the compiler counted the same FLOPs and temporaries
+    with --remat as without). JAX's checkpoint puts its residuals behind the same barrier."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    end = graph_passes.forward_end_index(gm)
+    saved = graph_passes.saved_activations(gm)
+    marker = list(gm.graph.nodes)[end]
+    with gm.graph.inserting_after(marker):
+        fenced = gm.graph.call_function(torch.ops.minititan_compile.barrier.default, (saved,))
+    with gm.graph.inserting_after(fenced):
+        behind = [gm.graph.call_function(operator.getitem, (fenced, i)) for i in range(len(saved))]
+    for value, after in zip(saved, behind):
+        value.replace_all_uses_with(after, delete_user_cb=lambda user: order.get(user, -1) > end)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+# each _foreach_ op's one-tensor form (optim.py uses these)
+PER_TENSOR = {"lerp": torch.lerp, "mul": torch.mul, "div": torch.div, "add": torch.add, "sqrt": torch.sqrt,
+              "addcmul": lambda s, a, b, value=1: torch.addcmul(s, a, b, value=value),
+              "norm": lambda t, ord=2, dtype=None: torch.linalg.vector_norm(t, ord, dtype=dtype)}
+
+
+def _unfolded(op):
+    one = PER_TENSOR[op._schema.name.split("::_foreach_")[1]]
+
+    def per_tensor(*args, **kw):
+        n = next(len(a) for a in args if isinstance(a, (list, tuple)))
+        return [one(*(a[i] if isinstance(a, (list, tuple)) else a for a in args), **kw) for i in range(n)]
+    return per_tensor
+
+
+@torch.library.custom_op("minititan_compile::over_batch", mutates_args=())
+def over_batch(x: torch.Tensor) -> torch.Tensor:
+    """Identity; lowered, a sharding constraint: dim 0 split over the data-parallel devices."""
+    return x.clone()
+
+
+over_batch.register_fake(lambda x: torch.empty_like(x))
+_ROWS_SHARDING = [None]  # (the lowering's sharding: the mesh of the compile in progress)
+
+
+@torch.library.custom_op("minititan_compile::like_param", mutates_args=())
+def like_param(grad: torch.Tensor, index: int) -> torch.Tensor:
+    """Identity; lowered, a sharding constraint: parameter `index`'s layout."""
+    return grad.clone()
+
+
+like_param.register_fake(lambda grad, index: torch.empty_like(grad))
+_PARAM_SHARDINGS = []  # (the lowering's: the parameters' shardings in the compile in progress)
+
+
+class _GradLikeParam(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, index):
+        ctx.index = index
+        return torch.ops.minititan_compile.like_param(weight, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ops.minititan_compile.like_param(grad, ctx.index), None
+
+
+class GradsLikeParams(Parallel):
+    """The compile's layout hook into graph_trainer.build_step_fn (its `parallel.like`, the weights the
+    forward reads): each weight's gradient is constrained to its parameter's sharding where autograd
+    makes it. Without it GSPMD made the embedding's gradient, a scatter-add over the batch's tokens,
+    whole on every device (Qwen3-8B: an fp32 (151936, 4096) buffer, 2.3 GiB a device) before cutting
+    out each device's shard."""
+    @staticmethod
+    def like(shards, params):
+        return [_GradLikeParam.apply(s, i) for i, s in enumerate(shards)]
+
+
+def rows_over_batch(gm, tokens, param_shapes):
+    """Every (tokens, width) activation, the batch's tokens flattened into rows (the loss's hidden
+    states, logits and their gradients), stays split over the data-parallel devices by its rows.
+    XLA's propagation alone let a Qwen3-8B step on 256 chips hold its (B x S, vocabulary) logits split
+    far fewer ways than 256 (a 32-bit DMA bound refused the buffer). Constraining every batch-major
+    activation instead raised a 4096-wide block's temporaries by 31%: only these."""
+    for node in list(gm.graph.nodes):
+        val = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(val, torch.Tensor) or val.dim() != 2 \
+                or val.shape[0] != tokens or tuple(val.shape) in param_shapes:
+            continue
+        with gm.graph.inserting_after(node):
+            kept = gm.graph.call_function(torch.ops.minititan_compile.over_batch.default, (node,))
+        node.replace_all_uses_with(kept, delete_user_cb=lambda user: user is not kept)
+    gm.recompile()
+    return gm
+
+
+def for_torchax(gm, example):
+    """The graph as torchax can run it: `_foreach_*` ops unfolded (a retrace), the forward-end marker
+    (an identity) dropped, and no device named (the graph was traced on CPU; torchax's is JAX's).
+    LayerNorm's backward (FLUX) is decomposed too: torchax 0.0.7's lowering of it takes 6 arguments
+    where aten passes 8."""
+    from torch._decomp import decomposition_table
+    table = {n.target: _unfolded(n.target) for n in gm.graph.nodes
+             if n.op == "call_function" and "aten._foreach_" in str(n.target)}
+    layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
+    table[layer_norm_backward] = decomposition_table[layer_norm_backward]
+    gm = make_fx(gm, decomposition_table=table, tracing_mode="fake")(*example)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target == torch.ops.minititan.forward_end.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    return on_jax(gm)
+
+
+def on_jax(gm):
+    """A graph traced on CPU made runnable by torchax: a cast keeps its tensor's place, a factory op
+    makes a JAX array (also --scan's block graphs: layer_scan.register_torchax)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "device" in node.kwargs:
+            node.kwargs = {**node.kwargs, "device": None if node.target == torch.ops.aten._to_copy.default else "jax"}
+    gm.recompile()
+    return gm
+
+
+def use(rows_sharding, param_shardings):
+    """The shardings the next lowering's constraints name: the batch's rows and each parameter's."""
+    _ROWS_SHARDING[0] = rows_sharding
+    _PARAM_SHARDINGS[:] = param_shardings
+
+
+def register_torchax():
+    """The three ops' JAX forms, for torchax (once a process: torchax 0.0.7's override_op_definition is
+    broken)."""
+    import jax
+    from torchax.ops import ops_registry
+    ops = torch.ops.minititan_compile
+    if ops.barrier.default in ops_registry.all_aten_ops:
+        return
+    ops_registry.register_torch_dispatch_op(ops.barrier.default, lambda xs: list(jax.lax.optimization_barrier(list(xs))))
+    ops_registry.register_torch_dispatch_op(ops.over_batch.default,
+                                            lambda x: jax.lax.with_sharding_constraint(x, _ROWS_SHARDING[0]))
+    ops_registry.register_torch_dispatch_op(ops.like_param.default,
+                                            lambda g, i: jax.lax.with_sharding_constraint(g, _PARAM_SHARDINGS[i]))
