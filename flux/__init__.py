@@ -15,6 +15,8 @@ Read in this order (each file imports only those above it, and the core at the r
     tiny.py      a tiny FLUX pipeline built offline (random weights): the tests' and the demo's directory
     jax_step.py  the same training step in pure JAX: the oracle its test holds model.py to, and the
                  competitor bench.py races (TorchTitan's "99% of MaxDiffusion")
+    compiled.py  the training step for `--dry-run --compile`, and its pure-JAX twin (jax_step.py) compiled
+                 beside it for the same pod: the TPU compiler's estimate of "99% of MaxDiffusion"
     shape.py     the model's shape as the planner reads it (planner/ imports no workload: a family hands it over)
     task.py      FluxFamily (the model behind its conditioning) and FluxDigits (the workload: batches,
                  the flow-matching loss, a sample grid per evaluation, the dry run's plan)

@@ -228,6 +228,8 @@ class FluxFlags:
                               "by a classifier; at each evaluation a quick grid samples_step_N.png (0: off)")
     distilled_guidance: Optional[float] = flag(None, "flux: the guidance value given to a model with a guidance "
                                                "embedding (flux-dev's distilled scale; default 1)")
+    against_jax: bool = flag(False, "flux, with --dry-run --compile: also compile the pure-JAX step (flux/jax_step.py) "
+                             "for the same topology and layout, and print the ratio of the estimated steps")
     prompt_dropout: Optional[float] = flag(None, f"flux: the share of samples trained on the empty prompt (CFG's "
                                            f"unconditional model; default 0 on a --data file, as diffusers' scripts' "
                                            f"--proportion_empty_prompts; {DROP_PROMPT} on the digits: grids at CFG {GUIDANCE:g})")
@@ -261,6 +263,8 @@ class FluxDigits(Workload):
         published = a.in_channels == 4 * VAE_CHANNELS
         self.image_size = cfg.image_size or (PUBLISHED_SIZE if published else SIDE)
         self.guidance = 1.0 if cfg.distilled_guidance is None else cfg.distilled_guidance
+        if cfg.against_jax and not (cfg.dry_run and cfg.compile):
+            raise ConfigError("--against-jax compiles the pure-JAX step beside ours: add --dry-run --compile")
         if cfg.dry_run:  # planned at full scale on cached latents (plan_workload): no data involved
             try:
                 latent_geometry(a, self.image_size)
@@ -372,6 +376,7 @@ def plan_workload(args, cfg):
     All of it is data parallel (no tp / ep); FSDP gathers one block at a time, the double one
     the larger."""
     import dryrun
+    from flux import compiled as flux_compiled
     from planner import activations
     from flux.shape import flux_shape
     side, T = latent_geometry(args, cfg.image_size or (PUBLISHED_SIZE if args.in_channels == 4 * VAE_CHANNELS else SIDE))
@@ -394,9 +399,19 @@ def plan_workload(args, cfg):
     no_tp = lambda dims: (None if dims["tp"] == dims["ep"] == 1 else f"--task flux runs data parallel "
                           f"only (dcn / ici): tp={dims['tp']}, ep={dims['ep']} refused")
     depths = {"depth": args.depth, "depth_single_blocks": args.depth_single_blocks}
+    saved = lambda remat: activations.extrapolate(lambda d: saved_at(d, remat), depths)
+
+    def program(batch_size, kernels):  # (--compile: flux/compiled.py)
+        with torch.device("meta"):
+            model = ConditionedFlux(dataclasses.replace(args, attn_impl="splash" if kernels == "pallas" else "sdpa"),
+                                    (side, side),
+                                    classes=args.in_channels == 4)
+        return flux_compiled.program(model, flow_matching_loss, args, S, T, batch_size, kernels, saved,
+                                     twin=getattr(cfg, "against_jax", False))
     return dryrun.Workload(
         cfg.flavor, {"tp": 0, "experts": 0, "rest": flux.param_count(args)},
         {"tp": 0, "experts": 0, "rest": largest}, flux.flops_per_sample(args, S, T), S + T,
-        lambda remat: activations.extrapolate(lambda d: saved_at(d, remat), depths), no_tp,
-        dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks,
-        shape=flux_shape(args, S, T, cfg.flavor))
+        saved, no_tp, dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks,
+        shape=flux_shape(args, S, T, cfg.flavor),
+        program=program)
+
