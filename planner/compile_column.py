@@ -1,20 +1,25 @@
 """compile_column.py: the calibration table's compiler column. `python dryrun.py --calibrate --compile
 [RUN_ID ...]` compiles each published run of calibration.json that a family here can express, at its
 published layout, global batch and sequence, for its chip's pod topology, with the real TPU compiler
-(`train.py --dry-run --compile --scan --kernels pallas`, one child process a run, one at a time), and prints, per
-device: the compiler's HBM and verdict beside the planner's for the same program, and the compiler's
-estimated step beside the planner's and the published step.
+(`train.py --dry-run --compile --scan --kernels pallas --dtype bf16`, one child process a run, one at a
+time), and prints, per device: the compiler's HBM and verdict beside the planner's for the same
+program, and the compiler's estimated step beside the planner's and the published step.
 
-What is compiled is minititan's program, not the published one: fp32 weights and AdamW moments
-sharded over every chip (FSDP), the blocks under --scan (each layer's input kept, its forward replayed
-in the backward: MaxText's "full" remat, whatever the run published), and our Pallas kernels for the
-attention and the loss (splash and the fused loss under shard_map: sharded_kernels.py), as the
-published runs use splash attention. The compiler's cost model does not see inside a Mosaic kernel,
+What is compiled is minititan's program, not the published one: fp32 master weights and AdamW moments
+sharded over every chip (FSDP), cast to bf16 for the forward (--dtype bf16: bf16 activations, as the
+published runs keep them), the blocks under --scan (each layer's input kept, its forward replayed in
+the backward: MaxText's "full" remat; with --offload, where the run offloads `decoder_layer_input`,
+that input in host memory), and our Pallas kernels for the attention and the loss (splash and the
+fused loss under shard_map: sharded_kernels.py), as the published runs use splash attention. FLUX
+is compiled unrolled with --remat (its matmul outputs kept, the closest of ours to FLUX_OPTIMIZED).
+Several slices (dcn > 1) are compiled as that many slices of the topology, joined by DCN, laid out as
+train.py's HSDP (the weights replicated across slices), where a run published as FSDP over DCN
+holds 1/dcn of them. The compiler's cost model does not see inside a Mosaic kernel,
 so its step and MFU are the program outside the kernels' (their FLOPs left out on both sides).
 So the planner's HBM beside it is for that same program (remat "full"); the published layout's own
 planner figures (its remat policy, precision and kernels) are in `dryrun.py --calibrate`.
 A run is skipped, with the reason, where the compile cannot express it: MoE (refused under --compile),
-FLUX, several slices (dcn > 1: one slice's topology is described), tensor / expert parallelism, and
+DDP, tensor / expert parallelism, and
 Ironwood (.venv-tpu, whose jax / libtpu pair knows tpu7x, has no torchax).
 """
 import json
@@ -34,12 +39,10 @@ FLAVOR_OF = {"llama2_70b": ("llama3_70b", ["--set", "vocab_size=32000"])}
 
 def skip_reason(run):
     """Why a run cannot be compiled here (None: it can)."""
-    if run["model"].startswith("flux"):
-        return "FLUX: not compiled yet"
+    if run.get("dp_mode") == "ddp":
+        return "DDP (parameters replicated): the compile lays out FSDP"
     if calibrate.run_shape(run).n_experts:
         return "MoE: refused under --compile (the grouped matmul's reference has data-dependent shapes)"
-    if run["dcn"] > 1:
-        return f"{run['dcn']} slices: tpu_target describes one slice's topology"
     if run.get("tp", 1) > 1 or run.get("ep", 1) > 1:
         return "tp / ep: not compiled yet"
     if run["chip"] == "tpu_v7":
@@ -48,10 +51,17 @@ def skip_reason(run):
 
 
 def command(run):
+    if run["model"].startswith("flux"):  # (no --scan for FLUX's blocks: unrolled, --remat keeps the matmul outputs)
+        return [sys.executable, os.path.join(ROOT, "train.py"), "--task", "flux", "--flavor", run["model"],
+                "--image-size", str(run["image_size"]), "--dry-run", "--compile", "--kernels", "pallas", "--dtype",
+                "bf16", "--remat", "--chip", run["chip"], "--mesh", f"ici={run['ici']}",
+                "--batch-size", str(run["global_batch"])]
     flavor, extra = FLAVOR_OF.get(run["model"], (run["model"], []))
+    offload = isinstance(run["remat"], dict) and run["remat"].get("decoder_layer_input") == "offload"
     return [sys.executable, os.path.join(ROOT, "train.py"), "--dry-run", "--compile", "--scan", "--kernels", "pallas",
-            "--chip", run["chip"],
-            "--flavor", flavor, *extra, "--set", f"max_seq_len={run['seq_len']}", "--mesh", f"ici={run['ici']}",
+            "--dtype", "bf16", *(["--offload"] if offload else []), "--chip", run["chip"],
+            "--flavor", flavor, *extra, "--set", f"max_seq_len={run['seq_len']}",
+            "--mesh", f"dcn={run['dcn']},ici={run['ici']}" if run["dcn"] > 1 else f"ici={run['ici']}",
             "--batch-size", str(run["global_batch"]), "--seq-len", str(run["seq_len"])]
 
 
@@ -95,8 +105,8 @@ def main(ids=()):
     if unknown:
         raise ValueError(f"no calibration run {', '.join(unknown)}; have {', '.join(by_id)}")
     runs = [by_id[i] for i in ids] if ids else list(by_id.values())  # (in the order asked for)
-    print("compiler column (train.py --dry-run --compile --scan --kernels pallas at each published layout and batch; "
-          "XLA:TPU on compile-only devices, no chip; the planner's figures for the same program: fp32 FSDP, remat full)")
+    print("compiler column (train.py --dry-run --compile --scan --kernels pallas --dtype bf16 [--offload] at each published layout and batch; "
+          "XLA:TPU on compile-only devices, no chip; the planner's figures for the same program: FSDP, bf16 forward, remat full)")
     print(f"{'run':<38} {'chip':<8} {'topology':<11} {'HBM GiB':>7} {'fits':<4} {'planner':>7} {'diff':>7} "
           f"{'est step':>9} {'planner':>9} {'published':>9} {'MFU':>6} {'compile':>7}")
     print("(est step: the cost model's seconds at the chip's bf16 peak, in units of its own matmul rate, outside the "

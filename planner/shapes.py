@@ -61,6 +61,8 @@ class Shape:
     recompute_of: dict          # name -> matmul names (and "attention") recomputing it costs
     elementwise: float          # elements a token a layer the forward's non-matmul ops read + write
     vocab: int = 0              # > 0: the loss's logits (tokens x vocab) are materialized
+    loss_head: int = 0          # > 0: the fused loss's head elements, whole on every device under FSDP
+    #                             (minititan's kernel reads all of it: sharded_kernels.mean_over_rows)
     aliases: dict = dataclasses.field(default_factory=dict)  # a published name -> the acts it stands for
     internal: tuple = ()        # acts no policy can name (norms, the MLP's activation): kept only by "none"
     unread: tuple = ()          # acts the backward never reads (mlpwo: its output only joins the residual,
@@ -128,7 +130,8 @@ def lm_shape(a, seq, label="", capacity_factor=1.0, moe_dispatch="gmm", fused_lo
     # (read 2F, write F), qk-norm where the model has it
     elementwise = 10 * D + 2 * (H + KV) * hd * (2 if a.qk_norm else 1) + 3 * F * per_token
     return Shape(label, S, L, whole, layer, tuple(mm), dict(heads=H, head_dim=hd, seq=S, causal=True, layers=L, kv_heads=KV),
-                 acts, recompute_of, elementwise, vocab=0 if fused_loss else a.vocab_size, dim=D,
+                 acts, recompute_of, elementwise, vocab=0 if fused_loss else a.vocab_size,
+                 loss_head=a.vocab_size * D if fused_loss else 0, dim=D,
                  n_experts=a.n_experts, top_k=a.top_k, model_flops=flops_per_token(a, S) * S,
                  aliases=aliases, internal=("norms", "mlp_act"), unread=("mlpwo",))
 
