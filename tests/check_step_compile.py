@@ -17,7 +17,7 @@ DEBUG = ("--flavor", "llama3_debug", "--batch-size", "8", "--seq-len", "256")
 # mid-size: Llama 3 8B's width (4096, GQA 32/8, SwiGLU 14336), one block, a smaller vocabulary: every
 # shard a whole number of the TPU's (8, 128) tiles, so the arguments' bytes carry no padding
 MID = ("--flavor", "llama3_8b", "--set", "n_layers=1", "--set", "vocab_size=16384", "--batch-size", "8",
-       "--seq-len", "2048")
+       "--seq-len", "2048", "--dtype", "bf16")
 # 64 sequences of 8192 tokens a device: the reference attention's S x S scores do not fit (~150 GiB)
 LONG = ("--flavor", "llama3_debug", "--set", "n_layers=1", "--set", "max_seq_len=8192", "--batch-size", "256",
         "--seq-len", "8192")
@@ -32,6 +32,13 @@ def compile_run(*flags):
 
 def compiled(*flags):
     rc, out, err = compile_run(*flags)
+    assert rc == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def compile_run_mesh(mesh, *flags):
+    """compiled(), on another --mesh of v5p."""
+    rc, out, err = run_train(["--dry-run", "--compile", "--chip", "tpu_v5p", "--mesh", mesh, *flags], timeout=900)
     assert rc == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
 
@@ -54,6 +61,19 @@ def test_debug_step_compiles_for_a_v5p_host_with_the_flops_we_count():
     assert r["compiler_fits"] and r["fits"] and r["topology"] == "v5p:2x2x1"
     assert abs(r["flops"] / r["flops_per_step"] - 1) <= 0.05, (r["flops"], r["flops_per_step"])
     assert r["estimated_step_s"] > 0 and r["argument_bytes"] >= layout_state_bytes(FLAVORS["llama3_debug"])
+
+
+def test_two_slices_compile_as_hsdp_with_half_the_batch_a_device():
+    """--mesh dcn=2,ici=4: two v5p:2x2x1 slices joined by DCN (JAX's compile-only topology with
+    num_slices=2), as train.py's HSDP lays them out: the weights and AdamW state a device are the
+    one-slice step's (replicated across slices: the arguments differ by the batch's bytes only, where
+    sharding over all 8 devices would halve ~5 MB), and the FLOPs a device half of them, as
+    flops_per_step says (within 5%). Before, dcn was an axis inside one slice."""
+    one, two = compiled(*DEBUG), compile_run_mesh("dcn=2,ici=4", *DEBUG)
+    assert two["topology"] == "2 x v5p:2x2x1" and two["fits"], two["topology"]
+    assert abs(two["argument_bytes"] - one["argument_bytes"]) < 64 * 1024, (two["argument_bytes"], one["argument_bytes"])
+    assert two["planned_state_bytes"] == one["planned_state_bytes"]
+    assert abs(two["flops"] / two["flops_per_step"] - 1) <= 0.05 and abs(2 * two["flops"] / one["flops"] - 1) <= 0.05
 
 
 def test_scan_compiles_one_block_in_a_loop_with_the_state_and_flops_of_the_unrolled_step():
@@ -80,7 +100,7 @@ def test_scan_compiles_one_block_in_a_loop_with_the_state_and_flops_of_the_unrol
 def test_remat_recomputes_less_than_the_forward():
     """--remat (graph_passes.remat: keep the matmul outputs, recompute the rest in the backward): the
     compiler counts more FLOPs than without, and the excess, the recompute's share, is below the
-    forward's third of the step (it recomputes no matmul). Before the barrier (step_compile.
+    forward's third of the step (it recomputes no matmul). Before the barrier (compile_graph.
     behind_barrier) XLA merged every recomputed op with its forward twin: a share of exactly 0."""
     plain, remat = compiled(*DEBUG), compiled(*DEBUG, "--remat")
     share = remat["flops"] / plain["flops"] - 1
@@ -106,6 +126,39 @@ def test_mid_size_state_bytes_are_the_layouts_shards_and_activations_in_band():
     assert abs(r["flops"] / r["flops_per_step"] - 1) <= 0.05, (r["flops"], r["flops_per_step"])
 
 
+def test_scan_offload_keeps_each_layers_bf16_input_in_host_memory():
+    """--scan --offload --dtype bf16 (MaxText's `decoder_layer_input: offload`, over FSDP's bf16 weights
+    for the forward): the compiler's host memory a device is the L layer inputs of the device's rows in
+    bf16, counted here from the shapes, exactly, and the planner's offloaded bytes the same. Fails where
+    the weights reach the forward in fp32 (the residual stream then fp32: twice the bytes) or the
+    inputs stay in HBM (0). Without --scan, --offload is refused in one line."""
+    layers, rows, seq, dim = 4, 8 // 4, 256, 256  # (a width of whole (16, 128) bf16 tiles: no padding)
+    r = compiled(*DEBUG, "--set", f"dim={dim}", "--set", "n_heads=4", "--scan", "--offload", "--dtype", "bf16")
+    assert r["compiler_fits"] and r["host_bytes"] == layers * rows * seq * dim * 2, r["host_bytes"]
+    assert r["planned_host_bytes"] == r["host_bytes"], (r["planned_host_bytes"], r["host_bytes"])
+    rc, _, err = run_train(["--dry-run", "--compile", "--offload", *DEBUG])
+    assert rc == 2 and err.strip().splitlines()[-1] == "error: --compile --offload offloads --scan's layer inputs " \
+        "to host: add --scan", err[-2000:]
+
+
+def test_flux_step_compiles_with_the_flops_and_state_of_its_pure_jax_twin():
+    """FLUX's step under --compile (flux/compiled.py) beside flux/jax_step.py's, the same step written in
+    JAX (the oracle: it never imports flux/model.py), for v5p:2x2x1 on the same layout: the compiler
+    finds the same FLOPs in both within 1% (measured 0.04%: both compute the same step; a missing
+    or doubled matmul moves it 5% or more) and the same argument bytes exactly (weights, AdamW moments,
+    batch: the same shardings); the ratio of the estimated steps is printed. --against-jax without
+    --compile is refused in one line."""
+    r = compiled("--task", "flux", "--flavor", "flux_debug", "--batch-size", "8", "--against-jax")
+    assert r["compiler_fits"] and r["twin_fits"], r["message"]
+    print(f"FLUX FLOPs ours {r['flops']:.4e}, JAX {r['twin_flops']:.4e}; estimated step ours "
+          f"{r['estimated_step_s'] * 1e3:.3f} ms, JAX {r['twin_step_s'] * 1e3:.3f} ms: ours at {r['twin_speed']:.3f}x")
+    assert abs(r["flops"] / r["twin_flops"] - 1) <= 0.01, (r["flops"], r["twin_flops"])
+    assert r["argument_bytes"] == r["twin_argument_bytes"], (r["argument_bytes"], r["twin_argument_bytes"])
+    rc, _, err = run_train(["--task", "flux", "--against-jax", "--steps", "1"])
+    assert rc == 2 and err.strip().splitlines()[-1] == "error: --against-jax compiles the pure-JAX step beside ours: " \
+        "add --dry-run --compile", err[-2000:]
+
+
 def test_a_step_that_cannot_fit_is_the_compilers_out_of_memory_in_one_line():
     """64 sequences of 8192 tokens a device through the reference attention (an S x S score matrix a
     head, kept for the backward: ~150 GiB in one block): the compiler runs out of HBM; the run says so
@@ -122,9 +175,9 @@ def test_a_step_that_cannot_fit_is_the_compilers_out_of_memory_in_one_line():
 def test_the_pallas_kernels_fit_the_step_the_reference_attention_cannot():
     """--kernels pallas under --compile: splash attention and the fused loss run as Mosaic kernels under
     shard_map (sharded_kernels.py) in the step whose reference attention is out of HBM (the test
-    above): it fits (measured: 11.0 GiB a device); four Mosaic calls a kernel (its forward, and in the
+    above): it fits (measured: 13.5 GiB a device, fp32); four Mosaic calls a kernel (its forward, and in the
     backward's vjp the forward again and its two backward kernels: 8 for one layer; 0 would mean the
-    reference ran); the compiler's FLOPs are flops_per_step's less the kernels' (step_compile.
+    reference ran); the compiler's FLOPs are flops_per_step's less the kernels' (compile_graph.
     kernel_flops, which the cost model cannot see) within 5% (measured +1.3%)."""
     r = compiled(*LONG, "--kernels", "pallas")
     assert r["compiler_fits"] and r["fits"], r["message"]
@@ -153,15 +206,18 @@ def child_sharded_kernels():
         for i, (a, b) in enumerate(zip(sharded, reference)):
             sizes[f"{name}[{i}]"] = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
-    # the loss: 16 rows a device; device 0's rows all ignored, two more elsewhere (its mean is 0 / 0)
-    h, w, targets = f32(64, 32), 0.3 * f32(300, 32), rng.integers(0, 300, 64)
-    targets[:16], targets[[20, 33]] = -100, -100
-    targets = jnp.asarray(targets, jnp.int32)
+    # the loss: 16 rows a device; device 0's rows all ignored, two more elsewhere (its mean is 0 / 0);
+    # the head's gradient reduce-scattered on its vocabulary (300 rows) or, where 4 does not divide
+    # that (302), on its width
     call, statics = jax_op.KERNELS["minititan::fused_linear_cross_entropy"], (-100, 16, 128)
     forward, backward = sharded_kernels.mean_over_rows(call)
-    loss, pullback = jax.vjp(lambda h, w: call.jax_fn(h, w, targets, **dict(zip(call.statics, statics))), h, w)
-    against("loss", [forward(h, w, targets, *statics), *backward(h, w, targets, jnp.float32(0.7), *statics)],
-            [loss, *pullback(jnp.float32(0.7))])
+    for vocab in (300, 302):
+        h, w, targets = f32(64, 32), 0.3 * f32(vocab, 32), rng.integers(0, vocab, 64)
+        targets[:16], targets[[20, 33]] = -100, -100
+        targets = jnp.asarray(targets, jnp.int32)
+        loss, pullback = jax.vjp(lambda h, w: call.jax_fn(h, w, targets, **dict(zip(call.statics, statics))), h, w)
+        against(f"loss{vocab}", [forward(h, w, targets, *statics), *backward(h, w, targets, jnp.float32(0.7), *statics)],
+                [loss, *pullback(jnp.float32(0.7))])
     # splash: two packed documents a sequence, one sequence a device
     q, k, v = f32(4, 2, 64, 16), f32(4, 1, 64, 16), f32(4, 1, 64, 16)
     segments = jnp.asarray(np.repeat([[0] * 40 + [1] * 24], 4, 0), jnp.int32)
@@ -177,7 +233,8 @@ def child_sharded_kernels():
 def test_each_kernel_under_shard_map_equals_the_unsharded_kernel_on_four_devices():
     """sharded_kernels.py's two layouts on 4 CPU devices: splash attention split by sequence, and the
     fused loss split by rows with its psums (the kept-row weighting, the head's gradient summed, a
-    device whose rows are all ignored): output and gradients equal the unsharded kernel's, relative to
+    device whose rows are all ignored, the head's gradient reduce-scattered on either dim): output and
+    gradients equal the unsharded kernel's, relative to
     their largest value, within 1e-5 (measured: at most 3.6e-7, the backward's float sums in another
     order; a missing n_d / N or psum is off by a factor of ~1 / 4)."""
     rc, out, err = launch.python(["test_all.py", "child_sharded_kernels"],
@@ -185,4 +242,4 @@ def test_each_kernel_under_shard_map_equals_the_unsharded_kernel_on_four_devices
     assert rc == 0, err[-3000:]
     sizes = json.loads(out.split("sizes")[1])
     print(sizes)
-    assert len(sizes) == 7 and all(s <= 1e-5 for s in sizes.values()), sizes  # (a NaN fails: nan <= x is False)
+    assert len(sizes) == 10 and all(s <= 1e-5 for s in sizes.values()), sizes  # (a NaN fails: nan <= x is False)
