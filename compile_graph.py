@@ -23,6 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import graph_passes
 from parallel import Parallel
 
+
 @torch.library.custom_op("minititan_compile::barrier", mutates_args=())
 def barrier(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Identity on the saved activations (jax.lax.optimization_barrier once lowered)."""
@@ -100,10 +101,11 @@ class _GradLikeParam(torch.autograd.Function):
 
 class GradsLikeParams(Parallel):
     """The compile's layout hook into graph_trainer.build_step_fn (its `parallel.like`, the weights the
-    forward reads): each weight's gradient is constrained to its parameter's sharding where autograd
-    makes it. Without it GSPMD made the embedding's gradient, a scatter-add over the batch's tokens,
-    whole on every device (Qwen3-8B: an fp32 (151936, 4096) buffer, 2.3 GiB a device) before cutting
-    out each device's shard."""
+    forward reads): each weight, as the forward reads it (cast to bf16 under --dtype bf16), and its
+    gradient, where autograd makes it, are constrained to the parameter's sharding. Without it GSPMD
+    gathered the embedding and head before the cast, in fp32, and made the embedding's gradient, a
+    scatter-add over the batch's tokens, whole on every device (Qwen3-8B: fp32 (151936, 4096)
+    buffers, 2.3 GiB each a device) before cutting out each device's shard."""
     @staticmethod
     def like(shards, params):
         return [_GradLikeParam.apply(s, i) for i, s in enumerate(shards)]

@@ -117,9 +117,11 @@ class TorchrunMesh(Parallel):
                 os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # Measured here: the restarted ranks read the dead attempt's gloo addresses (connection refused, exit 4).
             # torchrun restarts a refused worker too: its restarts end quietly (the first attempt said it).
-            raise (MeshError if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else SaidAlready)("torchrun --max-restarts with the rendezvous store shared with the ranks: a restarted job "
-                            "would read the first attempt's addresses from it and fail (torch 2.9, pytorch#135712); "
-                            "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv-backend c10d (or --standalone)")
+            first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            raise (MeshError if first else SaidAlready)(
+                "torchrun --max-restarts with the rendezvous store shared with the ranks: a restarted job "
+                "would read the first attempt's addresses from it and fail (torch 2.9, pytorch#135712); "
+                "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv-backend c10d (or --standalone)")
         return cls(spec or f"ici={os.environ['WORLD_SIZE']}", dp_impl, param_dtype)
 
     def model_args(self, args, family):
@@ -132,8 +134,9 @@ class TorchrunMesh(Parallel):
     def parallelize(self, model, units=(), family=None):
         """What the mesh does to a model, in order (docs/layouts.md): the family's own split (tensor
         parallel, then expert parallel: ModelFamily.split), its sequence over cp, then data parallel
-        (SimpleFSDP, or FSDP2: the oracle, one fully_shard unit per block of `units`, then the rest). A model on the meta device stays there until the shards are placed, then each rank
-        allocates only its own (materialize.py fills them)."""
+        (SimpleFSDP, or FSDP2: the oracle, one fully_shard unit per block of `units`, then the rest).
+        A model on the meta device stays there until the shards are placed, then each rank allocates
+        only its own (materialize.py fills them)."""
         meta = any(p.is_meta for p in model.parameters())
         model = model if meta else model.to(self.device)
         tp_mesh = self.mesh["tp"] if self.tp > 1 else None
