@@ -63,6 +63,7 @@ import spmd
 
 GiB = 2**30
 AUTOCAST = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # --dtype bf16's: bf16 matmuls
+ADAMW_DEFAULTS = optim.AdamW.__init__.__defaults__  # (betas, eps, weight_decay): the trainer's optimizer's
 
 
 @dataclasses.dataclass
@@ -118,10 +119,9 @@ def capture(program, remat, clip, dtype="fp32"):
         example = (params, [torch.empty(b.shape, dtype=b.dtype) for b in model.buffers()],
                    [torch.empty_like(p) for p in params], [torch.empty_like(p) for p in params],
                    torch.empty(()), torch.empty(()), *[torch.empty(s, dtype=d) for s, d in program.batch])
-    defaults = optim.AdamW.__init__.__defaults__  # (betas, eps, weight_decay): the trainer's optimizer's
     autocast = AUTOCAST if dtype == "bf16" else contextlib.nullcontext
-    step_fn = graph_trainer.build_step_fn(model, names, program.loss, clip, *defaults, optim.decay_mask(names, metas),
-                                          autocast, compile_graph.GradsLikeParams(None),
+    step_fn = graph_trainer.build_step_fn(model, names, program.loss, clip, *ADAMW_DEFAULTS,
+                                          optim.decay_mask(names, metas), autocast, compile_graph.GradsLikeParams(None),
                                           param_dtype=torch.bfloat16 if dtype == "bf16" else None)
     with sdpa_kernel(SDPBackend.MATH):
         gm = graph_trainer.capture(step_fn, example)
@@ -196,8 +196,9 @@ def jax_step(gm, out_shardings, unroll=1, offload=False):
 
 
 def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtype="fp32", offload=False):
-    """Compile `program`'s training step for `chip`'s topology (a libtpu name, default the mesh's
-    device count) on the (dcn, ici) layout `dims`: a tpu_target.Compiled, plus the capture seconds.
+    """Compile `program`'s training step for `chip`'s topology (one slice's libtpu name, default the
+    mesh's ici device count; dcn > 1: that many slices joined by DCN) on the (dcn, ici) layout `dims`:
+    a tpu_target.Compiled, plus the capture seconds.
     `dtype`: capture's; `offload` (--scan): each layer's input in host memory between its
     forward and backward (layer_scan.register_torchax)."""
     import tpu_target

@@ -19,11 +19,13 @@ import dataclasses
 
 import torch
 
+from flux import model as flux
+
 
 def program(model, loss, args, S, T, batch_size, kernels, saved_bytes, twin=False):
     """The step_compile.Program: `model` (flux/task.py's ConditionedFlux on meta, its attention the
-    reference, or splash with --kernels pallas), `loss` (the flow-matching loss), the batch (x0, eps, t, conditioning) as the trainer
-    feeds it, fp32 latents of S tokens. The digits' 4-channel tokens take a class (its learned
+    reference, or splash with --kernels pallas), `loss` (the flow-matching loss), the batch (x0, eps,
+    t, conditioning) as the trainer feeds it, fp32 latents of S tokens. The digits' 4-channel tokens take a class (its learned
     prompt); VAE latents take T text tokens and the pooled vector. `twin`: with the pure-JAX step to
     compile beside it."""
     import step_compile
@@ -34,9 +36,7 @@ def program(model, loss, args, S, T, batch_size, kernels, saved_bytes, twin=Fals
     f32, B = torch.float32, batch_size
     cond = [((B,), torch.long)] if classes else [((B, T, args.context_in_dim), f32), ((B, args.vec_in_dim), f32)]
     latent = ((B, S, args.in_channels), f32)
-    heads, tokens = args.num_heads, S + (T if not classes else model.prompt.tokens_CxTxE.shape[1])
-    splash = 12 * (args.depth + args.depth_single_blocks) * args.hidden_size * tokens * tokens * B \
-        if kernels == "pallas" else 0.0  # (its FLOPs, which the cost model cannot see: forward + backward, S x S)
+    splash = flux.attention_flops_per_sample(args, S + T) * B if kernels == "pallas" else 0.0  # (unseen by the cost model)
     return step_compile.Program(model, loss, (latent, latent, ((B,), f32), *cond), saved_bytes, splash,
                                 twin=jax_twin(model, args, S, B) if twin else None)
 
@@ -49,7 +49,6 @@ def jax_twin(model, args, S, B):
         import jax
         import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec
-        import optim
         import step_compile
         from flux import jax_step
         struct = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
@@ -59,7 +58,6 @@ def jax_twin(model, args, S, B):
         latent = struct((B, S, args.in_channels), jnp.float32, rows)
         batch = (latent, latent, struct((B,), jnp.float32, rows), struct((B,), jnp.int32, rows))
         scalar = struct((), jnp.float32, whole)
-        betas, eps, weight_decay = optim.AdamW.__init__.__defaults__  # (the trainer's, as ours is compiled with)
-        step = jax_step.make_train_step(dataclasses.asdict(args), betas, eps, weight_decay, clip)
+        step = jax_step.make_train_step(dataclasses.asdict(args), *step_compile.ADAMW_DEFAULTS, clip)
         return step, (params, {"m": params, "v": params}, batch, scalar, scalar), (0, 1)
     return build

@@ -403,8 +403,8 @@ def plan_workload(args, cfg):
 
     def program(batch_size, kernels):  # (--compile: flux/compiled.py)
         with torch.device("meta"):
-            model = ConditionedFlux(dataclasses.replace(args, attn_impl="splash" if kernels == "pallas" else "sdpa"),
-                                    (side, side),
+            attention = "splash" if kernels == "pallas" else "sdpa"
+            model = ConditionedFlux(dataclasses.replace(args, attn_impl=attention), (side, side),
                                     classes=args.in_channels == 4)
         return flux_compiled.program(model, flow_matching_loss, args, S, T, batch_size, kernels, saved,
                                      twin=getattr(cfg, "against_jax", False))
