@@ -13,7 +13,10 @@ custom op, an identity in PyTorch, lowered to one JAX primitive (register_torcha
                parameter's own sharding (GradsLikeParams): with_sharding_constraint.
 
 and what torchax 0.0.7 lacks: the `_foreach_*` ops unfolded tensor by tensor, no device named
-(for_torchax, on_jax). The shardings are the compile in progress's (use).
+(for_torchax, on_jax). SDPA's math form reaches XLA as the softmax JAX writes (safe_softmax,
+softmax_backward): torch's decompositions of the same two ops cost the reference attention three
+more S x S buffers than JAX's softmax, measured in the compiler's buffers. The shardings are the
+compile in progress's (use).
 """
 import operator
 
@@ -129,6 +132,26 @@ def rows_over_batch(gm, tokens, param_shapes):
     return gm
 
 
+def safe_softmax(x, dim, dtype=None):
+    """aten._safe_softmax (SDPA's math form: a softmax that is 0 on a row of all -inf, a fully masked
+    query) with one row max. A row is all -inf exactly when its max is -inf, and the softmax needs that
+    max anyway; torch's decomposition tests every element instead (eq, then all), which XLA compiles
+    to a second pass over the S x S scores and a third S x S buffer (the compiler's buffers: scores,
+    exponentials, probabilities, where JAX's softmax writes one)."""
+    x = x.to(dtype) if dtype is not None else x
+    row_max = x.amax(dim, keepdim=True)
+    empty = row_max == float("-inf")
+    exps = torch.exp(x - torch.where(empty, 0.0, row_max))  # (an empty row: exp(-inf) = 0 everywhere)
+    return torch.where(empty, 0.0, exps / exps.sum(dim, keepdim=True))
+
+
+def softmax_backward(grad, out, dim, input_dtype):
+    """aten._softmax_backward_data as JAX differentiates its softmax, out * (grad - sum(grad * out)):
+    torch's decomposition, grad * out - out * sum(grad * out), reads the product twice, so XLA writes
+    it out as one more S x S buffer; in this form the product is summed where it is made."""
+    return (out * (grad - (grad * out).sum(dim, keepdim=True))).to(input_dtype)
+
+
 def for_torchax(gm, example):
     """The graph as torchax can run it: `_foreach_*` ops unfolded (a retrace), the forward-end marker
     (an identity) dropped, and no device named (the graph was traced on CPU; torchax's is JAX's).
@@ -147,10 +170,17 @@ def for_torchax(gm, example):
     return on_jax(gm)
 
 
+JAX_FORMS = {torch.ops.aten._safe_softmax.default: safe_softmax,
+             torch.ops.aten._softmax_backward_data.default: softmax_backward}
+
+
 def on_jax(gm):
     """A graph traced on CPU made runnable by torchax: a cast keeps its tensor's place, a factory op
-    makes a JAX array (also --scan's block graphs: layer_scan.register_torchax)."""
+    makes a JAX array, the softmax runs in JAX's forms (JAX_FORMS: torchax runs their torch ops); also
+    --scan's block graphs (layer_scan.register_torchax)."""
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in JAX_FORMS:
+            node.target = JAX_FORMS[node.target]
         if node.op == "call_function" and "device" in node.kwargs:
             node.kwargs = {**node.kwargs, "device": None if node.target == torch.ops.aten._to_copy.default else "jax"}
     gm.recompile()
