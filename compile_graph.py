@@ -13,10 +13,11 @@ custom op, an identity in PyTorch, lowered to one JAX primitive (register_torcha
                parameter's own sharding (GradsLikeParams): with_sharding_constraint.
 
 and what torchax 0.0.7 lacks: the `_foreach_*` ops unfolded tensor by tensor, no device named
-(for_torchax, on_jax). SDPA's math form reaches XLA as the softmax JAX writes (safe_softmax,
-softmax_backward): torch's decompositions of the same two ops cost the reference attention three
-more S x S buffers than JAX's softmax, measured in the compiler's buffers. The shardings are the
-compile in progress's (use).
+(for_torchax, on_jax). The reference attention and loss reach XLA in the forms JAX writes
+(JAX_FORMS: safe_softmax, softmax_backward, nll_loss_backward): torch's decompositions of the same
+ops cost the attention three more S x S buffers than JAX's softmax, and the loss's gradient a
+scattered one-hot the logits' size (tests/check_step_compile.py compiles both ways against JAX's
+own). The shardings are the compile in progress's (use).
 """
 import operator
 
@@ -152,6 +153,23 @@ def softmax_backward(grad, out, dim, input_dtype):
     return (out * (grad - (grad * out).sum(dim, keepdim=True))).to(input_dtype)
 
 
+def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    """aten.nll_loss_backward as torch decomposes it, but its one-hot compares the targets with the
+    class index (an iota, which XLA fuses into the matmuls that read the gradient) where torch's
+    scatters -1 into zeros the logits' size: a buffer of the logits' size, made apart."""
+    channel_dim = 0 if self.dim() < 2 else 1
+    if reduction == 1:  # (Reduction.MEAN)
+        grad_output = grad_output / total_weight
+    target = target.unsqueeze(channel_dim)
+    classes = torch.arange(self.shape[channel_dim], device=self.device)  # (C,): the last dim, (C,) or (N, C)
+    grad_input = torch.where(classes == torch.where(target != ignore_index, target, 0), -1.0, 0.0).to(self.dtype)
+    if grad_input.dim() > grad_output.dim() > 0:
+        grad_output = grad_output.unsqueeze(channel_dim)
+    if weight is not None:
+        grad_output = grad_output * weight.reshape([weight.shape[0] if d == channel_dim else 1 for d in range(self.dim())])
+    return grad_input * torch.where(target != ignore_index, grad_output, 0)
+
+
 def for_torchax(gm, example):
     """The graph as torchax can run it: `_foreach_*` ops unfolded (a retrace), the forward-end marker
     (an identity) dropped, and no device named (the graph was traced on CPU; torchax's is JAX's).
@@ -171,7 +189,8 @@ def for_torchax(gm, example):
 
 
 JAX_FORMS = {torch.ops.aten._safe_softmax.default: safe_softmax,
-             torch.ops.aten._softmax_backward_data.default: softmax_backward}
+             torch.ops.aten._softmax_backward_data.default: softmax_backward,
+             torch.ops.aten.nll_loss_backward.default: nll_loss_backward}
 
 
 def on_jax(gm):

@@ -35,9 +35,10 @@ and the program comes out of JAX's own `lower().compile()`, the route MaxText's 
 What differs from a run on the chip, and why:
   - attention and loss are the reference implementations unless --kernels pallas: SDPA's math form
     (the S x S scores, causal by mask, chosen before autograd so that its backward is plain aten ops
-    as well; its softmax lowered as JAX's, compile_graph.safe_softmax) and the whole logits, which the cost model prices in full. With --kernels pallas they are
-    our Mosaic kernels, each under shard_map (sharded_kernels.py: the partitioner cannot split a custom
-    call), which the cost model cannot see: FLOPs and step then leave their share out (kernel_flops).
+    as well) and the whole logits, which the cost model prices in full, both lowered in JAX's forms
+    (compile_graph.JAX_FORMS). With --kernels pallas they are our Mosaic kernels, each under
+    shard_map (sharded_kernels.py: the partitioner cannot split a custom call), which the cost model
+    cannot see: FLOPs and step then leave their share out (kernel_flops).
     The MoE's reference dispatch has data-dependent shapes and its grouped matmul is not lowered:
     refused (model.dynamic_shapes_reason).
   - the `_foreach_*` ops of clipping and AdamW (no torchax lowering) are unfolded into the same
