@@ -195,8 +195,8 @@ JAX_FORMS = {torch.ops.aten._safe_softmax.default: safe_softmax,
 
 def on_jax(gm):
     """A graph traced on CPU made runnable by torchax: a cast keeps its tensor's place, a factory op
-    makes a JAX array, the softmax runs in JAX's forms (JAX_FORMS: torchax runs their torch ops); also
-    --scan's block graphs (layer_scan.register_torchax)."""
+    makes a JAX array, the reference softmax and loss run in JAX's forms (JAX_FORMS: torchax runs
+    their torch ops); also --scan's block graphs (layer_scan.register_torchax)."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in JAX_FORMS:
             node.target = JAX_FORMS[node.target]
@@ -213,8 +213,8 @@ def use(rows_sharding, param_shardings):
 
 
 def register_torchax():
-    """The three ops' JAX forms, for torchax (once a process: torchax 0.0.7's override_op_definition is
-    broken)."""
+    """The three custom ops' lowerings (barrier, over_batch, like_param), for torchax (once a process:
+    torchax 0.0.7's override_op_definition is broken)."""
     import jax
     from torchax.ops import ops_registry
     ops = torch.ops.minititan_compile

@@ -1,7 +1,7 @@
 """flux/compiled.py: FLUX's training step for `--dry-run --compile`, and its pure-JAX twin.
 
     .venv/bin/python train.py --task flux --flavor flux_dev --set in_channels=4 --set out_channels=4 \
-        --set depth=2 --set depth_single_blocks=4 --image-size 128 --batch-size 4 \
+        --set depth=2 --set depth_single_blocks=4 --image-size 128 --batch-size 8 \
         --dry-run --compile --chip tpu_v5p --mesh ici=4 --against-jax
 
 TorchTitan's FLUX headline is "99% of JAX MaxDiffusion". On a chip that is a measured step; here the

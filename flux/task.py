@@ -414,4 +414,3 @@ def plan_workload(args, cfg):
         saved, no_tp, dim=args.hidden_size, n_layers=args.depth + args.depth_single_blocks,
         shape=flux_shape(args, S, T, cfg.flavor),
         program=program)
-
