@@ -163,10 +163,10 @@ class Profiler:
             return
         if self.session is None:
             self.session = self._start()
-        t0 = time.perf_counter()
-        with self._range(f"ProfilerStep#{n}"):
+        with self._range(f"ProfilerStep#{n}"):   # (the clock inside the range: a GC pause or a preemption
+            t0 = time.perf_counter()             # while the range opens or closes is in neither, not in one)
             yield
-        self.wall[n] = time.perf_counter() - t0
+            self.wall[n] = time.perf_counter() - t0
         if n + 1 not in self.steps:   # the end of a block of consecutive steps: one trace file
             self._stop()
 
