@@ -206,15 +206,16 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     if dims.get("tp", 1) > 1 or dims.get("ep", 1) > 1 or dims.get("cp", 1) > 1:
         raise ValueError("--dry-run --compile lays out FSDP / HSDP meshes (dcn, ici); tp, ep and cp are not compiled yet")
     name = tpu_target.topology_name(chip, topology or dims["ici"])  # (one slice's; dcn: that many slices)
-    devices = tpu_target.devices(chip, name, slices=dims["dcn"])
-    if len(devices) != dims["dcn"] * dims["ici"]:
-        raise ValueError(f"{dims['dcn']} x topology {name} has {len(devices)} devices; the mesh has "
+    devices, cores = tpu_target.devices(chip, name, slices=dims["dcn"]), tpu_target.KINDS[chip].cores_per_chip
+    if len(devices) != dims["dcn"] * dims["ici"] * cores:
+        raise ValueError(f"{dims['dcn']} x topology {name} has {len(devices) // cores} chips; the mesh has "
                          f"{dims['dcn'] * dims['ici']}")
     label = name if dims["dcn"] == 1 else f"{dims['dcn']} x {name}"
     start = time.perf_counter()
     gm, example = capture(program, remat, clip, dtype)
     in_stack = {id(p) for m in program.model.modules() if isinstance(m, layer_scan.StackedLayers) for p in m.parameters()}
-    inputs, out_shardings = abstract_inputs(example, dims, devices, [id(p) in in_stack for p in program.model.parameters()])
+    inputs, out_shardings = abstract_inputs(example, device_dims(dims, chip), devices,
+                                            [id(p) in in_stack for p in program.model.parameters()])
     gm = compile_graph.rows_over_batch(gm, math.prod(program.batch[0][0]), {tuple(p.shape) for p in example[0]})
     compile_graph.use(inputs[-1].sharding, out_shardings[0])  # (the batch's: dim 0 over dcn x ici)
     import sharded_kernels
@@ -231,20 +232,40 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     layers = [m.n_layers for m in program.model.modules() if isinstance(m, layer_scan.StackedLayers)]
     once = compiled(1)
     if not layers or layers[0] < 2 or not once.fits:
-        return once, capture_s
+        return per_chip(once, cores), capture_s
     if offload:  # (libtpu 0.0.24 refuses the offloaded inputs' dynamic slices in a 2-layer While body,
         # "Error encountered while compiling %dynamic-slice-start": no per-layer count, so no cost figures)
-        return dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None), capture_s
-    return every_layer_counted(once, compiled(2), layers[0]), capture_s
+        return per_chip(dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None), cores), capture_s
+    return per_chip(every_layer_counted(once, compiled(2), layers[0]), cores), capture_s
+
+
+def device_dims(dims, chip):
+    """The (dcn, ici) layout in the compiler's devices: a chip of two TensorCores (Ironwood) is two
+    devices, so its ici axis is twice the chips (each core a shard, as MaxText lays out tpu7x)."""
+    import tpu_target
+    return {**dims, "ici": dims["ici"] * tpu_target.KINDS[chip].cores_per_chip}
+
+
+def per_chip(compiled, cores):
+    """The compiler's figures a device, as a chip's (the planner's unit): bytes and FLOPs times the
+    chip's devices; the step's seconds are each device's, the cores running side by side."""
+    if cores == 1:
+        return compiled
+    times = lambda v: v * cores if v is not None else None
+    return dataclasses.replace(compiled, argument_bytes=compiled.argument_bytes * cores,
+                               output_bytes=compiled.output_bytes * cores, temp_bytes=compiled.temp_bytes * cores,
+                               alias_bytes=compiled.alias_bytes * cores, host_bytes=compiled.host_bytes * cores,
+                               flops=times(compiled.flops), bytes_accessed=times(compiled.bytes_accessed))
 
 
 def compile_twin(program, dims, chip, topology, clip):
     """The program's twin (Program.twin) compiled for the same topology (one slice's name) and (dcn,
     ici) layout."""
     import tpu_target
-    fn, inputs, donated = program.twin(layout_mesh(dims, tpu_target.devices(chip, topology, dims["dcn"])), clip)
+    fn, inputs, donated = program.twin(layout_mesh(device_dims(dims, chip), tpu_target.devices(chip, topology, dims["dcn"])), clip)
     try:
-        return tpu_target.compile(fn, *inputs, chip=chip, topology=topology, donate_argnums=donated)
+        return per_chip(tpu_target.compile(fn, *inputs, chip=chip, topology=topology, donate_argnums=donated),
+                        tpu_target.KINDS[chip].cores_per_chip)
     except tpu_target.CompileFailed as e:
         raise ValueError(f"the TPU compiler refused the JAX twin for {topology}: {e}") from None
 
@@ -271,14 +292,14 @@ def every_layer_counted(once, twice, layers):
 
 
 def cost_model_rate(chip, topology):
-    """FLOP/s the compiler's cost model gives one device on a bf16 (8192 x 8192)^2 matmul: its
+    """FLOP/s the compiler's cost model gives one chip (its devices) on a bf16 (8192 x 8192)^2 matmul: its
     `optimal_seconds` is not the chip's time (measured: 22.8 TFLOP/s for v5p and v6e alike, 5% and
     2.5% of their published bf16 peaks), so a step's estimate is also read in units of this rate."""
     import jax
     import tpu_target
     x = jax.ShapeDtypeStruct((8192, 8192), jax.numpy.bfloat16)
     mm = tpu_target.compile(lambda a, b: a @ b, x, x, chip=chip, topology=topology)
-    return mm.flops / mm.optimal_seconds
+    return mm.flops / mm.optimal_seconds * tpu_target.KINDS[chip].cores_per_chip  # (a chip's: its cores')
 
 
 def compare(compiled, planned, flops_per_device, peak, hbm, rate=None, kernel_flops_per_device=0.0):
@@ -326,7 +347,9 @@ def format_report(r, planned):
             f"{remat_label(planned['remat'])}; XLA:TPU on compile-only devices, no chip")
     if not r["compiler_fits"]:
         return head
-    lines = [head, f"  {'per device':<44} {'compiler':>14} {'planner':>14}",
+    import tpu_target
+    unit = "per device" if tpu_target.KINDS[planned["chip"]].cores_per_chip == 1 else "per chip (the compiler's 2 devices)"
+    lines = [head, f"  {unit:<44} {'compiler':>14} {'planner':>14}",
              f"  {'arguments (weights, AdamW state, batch)':<44} {g(r['argument_bytes'])} {g(r['planned_state_bytes'])}",
              f"  {'temporaries (grads, activations, workspace)':<44} {g(r['temp_bytes'])} {g(r['planned_temp_bytes'])}",
              f"  {'  of which the FSDP gathered block':<44} {'':>14} {g(r['planned_gathered_bytes'])}",

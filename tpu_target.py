@@ -17,7 +17,9 @@ must read, and each libtpu knows only the chips of its day.
   - jax 0.7.1 (.venv) with libtpu 0.0.24 (requirements-libtpu.txt): v5p, v6e. libtpu 0.0.20 (what
     jax[tpu] 0.7.1 pins) and 0.0.21 refuse every Mosaic kernel ("Unsupported version: expected <= 7
     but got 8"); 0.0.24 does not know Ironwood ("Invalid TPU external name: TPU7x").
-  - jax 0.10.2 with libtpu 0.0.52 (.venv-tpu, requirements-tpu.txt): Ironwood (tpu7x).
+  - jax 0.10.2 with libtpu 0.0.52 (.venv-tpu, requirements-tpu.txt): Ironwood (tpu7x). The training
+    step (torchax, on .venv's torch) compiles for Ironwood with that pair first on PYTHONPATH:
+    .jax-tpu7x, links to .venv-tpu's jax, jaxlib, libtpu and ml_dtypes (.ci/run makes it).
 libtpu 0.0.24 is kept out of .venv, in a directory of its own (.libtpu, made by .ci/run, or
 $MINITITAN_LIBTPU): importable, it makes every jax process look for a chip first (errors on stderr,
 seconds of waiting). It is loaded here as jax's TPU plugin when a target is first asked for, after
@@ -25,6 +27,7 @@ jax's own backends are up, so that nothing else in the process ever looks for a 
 
     .venv/bin/python tpu_target.py tpu_v5p v5p:2x2x1      # a matmul compiled: the environment works
     .venv-tpu/bin/python tpu_target.py tpu_v7 8           # (a chip count: the topology of 8 chips)
+    PYTHONPATH=.jax-tpu7x .venv/bin/python tpu_target.py tpu_v7 8   # (the pair the step compile uses)
 """
 import contextlib
 import dataclasses
@@ -45,13 +48,15 @@ class TpuKind:
     torus_dims: int      # 2 (a 2D torus: v6e) or 3 (v5p, Ironwood)
     cores_per_chip: int  # JAX devices a chip: Ironwood's two TensorCores are two devices
     python: str          # the environment whose jax / libtpu pair compiles for it (above)
+    jax_path: str = ""   # for .venv's torch (the step compile: torchax): a directory put first on
+                         # PYTHONPATH that gives that pair, where .venv's does not know the chip
 
 
 # Names as planner/chips.py gives them. The smallest topology is one host's chips (2x2x1: libtpu
 # refuses less, "not divisible by ... chips_per_host_bounds 2x2x1").
 KINDS = {"tpu_v5p": TpuKind("v5p", 3, 1, ".venv"),
          "tpu_v6e": TpuKind("v6e", 2, 1, ".venv"),
-         "tpu_v7": TpuKind("tpu7x", 3, 2, ".venv-tpu")}
+         "tpu_v7": TpuKind("tpu7x", 3, 2, ".venv-tpu", ".jax-tpu7x")}
 MIN_CHIPS = 4
 
 
@@ -103,6 +108,16 @@ def _kind(chip):
 def python_for(chip):
     """The interpreter of the environment that compiles for `chip` (for a child process)."""
     return os.path.join(ROOT, _kind(chip).python, "bin", "python")
+
+
+def step_environment(chip):
+    """The environment variables a child of .venv's python needs to compile a training step (torchax on
+    torch 2.9) for `chip`: Ironwood's jax / libtpu pair first on PYTHONPATH (torchax does not import on
+    .venv-tpu's torch 2.13: "aten.prod has no overload name dim_Dimname", torchax 0.0.7 and 0.0.13)."""
+    kind = _kind(chip)
+    if not kind.jax_path:
+        return {}
+    return {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, kind.jax_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
 
 
 def libtpu_path():
@@ -162,7 +177,9 @@ def devices(chip, topology=MIN_CHIPS, slices=1):
                 _TOPOLOGIES[name, slices] = topologies.get_topology_desc(
                     topology_name=name, platform="tpu", **({"num_slices": slices} if slices > 1 else {}))
         except Exception as e:  # (an XlaRuntimeError: a name this libtpu does not know)
-            raise TargetError(f"libtpu cannot describe {name}: {_first_line(e)}") from None
+            hint = (f"; compile for {chip} with PYTHONPATH={_kind(chip).jax_path} (jax and libtpu of .venv-tpu, "
+                    f"linked by .ci/run; this jax is {jax.__version__})" if _kind(chip).jax_path else "")
+            raise TargetError(f"libtpu cannot describe {name}: {_first_line(e)}{hint}") from None
     return list(_TOPOLOGIES[name, slices].devices)
 
 

@@ -19,8 +19,8 @@ so its step and MFU are the program outside the kernels' (their FLOPs left out o
 So the planner's HBM beside it is for that same program (remat "full"); the published layout's own
 planner figures (its remat policy, precision and kernels) are in `dryrun.py --calibrate`.
 A run is skipped, with the reason, where the compile cannot express it: MoE (refused under --compile),
-DDP, tensor / expert parallelism, and
-Ironwood (.venv-tpu, whose jax / libtpu pair knows tpu7x, has no torchax).
+DDP, tensor / expert parallelism. Ironwood compiles with its jax / libtpu pair first on PYTHONPATH
+(tpu_target.step_environment), its figures a chip (two devices to the compiler).
 """
 import json
 import os
@@ -45,8 +45,6 @@ def skip_reason(run):
         return "MoE: refused under --compile (the grouped matmul's reference has data-dependent shapes)"
     if run.get("tp", 1) > 1 or run.get("ep", 1) > 1:
         return "tp / ep: not compiled yet"
-    if run["chip"] == "tpu_v7":
-        return "Ironwood: .venv-tpu (jax 0.10.2 + libtpu 0.0.52) has no torchax"
     return None
 
 
@@ -67,9 +65,11 @@ def command(run):
 
 def compile_run(run):
     """The compile's JSON line (step_compile.compare), or {"error": one line}."""
+    import tpu_target
     start = time.perf_counter()
     try:
-        proc = subprocess.run(command(run), capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
+        proc = subprocess.run(command(run), capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT,
+                              env={**os.environ, **tpu_target.step_environment(run["chip"])})
     except subprocess.TimeoutExpired:
         return {"error": f"stopped after {TIMEOUT_S} s"}
     lines = proc.stdout.strip().splitlines()

@@ -12,9 +12,10 @@ import time
 from tests import launch
 from tests.common import HERE
 
-PROBE = """import json, os, sys, torch
+PROBE = """import importlib.util, json, os, sys, torch
 print(json.dumps({"argv": sys.argv, "name": __name__, "cwd": os.getcwd(), "env": os.environ.get("PROBE"),
-                  "threads": torch.get_num_threads(), "lazy": [m in sys.modules for m in ("torch_xla", "jax")]}))
+                  "threads": torch.get_num_threads(), "lazy": [m in sys.modules for m in ("torch_xla", "jax")],
+                  "pythonpath": importlib.util.find_spec("minititan_probe") is not None}))
 sys.stdout.flush()
 how = sys.argv[1]
 if how == "exit": sys.exit(3)
@@ -24,12 +25,13 @@ if how == "os_exit": os._exit(5)
 """
 
 
-def test_a_forked_child_is_a_fresh_process():
+def test_a_forked_child_is_a_fresh_process(tmp_path):
     """What a child sees (argv, __name__, cwd, the environment, torch's thread count, torch_xla and jax
-    not yet imported) equals a real `python -c` subprocess's; it ends as Python does, as subprocess
-    reports it: sys.exit(3) -> 3, SIGTERM -> -15, an uncaught exception -> 1 with its traceback,
-    os._exit(5) -> 5."""
-    env = {"PROBE": "x", "OMP_NUM_THREADS": "1"}
+    not yet imported, a module found on its PYTHONPATH) equals a real `python -c` subprocess's; it
+    ends as Python does, as subprocess reports it: sys.exit(3) -> 3, SIGTERM -> -15, an uncaught
+    exception -> 1 with its traceback, os._exit(5) -> 5."""
+    (tmp_path / "minititan_probe.py").write_text("")
+    env = {"PROBE": "x", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
     real = subprocess.run([sys.executable, "-c", PROBE, "exit"], cwd=HERE, capture_output=True, text=True,
                           timeout=120, env={**os.environ, **env})
     for how, code in (("exit", 3), ("signal", -signal.SIGTERM), ("raise", 1), ("os_exit", 5)):
@@ -37,7 +39,7 @@ def test_a_forked_child_is_a_fresh_process():
         seen = json.loads(out)
         assert rc == code and seen == {**json.loads(real.stdout), "argv": ["-c", how]}, (how, rc, out, err)
         assert ("ZeroDivisionError" in err) == (how == "raise"), err
-    assert real.returncode == 3
+    assert real.returncode == 3 and json.loads(real.stdout)["pythonpath"]
 
 
 RANKS = r"""import os, sys, time, torch, torch.distributed as dist

@@ -65,6 +65,9 @@ def _become(argv, env, cwd, folder, limits):
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    # PYTHONPATH's directories ahead of the server's own path, as python puts them at its start (jax is
+    # not imported by the server: a child's PYTHONPATH can still choose it, tpu_target.step_environment)
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     for fd, name in ((1, "stdout"), (2, "stderr")):  # (appends: the ranks of a run share the two files)
         f = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(f, fd)
