@@ -44,7 +44,7 @@ from model import flops_per_token, param_counts, tpu_config
 GiB = 2**30
 # Per chip (chips.py: published HBM bytes and bandwidth, ICI bandwidth, bf16 peak), in the older dict
 # form callers read
-TPU_SPECS = {name: dict(hbm=c.hbm_bytes, hbm_bw=c.hbm_bw, ici_bw=c.ici_bw, peak=c.peak_flops)
+TPU_SPECS = {name: dict(hbm=c.hbm_bytes, hbm_bw=c.hbm_bw, ici_bw=c.ici_bw, peak=c.peak_flops, devices=c.devices)
              for name, c in chips_lib.CHIPS.items()}
 
 

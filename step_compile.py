@@ -196,17 +196,17 @@ def jax_step(gm, out_shardings, unroll=1, offload=False):
     return step
 
 
-def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtype="fp32", offload=False):
+def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtype="fp32", offload=False, cores=1):
     """Compile `program`'s training step for `chip`'s topology (one slice's libtpu name, default the
     mesh's ici device count; dcn > 1: that many slices joined by DCN) on the (dcn, ici) layout `dims`:
     a tpu_target.Compiled, plus the capture seconds.
     `dtype`: capture's; `offload` (--scan): each layer's input in host memory between its
-    forward and backward (layer_scan.register_torchax)."""
+    forward and backward (layer_scan.register_torchax); `cores`: devices a chip (Ironwood's 2)."""
     import tpu_target
     if dims.get("tp", 1) > 1 or dims.get("ep", 1) > 1 or dims.get("cp", 1) > 1:
         raise ValueError("--dry-run --compile lays out FSDP / HSDP meshes (dcn, ici); tp, ep and cp are not compiled yet")
     name = tpu_target.topology_name(chip, topology or dims["ici"])  # (one slice's; dcn: that many slices)
-    devices, cores = tpu_target.devices(chip, name, slices=dims["dcn"]), tpu_target.KINDS[chip].cores_per_chip
+    devices = tpu_target.devices(chip, name, slices=dims["dcn"])
     if len(devices) != dims["dcn"] * dims["ici"] * cores:
         raise ValueError(f"{dims['dcn']} x topology {name} has {len(devices) // cores} chips; the mesh has "
                          f"{dims['dcn'] * dims['ici']}")
@@ -214,7 +214,7 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     start = time.perf_counter()
     gm, example = capture(program, remat, clip, dtype)
     in_stack = {id(p) for m in program.model.modules() if isinstance(m, layer_scan.StackedLayers) for p in m.parameters()}
-    inputs, out_shardings = abstract_inputs(example, device_dims(dims, chip), devices,
+    inputs, out_shardings = abstract_inputs(example, device_dims(dims, cores), devices,
                                             [id(p) in in_stack for p in program.model.parameters()])
     gm = compile_graph.rows_over_batch(gm, math.prod(program.batch[0][0]), {tuple(p.shape) for p in example[0]})
     compile_graph.use(inputs[-1].sharding, out_shardings[0])  # (the batch's: dim 0 over dcn x ici)
@@ -239,11 +239,10 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     return per_chip(every_layer_counted(once, compiled(2), layers[0]), cores), capture_s
 
 
-def device_dims(dims, chip):
+def device_dims(dims, cores):
     """The (dcn, ici) layout in the compiler's devices: a chip of two TensorCores (Ironwood) is two
     devices, so its ici axis is twice the chips (each core a shard, as MaxText lays out tpu7x)."""
-    import tpu_target
-    return {**dims, "ici": dims["ici"] * tpu_target.KINDS[chip].cores_per_chip}
+    return {**dims, "ici": dims["ici"] * cores}
 
 
 def per_chip(compiled, cores):
@@ -258,14 +257,13 @@ def per_chip(compiled, cores):
                                flops=times(compiled.flops), bytes_accessed=times(compiled.bytes_accessed))
 
 
-def compile_twin(program, dims, chip, topology, clip):
+def compile_twin(program, dims, chip, topology, clip, cores=1):
     """The program's twin (Program.twin) compiled for the same topology (one slice's name) and (dcn,
     ici) layout."""
     import tpu_target
-    fn, inputs, donated = program.twin(layout_mesh(device_dims(dims, chip), tpu_target.devices(chip, topology, dims["dcn"])), clip)
+    fn, inputs, donated = program.twin(layout_mesh(device_dims(dims, cores), tpu_target.devices(chip, topology, dims["dcn"])), clip)
     try:
-        return per_chip(tpu_target.compile(fn, *inputs, chip=chip, topology=topology, donate_argnums=donated),
-                        tpu_target.KINDS[chip].cores_per_chip)
+        return per_chip(tpu_target.compile(fn, *inputs, chip=chip, topology=topology, donate_argnums=donated), cores)
     except tpu_target.CompileFailed as e:
         raise ValueError(f"the TPU compiler refused the JAX twin for {topology}: {e}") from None
 
@@ -291,7 +289,7 @@ def every_layer_counted(once, twice, layers):
                                compile_s=once.compile_s + twice.compile_s)
 
 
-def cost_model_rate(chip, topology):
+def cost_model_rate(chip, topology, cores=1):
     """FLOP/s the compiler's cost model gives one chip (its devices) on a bf16 (8192 x 8192)^2 matmul: its
     `optimal_seconds` is not the chip's time (measured: 22.8 TFLOP/s for v5p and v6e alike, 5% and
     2.5% of their published bf16 peaks), so a step's estimate is also read in units of this rate."""
@@ -299,7 +297,7 @@ def cost_model_rate(chip, topology):
     import tpu_target
     x = jax.ShapeDtypeStruct((8192, 8192), jax.numpy.bfloat16)
     mm = tpu_target.compile(lambda a, b: a @ b, x, x, chip=chip, topology=topology)
-    return mm.flops / mm.optimal_seconds * tpu_target.KINDS[chip].cores_per_chip  # (a chip's: its cores')
+    return mm.flops / mm.optimal_seconds * cores  # (a chip's: its devices side by side)
 
 
 def compare(compiled, planned, flops_per_device, peak, hbm, rate=None, kernel_flops_per_device=0.0):
@@ -347,8 +345,7 @@ def format_report(r, planned):
             f"{remat_label(planned['remat'])}; XLA:TPU on compile-only devices, no chip")
     if not r["compiler_fits"]:
         return head
-    import tpu_target
-    unit = "per device" if tpu_target.KINDS[planned["chip"]].cores_per_chip == 1 else "per chip (the compiler's 2 devices)"
+    unit = "per device" if r["devices_per_chip"] == 1 else f"per chip (the compiler's {r['devices_per_chip']} devices)"
     lines = [head, f"  {unit:<44} {'compiler':>14} {'planner':>14}",
              f"  {'arguments (weights, AdamW state, batch)':<44} {g(r['argument_bytes'])} {g(r['planned_state_bytes'])}",
              f"  {'temporaries (grads, activations, workspace)':<44} {g(r['temp_bytes'])} {g(r['planned_temp_bytes'])}",
@@ -390,14 +387,16 @@ def main(program, planned, cfg, spec):
         if not hasattr(program.model, "layers"):
             raise ValueError("--compile --scan stacks a decoder's `layers`; this model's blocks are not compiled under --scan yet")
         layer_scan.stack_layers(program.model)
+    cores = spec["devices"]  # (a chip's devices: Ironwood's two TensorCores)
     compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"] is True, cfg.clip,
-                               cfg.dtype, cfg.offload)
+                               cfg.dtype, cfg.offload, cores)
     one_slice = compiled.topology.split(" x ")[-1]
     r = compare(compiled, planned, planned["flops_per_device"], spec["peak"], spec["hbm"],
-                cost_model_rate(cfg.chip, one_slice) if compiled.fits else None,
+                cost_model_rate(cfg.chip, one_slice, cores) if compiled.fits else None,
                 program.kernel_flops / planned["devices"])
+    r["devices_per_chip"] = cores
     if program.twin and compiled.fits:
-        twin = compile_twin(program, dims, cfg.chip, one_slice, cfg.clip)
+        twin = compile_twin(program, dims, cfg.chip, one_slice, cfg.clip, cores)
         r.update(twin_fits=twin.fits, twin_total_bytes=twin.hbm_bytes, twin_argument_bytes=twin.argument_bytes,
                  twin_flops=twin.flops or 0.0,
                  twin_step_s=twin.optimal_seconds or 0.0, twin_compile_s=twin.compile_s,
@@ -408,5 +407,5 @@ def main(program, planned, cfg, spec):
         raise ValueError(f"does not fit {compiled.topology}: the TPU compiler says {compiled.message}")
     if not r["fits"]:
         raise ValueError(f"does not fit {compiled.topology}: arguments + temporaries + outputs need "
-                         f"{r['total_bytes'] / GiB:.2f} GiB a device of {spec['hbm'] / GiB:.0f} GiB HBM")
+                         f"{r['total_bytes'] / GiB:.2f} GiB a {'device' if cores == 1 else 'chip'} of {spec['hbm'] / GiB:.0f} GiB HBM")
     return 0

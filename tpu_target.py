@@ -19,7 +19,7 @@ must read, and each libtpu knows only the chips of its day.
     but got 8"); 0.0.24 does not know Ironwood ("Invalid TPU external name: TPU7x").
   - jax 0.10.2 with libtpu 0.0.52 (.venv-tpu, requirements-tpu.txt): Ironwood (tpu7x). The training
     step (torchax, on .venv's torch) compiles for Ironwood with that pair first on PYTHONPATH:
-    .jax-tpu7x, links to .venv-tpu's jax, jaxlib, libtpu and ml_dtypes (.ci/run makes it).
+    .jax-tpu7x, links to .venv-tpu's jax, jaxlib, libtpu and ml_dtypes (step_jax_path makes it).
 libtpu 0.0.24 is kept out of .venv, in a directory of its own (.libtpu, made by .ci/run, or
 $MINITITAN_LIBTPU): importable, it makes every jax process look for a chip first (errors on stderr,
 seconds of waiting). It is loaded here as jax's TPU plugin when a target is first asked for, after
@@ -31,7 +31,9 @@ jax's own backends are up, so that nothing else in the process ever looks for a 
 """
 import contextlib
 import dataclasses
+import glob
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -46,7 +48,6 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 class TpuKind:
     prefix: str          # libtpu's topology name: "<prefix>:<dims>"
     torus_dims: int      # 2 (a 2D torus: v6e) or 3 (v5p, Ironwood)
-    cores_per_chip: int  # JAX devices a chip: Ironwood's two TensorCores are two devices
     python: str          # the environment whose jax / libtpu pair compiles for it (above)
     jax_path: str = ""   # for .venv's torch (the step compile: torchax): a directory put first on
                          # PYTHONPATH that gives that pair, where .venv's does not know the chip
@@ -54,9 +55,9 @@ class TpuKind:
 
 # Names as planner/chips.py gives them. The smallest topology is one host's chips (2x2x1: libtpu
 # refuses less, "not divisible by ... chips_per_host_bounds 2x2x1").
-KINDS = {"tpu_v5p": TpuKind("v5p", 3, 1, ".venv"),
-         "tpu_v6e": TpuKind("v6e", 2, 1, ".venv"),
-         "tpu_v7": TpuKind("tpu7x", 3, 2, ".venv-tpu", ".jax-tpu7x")}
+KINDS = {"tpu_v5p": TpuKind("v5p", 3, ".venv"),
+         "tpu_v6e": TpuKind("v6e", 2, ".venv"),
+         "tpu_v7": TpuKind("tpu7x", 3, ".venv-tpu", ".jax-tpu7x")}  # (2 devices a chip: planner/chips.py)
 MIN_CHIPS = 4
 
 
@@ -110,14 +111,38 @@ def python_for(chip):
     return os.path.join(ROOT, _kind(chip).python, "bin", "python")
 
 
-def step_environment(chip):
-    """The environment variables a child of .venv's python needs to compile a training step (torchax on
-    torch 2.9) for `chip`: Ironwood's jax / libtpu pair first on PYTHONPATH (torchax does not import on
-    .venv-tpu's torch 2.13: "aten.prod has no overload name dim_Dimname", torchax 0.0.7 and 0.0.13)."""
+def step_jax_path(chip):
+    """The directory that gives the training step's compile (torchax, on .venv's torch 2.9) `chip`'s
+    jax / libtpu pair when put first on PYTHONPATH, or None where .venv's own pair serves. For Ironwood:
+    .jax-tpu7x, links to .venv-tpu's jax, jaxlib, libtpu and ml_dtypes (the pins of
+    requirements-tpu.txt; both environments are Python 3.11), made here when first asked for. (torchax
+    does not import on .venv-tpu's torch 2.13: "aten.prod has no overload name dim_Dimname", with
+    torchax 0.0.7 and 0.0.13.)"""
     kind = _kind(chip)
     if not kind.jax_path:
-        return {}
-    return {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, kind.jax_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        return None
+    where = os.path.join(ROOT, kind.jax_path)
+    if not os.path.isdir(where):
+        found = glob.glob(os.path.join(ROOT, kind.python, "lib", "python3*", "site-packages", "libtpu"))
+        if not found:
+            raise TargetError(f"no {kind.python} to take {chip}'s jax / libtpu pair from: build it (the README's "
+                              f"test command, or .ci/run)")
+        packages = os.path.dirname(found[0])
+        links = [p for name in ("jax", "jaxlib", "libtpu", "ml_dtypes")
+                 for p in [os.path.join(packages, name), *glob.glob(os.path.join(packages, f"{name}-*.dist-info"))]]
+        staging = tempfile.mkdtemp(prefix=kind.jax_path + ".", dir=ROOT)
+        for p in links:
+            os.symlink(p, os.path.join(staging, os.path.basename(p)))
+        with contextlib.suppress(OSError):  # (another process made it first: theirs serves)
+            os.rename(staging, where)
+        shutil.rmtree(staging, ignore_errors=True)
+    return where
+
+
+def step_environment(chip):
+    """The environment variables a child of .venv's python needs to compile a training step for `chip`."""
+    where = step_jax_path(chip)
+    return {"PYTHONPATH": os.pathsep.join(p for p in (where, os.environ.get("PYTHONPATH")) if p)} if where else {}
 
 
 def libtpu_path():
@@ -177,8 +202,8 @@ def devices(chip, topology=MIN_CHIPS, slices=1):
                 _TOPOLOGIES[name, slices] = topologies.get_topology_desc(
                     topology_name=name, platform="tpu", **({"num_slices": slices} if slices > 1 else {}))
         except Exception as e:  # (an XlaRuntimeError: a name this libtpu does not know)
-            hint = (f"; compile for {chip} with PYTHONPATH={_kind(chip).jax_path} (jax and libtpu of .venv-tpu, "
-                    f"linked by .ci/run; this jax is {jax.__version__})" if _kind(chip).jax_path else "")
+            hint = (f"; this jax is {jax.__version__}: compile for {chip} with PYTHONPATH="
+                    f"{os.path.relpath(step_jax_path(chip))} (its jax / libtpu pair)" if _kind(chip).jax_path else "")
             raise TargetError(f"libtpu cannot describe {name}: {_first_line(e)}{hint}") from None
     return list(_TOPOLOGIES[name, slices].devices)
 

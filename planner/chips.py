@@ -48,6 +48,8 @@ class Chip:
     dcn_latency_s: float = 30e-6   # per DCN collective step (assumed)
     host_overhead_s: float = 0.03  # a step's fixed host cost (assumed; see HOST_OVERHEAD_S)
     host_source: str = "assumed"   # where host_bytes comes from
+    devices: int = 1               # devices a chip shows (Ironwood: two TensorCores, each a JAX device
+                                   # running its own program in half the HBM, as libtpu describes tpu7x)
 
 
 CHIPS = {
@@ -61,7 +63,7 @@ CHIPS = {
                     host_source="cloud.google.com/tpu/docs/tpu7x (table): 720 GB a 4-chip v6e VM"),
     # Ironwood: host link assumed PCIe Gen5 x16 (64 GB/s)
     "tpu_v7": Chip("tpu_v7", 2307e12, 192 * GiB, 7370e9, 9600e9 / 8, 3, 256, 960e9 / 4, host_bw=64e9, dcn_bw=100e9 / 8,
-                   host_source="cloud.google.com/tpu/docs/tpu7x (table): 960 GB a 4-chip VM"),
+                   host_source="cloud.google.com/tpu/docs/tpu7x (table): 960 GB a 4-chip VM", devices=2),
     # H100 SXM: NVLink 900 GB/s a GPU inside a node stands in for ICI (one "axis" of 8); tensor-core
     # tiles are smaller (64 assumed); host PCIe Gen5 64 GB/s
     "h100": Chip("h100", 989e12, 80e9, 3350e9, 900e9, 1, 64, 2e12 / 8, host_bw=64e9, dcn_bw=50e9),

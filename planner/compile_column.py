@@ -77,8 +77,9 @@ def compile_run(run):
     if proc.returncode == 0 and figures:
         return {**figures, "wall_s": time.perf_counter() - start}
     if proc.returncode < 0 or "Fatal Python error" in proc.stderr:  # (a crash inside libtpu's compile)
-        fatal = [ln for ln in proc.stderr.splitlines() if ln.startswith("Fatal Python error")]
-        return {"error": f"the process died in the compile: {(fatal or [f'signal {-proc.returncode}'])[0]}"}
+        fatal = [ln.split("] ", 1)[-1] for ln in proc.stderr.splitlines() if "Check failed" in ln] or \
+            [ln for ln in proc.stderr.splitlines() if ln.startswith("Fatal Python error")]  # (libtpu's own check first)
+        return {"error": f"the process died in the compile: {(fatal or [f'signal {-proc.returncode}'])[0][:240]}"}
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     return {**figures, "error": (errors or proc.stderr.strip().splitlines()[-1:] or ["(no message)"])[-1][:300]}
 
