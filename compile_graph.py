@@ -22,6 +22,7 @@ own). The shardings are the compile in progress's (use).
 import operator
 
 import torch
+from torch._decomp import decomposition_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import graph_passes
@@ -172,14 +173,9 @@ def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index
 
 def for_torchax(gm, example):
     """The graph as torchax can run it: `_foreach_*` ops unfolded (a retrace), the forward-end marker
-    (an identity) dropped, and no device named (the graph was traced on CPU; torchax's is JAX's).
-    LayerNorm's backward (FLUX) is decomposed too: torchax 0.0.7's lowering of it takes 6 arguments
-    where aten passes 8."""
-    from torch._decomp import decomposition_table
+    (an identity) dropped, and no device named (the graph was traced on CPU; torchax's is JAX's)."""
     table = {n.target: _unfolded(n.target) for n in gm.graph.nodes
              if n.op == "call_function" and "aten._foreach_" in str(n.target)}
-    layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
-    table[layer_norm_backward] = decomposition_table[layer_norm_backward]
     gm = make_fx(gm, decomposition_table=table, tracing_mode="fake")(*example)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target == torch.ops.minititan.forward_end.default:
@@ -190,7 +186,11 @@ def for_torchax(gm, example):
 
 JAX_FORMS = {torch.ops.aten._safe_softmax.default: safe_softmax,
              torch.ops.aten._softmax_backward_data.default: softmax_backward,
-             torch.ops.aten.nll_loss_backward.default: nll_loss_backward}
+             torch.ops.aten.nll_loss_backward.default: nll_loss_backward,
+             # LayerNorm's backward (FLUX) as torch's decomposition: torchax 0.0.7's lowering takes 6
+             # arguments where aten passes 8
+             torch.ops.aten.native_layer_norm_backward.default:
+                 decomposition_table[torch.ops.aten.native_layer_norm_backward.default]}
 
 
 def on_jax(gm):

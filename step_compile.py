@@ -80,6 +80,8 @@ class Program:
     kernel_flops: float = 0.0
     twin: object = None  # (mesh, clip) -> (jax fn, its abstract inputs, donated argnums): the same step written
     #                      in JAX, compiled beside ours (FLUX's flux/jax_step.py: flux/compiled.py)
+    stacks: object = None  # model -> [(owner, attribute)] of its block stacks for --scan (the family's
+    #                        ModelFamily.scan_stacks); None: a decoder's `layers`
 
 
 def lm_program(args, batch_size, seq_len, saved_bytes):
@@ -233,8 +235,10 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     once = compiled(1)
     if not layers or layers[0] < 2 or not once.fits:
         return per_chip(once, cores), capture_s
-    if offload:  # (libtpu 0.0.24 refuses the offloaded inputs' dynamic slices in a 2-layer While body,
-        # "Error encountered while compiling %dynamic-slice-start": no per-layer count, so no cost figures)
+    if offload or len(set(layers)) > 1:  # (no per-layer count, so no cost figures: libtpu 0.0.24 refuses the
+        # offloaded inputs' dynamic slices in a 2-layer While body, "Error encountered while compiling
+        # %dynamic-slice-start"; stacks of different depths (FLUX's 19 double, 38 single blocks) add
+        # one body each to the second compile, which one difference cannot split)
         return per_chip(dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None), cores), capture_s
     return per_chip(every_layer_counted(once, compiled(2), layers[0]), cores), capture_s
 
@@ -273,7 +277,8 @@ def every_layer_counted(once, twice, layers):
     its trip count (measured: llama3_debug's scan step, 2.130e9 FLOPs at 2 layers, 2.134e9 at 4): so
     the step is compiled again with 2 layers a While iteration (JAX puts an odd layer in a loop of
     its own; at 2 layers the scan is unrolled whole: 2 or 3 bodies counted), and each layer's FLOPs,
-    bytes and seconds are the difference over the extra bodies. Memory and the verdict are the rolled
+    bytes and seconds are the difference over the extra bodies (stacks of one depth, as FLUX's debug
+    flavor's: a block of each). Memory and the verdict are the rolled
     program's: the one a run compiles."""
     if not twice.fits:  # (2 layers' temporaries out of HBM: no second count, so no cost figures)
         return dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None,
@@ -372,7 +377,7 @@ def format_report(r, planned):
                         if r["twin_fits"] else "does not fit"))
     if not r["flops"]:
         lines[9:13] = ["  FLOPs and step not counted: the second compile (2 layers a While iteration) ran out of HBM, "
-                       "counted no more than the first, or was not made (--offload: refused by this libtpu)"]
+                       "counted no more than the first, or was not made (--offload: refused by this libtpu; block stacks of different depths)"]
     return "\n".join(lines)
 
 
@@ -384,9 +389,7 @@ def main(program, planned, cfg, spec):
     dims = {"dcn": 1, "tp": 1, "ep": 1, **dict(p.split("=") for p in planned["mesh"].split(","))}
     dims = {k: int(v) for k, v in dims.items()}
     if cfg.scan:  # (the planner's column is then remat "full": dryrun.compiled_report)
-        if not hasattr(program.model, "layers"):
-            raise ValueError("--compile --scan stacks a decoder's `layers`; this model's blocks are not compiled under --scan yet")
-        layer_scan.stack_layers(program.model)
+        layer_scan.stack_layers(program.model, program.stacks(program.model) if program.stacks else None)
     cores = spec["devices"]  # (a chip's devices: Ironwood's two TensorCores)
     compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"] is True, cfg.clip,
                                cfg.dtype, cfg.offload, cores)

@@ -38,7 +38,8 @@ def program(model, loss, args, S, T, batch_size, kernels, saved_bytes, twin=Fals
     latent = ((B, S, args.in_channels), f32)
     splash = flux.attention_flops_per_sample(args, S + T) * B if kernels == "pallas" else 0.0  # (unseen by the cost model)
     return step_compile.Program(model, loss, (latent, latent, ((B,), f32), *cond), saved_bytes, splash,
-                                twin=jax_twin(model, args, S, B) if twin else None)
+                                twin=jax_twin(model, args, S, B) if twin else None,
+                                stacks=lambda m: m.flux.pack_for_scan(T))  # (--scan: both block stacks)
 
 
 def jax_twin(model, args, S, B):

@@ -11,7 +11,8 @@ published runs keep them), the blocks under --scan (each layer's input kept, its
 the backward: MaxText's "full" remat; with --offload, where the run offloads `decoder_layer_input`,
 that input in host memory), and our Pallas kernels for the attention and the loss (splash and the
 fused loss under shard_map: sharded_kernels.py), as the published runs use splash attention. FLUX
-is compiled unrolled with --remat (its matmul outputs kept, the closest of ours to FLUX_OPTIMIZED).
+is compiled the same way, its two block stacks scanned (each block's input kept, its forward replayed,
+where FLUX_OPTIMIZED keeps some matmul outputs).
 Several slices (dcn > 1) are compiled as that many slices of the topology, joined by DCN, laid out as
 train.py's HSDP (the weights replicated across slices), where a run published as FSDP over DCN
 holds 1/dcn of them. The compiler's cost model does not see inside a Mosaic kernel,
@@ -49,10 +50,10 @@ def skip_reason(run):
 
 
 def command(run):
-    if run["model"].startswith("flux"):  # (no --scan for FLUX's blocks: unrolled, --remat keeps the matmul outputs)
+    if run["model"].startswith("flux"):  # (both block stacks scanned, as the LM's layers)
         return [sys.executable, os.path.join(ROOT, "train.py"), "--task", "flux", "--flavor", run["model"],
                 "--image-size", str(run["image_size"]), "--dry-run", "--compile", "--kernels", "pallas", "--dtype",
-                "bf16", "--remat", "--chip", run["chip"], "--mesh", f"ici={run['ici']}",
+                "bf16", "--scan", "--chip", run["chip"], "--mesh", f"ici={run['ici']}",
                 "--batch-size", str(run["global_batch"])]
     flavor, extra = FLAVOR_OF.get(run["model"], (run["model"], []))
     offload = isinstance(run["remat"], dict) and run["remat"].get("decoder_layer_input") == "offload"

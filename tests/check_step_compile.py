@@ -157,9 +157,14 @@ def test_flux_step_compiles_with_the_flops_and_state_of_its_pure_jax_twin():
     JAX (the oracle: it never imports flux/model.py), for v5p:2x2x1 on the same layout: the compiler
     finds the same FLOPs in both within 1% (measured 0.06%: both compute the same step; a missing
     or doubled matmul moves it 5% or more) and the same argument bytes exactly (weights, AdamW moments,
-    batch: the same shardings); the ratio of the estimated steps is printed. --against-jax without
-    --compile is refused in one line."""
+    batch: the same shardings); the ratio of the estimated steps is printed. Under --scan (both block
+    stacks scanned, the family's scan_stacks) the arguments are the same bytes exactly and the FLOPs
+    the unrolled step's plus one replay of the blocks' forward (measured +32%; none would be +0%, two
+    +64%). --against-jax without --compile is refused in one line."""
     r = compiled("--task", "flux", "--flavor", "flux_debug", "--batch-size", "8", "--against-jax")
+    scan = compiled("--task", "flux", "--flavor", "flux_debug", "--batch-size", "8", "--scan")
+    assert scan["fits"] and scan["argument_bytes"] == r["argument_bytes"], (scan["argument_bytes"], r["argument_bytes"])
+    assert 0.1 < scan["flops"] / r["flops"] - 1 < 0.5, (scan["flops"], r["flops"])
     assert r["compiler_fits"] and r["twin_fits"], r["message"]
     print(f"FLUX FLOPs ours {r['flops']:.4e}, JAX {r['twin_flops']:.4e}; estimated step ours "
           f"{r['estimated_step_s'] * 1e3:.3f} ms, JAX {r['twin_step_s'] * 1e3:.3f} ms: ours at {r['twin_speed']:.3f}x")
