@@ -8,7 +8,8 @@ program, and the compiler's estimated step beside the planner's and the publishe
 What is compiled is minititan's program, not the published one: fp32 master weights and AdamW moments
 sharded over every chip (FSDP), cast to bf16 for the forward (--dtype bf16: bf16 activations, as the
 published runs keep them), the blocks under --scan (each layer's input kept, its forward replayed in
-the backward: MaxText's "full" remat; with --offload, where the run offloads `decoder_layer_input`,
+the backward: MaxText's "full" remat; with --offload, where the run offloads an activation (theirs
+`decoder_layer_input`, or others such as `context` and `mlpwo`: ours offloads only the layer input),
 that input in host memory), and our Pallas kernels for the attention and the loss (splash and the
 fused loss under shard_map: sharded_kernels.py), as the published runs use splash attention. FLUX
 is compiled the same way, its two block stacks scanned (each block's input kept, its forward replayed,
@@ -56,7 +57,8 @@ def command(run):
                 "bf16", "--scan", "--chip", run["chip"], "--mesh", f"ici={run['ici']}",
                 "--batch-size", str(run["global_batch"])]
     flavor, extra = FLAVOR_OF.get(run["model"], (run["model"], []))
-    offload = isinstance(run["remat"], dict) and run["remat"].get("decoder_layer_input") == "offload"
+    # (--offload where the run offloads any activation: ours can offload only each layer's input)
+    offload = isinstance(run["remat"], dict) and "offload" in run["remat"].values()
     return [sys.executable, os.path.join(ROOT, "train.py"), "--dry-run", "--compile", "--scan", "--kernels", "pallas",
             "--dtype", "bf16", *(["--offload"] if offload else []), "--chip", run["chip"],
             "--flavor", flavor, *extra, "--set", f"max_seq_len={run['seq_len']}",
