@@ -17,10 +17,11 @@ XLA, dim 0 over ici unless another dim divides where it does not; replicated ove
 dcn x ici), the weights and moments donated (updated in place, as torch_xla aliases them). XLA:TPU
 compiles it for the named topology through JAX's compile-only devices (tpu_target.py): the compiler's
 verdict, its per-device HBM (arguments, temporaries, outputs), its cost model's FLOPs and
-`optimal_seconds`. That time is the compiler's estimate, not a measurement: no chip ran anything,
-and the cost model prices a bf16 matmul at 22.8 TFLOP/s a device on v5p and v6e alike, so the
-report also reads it in units of that rate (cost_model_rate). Under --scan the blocks are
-layer_scan's ops, whose JAX form is a lax.scan (one block in a While loop at any depth); the cost
+`optimal_seconds` (Ironwood: a chip's, its two TensorCores being two devices: per_chip). That time is
+the compiler's estimate, not a measurement: no chip ran anything, and the cost model prices a bf16
+matmul at 22.8 TFLOP/s a device on v5p and v6e alike (Ironwood: 996, 86% of its peak), so the
+report also reads it in units of that rate (cost_model_rate). Under --scan the blocks (a decoder's
+layers; FLUX's two stacks: Program.stacks) are layer_scan's ops, whose JAX form is a lax.scan (one block in a While loop at any depth); the cost
 model counts a While body once, so the step is compiled again at 2 layers an iteration and every
 layer counted from the difference (every_layer_counted). --scan --offload sends each layer's input
 to host memory as the scan makes it (MaxText's `decoder_layer_input: offload`): the compiler's host
@@ -296,8 +297,8 @@ def every_layer_counted(once, twice, layers):
 
 def cost_model_rate(chip, topology, cores=1):
     """FLOP/s the compiler's cost model gives one chip (its devices) on a bf16 (8192 x 8192)^2 matmul: its
-    `optimal_seconds` is not the chip's time (measured: 22.8 TFLOP/s for v5p and v6e alike, 5% and
-    2.5% of their published bf16 peaks), so a step's estimate is also read in units of this rate."""
+    `optimal_seconds` is not the chip's time (measured: 22.8 TFLOP/s a device for v5p and v6e alike, 5%
+    and 2.5% of their published bf16 peaks; Ironwood 996, 86%), so a step's estimate is also read in units of this rate."""
     import jax
     import tpu_target
     x = jax.ShapeDtypeStruct((8192, 8192), jax.numpy.bfloat16)
@@ -389,6 +390,9 @@ def main(program, planned, cfg, spec):
     dims = {"dcn": 1, "tp": 1, "ep": 1, **dict(p.split("=") for p in planned["mesh"].split(","))}
     dims = {k: int(v) for k, v in dims.items()}
     if cfg.scan:  # (the planner's column is then remat "full": dryrun.compiled_report)
+        if program.stacks is None and not hasattr(program.model, "layers"):
+            raise ValueError("--compile --scan stacks a decoder's `layers` or the workload's block stacks; this "
+                             "model names neither")
         layer_scan.stack_layers(program.model, program.stacks(program.model) if program.stacks else None)
     cores = spec["devices"]  # (a chip's devices: Ironwood's two TensorCores)
     compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"] is True, cfg.clip,

@@ -2,7 +2,7 @@
 [RUN_ID ...]` compiles each published run of calibration.json that a family here can express, at its
 published layout, global batch and sequence, for its chip's pod topology, with the real TPU compiler
 (`train.py --dry-run --compile --scan --kernels pallas --dtype bf16`, one child process a run, one at a
-time), and prints, per device: the compiler's HBM and verdict beside the planner's for the same
+time), and prints, per device (Ironwood: per chip): the compiler's HBM and verdict beside the planner's for the same
 program, and the compiler's estimated step beside the planner's and the published step.
 
 What is compiled is minititan's program, not the published one: fp32 master weights and AdamW moments
