@@ -49,7 +49,8 @@ class Chip:
     host_overhead_s: float = 0.03  # a step's fixed host cost (assumed; see HOST_OVERHEAD_S)
     host_source: str = "assumed"   # where host_bytes comes from
     devices: int = 1               # devices a chip shows (Ironwood: two TensorCores, each a JAX device
-                                   # running its own program in half the HBM, as libtpu describes tpu7x)
+                                   # running its own program in half the HBM, as libtpu describes tpu7x;
+                                   # each gathers its own FSDP block and loss head: stepmodel.memory_terms)
 
 
 CHIPS = {

@@ -243,8 +243,10 @@ def cp_terms(shape, lay, chip):
             + lay.microbatches * layers * 2 * ring_steps(lay.cp, chip) * chip.ici_latency_s)
 
 
-def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems):
-    """Bytes a chip: state at its dtypes, gathered block, saved activations, the transient peak."""
+def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems, devices=1):
+    """Bytes a chip: state at its dtypes, gathered block, saved activations, the transient peak.
+    `devices`: the devices a chip shows (Ironwood's two TensorCores): each runs the program on its
+    half of the chip's tokens and gathers its own copy of the block and of the loss head."""
     pr, n = lay.precision, sum(shard.values())
     tokens = shape.tokens * lay.local_batch / lay.microbatches / sharing(lay)   # one microbatch's at a time
     saved = device_elems * lay.act_bytes * tokens * shape.layers
@@ -253,10 +255,10 @@ def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems):
     logits_peak = 2 * lay.act_bytes * tokens * shape.vocab / lay.vocab_tiles if shape.vocab else 0.0  # logits + grad
     # the fused loss under FSDP: its head gathered whole (bf16) and that device's gradient of it, whole
     # until reduce-scattered (measured: Qwen3-8B on 256 v5p, two bf16 (151936, 4096) buffers at the peak)
-    head_peak = 2 * BYTES_BF16 * shape.loss_head if fsdp > 1 and lay.tp == 1 else 0.0
+    head_peak = devices * 2 * BYTES_BF16 * shape.loss_head if fsdp > 1 and lay.tp == 1 else 0.0
     return {"parameters": n * pr.weight, "gradients": n * pr.grad, "optimizer state": n * pr.optimizer,
             "gradient accumulator": n * pr.grad if lay.microbatches > 1 else 0.0,
-            "gathered block (bf16, x2)": 2 * BYTES_BF16 * gathered if fsdp > 1 else 0.0,
+            "gathered block (bf16, x2)": devices * 2 * BYTES_BF16 * gathered if fsdp > 1 else 0.0,
             "saved activations": saved, "transient peak": max(layer_peak, logits_peak, head_peak)}
 
 
@@ -295,7 +297,7 @@ def predict(shape, lay, chip, constants=None, saved_bytes=None, push_bucket_byte
     exposed = hideable - chips_lib.OVERLAP * min(hideable, compute_s)
     step = chip.host_overhead_s + compute_s + exposed + comm["tp"] + comm["ep"] + comm["cp"]
     live = sum(v for k, v in shape.acts.items() if k not in shape.unread)
-    mem = memory_terms(shape, lay, shard, gathered, fsdp, device_elems, live)
+    mem = memory_terms(shape, lay, shard, gathered, fsdp, device_elems, live, chip.devices)
     if saved_bytes is not None:
         mem["saved activations"] = saved_bytes
     total = sum(mem.values())

@@ -194,6 +194,13 @@ def test_planner_step_terms_equal_a_hand_computation():
     assert m["gathered block (bf16, x2)"] == 2 * 2 * 512
     assert m["saved activations"] == (16 + 8 + 8 + 32) * 2 * 16 * 2           # all kept: elems x bf16 x tokens x layers
     assert m["transient peak"] == 64 * 2 * 16
+    # a chip of two devices (Ironwood's TensorCores, each running the step on half the chip's tokens):
+    # each gathers its own block and loss head, so those double; state and activations a chip do not
+    head = _toy_shape(vocab=64, loss_head=64 * 16)
+    one, two = (stepmodel.predict(head, lay, _toy_chip(devices=n))["memory"] for n in (1, 2))
+    assert two["gathered block (bf16, x2)"] == 2 * one["gathered block (bf16, x2)"] == 2 * 2 * 2 * 512
+    assert one["transient peak"] == 2 * 2 * 64 * 16 and two["transient peak"] == 2 * one["transient peak"]
+    assert all(two[k] == one[k] for k in ("parameters", "gradients", "optimizer state", "saved activations"))
     # bf16 state (MaxText weight_dtype=bfloat16) halves it; DDP replicates it and gathers nothing
     q = stepmodel.predict(shape, dataclasses.replace(lay, precision=stepmodel.PRECISIONS["bf16"], dp_mode="ddp"), chip)
     assert q["memory"]["parameters"] == 2 * 1024 and q["memory"]["optimizer state"] == 4 * 1024
