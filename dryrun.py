@@ -308,6 +308,14 @@ def main(w, cfg):
     if cfg.chip not in chips_lib.CHIPS:
         raise ValueError(f"--chip {cfg.chip!r}: choose one of {', '.join(chips_lib.CHIPS)}")
     accumulation = getattr(cfg, "grad_accum", 1)
+    laid_out = math.prod(v for k, v in mesh.mesh_dims(cfg.mesh).items() if k != "ep") if cfg.mesh else 0
+    if cfg.chips and laid_out and laid_out != cfg.chips:  # (both name the chips: they must agree)
+        raise ValueError(f"--mesh {cfg.mesh} lays out {laid_out} chips, --chips says {cfg.chips}: give one of them")
+    if cfg.chips and not (laid_out or cfg.plan or getattr(cfg, "compile", False)):
+        raise ValueError(f"--chips {cfg.chips} is for --plan (rank its layouts) or --compile (compile the "
+                         f"first): add one, or give the layout with --mesh")
+    if getattr(cfg, "compile", False):  # (a namespace without the flag: the estimate)
+        return compiled_report(w, cfg, compile_dims(w, cfg), cfg.remat)
     if cfg.plan:
         if not cfg.chips or cfg.chips < 1:
             raise ValueError("--plan needs --chips N (N >= 1)")
@@ -322,18 +330,43 @@ def main(w, cfg):
             print(json.dumps([]), flush=True)
             return 0
         print(format_plan(rows, cfg))
-        if getattr(cfg, "compile", False):  # the layout ranked first, compiled
-            return compiled_report(w, cfg, mesh.mesh_dims(rows[0]["mesh"]), rows[0]["remat"])
         print(json.dumps([{k: r[k] for k in ("mesh", "remat", "local_batch", "total_bytes", "fits", "step_s", "mfu", "bound")}
                           for r in rows]), flush=True)
         return 0
-    if getattr(cfg, "compile", False):  # (a namespace without the flag: the estimate)
-        return compiled_report(w, cfg, mesh.mesh_dims(cfg.mesh or "ici=1"), cfg.remat)
     report = estimate(w, mesh.mesh_dims(cfg.mesh or "ici=1"), cfg.batch_size, cfg.chip, cfg.remat,
                       microbatches=accumulation)
     print(format_report(report))
     print(json.dumps(report), flush=True)
     return 0
+
+
+def compile_dims(w, cfg):
+    """--compile's layout: --mesh; else, given --chips N (or --plan --chips N) or --topology's chips, the
+    one --plan ranks first among those the compile lays out (dcn x ici: FSDP / HSDP; one slice for a
+    --topology) under the memory policy of the compiled program (--remat off or on; --scan: each
+    layer's input kept, or offloaded with --offload); else one chip."""
+    import mesh
+    import tpu_target
+    topology = getattr(cfg, "topology", None)
+    chips = cfg.chips or (tpu_target.topology_chips(cfg.chip, topology) if topology else 0)
+    if cfg.mesh or not chips:
+        return mesh.mesh_dims(cfg.mesh or "ici=1")
+    policy, traced = compiled_policy(cfg, cfg.remat), {r: w.saved_bytes(r) for r in (False, True)}
+    lays_out = lambda d: d["tp"] == d["ep"] == d["cp"] == 1 and (d["dcn"] == 1 or not topology)
+    rows = [r for r in layouts(w, chips, cfg.batch_size, cfg.chip, [policy], traced) if lays_out(mesh.mesh_dims(r["mesh"]))]
+    if not rows:
+        raise ValueError(f"no FSDP / HSDP layout of {chips} chips takes --batch-size {cfg.batch_size}")
+    print(f"--compile: the layout --plan ranks first of {chips} x {cfg.chip} among those it lays out (dcn x ici), "
+          f"remat {remat_label(policy)}: --mesh {rows[0]['mesh']}", flush=True)
+    return mesh.mesh_dims(rows[0]["mesh"])
+
+
+def compiled_policy(cfg, remat):
+    """The compiled program's memory policy: --scan keeps each layer's input (offloaded with --offload)
+    and replays its forward; else `remat` (--remat off or on)."""
+    if getattr(cfg, "scan", False):
+        return {"decoder_layer_input": "offload"} if getattr(cfg, "offload", False) else "full"
+    return remat
 
 
 def compiled_report(w, cfg, dims, remat):
@@ -348,8 +381,7 @@ def compiled_report(w, cfg, dims, remat):
     program = w.program(cfg.batch_size, getattr(cfg, "kernels", "reference"))
     if getattr(cfg, "offload", False) and not getattr(cfg, "scan", False):
         raise ValueError("--compile --offload offloads --scan's layer inputs to host: add --scan")
-    if getattr(cfg, "scan", False):  # (a layer's input kept, or offloaded with --offload; its forward replayed)
-        remat = {"decoder_layer_input": "offload"} if getattr(cfg, "offload", False) else "full"
+    remat = compiled_policy(cfg, remat)
     traced = policy_name(remat) != "none"
     planned = estimate(w, dims, cfg.batch_size, cfg.chip, remat,
                        saved_per_sample(w, remat, {traced: program.saved_bytes(traced)}))

@@ -93,6 +93,11 @@ def topology_name(chip, topology=MIN_CHIPS):
     return f"{kind.prefix}:{'x'.join(map(str, dims))}"
 
 
+def topology_chips(chip, topology):
+    """The chips of `chip`'s topology name ("v5p:2x2x1": 4) or count (topology_name's rules)."""
+    return _product(int(d) for d in topology_name(chip, topology).split(":")[1].split("x"))
+
+
 def _product(dims):
     out = 1
     for d in dims:

@@ -388,3 +388,37 @@ def test_the_compiled_attention_and_loss_move_about_the_bytes_of_jaxs_own():
     extra = (sizes["ours_loss"] - sizes["jax_loss"]) / logits_pass
     print(f"the loss: {extra:.2f} more passes over the logits than JAX's")
     assert sizes["ours_loss"] <= 1.02 * (sizes["jax_loss"] + 2 * logits_pass), (extra, sizes)
+
+
+def test_compile_without_a_mesh_takes_the_layout_plan_ranks_first_and_chips_that_disagree_are_refused(monkeypatch, capsys):
+    """--dry-run --compile --chips N (or --topology's chips) without --mesh compiles the layout that
+    --plan ranks first among those the compile lays out (dcn x ici: FSDP / HSDP; one slice for a
+    --topology) under the compiled program's memory policy (--scan: each layer's input kept, "full").
+    Oracle: --plan's own ranked JSON for the same flags, read as a user reads it. The step is not
+    compiled here (step_compile.main replaced by a recorder). Before, --chips was ignored and the
+    compile stopped on "the mesh has 1". Chips the mesh does not lay out, --chips with neither --plan
+    nor --compile, and chips no FSDP layout fits the batch into are each one line, exit 2."""
+    import step_compile
+    from tests.common import _main
+    compiled_meshes = []
+    monkeypatch.setattr(step_compile, "main", lambda program, planned, cfg, spec: compiled_meshes.append(
+        (planned["mesh"], planned["remat"])) or 0)
+    flags = ["--dry-run", "--flavor", "llama3_debug", "--batch-size", "8", "--seq-len", "256"]
+
+    def plan_first(chips, remat, one_slice=False):
+        assert _main([*flags, "--plan", "--chips", str(chips)]) == 0
+        rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        dims = lambda r: dict(p.split("=") for p in r["mesh"].split(","))
+        return next(r["mesh"] for r in rows if r["remat"] == remat and not {"tp", "ep", "cp"} & dims(r).keys()
+                    and not (one_slice and "dcn" in dims(r)))
+    assert _main([*flags, "--compile", "--chips", "8"]) == 0
+    assert _main([*flags, "--compile", "--scan", "--topology", "v5p:2x2x1"]) == 0
+    assert compiled_meshes == [(plan_first(8, False), False), (plan_first(4, "full", one_slice=True), "full")], compiled_meshes
+    for argv, message in (([*flags, "--compile", "--chips", "8", "--mesh", "ici=4"], "error: --mesh ici=4 lays out 4 chips, --chips says 8"),
+                          ([*flags, "--chips", "8"], "error: --chips 8 is for --plan (rank its layouts) or --compile"),
+                          ([*flags[:-4], "--batch-size", "4", "--seq-len", "256", "--compile", "--chips", "8"],
+                           "error: no FSDP / HSDP layout of 8 chips takes --batch-size 4")):
+        assert _main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(message) and len(err.splitlines()) == 1, err
+    assert len(compiled_meshes) == 2
