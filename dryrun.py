@@ -308,6 +308,8 @@ def main(w, cfg):
     if cfg.chip not in chips_lib.CHIPS:
         raise ValueError(f"--chip {cfg.chip!r}: choose one of {', '.join(chips_lib.CHIPS)}")
     accumulation = getattr(cfg, "grad_accum", 1)
+    if cfg.chips < 0:
+        raise ValueError(f"--chips must be >= 1, got {cfg.chips}")
     laid_out = math.prod(v for k, v in mesh.mesh_dims(cfg.mesh).items() if k != "ep") if cfg.mesh else 0
     if cfg.chips and laid_out and laid_out != cfg.chips:  # (both name the chips: they must agree)
         raise ValueError(f"--mesh {cfg.mesh} lays out {laid_out} chips, --chips says {cfg.chips}: give one of them")

@@ -83,6 +83,8 @@ def topology_name(chip, topology=MIN_CHIPS):
         if not topology.startswith(kind.prefix + ":"):
             raise TargetError(f"topology {topology!r} is not a {chip} one ({kind.prefix}:...)")
         return topology
+    if not str(topology).isdigit():
+        raise TargetError(f"topology {topology!r}: give libtpu's name ({kind.prefix}:2x2x1, ...) or a chip count")
     n = int(topology)
     if n < 1 or n > MIN_CHIPS and n & (n - 1):
         raise TargetError(f"a {chip} topology has 1-{MIN_CHIPS} chips (one host's) or a power of two, not {n}")
@@ -95,7 +97,10 @@ def topology_name(chip, topology=MIN_CHIPS):
 
 def topology_chips(chip, topology):
     """The chips of `chip`'s topology name ("v5p:2x2x1": 4) or count (topology_name's rules)."""
-    return _product(int(d) for d in topology_name(chip, topology).split(":")[1].split("x"))
+    dims = topology_name(chip, topology).split(":")[1].split("x")
+    if not all(d.isdigit() and int(d) > 0 for d in dims):
+        raise TargetError(f"topology {topology!r}: its dims are positive integers joined by x (e.g. 2x2x1)")
+    return _product(int(d) for d in dims)
 
 
 def _product(dims):

@@ -397,7 +397,8 @@ def test_compile_without_a_mesh_takes_the_layout_plan_ranks_first_and_chips_that
     Oracle: --plan's own ranked JSON for the same flags, read as a user reads it. The step is not
     compiled here (step_compile.main replaced by a recorder). Before, --chips was ignored and the
     compile stopped on "the mesh has 1". Chips the mesh does not lay out, --chips with neither --plan
-    nor --compile, and chips no FSDP layout fits the batch into are each one line, exit 2."""
+    nor --compile, chips no FSDP layout fits the batch into, and a malformed --chips or --topology
+    are each one line, exit 2."""
     import step_compile
     from tests.common import _main
     compiled_meshes = []
@@ -417,7 +418,10 @@ def test_compile_without_a_mesh_takes_the_layout_plan_ranks_first_and_chips_that
     for argv, message in (([*flags, "--compile", "--chips", "8", "--mesh", "ici=4"], "error: --mesh ici=4 lays out 4 chips, --chips says 8"),
                           ([*flags, "--chips", "8"], "error: --chips 8 is for --plan (rank its layouts) or --compile"),
                           ([*flags[:-4], "--batch-size", "4", "--seq-len", "256", "--compile", "--chips", "8"],
-                           "error: no FSDP / HSDP layout of 8 chips takes --batch-size 4")):
+                           "error: no FSDP / HSDP layout of 8 chips takes --batch-size 4"),
+                          ([*flags, "--compile", "--chips", "-3"], "error: --chips must be >= 1"),
+                          ([*flags, "--compile", "--topology", "bogus"], "error: topology 'bogus': give libtpu's name"),
+                          ([*flags, "--compile", "--topology", "v5p:2xQ"], "error: topology 'v5p:2xQ': its dims")):
         assert _main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert err.startswith(message) and len(err.splitlines()) == 1, err
