@@ -33,8 +33,9 @@ The fitted efficiency is the bf16 one, assumed to hold at the lower precision; a
 Memory (a chip): parameters, gradients and optimizer state at their dtypes (`Precision`: fp32
 master weights as torchtitan / minititan keep them, or bf16 as MaxText's weight_dtype), sharded as
 the layout says; FSDP's gathered block (bf16, double-buffered); the activations the remat policy
-keeps on device; the larger of two transient peaks (one layer's full activations while its
-backward runs, or the logits and their gradient); with gradient accumulation (`microbatches`) the
+keeps on device; the largest of three transient peaks (one layer's full activations while its
+backward runs, the logits and their gradient, or the fused loss's gathered head and its gradient);
+the block and the head once for each device a chip shows (Ironwood's two TensorCores); with gradient accumulation (`microbatches`) the
 activations of one microbatch and a second gradient buffer (the running sum beside the microbatch's
 own), while FSDP's gathers and reduce-scatters repeat every microbatch (time and bytes). Host
 memory (a chip's process): its parameter shards at start, then the checkpoint's staging copy, the
