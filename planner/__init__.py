@@ -13,6 +13,7 @@ Read in this order:
     stepmodel.py      step time and memory from named parts: matmuls at a shape-dependent fraction of peak,
                       splash attention, HBM-bound ops, collectives (latency + bytes / bandwidth, overlapped),
                       host offload, a host overhead; the host memory a process needs; `fits`, the one verdict
+    report.py         the dry run's printed report of one layout and --plan's table
     calibrate.py      calibration.json's published runs predicted and compared; the fit of the free
                       constants, leave-one-out and the held-out runs (`python dryrun.py --calibrate`)
     anchor.py         this CPU as the chip: predicted against the measured default step (`python -m planner.anchor`)

@@ -261,7 +261,7 @@ def test_planner_ranks_layouts_x_memory_policies_finds_the_published_offload_and
     and names the cheapest change that fits."""
     import types
     import dryrun
-    from planner import calibrate, chips, stepmodel
+    from planner import calibrate, chips, report, stepmodel
     w = dryrun.lm_workload(FLAVORS["qwen3_235b_a22b"], "qwen3_235b_a22b", 4096)
     traced = {False: 40 * 2**30, True: 12 * 2**30}                  # bytes a sequence (the order of the trace)
     w = dataclasses.replace(w, saved_bytes=lambda remat: traced[remat])
@@ -274,7 +274,7 @@ def test_planner_ranks_layouts_x_memory_policies_finds_the_published_offload_and
     for group in (True, False):
         steps = [r["step_s"] for r in rows if r["fits"] == group]
         assert steps == sorted(steps)
-    assert {dryrun.remat_label(r["remat"]) for r in rows} >= {"off", "on", "full", "offload:decoder_layer_input"}
+    assert {report.remat_label(r["remat"]) for r in rows} >= {"off", "on", "full", "offload:decoder_layer_input"}
     mine = [r for r in rows if r["mesh"] == "ici=256" and r["remat"] == published]
     assert len(mine) == 1 and mine[0]["fits"], mine
     record = {"model": "qwen3_235b_a22b", "chip": "tpu_v7", "dcn": 1, "ici": 256, "global_batch": 8192,

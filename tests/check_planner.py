@@ -146,7 +146,7 @@ def test_dry_run_memory_is_the_step_models_and_marks_a_layout_whose_host_memory_
     on 8 Ironwood chips with every named tensor offloaded fits HBM at global batch 8 and 16, and the
     host at 8 only; the report says which memory does not fit."""
     import dryrun
-    from planner import chips, shapes, stepmodel
+    from planner import chips, report, shapes, stepmodel
     w = dryrun.lm_workload(FLAVORS["llama3_70b"], "llama3_70b", 8192)
     w = dataclasses.replace(w, saved_bytes=lambda remat: 2**30)
     offload = {n: "offload" for n in ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context",
@@ -169,13 +169,13 @@ def test_dry_run_memory_is_the_step_models_and_marks_a_layout_whose_host_memory_
                                           "push bucket": 0, "offloaded activations": offloaded}
         assert r["host_need"] == max(4 * shard, 12 * shard + offloaded) and (r["host_need"] <= chip.host_bytes) == host_fits
         assert r["total_bytes"] <= chip.hbm_bytes
-        text = dryrun.format_report(r)
+        text = report.format_report(r)
         host_line = next(l for l in text.splitlines() if "host memory a chip" in l)
         assert host_line.endswith("fits" if host_fits else "DOES NOT FIT") and "tpu7x" in host_line
         assert "GiB HBM: fits" in text
     # a chip whose host memory is not published is marked assumed in the report
     r = dryrun.estimate(w, {"dcn": 1, "ici": 8, "tp": 1, "ep": 1}, 8, "h100", offload)
-    assert chips.CHIPS["h100"].host_source == "assumed" and "(ASSUMED)" in dryrun.format_report(r)
+    assert chips.CHIPS["h100"].host_source == "assumed" and "(ASSUMED)" in report.format_report(r)
 
 
 def test_planner_models_int8_and_fp8_matmuls_over_fp32_master_weights_and_refuses_the_unknown(tmp_path):
