@@ -354,7 +354,9 @@ def compile_dims(w, cfg):
     chips = cfg.chips or (tpu_target.topology_chips(cfg.chip, topology) if topology else 0)
     if cfg.mesh or not chips:
         return mesh.mesh_dims(cfg.mesh or "ici=1")
-    policy, traced = compiled_policy(cfg, cfg.remat), {r: w.saved_bytes(r) for r in (False, True)}
+    policy = compiled_policy(cfg, cfg.remat)
+    traced_remat = policy_name(policy) != "none"  # (the one trace saved_per_sample reads for it)
+    traced = {traced_remat: w.saved_bytes(traced_remat)}
     lays_out = lambda d: d["tp"] == d["ep"] == d["cp"] == 1 and (d["dcn"] == 1 or not topology)
     rows = [r for r in layouts(w, chips, cfg.batch_size, cfg.chip, [policy], traced) if lays_out(mesh.mesh_dims(r["mesh"]))]
     if not rows:
