@@ -302,8 +302,8 @@ def cheapest_fix(w, chips, batch_size, chip, traced, microbatches=1):
 
 
 def main(w, cfg):
-    """train.py --dry-run [--plan --chips N]: print the report (or the ranked layouts) of the task's
-    Workload `w` and its JSON."""
+    """train.py --dry-run [--plan --chips N | --compile]: print the report (the ranked layouts; the
+    step compiled for a TPU beside its estimate) of the task's Workload `w` and its JSON."""
     import json
     import mesh
     if cfg.chip not in chips_lib.CHIPS:
