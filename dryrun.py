@@ -75,7 +75,8 @@ class Workload:
     top_k: int = 0
     shape: object = None       # shapes.Shape: the step-time model's view (matmuls, attention, activations)
     splits_sequences: bool = False  # the planner also tries cp (context parallel: the task's loss allows it)
-    program: object = None     # (global batch, --kernels) -> step_compile.Program: the step to compile (--compile)
+    program: object = None     # (global batch, --kernels, data-parallel devices) -> step_compile.Program: the step to
+    #                            compile (--compile)
 
 
 def lm_workload(args, flavor, seq_len):
@@ -98,10 +99,10 @@ def lm_workload(args, flavor, seq_len):
                 return refusal
         return None
 
-    def program(batch_size, kernels):  # (--compile: the Pallas kernels with --kernels pallas, else the reference)
+    def program(batch_size, kernels, shards):  # (--compile: the Pallas kernels with --kernels pallas, else the reference)
         compiled = args if kernels == "pallas" else reference
         return step_compile.lm_program(compiled, batch_size, seq_len,
-                                       lambda remat: saved_bytes_per_sequence(compiled, seq_len, remat))
+                                       lambda remat: saved_bytes_per_sequence(compiled, seq_len, remat), shards)
     return Workload(flavor, whole, layer, flops_per_token(args, seq_len) * seq_len, seq_len,
                     lambda remat: saved_bytes_per_sequence(args, seq_len, remat), check, dim=args.dim,
                     n_layers=args.n_layers, n_experts=args.n_experts, top_k=args.top_k,
@@ -383,7 +384,8 @@ def compiled_report(w, cfg, dims, remat):
     if getattr(cfg, "grad_accum", 1) > 1:
         raise ValueError("--compile compiles one pass over the batch: --grad-accum is not compiled yet (the planner's "
                          "estimate without --compile counts it)")
-    program = w.program(cfg.batch_size, getattr(cfg, "kernels", "reference"))
+    shards = dims["dcn"] * dims["ici"] * TPU_SPECS[cfg.chip]["devices"]  # (the compiler's data-parallel devices)
+    program = w.program(cfg.batch_size, getattr(cfg, "kernels", "reference"), shards)
     if getattr(cfg, "offload", False) and not getattr(cfg, "scan", False):
         raise ValueError("--compile --offload offloads --scan's layer inputs to host: add --scan")
     remat = compiled_policy(cfg, remat)

@@ -38,6 +38,8 @@ def check(args, ep):
         return f"ep={ep} needs MoE blocks (n_experts > 0; e.g. --flavor qwen3_moe_debug)"
     if args.n_experts % ep:
         return f"n_experts={args.n_experts} is not divisible by ep={ep}"
+    if args.moe_groups > 1:  # (each rank routes its own tokens already: one group a rank)
+        return f"ep={ep} routes each rank's tokens as one group: moe_groups must be 1, got {args.moe_groups}"
     return None
 
 

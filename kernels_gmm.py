@@ -162,7 +162,12 @@ _gmm_padded.defvjp(_gmm_fwd_rule, _gmm_bwd_rule)
 def gmm_jax(x, w, group_sizes, *, block_m, block_k=0, block_n=0):
     """x (M, K) rows sorted by group, w (G, K, N), group_sizes (G,) summing to M -> (M, N).
     Tiling (megablox's tiling=(tm, tk, tn)): block_m rows, K and N in tiles of at most block_k /
-    block_n lanes (`tile`; 0: whole)."""
+    block_n lanes (`tile`; 0: whole). group_sizes (R, G): x is R equal blocks of rows (the MoE's
+    routing groups, model.MoE), block r sorted by group_sizes[r]: one kernel call a block."""
+    if group_sizes.ndim == 2:
+        blocks = jnp.split(x, group_sizes.shape[0])
+        return jnp.concatenate([gmm_jax.jax_fn(b, w, sizes, block_m=block_m, block_k=block_k, block_n=block_n)
+                                for b, sizes in zip(blocks, group_sizes)])
     (M, K), N = x.shape, w.shape[2]
     M_pad = round_up(M, block_m)
     return _gmm_padded(pad_to(x, M_pad, 0), w, group_sizes, block_m, block_k or K, block_n or N)[:M]

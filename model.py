@@ -51,6 +51,8 @@ def check_args(args):
     if args.n_experts and not (0 < args.top_k <= args.n_experts and args.moe_ffn_dim > 0):
         raise ValueError(f"MoE needs 0 < top_k <= n_experts and moe_ffn_dim > 0, got top_k="
                          f"{args.top_k}, n_experts={args.n_experts}, moe_ffn_dim={args.moe_ffn_dim}")
+    if args.moe_groups < 1:
+        raise ValueError(f"moe_groups must be >= 1, got {args.moe_groups}")
     if args.sliding_window is not None and args.sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive (or none), got {args.sliding_window}")
     if args.doc_sep is not None and not 0 <= args.doc_sep < args.vocab_size:
@@ -97,7 +99,11 @@ def plain_cross_entropy(h_NxD, w_VxD, targets_N, ignore_index=-100):
 
 def gmm_reference(x_MxK, w_GxKxN, group_sizes_G):
     """Grouped matmul: rows [start_g, start_g + size_g) of x times w[g]. Plain PyTorch, one matmul
-    per group (reads group sizes on the host: eager only; the Pallas gmm has static shapes)."""
+    per group (reads group sizes on the host: eager only; the Pallas gmm has static shapes).
+    (R, G) sizes: x is R equal blocks of rows, block r grouped by group_sizes_G[r]."""
+    if group_sizes_G.dim() == 2:
+        blocks_RxBxK = x_MxK.view(group_sizes_G.shape[0], -1, x_MxK.shape[-1])
+        return torch.cat([gmm_reference(x, w_GxKxN, sizes) for x, sizes in zip(blocks_RxBxK, group_sizes_G)])
     pieces = torch.split(x_MxK, group_sizes_G.tolist(), dim=0)
     out = [p @ w_GxKxN[g] for g, p in enumerate(pieces)]
     return torch.cat(out, dim=0) if out else x_MxK.new_zeros(0, w_GxKxN.shape[-1])
@@ -254,26 +260,34 @@ class MoE(nn.Module):
 
     def forward(self, x_BxSxD):
         a = self.args
-        E, K = a.n_experts, a.top_k
-        x_TxD = x_BxSxD.reshape(-1, x_BxSxD.shape[-1])
-        probs_TxE = F.softmax(self.gate(x_TxD).float(), dim=-1)
-        top_w_TxK, top_e_TxK = probs_TxE.topk(K, dim=-1)
-        top_w_TxK = top_w_TxK / top_w_TxK.sum(-1, keepdim=True)
-        expert_M = top_e_TxK.reshape(-1)                     # M = T*K rows, one per (token, expert)
-        order_M = torch.argsort(expert_M, stable=True)
-        token_M = order_M // K
+        E, K, G, D = a.n_experts, a.top_k, a.moe_groups, x_BxSxD.shape[-1]
+        if x_BxSxD.shape[:-1].numel() % G:
+            raise ValueError(f"moe_groups={G} must divide the batch's {x_BxSxD.shape[:-1].numel()} tokens")
+        # G routing groups of N tokens, each sorted by expert on its own: under SPMD one group a
+        # data-parallel device (MaxText's per-shard routing), so no sort or gather crosses devices.
+        # A token's experts and weights do not depend on its group: any G gives the same output.
+        x_GxNxD = x_BxSxD.reshape(G, -1, D)
+        probs_GxNxE = F.softmax(self.gate(x_GxNxD).float(), dim=-1)
+        top_w_GxNxK, top_e_GxNxK = probs_GxNxE.topk(K, dim=-1)
+        top_w_GxNxK = top_w_GxNxK / top_w_GxNxK.sum(-1, keepdim=True)
+        expert_GxM = top_e_GxNxK.reshape(G, -1)              # M = N*K rows a group, one per (token, expert)
+        order_GxM = torch.argsort(expert_GxM, dim=-1, stable=True)
+        group_GxM, token_GxM = torch.arange(G, device=x_BxSxD.device)[:, None].expand_as(order_GxM), order_GxM // K
         # (bincount's output size depends on the data; scatter_add's does not, so it traces)
-        group_sizes_E = expert_M.new_zeros(E).scatter_add(0, expert_M, torch.ones_like(expert_M))
-        y_MxD = self.dispatch(self.experts, x_TxD[token_M], group_sizes_E)
-        y_MxD = y_MxD * top_w_TxK.reshape(-1)[order_M, None].to(y_MxD.dtype)
-        out_TxD = torch.zeros_like(x_TxD).index_add(0, token_M, y_MxD.to(x_TxD.dtype))
+        sizes_GxE = expert_GxM.new_zeros(G, E).scatter_add(1, expert_GxM, torch.ones_like(expert_GxM))
+        x_MxD = x_GxNxD[group_GxM, token_GxM].reshape(-1, D)  # the groups one after another
+        y_MxD = self.dispatch(self.experts, x_MxD, sizes_GxE[0] if G == 1 else sizes_GxE)
+        w_GxM = top_w_GxNxK.reshape(G, -1).gather(1, order_GxM)
+        y_GxMxD = y_MxD.view(G, -1, D) * w_GxM[..., None].to(y_MxD.dtype)
+        out_GxNxD = torch.zeros_like(x_GxNxD).index_put((group_GxM, token_GxM), y_GxMxD.to(x_GxNxD.dtype), accumulate=True)
         # load balance: E * sum_e (fraction of routed rows to e) * (mean router prob of e)
-        aux = E * (group_sizes_E.float() / expert_M.numel() * probs_TxE.mean(0)).sum()
-        return out_TxD.view_as(x_BxSxD), aux
+        aux = E * (sizes_GxE.sum(0).float() / expert_GxM.numel() * probs_GxNxE.reshape(-1, E).mean(0)).sum()
+        return out_GxNxD.view_as(x_BxSxD), aux
 
     def experts(self, x_MxD, group_sizes_E):
         """Each row through its expert's SwiGLU; rows sorted by expert, group_sizes_E rows each (one
-        grouped matmul per weight). Under expert parallelism: this rank's experts, on the rows sent to it."""
+        grouped matmul per weight; (G, E) sizes: G routing groups' rows one after another, each
+        sorted). Under expert parallelism: this rank's experts, on the rows sent to it."""
         gmm = lookup_impl(GMM_IMPLS, self.args.moe_impl, "grouped matmul")
         h_MxF = F.silu(gmm(x_MxD, self.w_gate_ExDxF, group_sizes_E)) * gmm(x_MxD, self.w_up_ExDxF, group_sizes_E)
         return gmm(h_MxF, self.w_down_ExFxD, group_sizes_E)

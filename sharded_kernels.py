@@ -25,8 +25,11 @@ of them) the devices combine their pieces with a psum. Per kernel, what each dev
                             dim divides.
                      A device whose rows are all ignored has m_d = 0 / 0: its terms are set to 0.
                      Its tiles are the chip's (kernels_pallas.ce_blocks), not the capture's defaults.
-  grouped matmul     not lowered: the MoE's reference dispatch is refused under --compile, and the
-                     grouped matmul's rows are routed tokens, not the batch's (expert parallel).
+  grouped matmul     x (M, D) and its (R, E) group sizes: its routing groups' rows (model.MoE sorts the
+                     tokens of each of R = moe_groups groups on its own, one group a device, so a
+                     device's rows are its own tokens, sorted); the experts' weights w (E, D, F) whole
+                     (FSDP gathers them). dx is the device's rows; dw, each device's part from its own
+                     rows, is summed over the devices as the loss head's (step 3).
 
 The cost model does not see inside a Mosaic kernel (no FLOPs, ~0 s): with the kernels the compiler's
 FLOPs and step leave out attention's scores and the loss's projection (step_compile.kernel_flops).
@@ -112,18 +115,62 @@ def mean_over_rows(call, ignore_index="ignore_index"):
         def body(h, w, targets, cotangent):
             n = kept(targets, statics)
             dh, dw = vjp(h, w, targets, cotangent * n / jax.lax.psum(n, BATCH_AXES))  # 2.
-            dh, dw = jnp.where(n > 0, dh, 0), jnp.where(n > 0, dw, 0)
-            if split is None:
-                return [dh, jax.lax.psum(dw, BATCH_AXES)]
-            return [dh, jax.lax.psum_scatter(dw, BATCH_AXES, scatter_dimension=split, tiled=True)]  # 3.
-        devices = _MESH[0].devices.size
-        split = next((d for d in (0, 1) if w.shape[d] % devices == 0), None)
-        dw_spec = whole if split is None else P(*[None] * split, BATCH_AXES)
+            return [jnp.where(n > 0, dh, 0), summed(jnp.where(n > 0, dw, 0))]  # 3.
+        summed, dw_spec = _summed_over_devices(w.shape)
         return _sharded(body, (rows, whole, rows, whole), [rows, dw_spec])(h, w, targets, cotangent)
     return forward, backward
 
 
-LAYOUTS = {"minititan::splash": by_sequence, "minititan::fused_linear_cross_entropy": mean_over_rows}
+def _summed_over_devices(shape):
+    """(sum, its out spec) for a weight's gradient of which every device holds a part (its rows'):
+    reduce-scattered (psum_scatter) on the first dim that the devices divide, the FSDP shard GSPMD
+    wants or a reshard away, where a psum would hold the whole sum on every device beside the local
+    part; a psum where no dim divides."""
+    devices = _MESH[0].devices.size
+    split = next((d for d in range(len(shape)) if shape[d] % devices == 0), None)
+    if split is None:
+        return (lambda dw: jax.lax.psum(dw, BATCH_AXES)), P()
+    return (lambda dw: jax.lax.psum_scatter(dw, BATCH_AXES, scatter_dimension=split, tiled=True),
+            P(*[None] * split, BATCH_AXES))
+
+
+def by_routing_group(call):
+    """(forward, backward) of the grouped matmul: x's rows split with their (R, G) group sizes, the
+    routing groups' rows (model.MoE routes one group a device: R a multiple of the devices), the
+    experts' weights whole; their gradient summed over the devices as the loss head's (step 3)."""
+    rows, whole = P(BATCH_AXES), P()
+
+    def prepare(x, sizes, static_args):
+        statics = dict(zip(call.statics, static_args))
+        devices = _MESH[0].devices.size
+        if sizes.ndim != 2 or sizes.shape[0] % devices:
+            raise ValueError(f"the grouped matmul under --compile routes one group a device: its group sizes "
+                             f"are {tuple(sizes.shape)} on {devices} devices (model.MoE's moe_groups)")
+        import kernels_pallas
+        import tpu_target
+        chip = tpu_target.lowering_for_tpu()
+        if chip:  # (the chip's tiles, not the capture's: block_m at most the rows a group)
+            tm, statics["block_k"], statics["block_n"] = kernels_pallas.TPU_BLOCKS[chip]["gmm"]
+            statics["block_m"] = min(tm, kernels_pallas.round_up(x.shape[0] // sizes.shape[0], 128))
+        return statics
+
+    def forward(x, w, sizes, *static_args):
+        statics = prepare(x, sizes, static_args)
+        return _sharded(lambda x, w, sizes: call.jax_fn(x, w, sizes, **statics), (rows, whole, rows), rows)(x, w, sizes)
+
+    def backward(x, w, sizes, cotangent, *static_args):
+        vjp = functools.partial(jax_op.vjp_fn(call.jax_fn, (True, True, False)), **prepare(x, sizes, static_args))
+        summed, dw_spec = _summed_over_devices(w.shape)
+
+        def body(x, w, sizes, cotangent):
+            dx, dw = vjp(x, w, sizes, cotangent)
+            return [dx, summed(dw)]
+        return _sharded(body, (rows, whole, rows, rows), [rows, dw_spec])(x, w, sizes, cotangent)
+    return forward, backward
+
+
+LAYOUTS = {"minititan::splash": by_sequence, "minititan::fused_linear_cross_entropy": mean_over_rows,
+           "minititan::gmm": by_routing_group}
 
 
 def op_overload(qualified):
@@ -135,6 +182,7 @@ def register_torchax():
     """Each kernel's forward and backward op (jax_op.KERNELS) as its sharded JAX function, for torchax
     (once a process: torchax 0.0.7 cannot override an op it has); a kernel without a layout here is
     left out, and a step that uses it fails to lower, naming the op."""
+    import kernels_gmm  # noqa: F401  (registers the grouped matmul)
     import kernels_pallas  # noqa: F401  (registers the fused loss)
     import kernels_splash  # noqa: F401  (registers splash)
     from torchax.ops import ops_registry

@@ -40,8 +40,8 @@ What differs from a run on the chip, and why:
     (compile_graph.JAX_FORMS). With --kernels pallas they are our Mosaic kernels, each under
     shard_map (sharded_kernels.py: the partitioner cannot split a custom call), which the cost model
     cannot see: FLOPs and step then leave their share out (kernel_flops).
-    The MoE's reference dispatch has data-dependent shapes and its grouped matmul is not lowered:
-    refused (model.dynamic_shapes_reason).
+    An MoE's experts are always the grouped-matmul kernel (the reference reads group sizes on the
+    host), its tokens routed one group a device (lm_program).
   - the `_foreach_*` ops of clipping and AdamW (no torchax lowering) are unfolded into the same
     arithmetic tensor by tensor; token ids are int32 (JAX without x64); a tensor with no dimension
     divisible by ici is replicated (JAX shards evenly; GSPMD would pad).
@@ -85,13 +85,15 @@ class Program:
     #                        ModelFamily.scan_stacks); None: a decoder's `layers`
 
 
-def lm_program(args, batch_size, seq_len, saved_bytes):
+def lm_program(args, batch_size, seq_len, saved_bytes, shards=1):
     """The language model's step for --compile: the model on meta, next-token loss, (B, S) ids twice;
-    `saved_bytes(remat)`: the planner's activations a sample, traced for the same implementations."""
-    from model import Transformer, dynamic_shapes_reason, next_token_loss
-    reason = dynamic_shapes_reason(dataclasses.replace(args, moe_impl="reference"))
-    if reason:
-        raise ValueError(f"--compile: {reason.split(': add')[0]}; the grouped-matmul kernel is a Mosaic call, not compiled here yet")
+    `saved_bytes(remat)`: the planner's activations a sample, traced for the same implementations.
+    An MoE's experts are the grouped-matmul kernel (the one grouped matmul of static shapes: the
+    reference reads group sizes on the host), its tokens routed in `shards` groups, one a
+    data-parallel device (model.MoE's moe_groups; sharded_kernels.by_routing_group)."""
+    from model import Transformer, next_token_loss
+    if args.n_experts:
+        args = dataclasses.replace(args, moe_impl="gmm", moe_groups=shards)
     with torch.device("meta"):
         model = Transformer(args)
     ids = ((batch_size, seq_len), torch.long)
@@ -99,12 +101,14 @@ def lm_program(args, batch_size, seq_len, saved_bytes):
 
 
 def kernel_flops(args, tokens, seq_len):
-    """The step's FLOPs inside the Pallas kernels (--kernels pallas: sharded_kernels.py), as
-    model.flops_per_token counts them: splash attention's scores and values, 12 L H Dh S a token
-    (forward and backward, the full S x S), and the fused loss's projection, 6 V D a token."""
+    """The step's FLOPs inside the Pallas kernels (sharded_kernels.py), as model.flops_per_token counts
+    them: splash attention's scores and values, 12 L H Dh S a token (forward and backward, the full
+    S x S), the fused loss's projection, 6 V D a token, and the grouped matmul's experts, 6 L k 3 D F
+    a token (k of them, three matrices each)."""
     attention = 12 * args.n_layers * args.n_heads * args.hd * seq_len if args.attn_impl == "splash" else 0
     loss = 6 * args.vocab_size * args.dim if args.loss_impl == "fused" else 0
-    return tokens * (attention + loss)
+    experts = 6 * args.n_layers * args.top_k * 3 * args.dim * args.moe_ffn_dim if args.n_experts and args.moe_impl == "gmm" else 0
+    return tokens * (attention + loss + experts)
 
 
 def capture(program, remat, clip, dtype="fp32"):

@@ -401,7 +401,7 @@ def plan_workload(args, cfg):
     depths = {"depth": args.depth, "depth_single_blocks": args.depth_single_blocks}
     saved = lambda remat: activations.extrapolate(lambda d: saved_at(d, remat), depths)
 
-    def program(batch_size, kernels):  # (--compile: flux/compiled.py)
+    def program(batch_size, kernels, shards):  # (--compile: flux/compiled.py; no routing: shards unused)
         with torch.device("meta"):
             attention = "splash" if kernels == "pallas" else "sdpa"
             model = ConditionedFlux(dataclasses.replace(args, attn_impl=attention), (side, side),

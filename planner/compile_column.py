@@ -20,8 +20,10 @@ holds 1/dcn of them. The compiler's cost model does not see inside a Mosaic kern
 so its step and MFU are the program outside the kernels' (their FLOPs left out on both sides).
 So the planner's HBM beside it is for that same program (remat "full"); the published layout's own
 planner figures (its remat policy, precision and kernels) are in `dryrun.py --calibrate`.
-A run is skipped, with the reason, where the compile cannot express it: MoE (refused under --compile),
-DDP, tensor / expert parallelism. Ironwood compiles with its jax / libtpu pair first on PYTHONPATH
+An MoE's experts are our grouped-matmul kernel (dropless, one routing group a device: step_compile.
+lm_program), whatever the run's dispatch (MaxText's capacity-padded "dropped" einsums included).
+A run is skipped, with the reason, where the compile cannot express it: DDP, tensor / expert
+parallelism. Ironwood compiles with its jax / libtpu pair first on PYTHONPATH
 (tpu_target.step_environment), its figures a chip (two devices to the compiler).
 """
 import json
@@ -36,15 +38,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 900
 # Published architectures with no model.py flavor, as a flavor with overrides (shapes.PLANNER_MODELS)
 # (Llama 3's rope scaling changes the rotary table's values, not a shape)
-FLAVOR_OF = {"llama2_70b": ("llama3_70b", ["--set", "vocab_size=32000"])}
+FLAVOR_OF = {"llama2_70b": ("llama3_70b", ["--set", "vocab_size=32000"]),
+             "mixtral_8x7b": ("llama3_8b", ["--set", "vocab_size=32000", "--set", "rope_theta=1000000.0", "--set", "n_experts=8",
+                                            "--set", "top_k=2", "--set", "moe_ffn_dim=14336"])}
 
 
 def skip_reason(run):
     """Why a run cannot be compiled here (None: it can)."""
     if run.get("dp_mode") == "ddp":
         return "DDP (parameters replicated): the compile lays out FSDP"
-    if calibrate.run_shape(run).n_experts:
-        return "MoE: refused under --compile (the grouped matmul's reference has data-dependent shapes)"
     if run.get("tp", 1) > 1 or run.get("ep", 1) > 1:
         return "tp / ep: not compiled yet"
     return None
