@@ -229,6 +229,30 @@ def test_planner_remat_policies_charge_what_they_free_and_offload_uses_the_host_
         stepmodel.predict(shape, dataclasses.replace(lay, remat="some"), chip)
 
 
+def test_the_compiler_columns_stand_in_flavors_have_the_published_shapes():
+    """planner/compile_column.FLAVOR_OF compiles a published model with no flavor of its own as a
+    flavor and --set overrides: those give shapes.PLANNER_MODELS' published config (every shape
+    field; the rotary table's values aside), so the compiled program has the run's parameters. An
+    MoE run is compiled (Mixtral 8x7B); a run with expert parallelism is skipped, naming it."""
+    import dataclasses
+    from flags import with_overrides
+    from model import FLAVORS, param_counts
+    from planner import calibrate, compile_column
+    from planner.shapes import PLANNER_MODELS
+    shape_fields = ("dim", "n_layers", "n_heads", "n_kv_heads", "hd", "ffn_dim", "vocab_size", "n_experts", "top_k",
+                    "moe_ffn_dim", "qk_norm", "tie_embeddings")
+    for model, (flavor, extra) in compile_column.FLAVOR_OF.items():
+        args = with_overrides(FLAVORS[flavor], extra[1::2])
+        want = PLANNER_MODELS[model]
+        if want.n_experts:  # (an MoE block has no dense MLP: its ffn_dim is never built)
+            args, want = dataclasses.replace(args, ffn_dim=0), dataclasses.replace(want, ffn_dim=0)
+        assert [getattr(args, f) for f in shape_fields] == [getattr(want, f) for f in shape_fields], model
+        assert param_counts(args) == param_counts(want), model
+    runs = {r["id"]: r for r in calibrate.load()}
+    assert compile_column.skip_reason(runs["maxtext_mixtral_8x7b_v5p_128"]) is None
+    assert "ep" in compile_column.skip_reason(runs["tpu_recipes_mixtral_8x22b_v6e_256"])
+
+
 def test_planner_lm_shape_counts_the_published_models_matmuls():
     """llama3_8b at 8192: the shape's forward matmul FLOPs are 2 x the non-embedding parameters a token
     (6N's forward third); MaxText's save_dot_except_mlpwi recomputes exactly the two MLP input matmuls
