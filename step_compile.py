@@ -339,58 +339,12 @@ def compare(compiled, planned, flops_per_device, peak, hbm, rate=None, kernel_fl
             "planned_step_s": planned["step_s"], "planned_mfu": planned["mfu"], "compile_s": compiled.compile_s}
 
 
-REMAT_LABELS = {False: "remat off", True: "remat on", "full": "--scan (each layer's input kept, its forward replayed)"}
-
-
-def remat_label(remat):
-    if isinstance(remat, dict):  # (--scan --offload: dryrun.compiled_report's policy)
-        return "--scan --offload (each layer's input offloaded to host, its forward replayed)"
-    return REMAT_LABELS.get(remat, remat)
-
-
-def format_report(r, planned):
-    g = lambda b: f"{b / GiB:10.3f} GiB"
-    head = (f"compiled for {r['topology']} ({planned['devices']} x {planned['chip']}, mesh {planned['mesh']}): "
-            f"{planned['flavor']}, {planned['local_batch']} x {planned['seq_len']} tokens per data-parallel rank, "
-            f"{remat_label(planned['remat'])}; XLA:TPU on compile-only devices, no chip")
-    if not r["compiler_fits"]:
-        return head
-    unit = "per device" if r["devices_per_chip"] == 1 else f"per chip (the compiler's {r['devices_per_chip']} devices)"
-    lines = [head, f"  {unit:<44} {'compiler':>14} {'planner':>14}",
-             f"  {'arguments (weights, AdamW state, batch)':<44} {g(r['argument_bytes'])} {g(r['planned_state_bytes'])}",
-             f"  {'temporaries (grads, activations, workspace)':<44} {g(r['temp_bytes'])} {g(r['planned_temp_bytes'])}",
-             f"  {'  of which the FSDP gathered block':<44} {'':>14} {g(r['planned_gathered_bytes'])}",
-             f"  {'outputs not aliased to an argument':<44} {g(r['output_bytes'])} {g(0)}",
-             f"  {'total':<44} {g(r['total_bytes'])} {g(r['planned_total_bytes'])}   of {r['hbm_bytes'] / GiB:.0f} GiB HBM",
-             f"  {'fits':<44} {'yes' if r['fits'] else 'NO':>14} {'yes' if r['planned_fits'] else 'NO':>14}",
-             f"  {'host memory (offloaded activations)':<44} {g(r['host_bytes'])} {g(r['planned_host_bytes'])}",
-             f"  {'FLOPs (compiler / flops_per_step)':<44} {r['flops']:14.4e} {r['flops_per_step']:14.4e}   "
-             f"ratio {r['flops'] / r['flops_per_step']:.4f}" + ("  (remat: the excess is the recompute)" if planned["remat"] else "")
-             + (f"\n  {'  left out: inside the Mosaic kernels':<44} {'':>14} {r['kernel_flops']:14.4e}   "
-                "(the cost model does not see them: FLOPs, step and MFU are the rest's)" if r["kernel_flops"] else ""),
-             f"  {'step time (cost model estimate / stepmodel)':<44} {r['estimated_step_s'] * 1e3:11.3f} ms "
-             f"{r['planned_step_s'] * 1e3:11.3f} ms",
-             f"  {'MFU implied (estimate / stepmodel)':<44} {100 * r['estimated_mfu']:13.1f}% {100 * r['planned_mfu']:13.1f}%",
-             f"  {'  at the cost model own matmul rate':<44} {100 * r['cost_model_mfu']:13.1f}%   (it prices a bf16 matmul "
-             f"at {r['cost_model_rate'] / 1e12:.1f} TFLOP/s: step {r['rescaled_step_s'] * 1e3:.1f} ms at the chip's peak)",
-             f"  compile {r['compile_s']:.1f} s (the compiler's cost model estimates the step time: not a measurement); "
-             f"{r['mosaic_calls']} Mosaic kernel call(s)"]
-    if "twin_fits" in r:
-        lines.append(f"  the same step in pure JAX (its twin), same topology, layout and attention: "
-                     + (f"{r['twin_total_bytes'] / GiB:.3f} GiB, FLOPs {r['twin_flops']:.4e}, estimated step "
-                        f"{r['twin_step_s'] * 1e3:.3f} ms: ours at {r['twin_speed']:.3f}x its speed (its step over ours)"
-                        if r["twin_fits"] else "does not fit"))
-    if not r["flops"]:
-        lines[9:13] = ["  FLOPs and step not counted: the second compile (2 layers a While iteration) ran out of HBM, "
-                       "counted no more than the first, or was not made (--offload: refused by this libtpu; block stacks of different depths)"]
-    return "\n".join(lines)
-
-
 def main(program, planned, cfg, spec):
     """--compile (dryrun.compiled_report): `program` compiled for cfg's chip and topology on the
     planner's layout, its figures beside `planned` (dryrun.estimate for the same program); one
     `error:` line (ValueError) when it does not fit."""
     import json
+    from planner import report
     dims = {"dcn": 1, "tp": 1, "ep": 1, **dict(p.split("=") for p in planned["mesh"].split(","))}
     dims = {k: int(v) for k, v in dims.items()}
     if cfg.scan:  # (the planner's column is then remat "full": dryrun.compiled_report)
@@ -412,7 +366,7 @@ def main(program, planned, cfg, spec):
                  twin_flops=twin.flops or 0.0,
                  twin_step_s=twin.optimal_seconds or 0.0, twin_compile_s=twin.compile_s,
                  twin_speed=(twin.optimal_seconds or 0.0) / compiled.optimal_seconds if compiled.optimal_seconds else 0.0)
-    print(format_report(r, planned), flush=True)
+    print(report.format_compiled(r, planned), flush=True)
     print(json.dumps(r), flush=True)  # (also for a step that does not fit: its figures, for a table)
     if not compiled.fits:
         raise ValueError(f"does not fit {compiled.topology}: the TPU compiler says {compiled.message}")

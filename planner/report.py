@@ -1,6 +1,7 @@
 """planner/report.py: the dry run's printed forms: one layout's report (memory, host memory, FLOPs,
 collectives, the step time and its parts) and --plan's table of ranked layouts, each from the dicts
-dryrun.estimate returns (the dry run prints them as JSON after the text)."""
+dryrun.estimate returns (the dry run prints them as JSON after the text), and --compile's report:
+the compiler's figures beside the planner's (step_compile.compare's dict)."""
 from planner import chips as chips_lib
 from planner.chips import GiB
 
@@ -55,4 +56,52 @@ def format_report(r):
     parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["step_parts_s"].items())
     lines.append(f"  predicted step time {r['step_s'] * 1e3:.1f} ms ({parts} ms; + host overhead), MFU "
                  f"{100 * r['mfu']:.1f}% (stepmodel.py, {calibration_note(r['chip'])}; largest part: {r['bound']})")
+    return "\n".join(lines)
+
+
+COMPILED_POLICIES = {False: "remat off", True: "remat on", "full": "--scan (each layer's input kept, its forward replayed)"}
+
+
+def compiled_policy_label(remat):
+    if isinstance(remat, dict):  # (--scan --offload: dryrun.compiled_report's policy)
+        return "--scan --offload (each layer's input offloaded to host, its forward replayed)"
+    return COMPILED_POLICIES.get(remat, remat)
+
+
+def format_compiled(r, planned):
+    """step_compile.main's report: the compiler's figures (step_compile.compare) beside the planner's."""
+    g = lambda b: f"{b / GiB:10.3f} GiB"
+    head = (f"compiled for {r['topology']} ({planned['devices']} x {planned['chip']}, mesh {planned['mesh']}): "
+            f"{planned['flavor']}, {planned['local_batch']} x {planned['seq_len']} tokens per data-parallel rank, "
+            f"{compiled_policy_label(planned['remat'])}; XLA:TPU on compile-only devices, no chip")
+    if not r["compiler_fits"]:
+        return head
+    unit = "per device" if r["devices_per_chip"] == 1 else f"per chip (the compiler's {r['devices_per_chip']} devices)"
+    lines = [head, f"  {unit:<44} {'compiler':>14} {'planner':>14}",
+             f"  {'arguments (weights, AdamW state, batch)':<44} {g(r['argument_bytes'])} {g(r['planned_state_bytes'])}",
+             f"  {'temporaries (grads, activations, workspace)':<44} {g(r['temp_bytes'])} {g(r['planned_temp_bytes'])}",
+             f"  {'  of which the FSDP gathered block':<44} {'':>14} {g(r['planned_gathered_bytes'])}",
+             f"  {'outputs not aliased to an argument':<44} {g(r['output_bytes'])} {g(0)}",
+             f"  {'total':<44} {g(r['total_bytes'])} {g(r['planned_total_bytes'])}   of {r['hbm_bytes'] / GiB:.0f} GiB HBM",
+             f"  {'fits':<44} {'yes' if r['fits'] else 'NO':>14} {'yes' if r['planned_fits'] else 'NO':>14}",
+             f"  {'host memory (offloaded activations)':<44} {g(r['host_bytes'])} {g(r['planned_host_bytes'])}",
+             f"  {'FLOPs (compiler / flops_per_step)':<44} {r['flops']:14.4e} {r['flops_per_step']:14.4e}   "
+             f"ratio {r['flops'] / r['flops_per_step']:.4f}" + ("  (remat: the excess is the recompute)" if planned["remat"] else "")
+             + (f"\n  {'  left out: inside the Mosaic kernels':<44} {'':>14} {r['kernel_flops']:14.4e}   "
+                "(the cost model does not see them: FLOPs, step and MFU are the rest's)" if r["kernel_flops"] else ""),
+             f"  {'step time (cost model estimate / stepmodel)':<44} {r['estimated_step_s'] * 1e3:11.3f} ms "
+             f"{r['planned_step_s'] * 1e3:11.3f} ms",
+             f"  {'MFU implied (estimate / stepmodel)':<44} {100 * r['estimated_mfu']:13.1f}% {100 * r['planned_mfu']:13.1f}%",
+             f"  {'  at the cost model own matmul rate':<44} {100 * r['cost_model_mfu']:13.1f}%   (it prices a bf16 matmul "
+             f"at {r['cost_model_rate'] / 1e12:.1f} TFLOP/s: step {r['rescaled_step_s'] * 1e3:.1f} ms at the chip's peak)",
+             f"  compile {r['compile_s']:.1f} s (the compiler's cost model estimates the step time: not a measurement); "
+             f"{r['mosaic_calls']} Mosaic kernel call(s)"]
+    if "twin_fits" in r:
+        lines.append(f"  the same step in pure JAX (its twin), same topology, layout and attention: "
+                     + (f"{r['twin_total_bytes'] / GiB:.3f} GiB, FLOPs {r['twin_flops']:.4e}, estimated step "
+                        f"{r['twin_step_s'] * 1e3:.3f} ms: ours at {r['twin_speed']:.3f}x its speed (its step over ours)"
+                        if r["twin_fits"] else "does not fit"))
+    if not r["flops"]:
+        lines[9:13] = ["  FLOPs and step not counted: the second compile (2 layers a While iteration) ran out of HBM, "
+                       "counted no more than the first, or was not made (--offload: refused by this libtpu; block stacks of different depths)"]
     return "\n".join(lines)
