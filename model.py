@@ -260,12 +260,12 @@ class MoE(nn.Module):
 
     def forward(self, x_BxSxD):
         a = self.args
-        E, K, G, D = a.n_experts, a.top_k, a.moe_groups, x_BxSxD.shape[-1]
-        if x_BxSxD.shape[:-1].numel() % G:
-            raise ValueError(f"moe_groups={G} must divide the batch's {x_BxSxD.shape[:-1].numel()} tokens")
         # G routing groups of N tokens, each sorted by expert on its own: under SPMD one group a
         # data-parallel device (MaxText's per-shard routing), so no sort or gather crosses devices.
-        # A token's experts and weights do not depend on its group: any G gives the same output.
+        # A token's experts and weights do not depend on its group: any G gives the same output, so
+        # a batch that moe_groups does not divide (a decode step's one token) takes the largest that does.
+        E, K, D = a.n_experts, a.top_k, x_BxSxD.shape[-1]
+        G = math.gcd(a.moe_groups, x_BxSxD.shape[:-1].numel())
         x_GxNxD = x_BxSxD.reshape(G, -1, D)
         probs_GxNxE = F.softmax(self.gate(x_GxNxD).float(), dim=-1)
         top_w_GxNxK, top_e_GxNxK = probs_GxNxE.topk(K, dim=-1)

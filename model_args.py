@@ -33,6 +33,7 @@ class ModelArgs:
     loss_impl: str = "plain"                # "plain" | "fused" (Pallas)
     moe_impl: str = "reference"             # "reference" | "gmm" (Pallas)
     moe_groups: int = 1                     # tokens routed in this many equal groups, each sorted alone
+    #                                         (fewer where the batch's tokens are not a multiple)
     sliding_window: Optional[int] = None    # a query sees itself and the window-1 keys before it
     doc_sep: Optional[int] = None           # packed documents: this token ends one; attention stays inside
 
