@@ -32,9 +32,10 @@ of them) the devices combine their pieces with a psum. Per kernel, what each dev
                      rows, is summed over the devices as the loss head's (step 3).
 
 The cost model does not see inside a Mosaic kernel (no FLOPs, ~0 s): with the kernels the compiler's
-FLOPs and step leave out attention's scores and the loss's projection (step_compile.kernel_flops).
+FLOPs and step leave out attention's scores, the loss's projection and the experts' matmuls
+(step_compile.kernel_flops).
 Verified here: the compile (the kernels' Mosaic calls counted, the HBM they save) and, on CPU devices
-in interpret mode, the sharded loss and attention against the unsharded JAX functions
+in interpret mode, the sharded loss, attention and grouped matmul against the unsharded JAX functions
 (tests/check_step_compile.py). Not verified: a run on a chip.
 """
 import functools
