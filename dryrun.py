@@ -39,7 +39,7 @@ from planner import chips as chips_lib
 from planner import shapes
 from planner import stepmodel
 from planner.activations import saved_bytes_per_sequence
-from planner.report import format_plan, format_report, remat_label
+from planner.report import format_compiled, format_plan, format_report, remat_label
 from model import flops_per_token, param_counts, tpu_config
 
 GiB = 2**30
@@ -392,7 +392,23 @@ def compiled_report(w, cfg, dims, remat):
     traced = policy_name(remat) != "none"
     planned = estimate(w, dims, cfg.batch_size, cfg.chip, remat,
                        saved_per_sample(w, remat, {traced: program.saved_bytes(traced)}))
-    return step_compile.main(program, planned, cfg, TPU_SPECS[cfg.chip])
+    return judged(step_compile.main(program, planned, cfg, TPU_SPECS[cfg.chip]), planned)
+
+
+def judged(r, planned):
+    """The compile's report (step_compile.compare's dict) printed beside the plan, then its JSON line (also
+    for a step that does not fit: its figures, for a table); one `error:` line (ValueError) when it
+    does not fit."""
+    import json
+    print(format_compiled(r, planned), flush=True)
+    print(json.dumps(r), flush=True)
+    if not r["compiler_fits"]:
+        raise ValueError(f"does not fit {r['topology']}: the TPU compiler says {r['message']}")
+    if not r["fits"]:
+        raise ValueError(f"does not fit {r['topology']}: arguments + temporaries + outputs need "
+                         f"{r['total_bytes'] / GiB:.2f} GiB a {'device' if r['devices_per_chip'] == 1 else 'chip'} "
+                         f"of {r['hbm_bytes'] / GiB:.0f} GiB HBM")
+    return 0
 
 
 if __name__ == "__main__":

@@ -341,10 +341,8 @@ def compare(compiled, planned, flops_per_device, peak, hbm, rate=None, kernel_fl
 
 def main(program, planned, cfg, spec):
     """--compile (dryrun.compiled_report): `program` compiled for cfg's chip and topology on the
-    planner's layout, its figures beside `planned` (dryrun.estimate for the same program); one
-    `error:` line (ValueError) when it does not fit."""
-    import json
-    from planner import report
+    planner's layout; the compiler's figures beside `planned` (dryrun.estimate for the same program),
+    as compare's dict, which the dry run prints and judges (dryrun.judged)."""
     dims = {"dcn": 1, "tp": 1, "ep": 1, **dict(p.split("=") for p in planned["mesh"].split(","))}
     dims = {k: int(v) for k, v in dims.items()}
     if cfg.scan:  # (the planner's column is then remat "full": dryrun.compiled_report)
@@ -366,11 +364,4 @@ def main(program, planned, cfg, spec):
                  twin_flops=twin.flops or 0.0,
                  twin_step_s=twin.optimal_seconds or 0.0, twin_compile_s=twin.compile_s,
                  twin_speed=(twin.optimal_seconds or 0.0) / compiled.optimal_seconds if compiled.optimal_seconds else 0.0)
-    print(report.format_compiled(r, planned), flush=True)
-    print(json.dumps(r), flush=True)  # (also for a step that does not fit: its figures, for a table)
-    if not compiled.fits:
-        raise ValueError(f"does not fit {compiled.topology}: the TPU compiler says {compiled.message}")
-    if not r["fits"]:
-        raise ValueError(f"does not fit {compiled.topology}: arguments + temporaries + outputs need "
-                         f"{r['total_bytes'] / GiB:.2f} GiB a {'device' if cores == 1 else 'chip'} of {spec['hbm'] / GiB:.0f} GiB HBM")
-    return 0
+    return r

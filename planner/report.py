@@ -69,7 +69,7 @@ def compiled_policy_label(remat):
 
 
 def format_compiled(r, planned):
-    """step_compile.main's report: the compiler's figures (step_compile.compare) beside the planner's."""
+    """--compile's report (dryrun.judged): the compiler's figures (step_compile.compare) beside the planner's."""
     g = lambda b: f"{b / GiB:10.3f} GiB"
     head = (f"compiled for {r['topology']} ({planned['devices']} x {planned['chip']}, mesh {planned['mesh']}): "
             f"{planned['flavor']}, {planned['local_batch']} x {planned['seq_len']} tokens per data-parallel rank, "
