@@ -39,7 +39,7 @@ from planner import chips as chips_lib
 from planner import shapes
 from planner import stepmodel
 from planner.activations import saved_bytes_per_sequence
-from planner.report import format_compiled, format_plan, format_report, remat_label
+from planner.report import format_plan, format_report, judged, remat_label
 from model import flops_per_token, param_counts, tpu_config
 
 GiB = 2**30
@@ -346,8 +346,9 @@ def main(w, cfg):
 
 def compile_dims(w, cfg):
     """--compile's layout: --mesh; else, given --chips N (or --plan --chips N) or --topology's chips, the
-    one --plan ranks first among those the compile lays out (dcn x ici: FSDP / HSDP; one slice for a
-    --topology) under the memory policy of the compiled program (--remat off or on; --scan: each
+    one --plan ranks first among those the compile lays out (dcn x ici x tp: FSDP / HSDP, with tp where
+    the step has no --scan or Pallas kernels, which tp does not compile; one slice for a --topology)
+    under the memory policy of the compiled program (--remat off or on; --scan: each
     layer's input kept, or offloaded with --offload); else one chip."""
     import mesh
     import tpu_target
@@ -358,11 +359,12 @@ def compile_dims(w, cfg):
     policy = compiled_policy(cfg, cfg.remat)
     traced_remat = policy_name(policy) != "none"  # (the one trace saved_per_sample reads for it)
     traced = {traced_remat: w.saved_bytes(traced_remat)}
-    lays_out = lambda d: d["tp"] == d["ep"] == d["cp"] == 1 and (d["dcn"] == 1 or not topology)
+    tp_compiles = not getattr(cfg, "scan", False) and getattr(cfg, "kernels", "reference") != "pallas"
+    lays_out = lambda d: d["ep"] == d["cp"] == 1 and (d["tp"] == 1 or tp_compiles) and (d["dcn"] == 1 or not topology)
     rows = [r for r in layouts(w, chips, cfg.batch_size, cfg.chip, [policy], traced) if lays_out(mesh.mesh_dims(r["mesh"]))]
     if not rows:
-        raise ValueError(f"no FSDP / HSDP layout of {chips} chips takes --batch-size {cfg.batch_size}")
-    print(f"--compile: the layout --plan ranks first of {chips} x {cfg.chip} among those it lays out (dcn x ici), "
+        raise ValueError(f"no FSDP / HSDP{' / tp' if tp_compiles else ''} layout of {chips} chips takes --batch-size {cfg.batch_size}")
+    print(f"--compile: the layout --plan ranks first of {chips} x {cfg.chip} among those it lays out (dcn x ici x tp), "
           f"remat {remat_label(policy)}: --mesh {rows[0]['mesh']}", flush=True)
     return mesh.mesh_dims(rows[0]["mesh"])
 
@@ -393,22 +395,6 @@ def compiled_report(w, cfg, dims, remat):
     planned = estimate(w, dims, cfg.batch_size, cfg.chip, remat,
                        saved_per_sample(w, remat, {traced: program.saved_bytes(traced)}))
     return judged(step_compile.main(program, planned, cfg, TPU_SPECS[cfg.chip]), planned)
-
-
-def judged(r, planned):
-    """The compile's report (step_compile.compare's dict) printed beside the plan, then its JSON line (also
-    for a step that does not fit: its figures, for a table); one `error:` line (ValueError) when it
-    does not fit."""
-    import json
-    print(format_compiled(r, planned), flush=True)
-    print(json.dumps(r), flush=True)
-    if not r["compiler_fits"]:
-        raise ValueError(f"does not fit {r['topology']}: the TPU compiler says {r['message']}")
-    if not r["fits"]:
-        raise ValueError(f"does not fit {r['topology']}: arguments + temporaries + outputs need "
-                         f"{r['total_bytes'] / GiB:.2f} GiB a {'device' if r['devices_per_chip'] == 1 else 'chip'} "
-                         f"of {r['hbm_bytes'] / GiB:.0f} GiB HBM")
-    return 0
 
 
 if __name__ == "__main__":

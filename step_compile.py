@@ -14,13 +14,13 @@ the flags ask for (--remat: graph_passes.remat). torchax then runs that graph's 
 tracers, so `jax.jit` lowers the whole step to one StableHLO program, with every parameter and AdamW
 moment sharded by the layout's partition spec (spmd.partition_spec: the GSPMD layout train.py gives
 XLA, dim 0 over ici unless another dim divides where it does not; replicated over dcn; the batch over
-dcn x ici), the weights and moments donated (updated in place, as torch_xla aliases them). XLA:TPU
+dcn x ici; with tp, each weight's tensor_parallel.split_dims dim over tp as well), the weights and moments donated (updated in place, as torch_xla aliases them). XLA:TPU
 compiles it for the named topology through JAX's compile-only devices (tpu_target.py): the compiler's
 verdict, its per-device HBM (arguments, temporaries, outputs), its cost model's FLOPs and
-`optimal_seconds` (Ironwood: a chip's, its two TensorCores being two devices: per_chip). That time is
+`optimal_seconds` (Ironwood: a chip's, its two TensorCores being two devices: tpu_target.per_chip). That time is
 the compiler's estimate, not a measurement: no chip ran anything, and the cost model prices a bf16
 matmul at 22.8 TFLOP/s a device on v5p and v6e alike (Ironwood: 996, 86% of its peak), so the
-report also reads it in units of that rate (cost_model_rate). Under --scan the blocks (a decoder's
+report also reads it in units of that rate (tpu_target.cost_model_rate). Under --scan the blocks (a decoder's
 layers; FLUX's two stacks: Program.stacks) are layer_scan's ops, whose JAX form is a lax.scan (one block in a While loop at any depth); the cost
 model counts a While body once, so the step is compiled again at 2 layers an iteration and every
 layer counted from the difference (every_layer_counted). --scan --offload sends each layer's input
@@ -45,6 +45,13 @@ What differs from a run on the chip, and why:
   - the `_foreach_*` ops of clipping and AdamW (no torchax lowering) are unfolded into the same
     arithmetic tensor by tensor; token ids are int32 (JAX without x64); a tensor with no dimension
     divisible by ici is replicated (JAX shards evenly; GSPMD would pad).
+  - tp is Megatron's split of the weights handed to GSPMD (tensor_parallel.split_dims: the plans the
+    torchrun trainer applies), the batch whole over tp. The partitioner splits the activations from
+    there: each device's heads and FFN columns, the plain loss's logits on the vocabulary (what
+    vocab_parallel_cross_entropy does by hand); the residual stream between blocks as it propagates,
+    no sequence split forced. Two constraints keep it to that (compile_graph.batched_matmuls_over_batch,
+    rows_over_batch). Not with --scan (not built with tp) nor --kernels pallas (the kernels' shard_map
+    is over the data-parallel devices).
   - the arguments' bytes include the TPU's tile padding (a shard's last two dims rounded up to the
     (8, 128) tile), which no planner counts.
 """
@@ -83,6 +90,7 @@ class Program:
     #                      in JAX, compiled beside ours (FLUX's flux/jax_step.py: flux/compiled.py)
     stacks: object = None  # model -> [(owner, attribute)] of its block stacks for --scan (the family's
     #                        ModelFamily.scan_stacks); None: a decoder's `layers`
+    tp_split: dict = None  # {parameter name: its dim over tp} (tensor_parallel.split_dims); None: no tp plan
 
 
 def lm_program(args, batch_size, seq_len, saved_bytes, shards=1):
@@ -91,13 +99,15 @@ def lm_program(args, batch_size, seq_len, saved_bytes, shards=1):
     An MoE's experts are the grouped-matmul kernel (the one grouped matmul of static shapes: the
     reference reads group sizes on the host), its tokens routed in `shards` groups, one a
     data-parallel device (model.MoE's moe_groups; sharded_kernels.by_routing_group)."""
+    import tensor_parallel
     from model import Transformer, next_token_loss
     if args.n_experts:
         args = dataclasses.replace(args, moe_impl="gmm", moe_groups=shards)
     with torch.device("meta"):
         model = Transformer(args)
     ids = ((batch_size, seq_len), torch.long)
-    return Program(model, next_token_loss, (ids, ids), saved_bytes, kernel_flops(args, batch_size * seq_len, seq_len))
+    return Program(model, next_token_loss, (ids, ids), saved_bytes, kernel_flops(args, batch_size * seq_len, seq_len),
+                   tp_split=None if args.n_experts else tensor_parallel.split_dims(model))
 
 
 def kernel_flops(args, tokens, seq_len):
@@ -144,37 +154,49 @@ def capture(program, remat, clip, dtype="fp32"):
 
 
 def layout_mesh(dims, devices):
-    """The (dcn, ici) mesh of the compile-only devices."""
+    """The (dcn, ici) mesh of the compile-only devices; (dcn, ici, tp) with tp > 1, tp innermost: a tp
+    group is neighbouring devices, as a slice's fastest links join them."""
     from jax.sharding import Mesh
-    return Mesh(np.array(devices).reshape(dims["dcn"], dims["ici"]), ("dcn", "ici"))
+    tp = dims.get("tp", 1)
+    if tp == 1:
+        return Mesh(np.array(devices).reshape(dims["dcn"], dims["ici"]), ("dcn", "ici"))
+    return Mesh(np.array(devices).reshape(dims["dcn"], dims["ici"], tp), ("dcn", "ici", "tp"))
 
 
-def param_sharding(mesh, shape, stack=False):
+def param_sharding(mesh, shape, stack=False, tp_dim=None):
     """A parameter's (and its AdamW moments') sharding: spmd.partition_spec's dim over ici (`stack`: a
-    --scan stack keeps its layer axis whole); replicated where the dim it picks does not divide."""
+    --scan stack keeps its layer axis whole); `tp_dim` (tensor_parallel.split_dims) also over tp, tp
+    the major part where both split one dim (tp's block of the weight, itself split over ici: FSDP2's
+    (Shard(0), Shard(0)) over (dp, tp)); replicated where a dim does not divide."""
     from jax.sharding import NamedSharding, PartitionSpec
-    ici = mesh.shape["ici"]
-    spec = spmd.partition_spec(tuple(shape), ici, stack)
-    even = all(n % ici == 0 for n, s in zip(shape, spec) if s)
+    ici, tp = mesh.shape["ici"], dict(mesh.shape).get("tp", 1)
+    local = [n // tp if d == tp_dim else n for d, n in enumerate(shape)]  # (the shape a tp rank holds)
+    spec = list(spmd.partition_spec(tuple(local), ici, stack))
+    if tp_dim is not None and tp > 1:
+        spec[tp_dim] = ("tp", "ici") if spec[tp_dim] else "tp"
+    ways = lambda s: math.prod(mesh.shape[a] for a in ((s,) if isinstance(s, str) else s))
+    even = all(n % ways(s) == 0 for n, s in zip(shape, spec) if s)
     return NamedSharding(mesh, PartitionSpec(*spec) if even else PartitionSpec())
 
 
-def abstract_inputs(example, dims, devices, stacked):
-    """ShapeDtypeStructs of the step's inputs on a (dcn, ici) mesh of the compile-only devices, with
-    the layout's shardings (`stacked`: a flag a parameter, a --scan stack's keeps its layer axis
-    whole); and the outputs' (new weights and moments like the old, scalars whole)."""
+def abstract_inputs(example, dims, devices, stacked, tp_dims=None):
+    """ShapeDtypeStructs of the step's inputs on a (dcn, ici[, tp]) mesh of the compile-only devices,
+    with the layout's shardings (`stacked`: a flag a parameter, a --scan stack's keeps its layer axis
+    whole; `tp_dims`: a parameter's dim over tp, or None); and the outputs' (new weights and moments
+    like the old, scalars whole). The batch is split over dcn x ici, whole over tp."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
     mesh = layout_mesh(dims, devices)
     whole = NamedSharding(mesh, PartitionSpec())
-    param = lambda t, stack: param_sharding(mesh, t.shape, stack)
+    tp_dims = tp_dims or [None] * len(stacked)
+    param = lambda t, stack, tp_dim: param_sharding(mesh, t.shape, stack, tp_dim)
 
     def struct(t, sharding):
         dtype = {torch.int64: np.int32}.get(t.dtype, torch.empty((), dtype=t.dtype).numpy().dtype) \
             if t.dtype != torch.bfloat16 else jax.numpy.bfloat16
         return jax.ShapeDtypeStruct(tuple(t.shape), dtype, sharding=sharding)
     params, buffers, exp_avg, exp_avg_sq, step, lr, *batch = example
-    shardings = [param(p, stack) for p, stack in zip(params, stacked)]
+    shardings = [param(p, stack, tp_dim) for p, stack, tp_dim in zip(params, stacked, tp_dims)]
     states = [[struct(t, s) for t, s in zip(ts, shardings)] for ts in (params, exp_avg, exp_avg_sq)]
     over_dp = NamedSharding(mesh, PartitionSpec(("dcn", "ici")))
     inputs = (states[0], [struct(b, whole) for b in buffers], states[1], states[2], struct(step, whole),
@@ -210,21 +232,34 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     `dtype`: capture's; `offload` (--scan): each layer's input in host memory between its
     forward and backward (layer_scan.register_torchax); `cores`: devices a chip (Ironwood's 2)."""
     import tpu_target
-    if dims.get("tp", 1) > 1 or dims.get("ep", 1) > 1 or dims.get("cp", 1) > 1:
-        raise ValueError("--dry-run --compile lays out FSDP / HSDP meshes (dcn, ici); tp, ep and cp are not compiled yet")
-    name = tpu_target.topology_name(chip, topology or dims["ici"])  # (one slice's; dcn: that many slices)
+    from jax.sharding import NamedSharding, PartitionSpec
+    tp = dims.get("tp", 1)
+    if dims.get("ep", 1) > 1 or dims.get("cp", 1) > 1:
+        raise ValueError("--dry-run --compile lays out FSDP / HSDP meshes (dcn, ici) and tp; ep and cp are not compiled yet")
+    if tp > 1 and program.tp_split is None:
+        raise ValueError("--compile with tp: this model has no tensor-parallel plan (tensor_parallel.split_dims)")
+    if tp > 1 and program.kernel_flops:
+        raise ValueError("--compile with tp compiles the reference attention and loss (the Pallas kernels run under "
+                         "shard_map over the data-parallel devices): drop --kernels pallas")
+    name = tpu_target.topology_name(chip, topology or dims["ici"] * tp)  # (one slice's; dcn: that many slices)
     devices = tpu_target.devices(chip, name, slices=dims["dcn"])
-    if len(devices) != dims["dcn"] * dims["ici"] * cores:
+    if len(devices) != dims["dcn"] * dims["ici"] * tp * cores:
         raise ValueError(f"{dims['dcn']} x topology {name} has {len(devices) // cores} chips; the mesh has "
-                         f"{dims['dcn'] * dims['ici']}")
+                         f"{dims['dcn'] * dims['ici'] * tp}")
     label = name if dims["dcn"] == 1 else f"{dims['dcn']} x {name}"
     start = time.perf_counter()
     gm, example = capture(program, remat, clip, dtype)
     in_stack = {id(p) for m in program.model.modules() if isinstance(m, layer_scan.StackedLayers) for p in m.parameters()}
     inputs, out_shardings = abstract_inputs(example, device_dims(dims, cores), devices,
-                                            [id(p) in in_stack for p in program.model.parameters()])
+                                            [id(p) in in_stack for p in program.model.parameters()],
+                                            tp_dims(program.model, program.tp_split) if tp > 1 else None)
     gm = compile_graph.rows_over_batch(gm, math.prod(program.batch[0][0]), {tuple(p.shape) for p in example[0]})
-    compile_graph.use(inputs[-1].sharding, out_shardings[0])  # (the batch's: dim 0 over dcn x ici)
+    rows, batched = inputs[-1].sharding, None  # (the batch's: dim 0 over dcn x ici; with tp a row's width is the
+    if tp > 1:                                 # partitioner's to split, as the logits are on the head's vocabulary)
+        rows = NamedSharding(rows.mesh, PartitionSpec(("dcn", "ici"), PartitionSpec.UNCONSTRAINED))
+        batched = NamedSharding(rows.mesh, PartitionSpec(("dcn", "ici", "tp")))
+        gm = compile_graph.batched_matmuls_over_batch(gm)
+    compile_graph.use(rows, out_shardings[0], batched)
     import sharded_kernels
     sharded_kernels.use(inputs[-1].sharding.mesh)
     capture_s = time.perf_counter() - start
@@ -239,13 +274,26 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     layers = [m.n_layers for m in program.model.modules() if isinstance(m, layer_scan.StackedLayers)]
     once = compiled(1)
     if not layers or layers[0] < 2 or not once.fits:
-        return per_chip(once, cores), capture_s
+        return tpu_target.per_chip(once, cores), capture_s
     if offload or len(set(layers)) > 1:  # (no per-layer count, so no cost figures: libtpu 0.0.24 refuses the
         # offloaded inputs' dynamic slices in a 2-layer While body, "Error encountered while compiling
         # %dynamic-slice-start"; stacks of different depths (FLUX's 19 double, 38 single blocks) add
         # one body each to the second compile, which one difference cannot split)
-        return per_chip(dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None), cores), capture_s
-    return per_chip(every_layer_counted(once, compiled(2), layers[0]), cores), capture_s
+        return tpu_target.per_chip(dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None), cores), capture_s
+    return tpu_target.per_chip(every_layer_counted(once, compiled(2), layers[0]), cores), capture_s
+
+
+def tp_dims(model, split):
+    """Each parameter's dim over tp, in model.parameters() order, from `split` ({name: dim} of the model
+    as built: tensor_parallel.split_dims); a --scan stack's is its layers' one dim further along (its
+    layer names: layer_scan.StackedLayers.origins)."""
+    stacked = {id(p): m.origins[n] for m in model.modules() if isinstance(m, layer_scan.StackedLayers)
+               for n, p in m.named_parameters(recurse=False)}
+    dims = []
+    for name, p in model.named_parameters():
+        dim = split.get(stacked[id(p)][0] if id(p) in stacked else name)
+        dims.append(dim + 1 if dim is not None and id(p) in stacked else dim)
+    return dims
 
 
 def device_dims(dims, cores):
@@ -254,25 +302,13 @@ def device_dims(dims, cores):
     return {**dims, "ici": dims["ici"] * cores}
 
 
-def per_chip(compiled, cores):
-    """The compiler's figures a device, as a chip's (the planner's unit): bytes and FLOPs times the
-    chip's devices; the step's seconds are each device's, the cores running side by side."""
-    if cores == 1:
-        return compiled
-    times = lambda v: v * cores if v is not None else None
-    return dataclasses.replace(compiled, argument_bytes=compiled.argument_bytes * cores,
-                               output_bytes=compiled.output_bytes * cores, temp_bytes=compiled.temp_bytes * cores,
-                               alias_bytes=compiled.alias_bytes * cores, host_bytes=compiled.host_bytes * cores,
-                               flops=times(compiled.flops), bytes_accessed=times(compiled.bytes_accessed))
-
-
 def compile_twin(program, dims, chip, topology, clip, cores=1):
     """The program's twin (Program.twin) compiled for the same topology (one slice's name) and (dcn,
     ici) layout."""
     import tpu_target
     fn, inputs, donated = program.twin(layout_mesh(device_dims(dims, cores), tpu_target.devices(chip, topology, dims["dcn"])), clip)
     try:
-        return per_chip(tpu_target.compile(fn, *inputs, chip=chip, topology=topology, donate_argnums=donated), cores)
+        return tpu_target.per_chip(tpu_target.compile(fn, *inputs, chip=chip, topology=topology, donate_argnums=donated), cores)
     except tpu_target.CompileFailed as e:
         raise ValueError(f"the TPU compiler refused the JAX twin for {topology}: {e}") from None
 
@@ -299,20 +335,9 @@ def every_layer_counted(once, twice, layers):
                                compile_s=once.compile_s + twice.compile_s)
 
 
-def cost_model_rate(chip, topology, cores=1):
-    """FLOP/s the compiler's cost model gives one chip (its devices) on a bf16 (8192 x 8192)^2 matmul: its
-    `optimal_seconds` is not the chip's time (measured: 22.8 TFLOP/s a device for v5p and v6e alike, 5%
-    and 2.5% of their published bf16 peaks; Ironwood 996, 86%), so a step's estimate is also read in units of this rate."""
-    import jax
-    import tpu_target
-    x = jax.ShapeDtypeStruct((8192, 8192), jax.numpy.bfloat16)
-    mm = tpu_target.compile(lambda a, b: a @ b, x, x, chip=chip, topology=topology)
-    return mm.flops / mm.optimal_seconds * cores  # (a chip's: its devices side by side)
-
-
 def compare(compiled, planned, flops_per_device, peak, hbm, rate=None, kernel_flops_per_device=0.0):
     """The compiler's figures beside the planner's (dryrun.estimate's report for the same layout);
-    `rate`: the cost model's own matmul FLOP/s (cost_model_rate), to read its step against. With Mosaic
+    `rate`: the cost model's own matmul FLOP/s (tpu_target.cost_model_rate), to read its step against. With Mosaic
     kernels in the program its FLOPs and step are the rest's (kernel_flops_per_device left out of
     flops_per_device on both sides: the cost model does not price a kernel)."""
     flops_per_device = flops_per_device - kernel_flops_per_device
@@ -342,20 +367,22 @@ def compare(compiled, planned, flops_per_device, peak, hbm, rate=None, kernel_fl
 def main(program, planned, cfg, spec):
     """--compile (dryrun.compiled_report): `program` compiled for cfg's chip and topology on the
     planner's layout; the compiler's figures beside `planned` (dryrun.estimate for the same program),
-    as compare's dict, which the dry run prints and judges (dryrun.judged)."""
+    as compare's dict, which the dry run prints and judges (planner.report.judged)."""
+    import tpu_target
     dims = {"dcn": 1, "tp": 1, "ep": 1, **dict(p.split("=") for p in planned["mesh"].split(","))}
     dims = {k: int(v) for k, v in dims.items()}
     if cfg.scan:  # (the planner's column is then remat "full": dryrun.compiled_report)
         if program.stacks is None and not hasattr(program.model, "layers"):
             raise ValueError("--compile --scan stacks a decoder's `layers` or the workload's block stacks; this "
                              "model names neither")
-        layer_scan.stack_layers(program.model, program.stacks(program.model) if program.stacks else None)
+        layer_scan.stack_layers(program.model, program.stacks(program.model) if program.stacks else None,
+                                built={id(p): n for n, p in program.model.named_parameters()})
     cores = spec["devices"]  # (a chip's devices: Ironwood's two TensorCores)
     compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"] is True, cfg.clip,
                                cfg.dtype, cfg.offload, cores)
     one_slice = compiled.topology.split(" x ")[-1]
     r = compare(compiled, planned, planned["flops_per_device"], spec["peak"], spec["hbm"],
-                cost_model_rate(cfg.chip, one_slice, cores) if compiled.fits else None,
+                tpu_target.cost_model_rate(cfg.chip, one_slice, cores) if compiled.fits else None,
                 program.kernel_flops / planned["devices"])
     r["devices_per_chip"] = cores
     if program.twin and compiled.fits:

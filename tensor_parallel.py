@@ -101,14 +101,33 @@ def _rows(w):
 
 
 
+def top_plan(model):
+    """The plan outside the blocks: the embedding split on the vocabulary, the final norm on the sequence,
+    the head on the vocabulary."""
+    return {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            **({} if model.lm_head is None else {"lm_head": ColwiseParallel()})}  # (only its weight is read)
+
+
+def split_dims(model):
+    """{parameter name: the dim tp splits it on}, read from the same plans parallelize applies (a name
+    not there is replicated over tp): a column-wise Linear's output rows (dim 0), a row-wise one's input
+    columns (dim 1), the embedding's vocabulary rows. The compiled step gives these to GSPMD as each
+    weight's tp axis (step_compile.py), which then splits the activations as the styles' hooks do here."""
+    plans = [("", top_plan(model))] + [(f"layers.{i}.", block_plan(model.args.qk_norm)) for i in range(len(model.layers))]
+    dims = {}
+    for prefix, plan in plans:
+        for path, style in plan.items():
+            embedding = isinstance(model.get_submodule(prefix + path), torch.nn.Embedding)
+            if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                dims[f"{prefix}{path}.weight"] = int(isinstance(style, ColwiseParallel) == embedding)
+    return dims
+
+
 def parallelize(model, tp_mesh):
     """Apply the plan in place; weights become DTensors on tp_mesh (each rank keeps its own block of the
     same whole weight, or of a meta one: src_data_rank=None, no communication). Returns the model."""
-    parallelize_module(model, tp_mesh, {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        **({} if model.lm_head is None else {"lm_head": ColwiseParallel()}),  # (only its weight is read)
-    }, src_data_rank=None)
+    parallelize_module(model, tp_mesh, top_plan(model), src_data_rank=None)
     model.norm.register_forward_hook(_gather_sequence)  # the loss sees the whole sequence
     assert model.args.loss_impl == "vocab_parallel", "build the model from tensor_parallel.config(args)"
     for block in model.layers:

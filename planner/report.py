@@ -69,7 +69,7 @@ def compiled_policy_label(remat):
 
 
 def format_compiled(r, planned):
-    """--compile's report (dryrun.judged): the compiler's figures (step_compile.compare) beside the planner's."""
+    """--compile's report (judged): the compiler's figures (step_compile.compare) beside the planner's."""
     g = lambda b: f"{b / GiB:10.3f} GiB"
     head = (f"compiled for {r['topology']} ({planned['devices']} x {planned['chip']}, mesh {planned['mesh']}): "
             f"{planned['flavor']}, {planned['local_batch']} x {planned['seq_len']} tokens per data-parallel rank, "
@@ -105,3 +105,19 @@ def format_compiled(r, planned):
         lines[9:13] = ["  FLOPs and step not counted: the second compile (2 layers a While iteration) ran out of HBM, "
                        "counted no more than the first, or was not made (--offload: refused by this libtpu; block stacks of different depths)"]
     return "\n".join(lines)
+
+
+def judged(r, planned):
+    """The compile's report (step_compile.compare's dict) printed beside the plan, then its JSON line (also
+    for a step that does not fit: its figures, for a table); one `error:` line (ValueError) when it
+    does not fit."""
+    import json
+    print(format_compiled(r, planned), flush=True)
+    print(json.dumps(r), flush=True)
+    if not r["compiler_fits"]:
+        raise ValueError(f"does not fit {r['topology']}: the TPU compiler says {r['message']}")
+    if not r["fits"]:
+        raise ValueError(f"does not fit {r['topology']}: arguments + temporaries + outputs need "
+                         f"{r['total_bytes'] / GiB:.2f} GiB a {'device' if r['devices_per_chip'] == 1 else 'chip'} "
+                         f"of {r['hbm_bytes'] / GiB:.0f} GiB HBM")
+    return 0
