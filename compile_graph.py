@@ -8,7 +8,8 @@ custom op, an identity in PyTorch, lowered to one JAX primitive (register_torcha
   barrier      the saved activations, read by the backward through jax.lax.optimization_barrier
                (behind_barrier), as JAX's checkpoint reads its residuals;
   over_batch   a (tokens, width) activation kept split over the data-parallel devices by its rows
-               (rows_over_batch): jax.lax.with_sharding_constraint;
+               (rows_over_batch), and under tp an attention matmul's (batch x heads, ., .) operands
+               over those and tp (batched_matmuls_over_batch): jax.lax.with_sharding_constraint;
   like_param   a weight, as the forward reads it, and its gradient, as autograd makes it, kept in the
                parameter's own sharding (GradsLikeParams): with_sharding_constraint.
 

@@ -326,7 +326,8 @@ def every_layer_counted(once, twice, layers):
                                    compile_s=once.compile_s + twice.compile_s)
     extra = 1 + layers % 2  # bodies counted: 1 at unroll=1; 2 (+1 remainder) at unroll=2
     if not (twice.flops or 0) > (once.flops or 0) or not (twice.optimal_seconds or 0) > (once.optimal_seconds or 0):
-        # (the second program counted no more than the first: no per-layer figure to take from them)
+        # (the second program counted no more than the first, or the cost model gave no time (across
+        # slices; the FLOPs' difference there gave 2.2x flops_per_step): no per-layer figure to take)
         return dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None,
                                    compile_s=once.compile_s + twice.compile_s)
     fix = lambda a, b: a + (layers - 1) * (b - a) / extra if a is not None and b is not None else a

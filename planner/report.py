@@ -101,9 +101,11 @@ def format_compiled(r, planned):
                      + (f"{r['twin_total_bytes'] / GiB:.3f} GiB, FLOPs {r['twin_flops']:.4e}, estimated step "
                         f"{r['twin_step_s'] * 1e3:.3f} ms: ours at {r['twin_speed']:.3f}x its speed (its step over ours)"
                         if r["twin_fits"] else "does not fit"))
+    if r["flops"] and not r["estimated_step_s"]:
+        lines[10:13] = ["  step time: no estimate (the cost model's figure for a program across slices is negative, not a time)"]
     if not r["flops"]:
         lines[9:13] = ["  FLOPs and step not counted: the second compile (2 layers a While iteration) ran out of HBM, "
-                       "counted no more than the first, or was not made (--offload: refused by this libtpu; block stacks of different depths)"]
+                       "counted no more than the first or gave no time (across slices), or was not made (--offload: refused by this libtpu; block stacks of different depths)"]
     return "\n".join(lines)
 
 
