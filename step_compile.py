@@ -227,7 +227,7 @@ def jax_step(gm, out_shardings, unroll=1, offload=False):
 
 def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtype="fp32", offload=False, cores=1):
     """Compile `program`'s training step for `chip`'s topology (one slice's libtpu name, default the
-    mesh's ici device count; dcn > 1: that many slices joined by DCN) on the (dcn, ici) layout `dims`:
+    mesh's ici x tp chips; dcn > 1: that many slices joined by DCN) on the (dcn, ici, tp) layout `dims`:
     a tpu_target.Compiled, plus the capture seconds.
     `dtype`: capture's; `offload` (--scan): each layer's input in host memory between its
     forward and backward (layer_scan.register_torchax); `cores`: devices a chip (Ironwood's 2)."""
@@ -250,9 +250,12 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     start = time.perf_counter()
     gm, example = capture(program, remat, clip, dtype)
     in_stack = {id(p) for m in program.model.modules() if isinstance(m, layer_scan.StackedLayers) for p in m.parameters()}
+    if tp > 1 and in_stack:  # (split_dims names the blocks' weights as built, not stacked)
+        raise ValueError("--compile with tp and --scan is not built (nor is the trainer's)")
     inputs, out_shardings = abstract_inputs(example, device_dims(dims, cores), devices,
                                             [id(p) in in_stack for p in program.model.parameters()],
-                                            tp_dims(program.model, program.tp_split) if tp > 1 else None)
+                                            [program.tp_split.get(n) for n, _ in program.model.named_parameters()]
+                                            if tp > 1 else None)
     gm = compile_graph.rows_over_batch(gm, math.prod(program.batch[0][0]), {tuple(p.shape) for p in example[0]})
     rows, batched = inputs[-1].sharding, None  # (the batch's: dim 0 over dcn x ici; with tp a row's width is the
     if tp > 1:                                 # partitioner's to split, as the logits are on the head's vocabulary)
@@ -281,19 +284,6 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
         # one body each to the second compile, which one difference cannot split)
         return tpu_target.per_chip(dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None), cores), capture_s
     return tpu_target.per_chip(every_layer_counted(once, compiled(2), layers[0]), cores), capture_s
-
-
-def tp_dims(model, split):
-    """Each parameter's dim over tp, in model.parameters() order, from `split` ({name: dim} of the model
-    as built: tensor_parallel.split_dims); a --scan stack's is its layers' one dim further along (its
-    layer names: layer_scan.StackedLayers.origins)."""
-    stacked = {id(p): m.origins[n] for m in model.modules() if isinstance(m, layer_scan.StackedLayers)
-               for n, p in m.named_parameters(recurse=False)}
-    dims = []
-    for name, p in model.named_parameters():
-        dim = split.get(stacked[id(p)][0] if id(p) in stacked else name)
-        dims.append(dim + 1 if dim is not None and id(p) in stacked else dim)
-    return dims
 
 
 def device_dims(dims, cores):
@@ -376,8 +366,7 @@ def main(program, planned, cfg, spec):
         if program.stacks is None and not hasattr(program.model, "layers"):
             raise ValueError("--compile --scan stacks a decoder's `layers` or the workload's block stacks; this "
                              "model names neither")
-        layer_scan.stack_layers(program.model, program.stacks(program.model) if program.stacks else None,
-                                built={id(p): n for n, p in program.model.named_parameters()})
+        layer_scan.stack_layers(program.model, program.stacks(program.model) if program.stacks else None)
     cores = spec["devices"]  # (a chip's devices: Ironwood's two TensorCores)
     compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"] is True, cfg.clip,
                                cfg.dtype, cfg.offload, cores)

@@ -118,9 +118,12 @@ def split_dims(model):
     dims = {}
     for prefix, plan in plans:
         for path, style in plan.items():
-            embedding = isinstance(model.get_submodule(prefix + path), torch.nn.Embedding)
-            if isinstance(style, (ColwiseParallel, RowwiseParallel)):
-                dims[f"{prefix}{path}.weight"] = int(isinstance(style, ColwiseParallel) == embedding)
+            if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                continue
+            dim = 0 if isinstance(style, ColwiseParallel) else 1  # a Linear's weight is (out, in)
+            if isinstance(model.get_submodule(prefix + path), torch.nn.Embedding):
+                dim = 1 - dim  # an Embedding's is (vocabulary, dim): row-wise splits the vocabulary
+            dims[f"{prefix}{path}.weight"] = dim
     return dims
 
 
