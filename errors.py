@@ -59,14 +59,22 @@ class Interrupted(BaseException):
         return signal.Signals(self.signum).name
 
 
-def interrupted(e):
-    """True if `e` is SIGINT / SIGTERM, or wraps it: DCP gathers what its writers raised into a
-    CheckpointException's `failures` ({rank: (exception, traceback)}); or chains it as the cause."""
+def interruption(e):
+    """The signal number if `e` is SIGINT / SIGTERM or wraps it, else None. Wrapped: DCP gathers what its
+    writers raised into a CheckpointException's `failures` ({rank: (exception, traceback)}); Python
+    chains it as the cause of its own RuntimeError when the signal lands in a descriptor's __set_name__
+    (a class being created: a lazy import, say torch._dynamo's dataclasses, when torchrun stops a rank)."""
     if isinstance(e, (KeyboardInterrupt, Interrupted)):
-        return True
+        return getattr(e, "signum", signal.SIGINT)
     failures = getattr(e, "failures", None)
     inner = [pair[0] for pair in failures.values()] if isinstance(failures, dict) else []
-    return any(interrupted(x) for x in inner + ([e.__cause__] if e.__cause__ is not None else []))
+    found = [interruption(x) for x in inner + ([e.__cause__] if e.__cause__ is not None else [])]
+    return next((signum for signum in found if signum is not None), None)
+
+
+def interrupted(e):
+    """True if `e` is SIGINT / SIGTERM, or wraps it (interruption)."""
+    return interruption(e) is not None
 
 
 def error_line(message):

@@ -27,7 +27,8 @@ import checkpoint
 import mesh
 import resume
 from errors import (EXIT_BAD_INPUT, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, Interrupted,
-                    MinititanError, PeerGone, describe_write_failure, error_line, peer_failure)
+                    MinititanError, PeerGone, describe_write_failure, error_line, interrupted, interruption,
+                    peer_failure)
 
 REFUSAL_GRACE_S = 10.0  # how long a rank > 0 waits, silent, for rank 0 to say the same refusal
 
@@ -64,14 +65,7 @@ def run(body, argv=None):
         error_line(f"a write failed: {describe_write_failure(e)}" if e.exit_code == EXIT_WRITE_FAILED else f"{e}{where}")
         return e.exit_code
     except (KeyboardInterrupt, Interrupted) as e:
-        signum = getattr(e, "signum", signal.SIGINT)
-        if at.trainer is None and _rank(at.parallel) != 0:
-            return 128 + signum  # (before the trainer exists rank 0 speaks: torchrun stopping this rank as
-            #                      rank 0 refused first, even before any process group, or a stop to all)
-        kept = _kept(at)
-        error_line(f"interrupted by {signal.Signals(signum).name} at step {_step(at)}; "
-                   f"{f'checkpoint {kept} is kept' if kept else 'no checkpoint was written'} (a partial one is removed)")
-        return 128 + signum
+        return _interrupted_by(interruption(e), at)
     except OSError as e:  # disk full, file-size limit, read-only disk: the checkpoint on disk is intact
         error_line(f"a write failed: {describe_write_failure(e)}")
         return EXIT_WRITE_FAILED
@@ -120,8 +114,22 @@ def _refused_on_a_rank(e, rank):
     return EXIT_BAD_INPUT
 
 
+def _interrupted_by(signum, at):
+    """SIGINT / SIGTERM: exit 128 + the signal, naming the checkpoint kept."""
+    if at.trainer is None and _rank(at.parallel) != 0:
+        return 128 + signum  # (before the trainer exists rank 0 speaks: torchrun stopping this rank as
+        #                      rank 0 refused first, even before any process group, or a stop to all)
+    kept = _kept(at)
+    error_line(f"interrupted by {signal.Signals(signum).name} at step {_step(at)}; "
+               f"{f'checkpoint {kept} is kept' if kept else 'no checkpoint was written'} (a partial one is removed)")
+    return 128 + signum
+
+
 def _runtime_failure(e, at):
-    """A peer's death (exit 4) or this process's own failure (exit 1), told apart and said in one line."""
+    """A peer's death (exit 4) or this process's own failure (exit 1), told apart and said in one line;
+    or a stop that Python wrapped in its own RuntimeError (errors.interruption), ended as the stop."""
+    if interrupted(e):
+        return _interrupted_by(interruption(e), at)
     parallel = at.parallel
     rank = f"rank {parallel.global_rank}: " if parallel is not None and parallel.mesh_spec else ""
     where = f" at step {at.trainer.step}" if at.trainer else ""

@@ -124,6 +124,32 @@ def test_checkpoint_knows_an_interruption_by_its_class_not_its_name():
     assert pickle.loads(pickle.dumps(stop)).signum == signal.SIGTERM
 
 
+def test_a_stop_that_lands_while_a_class_is_created_ends_as_a_stop(monkeypatch, capsys):
+    """torchrun's SIGTERM reached a rank > 0 inside a lazy import (a dataclass's field being named):
+    Python wraps what a descriptor's __set_name__ raises in its own RuntimeError, so the stop was said
+    as `rank 1: failed: RuntimeError: Error calling __set_name__ ...`, a second error line beside rank
+    0's refusal. The oracle: Python itself wrapping a real SIGTERM, sent from inside __set_name__."""
+    import signal
+    import process
+
+    class NamedWhenTheSignalLands:
+        def __set_name__(self, owner, name):
+            os.kill(os.getpid(), signal.SIGTERM)  # (the handler runs here: Interrupted raised inside)
+
+    def body(argv, at):
+        type("Created", (), {"field": NamedWhenTheSignalLands()})
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        for rank, said in (("1", ""), ("0", "error: interrupted by SIGTERM at step 0; no checkpoint was "
+                                            "written (a partial one is removed)\n")):
+            monkeypatch.setenv("RANK", rank)
+            assert process.run(body) == 128 + signal.SIGTERM
+            assert capsys.readouterr().err == said
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.fast
 def test_graph_mode_flags_are_checked_by_cli_alone(monkeypatch):
     """`--backend xla` on a device that is not XLA and graph mode under FSDP2 are refused by cli.validate
