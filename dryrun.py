@@ -346,9 +346,9 @@ def main(w, cfg):
 
 def compile_dims(w, cfg):
     """--compile's layout: --mesh; else, given --chips N (or --plan --chips N) or --topology's chips, the
-    one --plan ranks first among those the compile lays out (dcn x ici x tp: FSDP / HSDP, with tp where
-    the step has no --scan or Pallas kernels, which tp does not compile; one slice for a --topology)
-    under the memory policy of the compiled program (--remat off or on; --scan: each
+    one --plan ranks first among those the compile lays out (dcn x ici x tp | cp: FSDP / HSDP, with tp or
+    cp where the step has no --scan or Pallas kernels, which they do not compile; one slice for a
+    --topology) under the memory policy of the compiled program (--remat off or on; --scan: each
     layer's input kept, or offloaded with --offload); else one chip."""
     import mesh
     import tpu_target
@@ -359,12 +359,13 @@ def compile_dims(w, cfg):
     policy = compiled_policy(cfg, cfg.remat)
     traced_remat = policy_name(policy) != "none"  # (the one trace saved_per_sample reads for it)
     traced = {traced_remat: w.saved_bytes(traced_remat)}
-    tp_compiles = not getattr(cfg, "scan", False) and getattr(cfg, "kernels", "reference") != "pallas"
-    lays_out = lambda d: d["ep"] == d["cp"] == 1 and (d["tp"] == 1 or tp_compiles) and (d["dcn"] == 1 or not topology)
+    tp_compiles = not getattr(cfg, "scan", False) and getattr(cfg, "kernels", "reference") != "pallas"  # (cp's too)
+    lays_out = lambda d: d["ep"] == 1 and (d["tp"] == d["cp"] == 1 or tp_compiles) and (d["dcn"] == 1 or not topology)
     rows = [r for r in layouts(w, chips, cfg.batch_size, cfg.chip, [policy], traced) if lays_out(mesh.mesh_dims(r["mesh"]))]
     if not rows:
-        raise ValueError(f"no FSDP / HSDP{' / tp' if tp_compiles else ''} layout of {chips} chips takes --batch-size {cfg.batch_size}")
-    print(f"--compile: the layout --plan ranks first of {chips} x {cfg.chip} among those it lays out (dcn x ici x tp), "
+        raise ValueError(f"no FSDP / HSDP{' / tp / cp' if tp_compiles else ''} layout of {chips} chips takes --batch-size "
+                         f"{cfg.batch_size}")
+    print(f"--compile: the layout --plan ranks first of {chips} x {cfg.chip} among those it lays out (dcn x ici x tp | cp), "
           f"remat {remat_label(policy)}: --mesh {rows[0]['mesh']}", flush=True)
     return mesh.mesh_dims(rows[0]["mesh"])
 

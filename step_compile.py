@@ -14,7 +14,9 @@ the flags ask for (--remat: graph_passes.remat). torchax then runs that graph's 
 tracers, so `jax.jit` lowers the whole step to one StableHLO program, with every parameter and AdamW
 moment sharded by the layout's partition spec (spmd.partition_spec: the GSPMD layout train.py gives
 XLA, dim 0 over ici unless another dim divides where it does not; replicated over dcn; the batch over
-dcn x ici; with tp, each weight's tensor_parallel.split_dims dim over tp as well), the weights and moments donated (updated in place, as torch_xla aliases them). XLA:TPU
+dcn x ici; with tp, each weight's tensor_parallel.split_dims dim over tp as well; with cp, the
+weights over ici x cp and each sequence over cp), the weights and moments donated (updated in place,
+as torch_xla aliases them). XLA:TPU
 compiles it for the named topology through JAX's compile-only devices (tpu_target.py): the compiler's
 verdict, its per-device HBM (arguments, temporaries, outputs), its cost model's FLOPs and
 `optimal_seconds` (Ironwood: a chip's, its two TensorCores being two devices: tpu_target.per_chip). That time is
@@ -52,6 +54,12 @@ What differs from a run on the chip, and why:
     no sequence split forced. Two constraints keep it to that (compile_graph.batched_matmuls_over_batch,
     rows_over_batch). Not with --scan (not built with tp) nor --kernels pallas (the kernels' shard_map
     is over the data-parallel devices).
+  - cp is spmd.py's: the model computes on each sequence in head-tail order (its split_sequence seam,
+    Program.split_sequence), the batch's sequence dim over cp, the weights FSDP over ici x cp; the
+    partitioner gathers the keys and values the attention needs. The token rows are kept split over
+    dcn x ici x cp (rows_over_batch: without it each device computed nearly all of its sequence,
+    FLOPs 0.97 of the data-parallel step's where a quarter is right). Not with tp, --scan (the trainer
+    builds cp beside FSDP / HSDP alone) or --kernels pallas (their shard_map is over the data-parallel devices).
   - the arguments' bytes include the TPU's tile padding (a shard's last two dims rounded up to the
     (8, 128) tile), which no planner counts.
 """
@@ -91,6 +99,8 @@ class Program:
     stacks: object = None  # model -> [(owner, attribute)] of its block stacks for --scan (the family's
     #                        ModelFamily.scan_stacks); None: a decoder's `layers`
     tp_split: dict = None  # {parameter name: its dim over tp} (tensor_parallel.split_dims); None: no tp plan
+    split_sequence: object = None  # cp -> None: the model computes on its sequences split cp ways in head-tail
+    #                                order (the family's split_sequence seam, as spmd.py's cp); None: no cp
 
 
 def lm_program(args, batch_size, seq_len, saved_bytes, shards=1):
@@ -99,6 +109,7 @@ def lm_program(args, batch_size, seq_len, saved_bytes, shards=1):
     An MoE's experts are the grouped-matmul kernel (the one grouped matmul of static shapes: the
     reference reads group sizes on the host), its tokens routed in `shards` groups, one a
     data-parallel device (model.MoE's moe_groups; sharded_kernels.by_routing_group)."""
+    import context_parallel
     import tensor_parallel
     from model import Transformer, next_token_loss
     if args.n_experts:
@@ -107,7 +118,8 @@ def lm_program(args, batch_size, seq_len, saved_bytes, shards=1):
         model = Transformer(args)
     ids = ((batch_size, seq_len), torch.long)
     return Program(model, next_token_loss, (ids, ids), saved_bytes, kernel_flops(args, batch_size * seq_len, seq_len),
-                   tp_split=None if args.n_experts else tensor_parallel.split_dims(model))
+                   tp_split=None if args.n_experts else tensor_parallel.split_dims(model),
+                   split_sequence=lambda cp: model.split_sequence(context_parallel.HeadTailOrder(cp)))
 
 
 def kernel_flops(args, tokens, seq_len):
@@ -154,13 +166,13 @@ def capture(program, remat, clip, dtype="fp32"):
 
 
 def layout_mesh(dims, devices):
-    """The (dcn, ici) mesh of the compile-only devices; (dcn, ici, tp) with tp > 1, tp innermost: a tp
-    group is neighbouring devices, as a slice's fastest links join them."""
+    """The (dcn, ici) mesh of the compile-only devices; (dcn, ici, tp) with tp > 1, (dcn, ici, cp) with
+    cp > 1, that axis innermost: a tp (cp) group is neighbouring devices, as a slice's fastest links
+    join them."""
     from jax.sharding import Mesh
-    tp = dims.get("tp", 1)
-    if tp == 1:
-        return Mesh(np.array(devices).reshape(dims["dcn"], dims["ici"]), ("dcn", "ici"))
-    return Mesh(np.array(devices).reshape(dims["dcn"], dims["ici"], tp), ("dcn", "ici", "tp"))
+    inner = [(axis, dims[axis]) for axis in ("tp", "cp") if dims.get(axis, 1) > 1]
+    names, sizes = ("dcn", "ici", *(a for a, _ in inner)), (dims["dcn"], dims["ici"], *(n for _, n in inner))
+    return Mesh(np.array(devices).reshape(sizes), names)
 
 
 def param_sharding(mesh, shape, stack=False, tp_dim=None):
@@ -169,9 +181,9 @@ def param_sharding(mesh, shape, stack=False, tp_dim=None):
     the major part where both split one dim (tp's block of the weight, itself split over ici: FSDP2's
     (Shard(0), Shard(0)) over (dp, tp)); replicated where a dim does not divide."""
     from jax.sharding import NamedSharding, PartitionSpec
-    ici, tp = mesh.shape["ici"], dict(mesh.shape).get("tp", 1)
+    ici, tp, cp = mesh.shape["ici"], dict(mesh.shape).get("tp", 1), dict(mesh.shape).get("cp", 1)
     local = [n // tp if d == tp_dim else n for d, n in enumerate(shape)]  # (the shape a tp rank holds)
-    spec = list(spmd.partition_spec(tuple(local), ici, stack))
+    spec = list(spmd.partition_spec(tuple(local), ici, stack, cp))  # (cp: FSDP over ici x cp, XLA SPMD's)
     if tp_dim is not None and tp > 1:
         spec[tp_dim] = ("tp", "ici") if spec[tp_dim] else "tp"
     ways = lambda s: math.prod(mesh.shape[a] for a in ((s,) if isinstance(s, str) else s))
@@ -180,10 +192,11 @@ def param_sharding(mesh, shape, stack=False, tp_dim=None):
 
 
 def abstract_inputs(example, dims, devices, stacked, tp_dims=None):
-    """ShapeDtypeStructs of the step's inputs on a (dcn, ici[, tp]) mesh of the compile-only devices,
+    """ShapeDtypeStructs of the step's inputs on a (dcn, ici[, tp | cp]) mesh of the compile-only devices,
     with the layout's shardings (`stacked`: a flag a parameter, a --scan stack's keeps its layer axis
     whole; `tp_dims`: a parameter's dim over tp, or None); and the outputs' (new weights and moments
-    like the old, scalars whole). The batch is split over dcn x ici, whole over tp."""
+    like the old, scalars whole). The batch is split over dcn x ici, whole over tp; under cp each
+    sequence over cp (its tokens in head-tail order, as spmd.py places them: data, not the graph)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
     mesh = layout_mesh(dims, devices)
@@ -198,7 +211,7 @@ def abstract_inputs(example, dims, devices, stacked, tp_dims=None):
     params, buffers, exp_avg, exp_avg_sq, step, lr, *batch = example
     shardings = [param(p, stack, tp_dim) for p, stack, tp_dim in zip(params, stacked, tp_dims)]
     states = [[struct(t, s) for t, s in zip(ts, shardings)] for ts in (params, exp_avg, exp_avg_sq)]
-    over_dp = NamedSharding(mesh, PartitionSpec(("dcn", "ici")))
+    over_dp = NamedSharding(mesh, PartitionSpec(("dcn", "ici"), *(("cp",) if "cp" in mesh.shape else ())))
     inputs = (states[0], [struct(b, whole) for b in buffers], states[1], states[2], struct(step, whole),
               struct(lr, whole), *[struct(t, over_dp if t.dim() else whole) for t in batch])
     return inputs, (shardings, list(shardings), list(shardings), whole, whole)
@@ -227,27 +240,32 @@ def jax_step(gm, out_shardings, unroll=1, offload=False):
 
 def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtype="fp32", offload=False, cores=1):
     """Compile `program`'s training step for `chip`'s topology (one slice's libtpu name, default the
-    mesh's ici x tp chips; dcn > 1: that many slices joined by DCN) on the (dcn, ici, tp) layout `dims`:
+    mesh's ici x tp x cp chips; dcn > 1: that many slices joined by DCN) on the (dcn, ici, tp | cp) layout `dims`:
     a tpu_target.Compiled, plus the capture seconds.
     `dtype`: capture's; `offload` (--scan): each layer's input in host memory between its
     forward and backward (layer_scan.register_torchax); `cores`: devices a chip (Ironwood's 2)."""
     import tpu_target
     from jax.sharding import NamedSharding, PartitionSpec
-    tp = dims.get("tp", 1)
-    if dims.get("ep", 1) > 1 or dims.get("cp", 1) > 1:
-        raise ValueError("--dry-run --compile lays out FSDP / HSDP meshes (dcn, ici) and tp; ep and cp are not compiled yet")
+    tp, cp = dims.get("tp", 1), dims.get("cp", 1)
+    if dims.get("ep", 1) > 1:
+        raise ValueError("--dry-run --compile lays out FSDP / HSDP meshes (dcn, ici), tp and cp; ep is not compiled yet")
+    if cp > 1 and (tp > 1 or program.kernel_flops or program.split_sequence is None):
+        raise ValueError("--compile with cp compiles a language model's reference attention beside FSDP / HSDP (the "
+                         "Pallas kernels run under shard_map over the data-parallel devices): no tp, no --kernels pallas")
     if tp > 1 and program.tp_split is None:
         raise ValueError("--compile with tp: this model has no tensor-parallel plan (tensor_parallel.split_dims)")
     if tp > 1 and program.kernel_flops:
         raise ValueError("--compile with tp compiles the reference attention and loss (the Pallas kernels run under "
                          "shard_map over the data-parallel devices): drop --kernels pallas")
-    name = tpu_target.topology_name(chip, topology or dims["ici"] * tp)  # (one slice's; dcn: that many slices)
+    name = tpu_target.topology_name(chip, topology or dims["ici"] * tp * cp)  # (one slice's; dcn: that many slices)
     devices = tpu_target.devices(chip, name, slices=dims["dcn"])
-    if len(devices) != dims["dcn"] * dims["ici"] * tp * cores:
+    if len(devices) != dims["dcn"] * dims["ici"] * tp * cp * cores:
         raise ValueError(f"{dims['dcn']} x topology {name} has {len(devices) // cores} chips; the mesh has "
-                         f"{dims['dcn'] * dims['ici'] * tp}")
+                         f"{dims['dcn'] * dims['ici'] * tp * cp}")
     label = name if dims["dcn"] == 1 else f"{dims['dcn']} x {name}"
     start = time.perf_counter()
+    if cp > 1:
+        program.split_sequence(cp)
     gm, example = capture(program, remat, clip, dtype)
     in_stack = {id(p) for m in program.model.modules() if isinstance(m, layer_scan.StackedLayers) for p in m.parameters()}
     if tp > 1 and in_stack:  # (split_dims names the blocks' weights as built, not stacked)
@@ -258,7 +276,9 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
                                             if tp > 1 else None)
     gm = compile_graph.rows_over_batch(gm, math.prod(program.batch[0][0]), {tuple(p.shape) for p in example[0]})
     rows, batched = inputs[-1].sharding, None  # (the batch's: dim 0 over dcn x ici; with tp a row's width is the
-    if tp > 1:                                 # partitioner's to split, as the logits are on the head's vocabulary)
+    if cp > 1:                                 # partitioner's to split, as the logits are on the head's vocabulary)
+        rows = NamedSharding(rows.mesh, PartitionSpec(("dcn", "ici", "cp")))  # (rows: batch-major tokens)
+    if tp > 1:
         rows = NamedSharding(rows.mesh, PartitionSpec(("dcn", "ici"), PartitionSpec.UNCONSTRAINED))
         batched = NamedSharding(rows.mesh, PartitionSpec(("dcn", "ici", "tp")))
         gm = compile_graph.batched_matmuls_over_batch(gm)
