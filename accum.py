@@ -61,16 +61,19 @@ class Microbatches:
         return [(tuple(p[i] for p in parts), weight) for i in range(n)]
 
 
-def loss_and_grads(loss_fn, model, batch, microbatches, grad_fn, autocast):
+def loss_and_grads(loss_fn, model, batch, microbatches, grad_fn, autocast, after=None):
     """(loss to report, gradients) of the whole `batch`, one microbatch at a time: `loss_fn(model,
     micro) -> (reported, differentiated)` (the workload's), `grad_fn(loss, last) -> [gradient per
     parameter]` (autograd, or the layout's: reduced over ranks), each microbatch's loss weighted as its
     reduction says; the gradients summed. A layout that sums a step's gradients itself and reduces them
     once (FSDP2 without gradient sync) returns None before the `last` microbatch and the sum at it.
-    With one microbatch this is exactly the unaccumulated step."""
+    With one microbatch this is exactly the unaccumulated step. `after(grads_sum, micro) -> micro`
+    (the layout's after_microbatch) hands over each microbatch after the first."""
     parts = microbatches.split(batch)
     reported_sum, grads_sum = None, None
     for i, (micro, weight) in enumerate(parts):
+        if i and after is not None and grads_sum is not None:
+            micro = after(grads_sum, micro)
         with autocast():
             reported, loss = loss_fn(model, micro)
         grads = grad_fn(loss if weight is None else loss * weight, i == len(parts) - 1)

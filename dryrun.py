@@ -384,9 +384,6 @@ def compiled_report(w, cfg, dims, remat):
     import step_compile
     if w.program is None:
         raise ValueError(f"--compile: the {w.label} workload gives no step to compile")
-    if getattr(cfg, "grad_accum", 1) > 1:
-        raise ValueError("--compile compiles one pass over the batch: --grad-accum is not compiled yet (the planner's "
-                         "estimate without --compile counts it)")
     shards = dims["dcn"] * dims["ici"] * TPU_SPECS[cfg.chip]["devices"]  # (the compiler's data-parallel devices)
     program = w.program(cfg.batch_size, getattr(cfg, "kernels", "reference"), shards)
     if getattr(cfg, "offload", False) and not getattr(cfg, "scan", False):
@@ -394,7 +391,7 @@ def compiled_report(w, cfg, dims, remat):
     remat = compiled_policy(cfg, remat)
     traced = policy_name(remat) != "none"
     planned = estimate(w, dims, cfg.batch_size, cfg.chip, remat,
-                       saved_per_sample(w, remat, {traced: program.saved_bytes(traced)}))
+                       saved_per_sample(w, remat, {traced: program.saved_bytes(traced)}), getattr(cfg, "grad_accum", 1))
     return judged(step_compile.main(program, planned, cfg, TPU_SPECS[cfg.chip]), planned)
 
 

@@ -72,7 +72,8 @@ def build_step_fn(model, names, loss_fn, clip, betas, eps, weight_decay, mask, a
             def grads_of(loss, last):  # forward_end marks the forward/backward boundary (the passes read the first)
                 return torch.autograd.grad(graph_passes.forward_end(loss), leaves)
             reported, grads = accum.loss_and_grads(lambda module, micro: torch.func.functional_call(module, state, micro),
-                                                   loss_module, batch, microbatches, grads_of, autocast)
+                                                   loss_module, batch, microbatches, grads_of, autocast,
+                                                   parallel.after_microbatch)
         grads, norm = optim.clip_by_global_norm(list(grads), clip, parallel.global_sq_norm)
         reported = parallel.mean_over_dp(reported)
         new_params, state = optim.adamw(params, grads, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},

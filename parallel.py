@@ -137,6 +137,13 @@ class Parallel:
         keeps the running sum itself, to reduce it once at the last, returns None for them."""
         return list(torch.autograd.grad(loss, params))
 
+    @staticmethod
+    def after_microbatch(grads_sum, micro):
+        """The next microbatch (--grad-accum, accum.loss_and_grads), given the gradients' running sum
+        so far: as it is, where the microbatches run in turn (eager; one graph's ops run in the traced
+        order). A compiler that schedules one graph freely ties the two (compile_graph.GradsLikeParams)."""
+        return micro
+
     @property
     def grad_sum_split(self):
         """The ways the gradients' running sum over microbatches is split (--grad-accum: check_memory)."""

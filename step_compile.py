@@ -60,6 +60,8 @@ What differs from a run on the chip, and why:
     dcn x ici x cp (rows_over_batch: without it each device computed nearly all of its sequence,
     FLOPs 0.97 of the data-parallel step's where a quarter is right). Not with tp, --scan (the trainer
     builds cp beside FSDP / HSDP alone) or --kernels pallas (their shard_map is over the data-parallel devices).
+  - --grad-accum is graph mode's unrolled loop, each microbatch after the first tied to the previous
+    one's gradients (compile_graph.GradsLikeParams.after_microbatch: XLA ran every forward first).
   - the arguments' bytes include the TPU's tile padding (a shard's last two dims rounded up to the
     (8, 128) tile), which no planner counts.
 """
@@ -71,6 +73,7 @@ import time
 import numpy as np
 import torch
 
+import accum
 import compile_graph
 import graph_passes
 import graph_trainer
@@ -99,6 +102,7 @@ class Program:
     stacks: object = None  # model -> [(owner, attribute)] of its block stacks for --scan (the family's
     #                        ModelFamily.scan_stacks); None: a decoder's `layers`
     tp_split: dict = None  # {parameter name: its dim over tp} (tensor_parallel.split_dims); None: no tp plan
+    loss_reduction: str = None  # how --grad-accum's microbatches combine ("mean" / "sum": accum.py); None: refused
     split_sequence: object = None  # cp -> None: the model computes on its sequences split cp ways in head-tail
     #                                order (the family's split_sequence seam, as spmd.py's cp); None: no cp
 
@@ -119,7 +123,7 @@ def lm_program(args, batch_size, seq_len, saved_bytes, shards=1):
     ids = ((batch_size, seq_len), torch.long)
     return Program(model, next_token_loss, (ids, ids), saved_bytes, kernel_flops(args, batch_size * seq_len, seq_len),
                    tp_split=None if args.n_experts else tensor_parallel.split_dims(model),
-                   split_sequence=lambda cp: model.split_sequence(context_parallel.HeadTailOrder(cp)))
+                   loss_reduction="mean", split_sequence=lambda cp: model.split_sequence(context_parallel.HeadTailOrder(cp)))
 
 
 def kernel_flops(args, tokens, seq_len):
@@ -133,12 +137,14 @@ def kernel_flops(args, tokens, seq_len):
     return tokens * (attention + loss + experts)
 
 
-def capture(program, remat, clip, dtype="fp32"):
+def capture(program, remat, clip, dtype="fp32", microbatches=1):
     """The step graph, as graph mode traces it, and its example inputs (fake CPU tensors: autocast
     applies to them, nothing is allocated). `dtype` is --dtype as the FSDP mesh runs it: fp32
     throughout, or bf16: the fp32 master weights cast to bf16 for the forward (FSDP2's
     MixedPrecisionPolicy(param_dtype=bf16), SimpleFSDP's gather dtype) under bf16 autocast, so the
-    activations and the residual stream are bf16, as MaxText's `dtype: bfloat16` keeps them."""
+    activations and the residual stream are bf16, as MaxText's `dtype: bfloat16` keeps them.
+    `microbatches` (--grad-accum): the step as graph mode unrolls it, each microbatch's forward and
+    backward in turn, one gradient sum, one update (graph_trainer.build_step_fn)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.attention import SDPBackend, sdpa_kernel
     model = program.model
@@ -152,6 +158,7 @@ def capture(program, remat, clip, dtype="fp32"):
     autocast = AUTOCAST if dtype == "bf16" else contextlib.nullcontext
     step_fn = graph_trainer.build_step_fn(model, names, program.loss, clip, *ADAMW_DEFAULTS,
                                           optim.decay_mask(names, metas), autocast, compile_graph.GradsLikeParams(None),
+                                          microbatches=accum.Microbatches(microbatches, program.loss_reduction),
                                           param_dtype=torch.bfloat16 if dtype == "bf16" else None)
     with sdpa_kernel(SDPBackend.MATH):
         gm = graph_trainer.capture(step_fn, example)
@@ -238,7 +245,8 @@ def jax_step(gm, out_shardings, unroll=1, offload=False):
     return step
 
 
-def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtype="fp32", offload=False, cores=1):
+def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtype="fp32", offload=False, cores=1,
+                 microbatches=1):
     """Compile `program`'s training step for `chip`'s topology (one slice's libtpu name, default the
     mesh's ici x tp x cp chips; dcn > 1: that many slices joined by DCN) on the (dcn, ici, tp | cp) layout `dims`:
     a tpu_target.Compiled, plus the capture seconds.
@@ -266,7 +274,9 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     start = time.perf_counter()
     if cp > 1:
         program.split_sequence(cp)
-    gm, example = capture(program, remat, clip, dtype)
+    if microbatches > 1 and program.loss_reduction is None:
+        raise ValueError("--compile --grad-accum: this workload does not say how its microbatches' losses combine")
+    gm, example = capture(program, remat, clip, dtype, microbatches)
     in_stack = {id(p) for m in program.model.modules() if isinstance(m, layer_scan.StackedLayers) for p in m.parameters()}
     if tp > 1 and in_stack:  # (split_dims names the blocks' weights as built, not stacked)
         raise ValueError("--compile with tp and --scan is not built (nor is the trainer's)")
@@ -274,7 +284,7 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
                                             [id(p) in in_stack for p in program.model.parameters()],
                                             [program.tp_split.get(n) for n, _ in program.model.named_parameters()]
                                             if tp > 1 else None)
-    gm = compile_graph.rows_over_batch(gm, math.prod(program.batch[0][0]), {tuple(p.shape) for p in example[0]})
+    gm = compile_graph.rows_over_batch(gm, math.prod(program.batch[0][0]) // microbatches, {tuple(p.shape) for p in example[0]})
     rows, batched = inputs[-1].sharding, None  # (the batch's: dim 0 over dcn x ici; with tp a row's width is the
     if cp > 1:                                 # partitioner's to split, as the logits are on the head's vocabulary)
         rows = NamedSharding(rows.mesh, PartitionSpec(("dcn", "ici", "cp")))  # (rows: batch-major tokens)
@@ -389,7 +399,7 @@ def main(program, planned, cfg, spec):
         layer_scan.stack_layers(program.model, program.stacks(program.model) if program.stacks else None)
     cores = spec["devices"]  # (a chip's devices: Ironwood's two TensorCores)
     compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"] is True, cfg.clip,
-                               cfg.dtype, cfg.offload, cores)
+                               cfg.dtype, cfg.offload, cores, cfg.grad_accum)
     one_slice = compiled.topology.split(" x ")[-1]
     r = compare(compiled, planned, planned["flops_per_device"], spec["peak"], spec["hbm"],
                 tpu_target.cost_model_rate(cfg.chip, one_slice, cores) if compiled.fits else None,
