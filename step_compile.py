@@ -158,7 +158,8 @@ def capture(program, remat, clip, dtype="fp32", microbatches=1):
     autocast = AUTOCAST if dtype == "bf16" else contextlib.nullcontext
     step_fn = graph_trainer.build_step_fn(model, names, program.loss, clip, *ADAMW_DEFAULTS,
                                           optim.decay_mask(names, metas), autocast, compile_graph.GradsLikeParams(None),
-                                          microbatches=accum.Microbatches(microbatches, program.loss_reduction),
+                                          microbatches=accum.Microbatches(microbatches, program.loss_reduction)
+                                          if microbatches > 1 else None,  # (one pass: any workload's loss)
                                           param_dtype=torch.bfloat16 if dtype == "bf16" else None)
     with sdpa_kernel(SDPBackend.MATH):
         gm = graph_trainer.capture(step_fn, example)
