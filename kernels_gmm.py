@@ -65,11 +65,13 @@ def _rows_in_group(meta, v, shape, block_m):
     return (row >= meta[2, v]) & (row < meta[3, v])
 
 
-def _edges(meta, v, key):
+def _edges(meta, v, key, axis):
     """(first, last): is visit v the first / the last of the consecutive visits sharing meta row
     `key` (0: the row tile, gmm's output block; 1: the group, tgmm's)? The output block stays in VMEM
-    across them: zeroed at the first, written back after the last."""
-    n = pl.num_programs(1)
+    across them: zeroed at the first, written back after the last. `axis`: the grid's visits axis
+    (gmm's 1, tgmm's 2: counting the n tiles instead flagged a group's first visit its last where
+    there is one n tile, and its weight gradient kept only that visit's rows)."""
+    n = pl.num_programs(axis)
     first = (v == 0) | (meta[key, v] != meta[key, jnp.maximum(v - 1, 0)])
     last = (v == n - 1) | (meta[key, v] != meta[key, jnp.minimum(v + 1, n - 1)])
     return first, last
@@ -77,7 +79,7 @@ def _edges(meta, v, key):
 
 def _gmm_kernel(meta, x_ref, w_ref, o_ref, acc, *, block_m, transpose_w):
     v, k = pl.program_id(1), pl.program_id(2)
-    first, last = _edges(meta, v, 0)
+    first, last = _edges(meta, v, 0, 1)
 
     @pl.when(first & (k == 0))
     def _():
@@ -93,7 +95,7 @@ def _gmm_kernel(meta, x_ref, w_ref, o_ref, acc, *, block_m, transpose_w):
 
 def _tgmm_kernel(meta, x_ref, dy_ref, dw_ref, acc, *, block_m):
     v = pl.program_id(2)
-    first, last = _edges(meta, v, 1)
+    first, last = _edges(meta, v, 1, 2)
 
     @pl.when(first)
     def _():

@@ -82,8 +82,10 @@ def test_fused_linear_cross_entropy_matches_reference(dtype, N, D, V):
 
 @pytest.mark.fast
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sizes", [[3, 0, 10, 7], [0, 0, 20, 0], [5, 5, 5, 5], [1, 17, 0, 2]])
+@pytest.mark.parametrize("sizes", [[3, 0, 10, 7], [0, 0, 20, 0], [5, 5, 5, 5], [1, 17, 0, 2], [14, 2, 0, 4]])
 def test_grouped_matmul_matches_reference(dtype, sizes):
+    """(the first group over two row tiles of 8: its weight gradient kept only the first tile's rows
+    when the kernel read its visits' count off the wrong grid axis)"""
     import kernels_gmm
     from model import gmm_reference
     torch.manual_seed(0)
