@@ -27,7 +27,7 @@ import checkpoint
 import mesh
 import resume
 from errors import (EXIT_BAD_INPUT, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, Interrupted,
-                    MinititanError, PeerGone, describe_write_failure, error_line, interrupted, interruption,
+                    MinititanError, PeerGone, describe_write_failure, error_line, interruption,
                     peer_failure)
 
 REFUSAL_GRACE_S = 10.0  # how long a rank > 0 waits, silent, for rank 0 to say the same refusal
@@ -128,8 +128,9 @@ def _interrupted_by(signum, at):
 def _runtime_failure(e, at):
     """A peer's death (exit 4) or this process's own failure (exit 1), told apart and said in one line;
     or a stop that Python wrapped in its own RuntimeError (errors.interruption), ended as the stop."""
-    if interrupted(e):
-        return _interrupted_by(interruption(e), at)
+    signum = interruption(e)
+    if signum is not None:
+        return _interrupted_by(signum, at)
     parallel = at.parallel
     rank = f"rank {parallel.global_rank}: " if parallel is not None and parallel.mesh_spec else ""
     where = f" at step {at.trainer.step}" if at.trainer else ""

@@ -39,6 +39,7 @@ in interpret mode, the sharded loss, attention and grouped matmul against the un
 (tests/check_step_compile.py). Not verified: a run on a chip.
 """
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +48,12 @@ from jax.sharding import PartitionSpec as P
 
 import jax_op
 
-_MESH = [None]  # (the compile in progress's (dcn, ici) mesh: set by `use`)
-BATCH_AXES = ("dcn", "ici")
+_MESH = [None]  # (the compile in progress's (dcn, ici[, ep]) mesh: set by `use`)
+
+
+def batch_axes():
+    """The data-parallel axes the batch's rows are split over: dcn x ici, and ep (which borrows them)."""
+    return tuple(a for a in ("dcn", "ici", "ep") if a in _MESH[0].shape)
 
 
 def use(mesh):
@@ -64,25 +69,29 @@ def _split(call, args):
     return args[:call.n_tensors], dict(zip(call.statics, args[call.n_tensors:]))
 
 
-def by_sequence(call):
-    """(forward, backward) of a kernel whose every tensor is batch-major and per-sequence (splash)."""
-    rows = P(BATCH_AXES)
+def by_sequence(call, on_device=None):
+    """(forward, backward) of a kernel whose every tensor is batch-major and per-sequence (splash), or
+    of an op whose every tensor is a device's rows and whose `on_device` form exchanges them over the
+    ep axis (expert_exchange.ON_DEVICE)."""
+    fn = on_device or call.jax_fn
 
     def forward(*args):
         tensors, statics = _split(call, args)
-        return _sharded(functools.partial(call.jax_fn, **statics), (rows,) * len(tensors), rows)(*tensors)
+        rows = P(batch_axes())
+        return _sharded(functools.partial(fn, **statics), (rows,) * len(tensors), rows)(*tensors)
 
     def backward(*args):
         tensors, statics = _split(call, args[:call.n_tensors] + args[call.n_tensors + 1:])
         floats = tuple(jnp.issubdtype(t.dtype, jnp.floating) for t in tensors)
-        vjp = functools.partial(jax_op.vjp_fn(call.jax_fn, floats), **statics)
+        vjp = functools.partial(jax_op.vjp_fn(fn, floats), **statics)
+        rows = P(batch_axes())
         return _sharded(vjp, (rows,) * (len(tensors) + 1), [rows] * sum(floats))(*tensors, args[call.n_tensors])
     return forward, backward
 
 
 def mean_over_rows(call, ignore_index="ignore_index"):
     """(forward, backward) of the fused loss: rows split, the head whole, one mean (steps 1-3 above)."""
-    rows, whole = P(BATCH_AXES), P()
+    whole = P()
 
     def kept(targets, statics):
         return jnp.sum(targets != statics[ignore_index]).astype(jnp.float32)
@@ -102,44 +111,54 @@ def mean_over_rows(call, ignore_index="ignore_index"):
 
     def forward(h, w, targets, *static_args):
         statics = chip_blocks(dict(zip(call.statics, static_args)), h, w)
+        axes = batch_axes()
+        rows = P(axes)
 
         def body(h, w, targets):
             n = kept(targets, statics)
             m = jnp.where(n > 0, call.jax_fn(h, w, targets, **statics).astype(jnp.float32), 0.0)
-            return jax.lax.psum(m * n, BATCH_AXES) / jax.lax.psum(n, BATCH_AXES)  # 1.
+            return jax.lax.psum(m * n, axes) / jax.lax.psum(n, axes)  # 1.
         return _sharded(body, (rows, whole, rows), whole)(h, w, targets)
 
     def backward(h, w, targets, cotangent, *static_args):
         statics = chip_blocks(dict(zip(call.statics, static_args)), h, w)
         vjp = functools.partial(jax_op.vjp_fn(call.jax_fn, (True, True, False)), **statics)
+        axes = batch_axes()
+        rows = P(axes)
 
         def body(h, w, targets, cotangent):
             n = kept(targets, statics)
-            dh, dw = vjp(h, w, targets, cotangent * n / jax.lax.psum(n, BATCH_AXES))  # 2.
+            dh, dw = vjp(h, w, targets, cotangent * n / jax.lax.psum(n, axes))  # 2.
             return [jnp.where(n > 0, dh, 0), summed(jnp.where(n > 0, dw, 0))]  # 3.
         summed, dw_spec = _summed_over_devices(w.shape)
         return _sharded(body, (rows, whole, rows, whole), [rows, dw_spec])(h, w, targets, cotangent)
     return forward, backward
 
 
-def _summed_over_devices(shape):
+def _summed_over_devices(shape, axes=None, lead=()):
     """(sum, its out spec) for a weight's gradient of which every device holds a part (its rows'):
-    reduce-scattered (psum_scatter) on the first dim that the devices divide, the FSDP shard GSPMD
-    wants or a reshard away, where a psum would hold the whole sum on every device beside the local
-    part; a psum where no dim divides."""
-    devices = _MESH[0].devices.size
-    split = next((d for d in range(len(shape)) if shape[d] % devices == 0), None)
+    reduce-scattered (psum_scatter) over `axes` (default: the data-parallel ones) on the first dim
+    they divide, the FSDP shard GSPMD wants or a reshard away, where a psum would hold the whole sum
+    on every device beside the local part; a psum where no dim divides. `lead`: the out spec of
+    dims already split (the experts' dim over ep), never scattered again."""
+    axes = axes or batch_axes()
+    devices = math.prod(_MESH[0].shape[a] for a in axes)
+    split = next((d for d in range(len(lead), len(shape)) if shape[d] % devices == 0), None)
     if split is None:
-        return (lambda dw: jax.lax.psum(dw, BATCH_AXES)), P()
-    return (lambda dw: jax.lax.psum_scatter(dw, BATCH_AXES, scatter_dimension=split, tiled=True),
-            P(*[None] * split, BATCH_AXES))
+        return (lambda dw: jax.lax.psum(dw, axes)), P(*lead)
+    return (lambda dw: jax.lax.psum_scatter(dw, axes, scatter_dimension=split, tiled=True),
+            P(*lead, *[None] * (split - len(lead)), axes))
 
 
 def by_routing_group(call):
     """(forward, backward) of the grouped matmul: x's rows split with their (R, G) group sizes, the
     routing groups' rows (model.MoE routes one group a device: R a multiple of the devices), the
-    experts' weights whole; their gradient summed over the devices as the loss head's (step 3)."""
-    rows, whole = P(BATCH_AXES), P()
+    experts' weights whole; their gradient summed over the devices as the loss head's (step 3).
+    Under ep (a mesh axis) each device holds its ep rank's E / ep experts, gathered over the rest,
+    and the rows expert_exchange.to_owners delivered it: its group sizes are its own experts' slice
+    of the (R, E) row (zero elsewhere), its experts' gradient summed over the devices of its rank."""
+    ep = lambda: _MESH[0].shape.get("ep", 1)
+    specs = lambda: (P(batch_axes()), P("ep") if ep() > 1 else P())  # (rows', the experts')
 
     def prepare(x, sizes, static_args):
         statics = dict(zip(call.statics, static_args))
@@ -155,23 +174,43 @@ def by_routing_group(call):
             statics["block_m"] = min(tm, kernels_pallas.round_up(x.shape[0] // sizes.shape[0], 128))
         return statics
 
+    def mine(sizes, w):
+        """This device's experts' columns of its (1, E) group sizes (all of them without ep)."""
+        if ep() == 1:
+            return sizes
+        return jax.lax.dynamic_slice_in_dim(sizes, jax.lax.axis_index("ep") * w.shape[0], w.shape[0], axis=1)
+
     def forward(x, w, sizes, *static_args):
         statics = prepare(x, sizes, static_args)
-        return _sharded(lambda x, w, sizes: call.jax_fn(x, w, sizes, **statics), (rows, whole, rows), rows)(x, w, sizes)
+        body = lambda x, w, sizes: call.jax_fn(x, w, mine(sizes, w), **statics)
+        rows, w_spec = specs()
+        return _sharded(body, (rows, w_spec, rows), rows)(x, w, sizes)
 
     def backward(x, w, sizes, cotangent, *static_args):
         vjp = functools.partial(jax_op.vjp_fn(call.jax_fn, (True, True, False)), **prepare(x, sizes, static_args))
-        summed, dw_spec = _summed_over_devices(w.shape)
+        rows, w_spec = specs()
+        if ep() > 1:
+            summed, dw_spec = _summed_over_devices((w.shape[0] // ep(), *w.shape[1:]), ("dcn", "ici"), ("ep",))
+        else:
+            summed, dw_spec = _summed_over_devices(w.shape)
 
         def body(x, w, sizes, cotangent):
-            dx, dw = vjp(x, w, sizes, cotangent)
+            dx, dw = vjp(x, w, mine(sizes, w), cotangent)
             return [dx, summed(dw)]
-        return _sharded(body, (rows, whole, rows, rows), [rows, dw_spec])(x, w, sizes, cotangent)
+        return _sharded(body, (rows, w_spec, rows, rows), [rows, dw_spec])(x, w, sizes, cotangent)
     return forward, backward
 
 
+def by_ep_exchange(call):
+    """(forward, backward) of an expert_exchange op: a device's rows (and its group sizes) in and out,
+    exchanged inside over the ep axis."""
+    import expert_exchange
+    return by_sequence(call, expert_exchange.ON_DEVICE[call.jax_fn])
+
+
 LAYOUTS = {"minititan::splash": by_sequence, "minititan::fused_linear_cross_entropy": mean_over_rows,
-           "minititan::gmm": by_routing_group}
+           "minititan::gmm": by_routing_group, "minititan::ep_to_owners": by_ep_exchange,
+           "minititan::ep_arrived_sizes": by_ep_exchange, "minititan::ep_from_owners": by_ep_exchange}
 
 
 def op_overload(qualified):
@@ -186,6 +225,7 @@ def register_torchax():
     import kernels_gmm  # noqa: F401  (registers the grouped matmul)
     import kernels_pallas  # noqa: F401  (registers the fused loss)
     import kernels_splash  # noqa: F401  (registers splash)
+    import expert_exchange  # noqa: F401  (registers the ep exchange)
     from torchax.ops import ops_registry
     for name, make in LAYOUTS.items():
         if op_overload(name) in ops_registry.all_aten_ops:

@@ -38,16 +38,16 @@ from layer_scan import StackedLayers
 from parallel import Parallel
 
 
-def partition_spec(shape, ici, stacked=False, cp=1):
+def partition_spec(shape, ici, stacked=False, cp=1, inner="cp"):
     """A parameter's partition spec: one dim over ici x cp (FSDP: the cp ranks are data-parallel for
     the weights), the rest whole; replicated over dcn. Dim 0, unless another divides evenly where it
     does not. A --scan weight (L, out, in) is never split on the layer axis (as scanned JAX models shard
     their weights): each layer's slice is then itself sharded, and XLA gathers one layer inside the
     While body, not the whole stack before it. (Also the shardings of the step compiled for a TPU
-    topology: step_compile.py.)"""
+    topology: step_compile.py, where `inner` names ep's axis: ep borrows data-parallel devices too.)"""
     dims = range(1 if stacked else 0, len(shape))
     dim = next((d for d in dims if shape[d] % (ici * cp) == 0), dims[0])
-    axes = ("ici", "cp") if cp > 1 else "ici"
+    axes = ("ici", inner) if cp > 1 else "ici"
     return tuple(axes if d == dim else None for d in range(len(shape)))
 
 

@@ -11,29 +11,20 @@ The program is the one graph mode runs, not a rewrite of it: graph_trainer.build
 workload's loss, backward, global-norm clipping, optim.adamw) captured by make_fx into one aten graph
 on fake tensors (nothing allocated: Qwen3-8B's fp32 weights alone are 32 GB), after the graph passes
 the flags ask for (--remat: graph_passes.remat). torchax then runs that graph's aten ops on JAX
-tracers, so `jax.jit` lowers the whole step to one StableHLO program, with every parameter and AdamW
-moment sharded by the layout's partition spec (spmd.partition_spec: the GSPMD layout train.py gives
-XLA, dim 0 over ici unless another dim divides where it does not; replicated over dcn; the batch over
-dcn x ici; with tp, each weight's tensor_parallel.split_dims dim over tp as well; with cp, the
-weights over ici x cp and each sequence over cp), the weights and moments donated (updated in place,
-as torch_xla aliases them). XLA:TPU
-compiles it for the named topology through JAX's compile-only devices (tpu_target.py): the compiler's
-verdict, its per-device HBM (arguments, temporaries, outputs), its cost model's FLOPs and
-`optimal_seconds` (Ironwood: a chip's, its two TensorCores being two devices: tpu_target.per_chip). That time is
-the compiler's estimate, not a measurement: no chip ran anything, and the cost model prices a bf16
-matmul at 22.8 TFLOP/s a device on v5p and v6e alike (Ironwood: 996, 86% of its peak), so the
-report also reads it in units of that rate (tpu_target.cost_model_rate). Under --scan the blocks (a decoder's
-layers; FLUX's two stacks: Program.stacks) are layer_scan's ops, whose JAX form is a lax.scan (one block in a While loop at any depth); the cost
-model counts a While body once, so the step is compiled again at 2 layers an iteration and every
-layer counted from the difference (every_layer_counted). --scan --offload sends each layer's input
-to host memory as the scan makes it (MaxText's `decoder_layer_input: offload`): the compiler's host
-bytes are reported beside the planner's.
-
-Why torchax rather than torch_xla's HLO of the SPMD step: torch_xla records a step on lazy tensors
-backed by device data, so its HLO needs the model allocated on some device (the host, here); its
-partitioner runs against the devices of its own runtime. torchax needs neither: its tensors wrap JAX
-values, tracers included, so ShapeDtypeStructs with NamedShardings on the compile-only devices go in
-and the program comes out of JAX's own `lower().compile()`, the route MaxText's tool takes.
+tracers, so `jax.jit` lowers the whole step to one StableHLO program (why torchax rather than
+torch_xla's HLO: docs/planning.md), every parameter and AdamW moment sharded by the layout's
+partition spec (spmd.partition_spec: the GSPMD layout train.py gives XLA; param_sharding) and
+donated (updated in place, as torch_xla aliases them). XLA:TPU compiles it for the named topology
+through JAX's compile-only devices (tpu_target.py): the compiler's verdict, its per-device HBM
+(arguments, temporaries, outputs), its cost model's FLOPs and `optimal_seconds` (Ironwood: a
+chip's, its two TensorCores being two devices: tpu_target.per_chip). That time is the compiler's
+estimate, not a measurement: no chip ran anything, and the cost model prices a bf16 matmul at 22.8
+TFLOP/s a device on v5p and v6e alike (Ironwood: 996, 86% of its peak), so the report also reads it
+in units of that rate (tpu_target.cost_model_rate). Under --scan the blocks (Program.stacks) are
+layer_scan's ops, whose JAX form is a lax.scan; the cost model counts a While body once, so the
+step is compiled again at 2 layers an iteration and every layer counted from the difference
+(every_layer_counted). --scan --offload sends each layer's input to host memory as the scan makes
+it (MaxText's `decoder_layer_input: offload`).
 
 What differs from a run on the chip, and why:
   - attention and loss are the reference implementations unless --kernels pallas: SDPA's math form
@@ -47,19 +38,11 @@ What differs from a run on the chip, and why:
   - the `_foreach_*` ops of clipping and AdamW (no torchax lowering) are unfolded into the same
     arithmetic tensor by tensor; token ids are int32 (JAX without x64); a tensor with no dimension
     divisible by ici is replicated (JAX shards evenly; GSPMD would pad).
-  - tp is Megatron's split of the weights handed to GSPMD (tensor_parallel.split_dims: the plans the
-    torchrun trainer applies), the batch whole over tp. The partitioner splits the activations from
-    there: each device's heads and FFN columns, the plain loss's logits on the vocabulary (what
-    vocab_parallel_cross_entropy does by hand); the residual stream between blocks as it propagates,
-    no sequence split forced. Two constraints keep it to that (compile_graph.batched_matmuls_over_batch,
-    rows_over_batch). Not with --scan (not built with tp) nor --kernels pallas (the kernels' shard_map
-    is over the data-parallel devices).
-  - cp is spmd.py's: the model computes on each sequence in head-tail order (its split_sequence seam,
-    Program.split_sequence), the batch's sequence dim over cp, the weights FSDP over ici x cp; the
-    partitioner gathers the keys and values the attention needs. The token rows are kept split over
-    dcn x ici x cp (rows_over_batch: without it each device computed nearly all of its sequence,
-    FLOPs 0.97 of the data-parallel step's where a quarter is right). Not with tp, --scan (the trainer
-    builds cp beside FSDP / HSDP alone) or --kernels pallas (their shard_map is over the data-parallel devices).
+  - tp is Megatron's split of the weights handed to GSPMD (tensor_parallel.split_dims), the batch
+    whole over tp; cp is spmd.py's head-tail split of each sequence over cp. Each is kept to that
+    split by a constraint on the token rows (compile_graph.rows_over_batch); neither with --scan nor
+    --kernels pallas (the kernels' shard_map is over the data-parallel devices). ep is the trainer's
+    padded all-to-all as two JAX ops (expert_exchange.py). docs/planning.md has each, measured.
   - --grad-accum is graph mode's unrolled loop, each microbatch after the first tied to the previous
     one's gradients (compile_graph.GradsLikeParams.after_microbatch: XLA ran every forward first).
   - the arguments' bytes include the TPU's tile padding (a shard's last two dims rounded up to the
@@ -97,6 +80,8 @@ class Program:
     batch: tuple
     saved_bytes: object = None
     kernel_flops: float = 0.0
+    expert_parallel: object = None  # ep -> names of the parameters split over ep, the model's MoE blocks now
+    #                                 routed through expert_exchange.Exchange(ep) (None: no experts)
     twin: object = None  # (mesh, clip) -> (jax fn, its abstract inputs, donated argnums): the same step written
     #                      in JAX, compiled beside ours (FLUX's flux/jax_step.py: flux/compiled.py)
     stacks: object = None  # model -> [(owner, attribute)] of its block stacks for --scan (the family's
@@ -114,6 +99,7 @@ def lm_program(args, batch_size, seq_len, saved_bytes, shards=1):
     reference reads group sizes on the host), its tokens routed in `shards` groups, one a
     data-parallel device (model.MoE's moe_groups; sharded_kernels.by_routing_group)."""
     import context_parallel
+    import expert_exchange
     import tensor_parallel
     from model import Transformer, next_token_loss
     if args.n_experts:
@@ -123,7 +109,9 @@ def lm_program(args, batch_size, seq_len, saved_bytes, shards=1):
     ids = ((batch_size, seq_len), torch.long)
     return Program(model, next_token_loss, (ids, ids), saved_bytes, kernel_flops(args, batch_size * seq_len, seq_len),
                    tp_split=None if args.n_experts else tensor_parallel.split_dims(model),
-                   loss_reduction="mean", split_sequence=lambda cp: model.split_sequence(context_parallel.HeadTailOrder(cp)))
+                   loss_reduction="mean", split_sequence=lambda cp: model.split_sequence(context_parallel.HeadTailOrder(cp)),
+                   expert_parallel=(lambda ep: expert_exchange.route(model, ep)) if args.n_experts else None)
+
 
 
 def kernel_flops(args, tokens, seq_len):
@@ -176,22 +164,31 @@ def capture(program, remat, clip, dtype="fp32", microbatches=1):
 def layout_mesh(dims, devices):
     """The (dcn, ici) mesh of the compile-only devices; (dcn, ici, tp) with tp > 1, (dcn, ici, cp) with
     cp > 1, that axis innermost: a tp (cp) group is neighbouring devices, as a slice's fastest links
-    join them."""
+    join them. ep borrows ici's devices: (dcn, ici / ep, ep), an ep group neighbours (mesh.py's)."""
     from jax.sharding import Mesh
-    inner = [(axis, dims[axis]) for axis in ("tp", "cp") if dims.get(axis, 1) > 1]
-    names, sizes = ("dcn", "ici", *(a for a, _ in inner)), (dims["dcn"], dims["ici"], *(n for _, n in inner))
+    inner = [(axis, dims[axis]) for axis in ("tp", "cp", "ep") if dims.get(axis, 1) > 1]
+    ici = dims["ici"] // dims.get("ep", 1)
+    names, sizes = ("dcn", "ici", *(a for a, _ in inner)), (dims["dcn"], ici, *(n for _, n in inner))
     return Mesh(np.array(devices).reshape(sizes), names)
 
 
-def param_sharding(mesh, shape, stack=False, tp_dim=None):
+def param_sharding(mesh, shape, stack=False, tp_dim=None, expert=False):
     """A parameter's (and its AdamW moments') sharding: spmd.partition_spec's dim over ici (`stack`: a
     --scan stack keeps its layer axis whole); `tp_dim` (tensor_parallel.split_dims) also over tp, tp
     the major part where both split one dim (tp's block of the weight, itself split over ici: FSDP2's
-    (Shard(0), Shard(0)) over (dp, tp)); replicated where a dim does not divide."""
+    (Shard(0), Shard(0)) over (dp, tp)); replicated where a dim does not divide. Under ep an `expert`
+    weight (E, ...) is split over ep on its experts and over the mesh's ici (the rest of the
+    data-parallel devices) on another dim, as simplefsdp.py places it; the others over ici x ep."""
     from jax.sharding import NamedSharding, PartitionSpec
-    ici, tp, cp = mesh.shape["ici"], dict(mesh.shape).get("tp", 1), dict(mesh.shape).get("cp", 1)
+    sizes = dict(mesh.shape)
+    ici, tp, cp, ep = sizes["ici"], sizes.get("tp", 1), sizes.get("cp", 1), sizes.get("ep", 1)
     local = [n // tp if d == tp_dim else n for d, n in enumerate(shape)]  # (the shape a tp rank holds)
-    spec = list(spmd.partition_spec(tuple(local), ici, stack, cp))  # (cp: FSDP over ici x cp, XLA SPMD's)
+    if expert and ep > 1:
+        spec = ["ep", *spmd.partition_spec(tuple(local[1:]), ici)]
+    elif ep > 1:
+        spec = list(spmd.partition_spec(tuple(local), ici, stack, ep, inner="ep"))
+    else:
+        spec = list(spmd.partition_spec(tuple(local), ici, stack, cp))  # (cp: FSDP over ici x cp, XLA SPMD's)
     if tp_dim is not None and tp > 1:
         spec[tp_dim] = ("tp", "ici") if spec[tp_dim] else "tp"
     ways = lambda s: math.prod(mesh.shape[a] for a in ((s,) if isinstance(s, str) else s))
@@ -199,27 +196,29 @@ def param_sharding(mesh, shape, stack=False, tp_dim=None):
     return NamedSharding(mesh, PartitionSpec(*spec) if even else PartitionSpec())
 
 
-def abstract_inputs(example, dims, devices, stacked, tp_dims=None):
+def abstract_inputs(example, dims, devices, stacked, tp_dims=None, experts=None):
     """ShapeDtypeStructs of the step's inputs on a (dcn, ici[, tp | cp]) mesh of the compile-only devices,
     with the layout's shardings (`stacked`: a flag a parameter, a --scan stack's keeps its layer axis
     whole; `tp_dims`: a parameter's dim over tp, or None); and the outputs' (new weights and moments
     like the old, scalars whole). The batch is split over dcn x ici, whole over tp; under cp each
-    sequence over cp (its tokens in head-tail order, as spmd.py places them: data, not the graph)."""
+    sequence over cp (its tokens in head-tail order, as spmd.py places them: data, not the graph);
+    under ep over dcn x ici x ep. `experts`: a flag a parameter, split over ep (param_sharding)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
     mesh = layout_mesh(dims, devices)
     whole = NamedSharding(mesh, PartitionSpec())
-    tp_dims = tp_dims or [None] * len(stacked)
-    param = lambda t, stack, tp_dim: param_sharding(mesh, t.shape, stack, tp_dim)
+    tp_dims, experts = tp_dims or [None] * len(stacked), experts or [False] * len(stacked)
+    param = lambda t, stack, tp_dim, expert: param_sharding(mesh, t.shape, stack, tp_dim, expert)
 
     def struct(t, sharding):
         dtype = {torch.int64: np.int32}.get(t.dtype, torch.empty((), dtype=t.dtype).numpy().dtype) \
             if t.dtype != torch.bfloat16 else jax.numpy.bfloat16
         return jax.ShapeDtypeStruct(tuple(t.shape), dtype, sharding=sharding)
     params, buffers, exp_avg, exp_avg_sq, step, lr, *batch = example
-    shardings = [param(p, stack, tp_dim) for p, stack, tp_dim in zip(params, stacked, tp_dims)]
+    shardings = [param(*each) for each in zip(params, stacked, tp_dims, experts)]
     states = [[struct(t, s) for t, s in zip(ts, shardings)] for ts in (params, exp_avg, exp_avg_sq)]
-    over_dp = NamedSharding(mesh, PartitionSpec(("dcn", "ici"), *(("cp",) if "cp" in mesh.shape else ())))
+    data = ("dcn", "ici", "ep") if "ep" in mesh.shape else ("dcn", "ici")  # (ep borrows data-parallel devices)
+    over_dp = NamedSharding(mesh, PartitionSpec(data, *(("cp",) if "cp" in mesh.shape else ())))
     inputs = (states[0], [struct(b, whole) for b in buffers], states[1], states[2], struct(step, whole),
               struct(lr, whole), *[struct(t, over_dp if t.dim() else whole) for t in batch])
     return inputs, (shardings, list(shardings), list(shardings), whole, whole)
@@ -255,9 +254,10 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     forward and backward (layer_scan.register_torchax); `cores`: devices a chip (Ironwood's 2)."""
     import tpu_target
     from jax.sharding import NamedSharding, PartitionSpec
-    tp, cp = dims.get("tp", 1), dims.get("cp", 1)
-    if dims.get("ep", 1) > 1:
-        raise ValueError("--dry-run --compile lays out FSDP / HSDP meshes (dcn, ici), tp and cp; ep is not compiled yet")
+    tp, cp, ep = dims.get("tp", 1), dims.get("cp", 1), dims.get("ep", 1)
+    if ep > 1 and (program.expert_parallel is None or tp > 1 or cp > 1 or dims["ici"] % ep):
+        raise ValueError(f"--compile with ep={ep} routes an MoE's rows within a slice, beside FSDP / HSDP: a model with "
+                         f"experts, ep dividing ici ({dims['ici']}), no tp or cp")
     if cp > 1 and (tp > 1 or program.kernel_flops or program.split_sequence is None):
         raise ValueError("--compile with cp compiles a language model's reference attention beside FSDP / HSDP (the "
                          "Pallas kernels run under shard_map over the data-parallel devices): no tp, no --kernels pallas")
@@ -277,14 +277,16 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
         program.split_sequence(cp)
     if microbatches > 1 and program.loss_reduction is None:
         raise ValueError("--compile --grad-accum: this workload does not say how its microbatches' losses combine")
+    experts = program.expert_parallel(ep) if ep > 1 else set()
     gm, example = capture(program, remat, clip, dtype, microbatches)
     in_stack = {id(p) for m in program.model.modules() if isinstance(m, layer_scan.StackedLayers) for p in m.parameters()}
-    if tp > 1 and in_stack:  # (split_dims names the blocks' weights as built, not stacked)
-        raise ValueError("--compile with tp and --scan is not built (nor is the trainer's)")
+    if (tp > 1 or ep > 1) and in_stack:  # (split_dims and the experts name the blocks' weights as built, not stacked)
+        raise ValueError("--compile with tp or ep and --scan is not built (nor is the trainer's)")
+    named = list(program.model.named_parameters())
     inputs, out_shardings = abstract_inputs(example, device_dims(dims, cores), devices,
                                             [id(p) in in_stack for p in program.model.parameters()],
-                                            [program.tp_split.get(n) for n, _ in program.model.named_parameters()]
-                                            if tp > 1 else None)
+                                            [program.tp_split.get(n) for n, _ in named] if tp > 1 else None,
+                                            [n in experts for n, _ in named])
     gm = compile_graph.rows_over_batch(gm, math.prod(program.batch[0][0]) // microbatches, {tuple(p.shape) for p in example[0]})
     rows, batched = inputs[-1].sharding, None  # (the batch's: dim 0 over dcn x ici; with tp a row's width is the
     if cp > 1:                                 # partitioner's to split, as the logits are on the head's vocabulary)
@@ -376,7 +378,7 @@ def compare(compiled, planned, flops_per_device, peak, hbm, rate=None, kernel_fl
             "planned_gathered_bytes": sum(v for k, v in mem.items() if k.startswith("gathered")),
             "planned_total_bytes": planned["total_bytes"], "planned_fits": planned["fits"],
             "flops": flops, "flops_per_step": flops_per_device, "kernel_flops": kernel_flops_per_device,
-            "mosaic_calls": compiled.mosaic_calls,
+            "mosaic_calls": compiled.mosaic_calls, "all_to_alls": compiled.all_to_alls,
             "host_bytes": compiled.host_bytes, "planned_host_bytes": planned.get("host_bytes", 0),
             "estimated_step_s": seconds,
             "bytes_accessed": compiled.bytes_accessed or 0.0,

@@ -26,6 +26,7 @@ from tests.check_checkpoint import *  # noqa: E402,F401,F403
 from tests.check_refusals import *  # noqa: E402,F401,F403
 from tests.check_kernels import *  # noqa: E402,F401,F403
 from tests.check_tpu_compile import *  # noqa: E402,F401,F403
+from tests.check_expert_exchange import *  # noqa: E402,F401,F403
 from tests.check_parallel import *  # noqa: E402,F401,F403
 from tests.check_context_parallel import *  # noqa: E402,F401,F403
 from tests.check_elastic import *  # noqa: E402,F401,F403

@@ -254,6 +254,7 @@ class Compiled:
     compile_s: float = 0.0
     mosaic_calls: int = 0     # Mosaic kernels in the compiled program (tpu_custom_call)
     host_bytes: int = 0       # host memory the program's temporaries take (offloaded activations)
+    all_to_alls: int = 0      # all-to-alls in the program (ep's exchanges: expert_exchange.py)
 
     @property
     def hbm_bytes(self):
@@ -303,6 +304,7 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=()):
         _LOWERING_FOR_TPU[0] = None
         jax.clear_caches()
     seconds = time.perf_counter() - start
+    text = lowered.as_text()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
@@ -313,7 +315,8 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=()):
                     cost.get("bytes accessed"), estimate, seconds,
                     # (counted in the lowered program: jax 0.10.2 cannot print some compiled ones,
                     # "RET_CHECK ... async-update instruction should have 1 operands but sees 2")
-                    lowered.as_text().count("@tpu_custom_call"), getattr(mem, "host_temp_size_in_bytes", 0))
+                    text.count("@tpu_custom_call"), getattr(mem, "host_temp_size_in_bytes", 0),
+                    text.count("stablehlo.all_to_all"))
 
 
 

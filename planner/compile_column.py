@@ -22,8 +22,9 @@ So the planner's HBM beside it is for that same program (remat "full"); the publ
 planner figures (its remat policy, precision and kernels) are in `dryrun.py --calibrate`.
 An MoE's experts are our grouped-matmul kernel (dropless, one routing group a device: step_compile.
 lm_program), whatever the run's dispatch (MaxText's capacity-padded "dropped" einsums included).
-A run is skipped, with the reason, where the compile cannot express it: DDP, expert parallelism,
-tensor parallelism (compiled, but not under --scan or with our kernels, as this column compiles).
+A run is skipped, with the reason, where the compile cannot express it: DDP, expert parallelism
+(compiled, but not under --scan), tensor parallelism (compiled, but not under --scan or with our
+kernels, as this column compiles).
 Ironwood compiles with its jax / libtpu pair first on PYTHONPATH (tpu_target.step_environment), its
 figures a chip (two devices to the compiler).
 """
@@ -49,7 +50,7 @@ def skip_reason(run):
     if run.get("dp_mode") == "ddp":
         return "DDP (parameters replicated): the compile lays out FSDP"
     if run.get("ep", 1) > 1:
-        return f"ep={run['ep']} (expert parallelism is not compiled)"
+        return f"ep={run['ep']}: the column compiles --scan, which the ep compile does not take"
     if run.get("tp", 1) > 1:  # (none of the published runs here)
         return f"tp={run['tp']}: the column compiles --scan with our kernels, which the tp compile does not take"
     return None

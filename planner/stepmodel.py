@@ -244,6 +244,19 @@ def cp_terms(shape, lay, chip):
             + lay.microbatches * layers * 2 * ring_steps(lay.cp, chip) * chip.ici_latency_s)
 
 
+def exchanged_elems(shape):
+    """Elements a token a layer that minititan's ep exchange holds again for each other ep rank: its
+    traced dispatch (expert_parallel.AllToAll's padded form, expert_exchange.py in the compiled step)
+    sends each peer a buffer of all the rows a device routes, so a device's experts run on ep x its
+    routed rows, their SwiGLU activations and outputs that many (measured: Mixtral 8x7B's block at 2
+    sequences of 4096 a device on 8 v5p chips, ep=8, the compiler's temporaries 17.3 GiB, the planner
+    6.2 GiB without this, 16.3 with it: -6%). None for the capacity-padded einsum dispatch ("dispatch" matmuls:
+    its slots are the capacity's) nor a dense model."""
+    if not shape.n_experts or any(m.name == "dispatch" for m in shape.matmuls):
+        return 0.0
+    return sum(shape.acts.get(name, 0.0) for name in ("mlpwi_0", "mlpwi_1", "mlp_act", "mlpwo"))
+
+
 def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems, devices=1):
     """Bytes a chip: state at its dtypes, gathered block, saved activations, the transient peak.
     `devices`: the devices a chip shows (Ironwood's two TensorCores): each runs the program on its
@@ -253,6 +266,7 @@ def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems, dev
     saved = device_elems * lay.act_bytes * tokens * shape.layers
     layer_peak = all_elems * lay.act_bytes * tokens                     # one layer, everything live
     layer_peak += kv_bytes(shape, lay) / lay.microbatches if lay.cp > 1 else 0.0   # (+ its gathered K/V)
+    layer_peak += (lay.ep - 1) * exchanged_elems(shape) * lay.act_bytes * tokens     # (+ ep's padded exchange)
     logits_peak = 2 * lay.act_bytes * tokens * shape.vocab / lay.vocab_tiles if shape.vocab else 0.0  # logits + grad
     # the fused loss under FSDP: its head gathered whole (bf16) and that device's gradient of it, whole
     # until reduce-scattered (measured: Qwen3-8B on 256 v5p, two bf16 (151936, 4096) buffers at the peak)

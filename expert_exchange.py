@@ -1,0 +1,170 @@
+"""expert_exchange.py: expert parallelism in the step compiled for a TPU pod (--dry-run --compile,
+--mesh ici=N,ep=E): the trainer's all-to-all (expert_parallel.py) as two JAX ops.
+
+    python train.py --dry-run --compile --flavor qwen3_moe_debug --mesh ici=4,ep=2 --chip tpu_v5p
+
+The compile hands XLA one program over every device (GSPMD: global arrays, each split by a
+sharding), and an all-to-all has no form in that view: it exists on one device's piece. So the
+exchange is written twice over the same code, once on the global arrays, where sending is a
+transpose of (ep group, source, destination), and once on one device's piece under shard_map, where
+it is jax.lax.all_to_all over the mesh's `ep` axis (sharded_kernels.by_device). The first is the
+eager form (jax_op.py makes each a PyTorch op; its fake shapes come from it), checked against the
+MoE's plain dispatch; the second is checked against the first on CPU devices (tests).
+
+The routing is the trainer's padded form (expert_parallel.AllToAll._padded), a device a routing
+group (model.MoE's moe_groups: the compile sets one a data-parallel device), devices r = g ep + s
+an ep group g of ep consecutive devices, device s of its group owning experts [s L, (s + 1) L),
+L = E / ep. For a device's M rows, sorted by expert:
+
+  1. counts: sizes (E,) viewed (ep, L): the rows it sends each peer, per peer expert; exchanged, the
+     rows each peer sends it, per local expert;
+  2. the rows travel in a (ep, M, D) buffer, M slots a peer (the worst case: nothing dropped, as in
+     the trainer and MaxText's dropless ragged all-to-all), the rows for peer p in its first slots;
+  3. arrivals, ordered by source then expert, are sorted (stably) by local expert for the grouped
+     matmul, padding last, in the last local expert's group (zero rows: nothing added to its
+     gradient). Their group sizes are laid out over all E experts, zero outside the device's own,
+     so the grouped matmul's meaning on the whole weights (the global form) is its meaning on the
+     device's experts (sharded_kernels.by_routing_group slices them under ep);
+  4. the way back undoes 3 and 2: each row returns to its own slot.
+Autograd's backward of each op is its jax.vjp: the all-to-all's transpose is the all-to-all back.
+"""
+import jax
+import jax.numpy as jnp
+
+from jax_op import jax_op
+
+
+class _OnGlobalArrays:
+    """Every device's piece one after another (R groups): the exchange is a transpose."""
+    @staticmethod
+    def exchange(a_RxPx_, ep):
+        R = a_RxPx_.shape[0]
+        grouped = a_RxPx_.reshape(R // ep, ep, *a_RxPx_.shape[1:])  # (group, source, destination, ...)
+        return jnp.swapaxes(grouped, 1, 2).reshape(a_RxPx_.shape)
+
+    @staticmethod
+    def ep_index(R, ep):
+        return jnp.arange(R) % ep
+
+
+class _OnOneDevice:
+    """One device's piece under shard_map (R = 1): the exchange is the ep axis's all-to-all."""
+    @staticmethod
+    def exchange(a_1xPx_, ep):
+        return jax.lax.all_to_all(a_1xPx_, "ep", split_axis=1, concat_axis=1, tiled=True)
+
+    @staticmethod
+    def ep_index(R, ep):
+        return jnp.full((R,), jax.lax.axis_index("ep"))
+
+
+def _arrival_order(from_RxPxL, M):
+    """(R, P M): the arrival slots (source p, slot j) sorted by local expert, padding (expert L) last."""
+    R, P, L = from_RxPxL.shape
+    ends_RxPxL = jnp.cumsum(from_RxPxL, -1)
+    expert_RxPxM = (jnp.arange(M)[None, None, :, None] >= ends_RxPxL[:, :, None, :]).sum(-1)  # searchsorted, right
+    return jnp.argsort(expert_RxPxM.reshape(R, P * M), axis=-1, stable=True)
+
+
+def _counts(sizes_RxE, ep, on):
+    """(sent, received): (R, P, L) rows each device sends each peer's experts / receives per local expert."""
+    R, E = sizes_RxE.shape
+    sent_RxPxL = sizes_RxE.reshape(R, ep, E // ep)
+    return sent_RxPxL, on.exchange(sent_RxPxL, ep)
+
+
+def _to_owners(x_NxD, sizes_RxE, ep, on):
+    (N, D), R = x_NxD.shape, sizes_RxE.shape[0]
+    M = N // R
+    sent_RxPxL, from_RxPxL = _counts(sizes_RxE, ep, on)                    # 1.
+    send_RxP = sent_RxPxL.sum(-1)
+    first_RxP = jnp.cumsum(send_RxP, -1) - send_RxP
+    j = jnp.arange(M)
+    row_RxPxM = jnp.minimum(first_RxP[..., None] + j, M - 1)               # 2. peer p's slot j: row first_p + j
+    kept_RxPxM = j < send_RxP[..., None]
+    x_RxMxD = x_NxD.reshape(R, M, D)
+    buf_RxPxMxD = jnp.where(kept_RxPxM[..., None],
+                            jnp.take_along_axis(x_RxMxD, row_RxPxM.reshape(R, -1, 1), 1).reshape(R, ep, M, D), 0)
+    arrived_RxPxMxD = on.exchange(buf_RxPxMxD, ep)
+    order_RxQ = _arrival_order(from_RxPxL, M)                              # 3. (Q = P M slots)
+    return jnp.take_along_axis(arrived_RxPxMxD.reshape(R, ep * M, D), order_RxQ[..., None], 1).reshape(R * ep * M, D)
+
+
+def _arrived_sizes(sizes_RxE, ep, on, rows):
+    """(R, E): the rows a device received per local expert (padding in its last), zero elsewhere."""
+    R, E = sizes_RxE.shape
+    _, from_RxPxL = _counts(sizes_RxE, ep, on)
+    local_RxL = from_RxPxL.sum(1)
+    local_RxL = local_RxL.at[:, -1].add(ep * rows - local_RxL.sum(-1))
+    mine_RxP = jax.nn.one_hot(on.ep_index(R, ep), ep, dtype=local_RxL.dtype)
+    return (mine_RxP[:, :, None] * local_RxL[:, None, :]).reshape(R, E)
+
+
+def _from_owners(y_QxF, sizes_RxE, ep, on):
+    R, E = sizes_RxE.shape
+    M, F, L = y_QxF.shape[0] // (R * ep), y_QxF.shape[1], E // ep
+    sent_RxPxL, from_RxPxL = _counts(sizes_RxE, ep, on)
+    order_RxQ = _arrival_order(from_RxPxL, M)                              # 4. undo 3
+    slots_RxQxF = jnp.take_along_axis(y_QxF.reshape(R, ep * M, F), jnp.argsort(order_RxQ, axis=-1)[..., None], 1)
+    back_RxPxMxF = on.exchange(slots_RxQxF.reshape(R, ep, M, F), ep)      # undo 2: row m as peer p computed it
+    send_RxP = sent_RxPxL.sum(-1)
+    first_RxP = jnp.cumsum(send_RxP, -1) - send_RxP
+    expert_RxM = (jnp.arange(M)[None, :, None] >= jnp.cumsum(sizes_RxE, -1)[:, None, :]).sum(-1)
+    peer_RxM = jnp.minimum(expert_RxM // L, ep - 1)
+    slot_RxM = peer_RxM * M + jnp.arange(M) - jnp.take_along_axis(first_RxP, peer_RxM, 1)
+    return jnp.take_along_axis(back_RxPxMxF.reshape(R, ep * M, F), slot_RxM[..., None], 1).reshape(R * M, F)
+
+
+ON_DEVICE = {}  # an op's JAX function -> the same function on one device's piece, under shard_map over the mesh
+
+
+@jax_op("ep_to_owners")
+def to_owners(x_NxD, sizes_RxE, *, ep):
+    """Each device's rows to the devices that own their experts, sorted there by expert (1-3)."""
+    return _to_owners(x_NxD, sizes_RxE, ep, _OnGlobalArrays)
+
+
+@jax_op("ep_arrived_sizes")
+def arrived_sizes(sizes_RxE, *, ep, rows):
+    """The grouped matmul's (R, E) group sizes of the rows to_owners delivered (3)."""
+    return _arrived_sizes(sizes_RxE, ep, _OnGlobalArrays, rows)
+
+
+@jax_op("ep_from_owners")
+def from_owners(y_QxF, sizes_RxE, *, ep):
+    """The experts' outputs back to their rows' devices, in the rows' order (4)."""
+    return _from_owners(y_QxF, sizes_RxE, ep, _OnGlobalArrays)
+
+
+ON_DEVICE.update({
+    to_owners.jax_fn: lambda x, sizes, *, ep: _to_owners(x, sizes, ep, _OnOneDevice),
+    arrived_sizes.jax_fn: lambda sizes, *, ep, rows: _arrived_sizes(sizes, ep, _OnOneDevice, rows),
+    from_owners.jax_fn: lambda y, sizes, *, ep: _from_owners(y, sizes, ep, _OnOneDevice)})
+
+
+class Exchange:
+    """model.MoE's dispatch (its route_through seam) in the compiled step: the rows to the devices that
+    own their experts, through `experts` there, and back (steps 1-4)."""
+
+    def __init__(self, ep):
+        self.ep = ep
+
+    def __call__(self, experts, x_MxD, group_sizes):
+        sizes_RxE = group_sizes if group_sizes.dim() == 2 else group_sizes[None]
+        rows = x_MxD.shape[0] // sizes_RxE.shape[0]
+        arrived_QxD = to_owners(x_MxD, sizes_RxE, ep=self.ep)
+        y_QxD = experts(arrived_QxD, arrived_sizes(sizes_RxE, ep=self.ep, rows=rows))
+        return from_owners(y_QxD, sizes_RxE, ep=self.ep)
+
+
+def route(model, ep):
+    """Each MoE block's rows through Exchange(ep) (its route_through seam); the names of the experts'
+    weights, which the compile's layout splits over ep (simplefsdp.py's choice: the block's own
+    (E, ...) parameters; its router is a child, FSDP-sharded as any weight)."""
+    from model import MoE
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, MoE):
+            module.route_through(Exchange(ep))
+            names |= {f"{prefix}.{name}" for name, _ in module.named_parameters(recurse=False)}
+    return names
