@@ -5,9 +5,9 @@
 
 The compile hands XLA one program over every device (GSPMD: global arrays, each split by a
 sharding), and an all-to-all has no form in that view: it exists on one device's piece. So the
-exchange is written twice over the same code, once on the global arrays, where sending is a
-transpose of (ep group, source, destination), and once on one device's piece under shard_map, where
-it is jax.lax.all_to_all over the mesh's `ep` axis (sharded_kernels.by_device). The first is the
+exchange is written once and run two ways: on the global arrays, where sending is a transpose of
+(ep group, source, destination), and on one device's piece under shard_map, where it is
+jax.lax.all_to_all over the mesh's `ep` axis (sharded_kernels.by_ep_exchange). The first is the
 eager form (jax_op.py makes each a PyTorch op; its fake shapes come from it), checked against the
 MoE's plain dispatch; the second is checked against the first on CPU devices (tests).
 

@@ -236,6 +236,16 @@ def run_here(experts, x_MxD, group_sizes_E):
     return experts(x_MxD, group_sizes_E)
 
 
+def autocast_rows(x):
+    """`x` in autocast's dtype under autocast (--dtype bf16 on fp32 weights): the grouped-matmul kernel
+    is a custom op, which autocast does not cast as it does the reference's matmuls."""
+    try:
+        on = torch.is_autocast_enabled(x.device.type)
+    except RuntimeError:  # (a device autocast does not know: meta)
+        return x
+    return x.to(torch.get_autocast_dtype(x.device.type)) if on else x
+
+
 class MoE(nn.Module):
     """Qwen 3-MoE block: softmax router, top-k, renormalized top-k weights, Switch-style load-balancing
     loss (arXiv 2101.03961). Dispatch: sort the T*k (token, expert) pairs by expert, run each expert's
@@ -275,7 +285,7 @@ class MoE(nn.Module):
         group_GxM, token_GxM = torch.arange(G, device=x_BxSxD.device)[:, None].expand_as(order_GxM), order_GxM // K
         # (bincount's output size depends on the data; scatter_add's does not, so it traces)
         sizes_GxE = expert_GxM.new_zeros(G, E).scatter_add(1, expert_GxM, torch.ones_like(expert_GxM))
-        x_MxD = x_GxNxD[group_GxM, token_GxM].reshape(-1, D)  # the groups one after another
+        x_MxD = autocast_rows(x_GxNxD[group_GxM, token_GxM].reshape(-1, D))  # the groups one after another
         y_MxD = self.dispatch(self.experts, x_MxD, sizes_GxE[0] if G == 1 else sizes_GxE)
         w_GxM = top_w_GxNxK.reshape(G, -1).gather(1, order_GxM)
         y_GxMxD = y_MxD.view(G, -1, D) * w_GxM[..., None].to(y_MxD.dtype)
@@ -289,8 +299,9 @@ class MoE(nn.Module):
         grouped matmul per weight; (G, E) sizes: G routing groups' rows one after another, each
         sorted). Under expert parallelism: this rank's experts, on the rows sent to it."""
         gmm = lookup_impl(GMM_IMPLS, self.args.moe_impl, "grouped matmul")
-        h_MxF = F.silu(gmm(x_MxD, self.w_gate_ExDxF, group_sizes_E)) * gmm(x_MxD, self.w_up_ExDxF, group_sizes_E)
-        return gmm(h_MxF, self.w_down_ExFxD, group_sizes_E)
+        w_gate, w_up, w_down = (autocast_rows(w) for w in (self.w_gate_ExDxF, self.w_up_ExDxF, self.w_down_ExFxD))
+        h_MxF = F.silu(gmm(x_MxD, w_gate, group_sizes_E)) * gmm(x_MxD, w_up, group_sizes_E)
+        return gmm(h_MxF, w_down, group_sizes_E)
 
 
 class Block(nn.Module):

@@ -244,17 +244,25 @@ def cp_terms(shape, lay, chip):
             + lay.microbatches * layers * 2 * ring_steps(lay.cp, chip) * chip.ici_latency_s)
 
 
-def exchanged_elems(shape):
-    """Elements a token a layer that minititan's ep exchange holds again for each other ep rank: its
-    traced dispatch (expert_parallel.AllToAll's padded form, expert_exchange.py in the compiled step)
-    sends each peer a buffer of all the rows a device routes, so a device's experts run on ep x its
-    routed rows, their SwiGLU activations and outputs that many (measured: Mixtral 8x7B's block at 2
-    sequences of 4096 a device on 8 v5p chips, ep=8, the compiler's temporaries 17.3 GiB, the planner
-    6.2 GiB without this, 16.3 with it: -6%). None for the capacity-padded einsum dispatch ("dispatch" matmuls:
-    its slots are the capacity's) nor a dense model."""
-    if not shape.n_experts or any(m.name == "dispatch" for m in shape.matmuls):
+EXCHANGE_COPIES = 4  # D-wide copies of a device's arrivals live at the exchange's peak: the send buffer, the
+#                      received one, the sorted one, the way back's (fitted to the compiler, below)
+
+
+def exchanged_elems(shape, ep):
+    """Elements a token a layer that minititan's ep exchange adds to a layer's peak: its traced
+    dispatch (expert_parallel.AllToAll's padded form, expert_exchange.py in the compiled step) sends
+    each peer a buffer of all the rows a device routes, so a device's experts run on ep x its routed
+    rows (their activations ep - 1 more times), and the rows' D-wide copies in the exchange are ep x
+    them too. Against the compiler's temporaries (bf16, --kernels pallas, v5p): Mixtral 8x7B's block
+    at ep=8, 2 x 4096 tokens a device, 17.3 GiB, planner 20.3 GiB (+18%; 6.2 without this term);
+    Qwen3-235B's (128 experts of 1536, top 8), 2 layers, 4096 tokens a device, ep=8 / 32: 16.9 / 55.5
+    GiB, planner 14.9 / 50.9 (-12% / -8%; 6.9 / 18.9 without it). None for the capacity-padded
+    einsum dispatch ("dispatch" matmuls: its slots are the capacity's) nor a dense model."""
+    if ep == 1 or not shape.n_experts or any(m.name == "dispatch" for m in shape.matmuls):
         return 0.0
-    return sum(shape.acts.get(name, 0.0) for name in ("mlpwi_0", "mlpwi_1", "mlp_act", "mlpwo"))
+    experts = sum(shape.acts.get(name, 0.0) for name in ("mlpwi_0", "mlpwi_1", "mlp_act", "mlpwo"))
+    routed_rows = shape.acts.get("mlpwo", 0.0) / shape.dim  # (rows a token: top_k x capacity)
+    return (ep - 1) * experts + ep * EXCHANGE_COPIES * routed_rows * shape.dim
 
 
 def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems, devices=1):
@@ -266,7 +274,7 @@ def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems, dev
     saved = device_elems * lay.act_bytes * tokens * shape.layers
     layer_peak = all_elems * lay.act_bytes * tokens                     # one layer, everything live
     layer_peak += kv_bytes(shape, lay) / lay.microbatches if lay.cp > 1 else 0.0   # (+ its gathered K/V)
-    layer_peak += (lay.ep - 1) * exchanged_elems(shape) * lay.act_bytes * tokens     # (+ ep's padded exchange)
+    layer_peak += exchanged_elems(shape, lay.ep) * lay.act_bytes * tokens            # (+ ep's padded exchange)
     logits_peak = 2 * lay.act_bytes * tokens * shape.vocab / lay.vocab_tiles if shape.vocab else 0.0  # logits + grad
     # the fused loss under FSDP: its head gathered whole (bf16) and that device's gradient of it, whole
     # until reduce-scattered (measured: Qwen3-8B on 256 v5p, two bf16 (151936, 4096) buffers at the peak)

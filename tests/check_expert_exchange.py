@@ -118,7 +118,7 @@ def test_expert_parallel_step_compiles_holding_a_devices_experts_and_the_planner
     0.885x), with the exchange's all-to-alls in the program (none under FSDP), the same 9 Mosaic
     calls a block, and the state a device the layout's shards (the planner's figure; the arguments
     add the TPU's tile padding). The planner's temporaries for the ep step, which count those buffers
-    (stepmodel.exchanged_elems), are within 10% of the compiler's (measured +3%; without them -23%)."""
+    (stepmodel.exchanged_elems), are within 10% of the compiler's (measured +7.5%; without them -23%)."""
     fsdp = compiled(*WIDE_EXPERTS)
     ep = compiled(*WIDE_EXPERTS, mesh="ici=4,ep=4")
     assert ep["compiler_fits"] and ep["fits"], ep["message"]

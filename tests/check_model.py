@@ -122,6 +122,21 @@ def test_gqa_attention_matches_loop_formula(window, segments):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_moe_experts_compute_in_autocasts_dtype_with_the_kernel_as_with_the_reference():
+    """Under autocast (--dtype bf16) the experts' outputs come out in the dtype autocast gives the
+    reference's matmuls (the oracle: autocast itself) with the Pallas grouped matmul too. The kernel
+    is a custom op, which autocast does not cast: before model.autocast_rows its rows and experts
+    stayed fp32 where the weights are (one process, --dtype bf16 --kernels pallas)."""
+    from model import run_here
+    seen = {}
+    for impl in ("reference", "gmm"):
+        moe = Transformer(dataclasses.replace(FLAVORS["qwen3_moe_debug"], moe_impl=impl, moe_groups=2)).layers[0].mlp
+        moe.route_through(lambda experts, x, sizes, impl=impl: seen.setdefault(impl, run_here(experts, x, sizes)))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            moe(torch.randn(2, 8, moe.args.dim))
+    assert seen["gmm"].dtype == seen["reference"].dtype == torch.bfloat16, {k: v.dtype for k, v in seen.items()}
+
+
 @pytest.mark.parametrize("groups,impl", [(1, "reference"), (4, "reference"), (8, "reference"), (4, "gmm")])
 def test_moe_dispatch_matches_per_token_dense(groups, impl):
     """The sorted dispatch (in `groups` routing groups, each sorted alone: one a device under --compile;
