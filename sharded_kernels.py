@@ -7,7 +7,7 @@ step_compile.py hands the whole step to XLA's SPMD partitioner (GSPMD), which sp
 over the devices by the layout's shardings. A Mosaic kernel is a custom call whose inside the
 partitioner cannot see: the TPU compiler refuses to split it (tpu_target.py). So each kernel is
 lowered as its JAX function (the one jax_op.py registered as a PyTorch op) under `jax.shard_map` over
-the data-parallel devices, dcn x ici: every device calls the kernel on its own rows of the batch, as
+the data-parallel devices, dcn x ici (x ep, which borrows them): every device calls the kernel on its own rows of the batch, as
 MaxText wraps its splash kernel. Where the kernel's result mixes rows (the loss is one mean over all
 of them) the devices combine their pieces with a psum. Per kernel, what each device holds:
 
@@ -29,14 +29,18 @@ of them) the devices combine their pieces with a psum. Per kernel, what each dev
                      tokens of each of R = moe_groups groups on its own, one group a device, so a
                      device's rows are its own tokens, sorted); the experts' weights w (E, D, F) whole
                      (FSDP gathers them). dx is the device's rows; dw, each device's part from its own
-                     rows, is summed over the devices as the loss head's (step 3).
+                     rows, is summed over the devices as the loss head's (step 3). Under ep: the rows
+                     expert_exchange.py delivered and the device's E / ep experts, dw summed over the
+                     devices of its ep rank.
+  ep exchange        expert_exchange.py's ops, a device's rows in and out: their one-device form,
+                     whose all-to-all crosses the ep axis (by_ep_exchange).
 
 The cost model does not see inside a Mosaic kernel (no FLOPs, ~0 s): with the kernels the compiler's
 FLOPs and step leave out attention's scores, the loss's projection and the experts' matmuls
 (step_compile.kernel_flops).
 Verified here: the compile (the kernels' Mosaic calls counted, the HBM they save) and, on CPU devices
 in interpret mode, the sharded loss, attention and grouped matmul against the unsharded JAX functions
-(tests/check_step_compile.py). Not verified: a run on a chip.
+(tests/check_step_compile.py), and the ep exchange against its global form (tests/check_expert_exchange.py). Not verified: a run on a chip.
 """
 import functools
 import math

@@ -197,7 +197,7 @@ def param_sharding(mesh, shape, stack=False, tp_dim=None, expert=False):
 
 
 def abstract_inputs(example, dims, devices, stacked, tp_dims=None, experts=None):
-    """ShapeDtypeStructs of the step's inputs on a (dcn, ici[, tp | cp]) mesh of the compile-only devices,
+    """ShapeDtypeStructs of the step's inputs on a (dcn, ici[, tp | cp | ep]) mesh of the compile-only devices,
     with the layout's shardings (`stacked`: a flag a parameter, a --scan stack's keeps its layer axis
     whole; `tp_dims`: a parameter's dim over tp, or None); and the outputs' (new weights and moments
     like the old, scalars whole). The batch is split over dcn x ici, whole over tp; under cp each
