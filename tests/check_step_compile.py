@@ -430,7 +430,7 @@ def child_reference_bytes():
     sizes = {}
 
     def compare(name, torch_vjp, jax_vjp, examples):
-        traced = make_fx(torch_vjp)(*examples)
+        traced = make_fx(torch_vjp, tracing_mode="fake")(*examples)  # (shapes only: the compile reads no values)
         forms = {"torch": run(copy.deepcopy(traced)), "ours": run(compile_graph.on_jax(copy.deepcopy(traced))),
                  "jax": jax_vjp}
         args = [jax.ShapeDtypeStruct(tuple(e.shape), jnp.int32 if e.dtype == torch.long else jnp.float32) for e in examples]
