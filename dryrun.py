@@ -347,8 +347,8 @@ def main(w, cfg):
 def compile_dims(w, cfg):
     """--compile's layout: --mesh; else, given --chips N (or --plan --chips N) or --topology's chips, the
     one --plan ranks first among those the compile lays out (dcn x ici x tp | cp: FSDP / HSDP, with tp or
-    cp where the step has no --scan or Pallas kernels, which they do not compile; ep within a slice,
-    without --scan; one slice for a --topology) under the memory policy of the compiled program (--remat off or on; --scan: each
+    cp where the step has no --scan or Pallas kernels, which they do not compile; ep within a slice;
+    one slice for a --topology) under the memory policy of the compiled program (--remat off or on; --scan: each
     layer's input kept, or offloaded with --offload); else one chip."""
     import mesh
     import tpu_target
@@ -360,7 +360,7 @@ def compile_dims(w, cfg):
     traced_remat = policy_name(policy) != "none"  # (the one trace saved_per_sample reads for it)
     traced = {traced_remat: w.saved_bytes(traced_remat)}
     tp_compiles = not getattr(cfg, "scan", False) and getattr(cfg, "kernels", "reference") != "pallas"  # (cp's too)
-    ep_compiles = lambda d: d["ep"] == 1 or (d["tp"] == d["cp"] == 1 and d["ici"] % d["ep"] == 0 and not getattr(cfg, "scan", False))
+    ep_compiles = lambda d: d["ep"] == 1 or (d["tp"] == d["cp"] == 1 and d["ici"] % d["ep"] == 0)
     lays_out = lambda d: ep_compiles(d) and (d["tp"] == d["cp"] == 1 or tp_compiles) and (d["dcn"] == 1 or not topology)
     rows = [r for r in layouts(w, chips, cfg.batch_size, cfg.chip, [policy], traced) if lays_out(mesh.mesh_dims(r["mesh"]))]
     if not rows:

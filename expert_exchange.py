@@ -160,11 +160,18 @@ class Exchange:
 def route(model, ep):
     """Each MoE block's rows through Exchange(ep) (its route_through seam); the names of the experts'
     weights, which the compile's layout splits over ep (simplefsdp.py's choice: the block's own
-    (E, ...) parameters; its router is a child, FSDP-sharded as any weight)."""
+    (E, ...) parameters; its router is a child, FSDP-sharded as any weight). Under --scan a stack's
+    one block is routed, once for every layer, and its experts' names are the stacked (L, E, ...) ones."""
+    import layer_scan
     from model import MoE
+
+    def routed(root):
+        for prefix, module in root.named_modules():
+            if isinstance(module, MoE):
+                module.route_through(Exchange(ep))
+                yield from (f"{prefix}.{name}" for name, _ in module.named_parameters(recurse=False))
     names = set()
     for prefix, module in model.named_modules():
-        if isinstance(module, MoE):
-            module.route_through(Exchange(ep))
-            names |= {f"{prefix}.{name}" for name, _ in module.named_parameters(recurse=False)}
-    return names
+        if isinstance(module, layer_scan.StackedLayers):
+            names |= {f"{prefix}.{module.stacked_name(n)}" for n in routed(module.block())}
+    return names | set(routed(model))

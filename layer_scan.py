@@ -289,13 +289,22 @@ class StackedLayers(nn.Module):
         self.names = [n for n, _ in layers[0].named_parameters()]
         for name in self.names:
             stacked = torch.stack([dict(layer.named_parameters())[name].detach() for layer in layers])
-            self.register_parameter(name.replace(".", "__"), nn.Parameter(stacked))
+            self.register_parameter(self.stacked_name(name), nn.Parameter(stacked))
         # each stacked weight's layer names in the model as built (materialize.seed_names fills it from them)
         self.origins = {n.replace(".", "__"): [built[id(dict(layer.named_parameters())[n])] for layer in layers]
                         for n in self.names} if built is not None else None
         self.block_id = len(_BLOCKS)
         _BLOCKS[self.block_id] = ScannedBlock(template, self.names)
         self.n_layers = len(layers)
+
+    def block(self):
+        """The one block every layer runs (on meta: code and shapes). A seam set on it (model.MoE's
+        route_through) holds for every layer; its parameter `name` is the stack's `stacked_name(name)`."""
+        return _BLOCKS[self.block_id].template
+
+    @staticmethod
+    def stacked_name(name):
+        return name.replace(".", "__")
 
     def gather_per_layer(self, fsdp):
         """Called by simplefsdp.data_parallel, which sharded this stack: the scan gathers per layer."""

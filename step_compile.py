@@ -178,13 +178,15 @@ def param_sharding(mesh, shape, stack=False, tp_dim=None, expert=False):
     the major part where both split one dim (tp's block of the weight, itself split over ici: FSDP2's
     (Shard(0), Shard(0)) over (dp, tp)); replicated where a dim does not divide. Under ep an `expert`
     weight (E, ...) is split over ep on its experts and over the mesh's ici (the rest of the
-    data-parallel devices) on another dim, as simplefsdp.py places it; the others over ici x ep."""
+    data-parallel devices) on another dim, as simplefsdp.py places it (a stack's (L, E, ...) on its
+    experts, the layer axis whole); the others over ici x ep."""
     from jax.sharding import NamedSharding, PartitionSpec
     sizes = dict(mesh.shape)
     ici, tp, cp, ep = sizes["ici"], sizes.get("tp", 1), sizes.get("cp", 1), sizes.get("ep", 1)
     local = [n // tp if d == tp_dim else n for d, n in enumerate(shape)]  # (the shape a tp rank holds)
-    if expert and ep > 1:
-        spec = ["ep", *spmd.partition_spec(tuple(local[1:]), ici)]
+    if expert and ep > 1:  # ((L, E, ...) in a --scan stack: the layer axis whole, the experts over ep)
+        lead = [None, "ep"] if stack else ["ep"]
+        spec = [*lead, *spmd.partition_spec(tuple(local[len(lead):]), ici)]
     elif ep > 1:
         spec = list(spmd.partition_spec(tuple(local), ici, stack, ep, inner="ep"))
     else:
@@ -280,8 +282,8 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     experts = program.expert_parallel(ep) if ep > 1 else set()
     gm, example = capture(program, remat, clip, dtype, microbatches)
     in_stack = {id(p) for m in program.model.modules() if isinstance(m, layer_scan.StackedLayers) for p in m.parameters()}
-    if (tp > 1 or ep > 1) and in_stack:  # (split_dims and the experts name the blocks' weights as built, not stacked)
-        raise ValueError("--compile with tp or ep and --scan is not built (nor is the trainer's)")
+    if tp > 1 and in_stack:  # (split_dims names the blocks' weights as built, not stacked)
+        raise ValueError("--compile with tp and --scan is not built (nor is the trainer's)")
     named = list(program.model.named_parameters())
     inputs, out_shardings = abstract_inputs(example, device_dims(dims, cores), devices,
                                             [id(p) in in_stack for p in program.model.parameters()],
