@@ -232,8 +232,9 @@ def test_planner_remat_policies_charge_what_they_free_and_offload_uses_the_host_
 def test_the_compiler_columns_stand_in_flavors_have_the_published_shapes():
     """planner/compile_column.FLAVOR_OF compiles a published model with no flavor of its own as a
     flavor and --set overrides: those give shapes.PLANNER_MODELS' published config (every shape
-    field; the rotary table's values aside), so the compiled program has the run's parameters. An
-    MoE run is compiled (Mixtral 8x7B); a run with expert parallelism is skipped, naming it."""
+    field; the rotary table's values aside), so the compiled program has the run's parameters. The
+    MoE runs are compiled, Mixtral 8x22B at its published ep=4 (before, skipped: the ep compile took
+    no --scan); a DDP run is skipped, naming it."""
     import dataclasses
     from flags import with_overrides
     from model import FLAVORS, param_counts
@@ -250,7 +251,10 @@ def test_the_compiler_columns_stand_in_flavors_have_the_published_shapes():
         assert param_counts(args) == param_counts(want), model
     runs = {r["id"]: r for r in calibrate.load()}
     assert compile_column.skip_reason(runs["maxtext_mixtral_8x7b_v5p_128"]) is None
-    assert "ep" in compile_column.skip_reason(runs["tpu_recipes_mixtral_8x22b_v6e_256"])
+    assert compile_column.skip_reason(runs["tpu_recipes_mixtral_8x22b_v6e_256"]) is None
+    command = compile_column.command(runs["tpu_recipes_mixtral_8x22b_v6e_256"])
+    assert command[command.index("--mesh") + 1] == "ici=256,ep=4", command
+    assert "DDP" in compile_column.skip_reason(runs["maxdiffusion_flux_dev_v5p_8"])
 
 
 def test_planner_lm_shape_counts_the_published_models_matmuls():
