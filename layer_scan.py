@@ -291,7 +291,7 @@ class StackedLayers(nn.Module):
             stacked = torch.stack([dict(layer.named_parameters())[name].detach() for layer in layers])
             self.register_parameter(self.stacked_name(name), nn.Parameter(stacked))
         # each stacked weight's layer names in the model as built (materialize.seed_names fills it from them)
-        self.origins = {n.replace(".", "__"): [built[id(dict(layer.named_parameters())[n])] for layer in layers]
+        self.origins = {self.stacked_name(n): [built[id(dict(layer.named_parameters())[n])] for layer in layers]
                         for n in self.names} if built is not None else None
         self.block_id = len(_BLOCKS)
         _BLOCKS[self.block_id] = ScannedBlock(template, self.names)
@@ -311,7 +311,7 @@ class StackedLayers(nn.Module):
         _BLOCKS[self.block_id].fsdp = fsdp
 
     def forward(self, h, cos, sin):
-        stacked = [getattr(self, n.replace(".", "__")) for n in self.names]
+        stacked = [getattr(self, self.stacked_name(n)) for n in self.names]
         if _BLOCKS[self.block_id].fsdp is not None:  # the ops get local shards; their gradients come
             stacked = [p.to_local(grad_placements=p.placements) for p in stacked]  # back reduced
         trace_block_vjp(self.block_id, h, cos, sin, stacked)
@@ -341,4 +341,4 @@ def unstack_into(stacked_pairs, plain_pairs):
         stack, blocks = getattr(owner_s, attr_s), getattr(owner_p, attr_p)
         for i, block in enumerate(blocks):
             for name in stack.names:
-                block.get_parameter(name).copy_(getattr(stack, name.replace(".", "__"))[i])
+                block.get_parameter(name).copy_(getattr(stack, stack.stacked_name(name))[i])

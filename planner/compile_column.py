@@ -22,9 +22,9 @@ So the planner's HBM beside it is for that same program (remat "full"); the publ
 planner figures (its remat policy, precision and kernels) are in `dryrun.py --calibrate`.
 An MoE's experts are our grouped-matmul kernel (dropless, one routing group a device: step_compile.
 lm_program), whatever the run's dispatch (MaxText's capacity-padded "dropped" einsums included).
-A run is skipped, with the reason, where the compile cannot express it: DDP, expert parallelism
-(compiled, but not under --scan), tensor parallelism (compiled, but not under --scan or with our
-kernels, as this column compiles).
+A run is skipped, with the reason, where the compile cannot express it: DDP, tensor parallelism
+(compiled, but not under --scan or with our kernels, as this column compiles). Expert parallelism
+is compiled at the run's ep (--mesh ...,ep=E).
 Ironwood compiles with its jax / libtpu pair first on PYTHONPATH (tpu_target.step_environment), its
 figures a chip (two devices to the compiler).
 """
