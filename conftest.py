@@ -4,13 +4,23 @@ command: `-n 2 --dist loadgroup`); a plain `pytest test_all.py` is untouched.
 Each file of tests/ is one unit of work (an xdist group), run by one worker in the file's own order:
 its tests share fixtures (the warm GRPO and vLLM starts, a layout's single-process oracle runs) and
 some look at every process on the machine (no vLLM engine left). xdist hands the units out as workers
-free up. Measured on this 2-core machine: 846 s against 931 s serial; the suite is CPU-bound (forked
+free up. Measured on this 2-core machine, on a smaller suite: 846 s against 931 s serial; the suite is CPU-bound (forked
 ranks, XLA children, compiles), so a second worker mostly fills the waits (vLLM's imports, watchdogs).
 
 `-m fast` picks the fast tier: one cheap oracle test per concept, marked `@pytest.mark.fast` in
 tests/ (README, "Checking a change").
 """
+import os
+
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # (xdist sets it before a worker loads this file, so before torch)
+    # One intra-op thread in every process of the suite (workers, the fork server, their children;
+    # torchrun's ranks have one already): two workers' processes fill the 2 cores, and OpenMP's second
+    # thread mostly spun waiting for the first. Measured here, the CPU busy all along either way: 3 of
+    # tests/' files in 175 s against 225, (OMP_WAIT_POLICY=PASSIVE alone: 195 s); the whole suite in
+    # 18.4 min against 19.9, the CPU busy 2089 s (-n 3 with two threads: 21.5 min, busy 2509 s).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config):

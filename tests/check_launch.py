@@ -31,7 +31,7 @@ def test_a_forked_child_is_a_fresh_process(tmp_path):
     ends as Python does, as subprocess reports it: sys.exit(3) -> 3, SIGTERM -> -15, an uncaught
     exception -> 1 with its traceback, os._exit(5) -> 5."""
     (tmp_path / "minititan_probe.py").write_text("")
-    env = {"PROBE": "x", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
+    env = {"PROBE": "x", "OMP_NUM_THREADS": "2", "PYTHONPATH": str(tmp_path)}  # (the suite's server has 1: conftest.py)
     real = subprocess.run([sys.executable, "-c", PROBE, "exit"], cwd=HERE, capture_output=True, text=True,
                           timeout=120, env={**os.environ, **env})
     for how, code in (("exit", 3), ("signal", -signal.SIGTERM), ("raise", 1), ("os_exit", 5)):

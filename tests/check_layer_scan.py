@@ -131,8 +131,12 @@ def test_layer_scan_under_simplefsdp_holds_one_gathered_layer_not_the_stack(corp
     print(f"\nper layer {layer / 1e6:.1f} MB; transient bytes in layers: "
           f"{ {k: {w: round(b / layer, 2) for w, b in v.items()} for k, v in transient.items()} }")
     assert transient["fsdp2"]["forward"] > stack and transient["fsdp2"]["transient"] > stack, transient
-    # forward: the layer in use and the next one's all-gather in flight (prefetch); measured 2.7 layers (at DIM 768 and 1024)
-    assert transient["simple"]["forward"] < 3 * layer, transient
+    # forward: by simplefsdp.LayerGather's order at most 2.5 layers are alive (the layer in use, the next
+    # one's all-gather in flight: its flat input, half a layer on 2 ranks, and its output; while that
+    # output is unpacked, the copies out of it replace the used layer). Measured 2.7 and 3.0 layers in
+    # runs on two machines (at DIM 768 and 1024: gloo's and the allocator's own buffers on top). Bound
+    # 3.5: the stack is 8, and a second layer prefetched would add 1.5
+    assert transient["simple"]["forward"] < 3.5 * layer, (transient["simple"]["forward"] / layer, transient)
     # forward + backward: also one layer's full gradients and the flat buckets of two reduce-scatters
     # in flight (this one's and the one overlapping the next layer's vjp); measured 5.1 layers
     assert transient["simple"]["transient"] < 6 * layer < stack, transient
