@@ -18,8 +18,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # (xdist sets it before a worker load
     # One intra-op thread in every process of the suite (workers, the fork server, their children;
     # torchrun's ranks have one already): two workers' processes fill the 2 cores, and OpenMP's second
     # thread mostly spun waiting for the first. Measured here, the CPU busy all along either way: 3 of
-    # tests/' files in 175 s against 225, (OMP_WAIT_POLICY=PASSIVE alone: 195 s); the whole suite in
-    # 18.4 min against 19.9, the CPU busy 2089 s (-n 3 with two threads: 21.5 min, busy 2509 s).
+    # tests/' files in 175 s against 225 (OMP_WAIT_POLICY=PASSIVE alone: 195 s), 2 others in 203
+    # against 218-222. The whole suite took 18.4 and 19.9 min with it against 18.2-21.0 without: the
+    # gain is inside the run-to-run spread there. (-n 3 with two threads: 21.5 min.)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
