@@ -167,9 +167,10 @@ class EngineHandle:
         data = self._read(n, deadline, what, timeout_s)
         try:
             status, value = pickle.loads(data)
-        except OSError:  # a reply's tensors come as file descriptors fetched from the engine while unpickling
-            # (torch's sharing over multiprocessing's resource sharer): an engine killed since it sent them
-            # refuses or resets that fetch, which is its death, not a failed write of ours
+        except (OSError, EOFError):  # a reply's tensors come as file descriptors fetched from the engine while
+            # unpickling (torch's sharing over multiprocessing's resource sharer): an engine killed since it
+            # sent them refuses or resets that fetch (OSError), or closes it mid-handshake (EOFError, seen
+            # in the suite): its death, not a failed write of ours
             if self._exit_code(wait_s=2.0) is not None:
                 self._died(what)
             raise
