@@ -77,15 +77,24 @@ def child_expert_exchange():
         sizes = ops["ep_arrived_sizes"].jax_fn(group_sizes, ep=ep, rows=M)
         y = ops["gmm"].jax_fn(arrived, w, sizes, **dict(zip(ops["gmm"].statics, gmm_statics)))
         return ops["ep_from_owners"].jax_fn(y, group_sizes, ep=ep)
-    out, pullback = jax.vjp(on_global_arrays, x, w)
-    cotangent = f32(*out.shape)
-    arrived = to_f(x, group_sizes, ep)
-    sizes = sizes_f(group_sizes, ep, M)
-    h = gmm_f(arrived, w, sizes, *gmm_statics)
-    (dh,) = back_b(h, group_sizes, cotangent, ep)
-    d_arrived, dw = gmm_b(arrived, w, sizes, dh, *gmm_statics)
-    (dx,) = to_b(x, group_sizes, d_arrived, ep)
-    got, want = [back_f(h, group_sizes, ep), dx, dw], [out, *pullback(cotangent)]
+
+    @jax.jit  # (each side one program, as in a step; op by op, every jnp op compiled alone: ~3x the time)
+    def global_chain(x, w, cotangent):
+        out, pullback = jax.vjp(on_global_arrays, x, w)
+        return [out, *pullback(cotangent)]
+
+    @jax.jit
+    def sharded_chain(x, w, group_sizes, cotangent):
+        arrived = to_f(x, group_sizes, ep)
+        sizes = sizes_f(group_sizes, ep, M)
+        h = gmm_f(arrived, w, sizes, *gmm_statics)
+        (dh,) = back_b(h, group_sizes, cotangent, ep)
+        d_arrived, dw = gmm_b(arrived, w, sizes, dh, *gmm_statics)
+        (dx,) = to_b(x, group_sizes, d_arrived, ep)
+        return [back_f(h, group_sizes, ep), dx, dw]
+    cotangent = f32(4 * M, 16)  # (the output's shape)
+    got, want = sharded_chain(x, w, group_sizes, cotangent), global_chain(x, w, cotangent)
+    out = want[0]
     expert_of_row = np.concatenate([np.repeat(np.arange(E), c) for c in counts])
     got.append(out)
     want.append(jnp.einsum("md,mdf->mf", x, w[expert_of_row]))
