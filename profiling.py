@@ -20,7 +20,8 @@ The breakdown is read from the written trace, not from the profiler object: each
 (its span less its children's, on the step's own thread) goes to one category by its name (CATEGORIES)
 or, for the optimizer, by the `minititan/optimizer` range it runs in (optim.py names it); the gaps
 between events (Python, the loop) are host / idle. The sum is compared with the step's wall time
-measured by the loop's own clock. Under torchrun every rank writes its own trace; rank 0 prints.
+measured by the loop's own clock, read inside the step's range and around it. Under torchrun every
+rank writes its own trace; rank 0 prints.
 """
 import contextlib
 import glob
@@ -143,7 +144,7 @@ class Profiler:
     def __init__(self, steps, out_dir, rank, device, prints=True):
         self.steps, self.rank, self.xla, self.prints = set(steps), rank, torch.device(device).type == "xla", prints
         self.dir = os.path.join(out_dir, "profile")
-        self.wall, self.traces, self.session = {}, [], None
+        self.wall, self.bracket, self.traces, self.session = {}, {}, [], None
 
     def skipped_notes(self, start):
         """A run resumed at step `start` never runs the --profile steps up to it: a `note:` naming them
@@ -163,10 +164,15 @@ class Profiler:
             return
         if self.session is None:
             self.session = self._start()
-        with self._range(f"ProfilerStep#{n}"):   # (the clock inside the range: a GC pause or a preemption
-            t0 = time.perf_counter()             # while the range opens or closes is in neither, not in one)
+        # The clock read twice: inside the range (the step itself: `measured`) and around it (the step
+        # with the range's opening and closing). The traced span lies between the two, whatever a GC
+        # pause or a preemption while the range opens or closes adds to it (that is in the outer only).
+        outer0 = time.perf_counter()
+        with self._range(f"ProfilerStep#{n}"):
+            t0 = time.perf_counter()
             yield
             self.wall[n] = time.perf_counter() - t0
+        self.bracket[n] = time.perf_counter() - outer0
         if n + 1 not in self.steps:   # the end of a block of consecutive steps: one trace file
             self._stop()
 
@@ -227,7 +233,8 @@ class Profiler:
         for path in self.traces:
             per_step.update(read(path))
         steps = sorted(set(per_step) & set(self.wall))
-        report = summarize({n: per_step[n] for n in steps}, {n: self.wall[n] for n in steps})
+        report = summarize({n: per_step[n] for n in steps}, {n: self.wall[n] for n in steps},
+                           {n: self.bracket[n] for n in steps})
         report.update(traces=self.traces, logdir=self.dir)
         with open(os.path.join(self.dir, f"breakdown_rank{self.rank}.json"), "w") as f:
             json.dump(report, f, indent=1)
@@ -237,12 +244,14 @@ class Profiler:
         return report
 
 
-def summarize(per_step, wall):
-    """Mean seconds a step by category over the traced steps, beside the loop's measured wall time."""
+def summarize(per_step, wall, bracket):
+    """Mean seconds a step by category over the traced steps, beside the loop's measured wall time
+    (inside the step's range) and the time around the range (`bracket_s`: the same, plus opening and
+    closing the range)."""
     n = max(len(per_step), 1)
     mean = {k: sum(s[k] for s in per_step.values()) / n for k in ORDER}
     return {"steps": sorted(per_step), "category_s": mean, "traced_s": sum(mean.values()),
-            "measured_s": sum(wall.values()) / n}
+            "measured_s": sum(wall.values()) / n, "bracket_s": sum(bracket.values()) / n}
 
 
 def describe(report):

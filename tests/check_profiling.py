@@ -43,12 +43,22 @@ def _breakdown(out, rank=0):
         return json.load(f)
 
 
+# Two clocks (the trace's and the loop's perf_counter): the traced span may lie outside [measured,
+# bracket] by their disagreement and the trace's microsecond timestamps. Measured here over 40 eager
+# steps of 256^3 matmuls: never outside (traced - measured 125-300 us, bracket - traced 40-4100 us);
+# CLOCKS_US is the allowance for the rounding (the check prints the size of a miss).
+CLOCKS_US = 50
+
+
 def _sums_to_the_clock(report):
-    """The categories, read from the trace, add up to the step time the loop measured, within 10%."""
+    """The categories, read from the trace, add up to the step time the loop measured: the traced span
+    lies between the clock read inside the step's range and the clock read around it. (A fixed ratio
+    failed on a busy machine: a preemption while the range closed put 2 ms, 17%, in the trace only.)"""
     assert set(report["category_s"]) == {"matmuls", "attention", "elementwise", "collectives", "optimizer", "host / idle"}
-    gap = report["traced_s"] - report["measured_s"]
-    assert abs(gap) <= 0.1 * report["measured_s"], f"traced - measured = {gap * 1e3:.2f} ms " \
-        f"({100 * gap / report['measured_s']:.1f}%): {report}"
+    traced, lo, hi = report["traced_s"], report["measured_s"], report["bracket_s"]
+    assert lo - CLOCKS_US * 1e-6 <= traced <= hi + CLOCKS_US * 1e-6, \
+        f"traced {traced * 1e3:.3f} ms is outside [measured {lo * 1e3:.3f}, around the range {hi * 1e3:.3f}] ms " \
+        f"by {max(lo - traced, traced - hi) * 1e6:.0f} us: {report}"
     assert abs(sum(report["category_s"].values()) - report["traced_s"]) < 1e-9
 
 
