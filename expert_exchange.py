@@ -18,8 +18,13 @@ L = E / ep. For a device's M rows, sorted by expert:
 
   1. counts: sizes (E,) viewed (ep, L): the rows it sends each peer, per peer expert; exchanged, the
      rows each peer sends it, per local expert;
-  2. the rows travel in a (ep, M, D) buffer, M slots a peer (the worst case: nothing dropped, as in
-     the trainer and MaxText's dropless ragged all-to-all), the rows for peer p in its first slots;
+  2. the rows travel in a (ep, C, D) buffer, C slots a peer, the rows for peer p in its first slots.
+     By default C = M, the worst case: nothing dropped, as in the trainer and MaxText's dropless
+     ragged all-to-all. With ModelArgs.ep_buffer_factor f > 0, C = min(M, ceil(f M / ep)): f times
+     a balanced peer's share (MaxText's ragged_buffer_factor). A device's rows for peer p past its
+     first C, in expert order, are dropped: they contribute nothing to the output (the token keeps
+     its residual and its other experts) nor to any gradient. The counts exchanged in 1 are the
+     kept ones;
   3. arrivals, ordered by source then expert, are sorted (stably) by local expert for the grouped
      matmul, padding last, in the last local expert's group (zero rows: nothing added to its
      gradient). Their group sizes are laid out over all E experts, zero outside the device's own,
@@ -28,6 +33,8 @@ L = E / ep. For a device's M rows, sorted by expert:
   4. the way back undoes 3 and 2: each row returns to its own slot.
 Autograd's backward of each op is its jax.vjp: the all-to-all's transpose is the all-to-all back.
 """
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -58,103 +65,112 @@ class _OnOneDevice:
         return jnp.full((R,), jax.lax.axis_index("ep"))
 
 
-def _arrival_order(from_RxPxL, M):
-    """(R, P M): the arrival slots (source p, slot j) sorted by local expert, padding (expert L) last."""
+def slots_a_peer(rows, ep, factor):
+    """C: the exchange's slots a peer for a device's `rows` routed rows (2)."""
+    return rows if factor <= 0 else min(rows, math.ceil(factor * rows / ep))
+
+
+def _arrival_order(from_RxPxL, C):
+    """(R, P C): the arrival slots (source p, slot j) sorted by local expert, padding (expert L) last."""
     R, P, L = from_RxPxL.shape
     ends_RxPxL = jnp.cumsum(from_RxPxL, -1)
-    expert_RxPxM = (jnp.arange(M)[None, None, :, None] >= ends_RxPxL[:, :, None, :]).sum(-1)  # searchsorted, right
-    return jnp.argsort(expert_RxPxM.reshape(R, P * M), axis=-1, stable=True)
+    expert_RxPxC = (jnp.arange(C)[None, None, :, None] >= ends_RxPxL[:, :, None, :]).sum(-1)  # searchsorted, right
+    return jnp.argsort(expert_RxPxC.reshape(R, P * C), axis=-1, stable=True)
 
 
-def _counts(sizes_RxE, ep, on):
-    """(sent, received): (R, P, L) rows each device sends each peer's experts / receives per local expert."""
+def _counts(sizes_RxE, ep, on, C):
+    """(first, kept, received): (R, P) the row each device's rows for peer p start at; (R, P, L) the rows
+    it keeps for each peer's experts (its first C for that peer, in expert order) / receives per local
+    expert."""
     R, E = sizes_RxE.shape
     sent_RxPxL = sizes_RxE.reshape(R, ep, E // ep)
-    return sent_RxPxL, on.exchange(sent_RxPxL, ep)
+    send_RxP = sent_RxPxL.sum(-1)
+    kept_ends_RxPxL = jnp.minimum(jnp.cumsum(sent_RxPxL, -1), C)
+    kept_RxPxL = jnp.diff(kept_ends_RxPxL, axis=-1, prepend=0)
+    return jnp.cumsum(send_RxP, -1) - send_RxP, kept_RxPxL, on.exchange(kept_RxPxL, ep)
 
 
-def _to_owners(x_NxD, sizes_RxE, ep, on):
+def _to_owners(x_NxD, sizes_RxE, ep, C, on):
     (N, D), R = x_NxD.shape, sizes_RxE.shape[0]
     M = N // R
-    sent_RxPxL, from_RxPxL = _counts(sizes_RxE, ep, on)                    # 1.
-    send_RxP = sent_RxPxL.sum(-1)
-    first_RxP = jnp.cumsum(send_RxP, -1) - send_RxP
-    j = jnp.arange(M)
-    row_RxPxM = jnp.minimum(first_RxP[..., None] + j, M - 1)               # 2. peer p's slot j: row first_p + j
-    kept_RxPxM = j < send_RxP[..., None]
+    first_RxP, kept_RxPxL, from_RxPxL = _counts(sizes_RxE, ep, on, C)     # 1.
+    j = jnp.arange(C)
+    row_RxPxC = jnp.minimum(first_RxP[..., None] + j, M - 1)               # 2. peer p's slot j: row first_p + j
+    kept_RxPxC = j < kept_RxPxL.sum(-1)[..., None]
     x_RxMxD = x_NxD.reshape(R, M, D)
-    buf_RxPxMxD = jnp.where(kept_RxPxM[..., None],
-                            jnp.take_along_axis(x_RxMxD, row_RxPxM.reshape(R, -1, 1), 1).reshape(R, ep, M, D), 0)
-    arrived_RxPxMxD = on.exchange(buf_RxPxMxD, ep)
-    order_RxQ = _arrival_order(from_RxPxL, M)                              # 3. (Q = P M slots)
-    return jnp.take_along_axis(arrived_RxPxMxD.reshape(R, ep * M, D), order_RxQ[..., None], 1).reshape(R * ep * M, D)
+    buf_RxPxCxD = jnp.where(kept_RxPxC[..., None],
+                            jnp.take_along_axis(x_RxMxD, row_RxPxC.reshape(R, -1, 1), 1).reshape(R, ep, C, D), 0)
+    arrived_RxPxCxD = on.exchange(buf_RxPxCxD, ep)
+    order_RxQ = _arrival_order(from_RxPxL, C)                              # 3. (Q = P C slots)
+    return jnp.take_along_axis(arrived_RxPxCxD.reshape(R, ep * C, D), order_RxQ[..., None], 1).reshape(R * ep * C, D)
 
 
-def _arrived_sizes(sizes_RxE, ep, on, rows):
+def _arrived_sizes(sizes_RxE, ep, C, on):
     """(R, E): the rows a device received per local expert (padding in its last), zero elsewhere."""
     R, E = sizes_RxE.shape
-    _, from_RxPxL = _counts(sizes_RxE, ep, on)
+    _, _, from_RxPxL = _counts(sizes_RxE, ep, on, C)
     local_RxL = from_RxPxL.sum(1)
-    local_RxL = local_RxL.at[:, -1].add(ep * rows - local_RxL.sum(-1))
+    local_RxL = local_RxL.at[:, -1].add(ep * C - local_RxL.sum(-1))
     mine_RxP = jax.nn.one_hot(on.ep_index(R, ep), ep, dtype=local_RxL.dtype)
     return (mine_RxP[:, :, None] * local_RxL[:, None, :]).reshape(R, E)
 
 
-def _from_owners(y_QxF, sizes_RxE, ep, on):
+def _from_owners(y_QxF, sizes_RxE, ep, M, on):
     R, E = sizes_RxE.shape
-    M, F, L = y_QxF.shape[0] // (R * ep), y_QxF.shape[1], E // ep
-    sent_RxPxL, from_RxPxL = _counts(sizes_RxE, ep, on)
-    order_RxQ = _arrival_order(from_RxPxL, M)                              # 4. undo 3
-    slots_RxQxF = jnp.take_along_axis(y_QxF.reshape(R, ep * M, F), jnp.argsort(order_RxQ, axis=-1)[..., None], 1)
-    back_RxPxMxF = on.exchange(slots_RxQxF.reshape(R, ep, M, F), ep)      # undo 2: row m as peer p computed it
-    send_RxP = sent_RxPxL.sum(-1)
-    first_RxP = jnp.cumsum(send_RxP, -1) - send_RxP
+    C, F, L = y_QxF.shape[0] // (R * ep), y_QxF.shape[1], E // ep
+    first_RxP, _, from_RxPxL = _counts(sizes_RxE, ep, on, C)
+    order_RxQ = _arrival_order(from_RxPxL, C)                              # 4. undo 3
+    slots_RxQxF = jnp.take_along_axis(y_QxF.reshape(R, ep * C, F), jnp.argsort(order_RxQ, axis=-1)[..., None], 1)
+    back_RxPxCxF = on.exchange(slots_RxQxF.reshape(R, ep, C, F), ep)      # undo 2: row m as peer p computed it
     expert_RxM = (jnp.arange(M)[None, :, None] >= jnp.cumsum(sizes_RxE, -1)[:, None, :]).sum(-1)
     peer_RxM = jnp.minimum(expert_RxM // L, ep - 1)
-    slot_RxM = peer_RxM * M + jnp.arange(M) - jnp.take_along_axis(first_RxP, peer_RxM, 1)
-    return jnp.take_along_axis(back_RxPxMxF.reshape(R, ep * M, F), slot_RxM[..., None], 1).reshape(R * M, F)
+    j_RxM = jnp.arange(M) - jnp.take_along_axis(first_RxP, peer_RxM, 1)   # row m's slot at its peer
+    y_RxMxF = jnp.take_along_axis(back_RxPxCxF.reshape(R, ep * C, F), (peer_RxM * C + jnp.minimum(j_RxM, C - 1))[..., None], 1)
+    return jnp.where((j_RxM < C)[..., None], y_RxMxF, 0).reshape(R * M, F)   # (a dropped row: nothing)
 
 
 ON_DEVICE = {}  # an op's JAX function -> the same function on one device's piece, under shard_map over the mesh
 
 
 @jax_op("ep_to_owners")
-def to_owners(x_NxD, sizes_RxE, *, ep):
-    """Each device's rows to the devices that own their experts, sorted there by expert (1-3)."""
-    return _to_owners(x_NxD, sizes_RxE, ep, _OnGlobalArrays)
+def to_owners(x_NxD, sizes_RxE, *, ep, slots):
+    """Each device's rows to the devices that own their experts, `slots` a peer, sorted there by
+    expert (1-3)."""
+    return _to_owners(x_NxD, sizes_RxE, ep, slots, _OnGlobalArrays)
 
 
 @jax_op("ep_arrived_sizes")
-def arrived_sizes(sizes_RxE, *, ep, rows):
+def arrived_sizes(sizes_RxE, *, ep, slots):
     """The grouped matmul's (R, E) group sizes of the rows to_owners delivered (3)."""
-    return _arrived_sizes(sizes_RxE, ep, _OnGlobalArrays, rows)
+    return _arrived_sizes(sizes_RxE, ep, slots, _OnGlobalArrays)
 
 
 @jax_op("ep_from_owners")
-def from_owners(y_QxF, sizes_RxE, *, ep):
-    """The experts' outputs back to their rows' devices, in the rows' order (4)."""
-    return _from_owners(y_QxF, sizes_RxE, ep, _OnGlobalArrays)
+def from_owners(y_QxF, sizes_RxE, *, ep, rows):
+    """The experts' outputs back to their rows' devices, in the rows' order, a dropped row's zero (4)."""
+    return _from_owners(y_QxF, sizes_RxE, ep, rows, _OnGlobalArrays)
 
 
 ON_DEVICE.update({
-    to_owners.jax_fn: lambda x, sizes, *, ep: _to_owners(x, sizes, ep, _OnOneDevice),
-    arrived_sizes.jax_fn: lambda sizes, *, ep, rows: _arrived_sizes(sizes, ep, _OnOneDevice, rows),
-    from_owners.jax_fn: lambda y, sizes, *, ep: _from_owners(y, sizes, ep, _OnOneDevice)})
+    to_owners.jax_fn: lambda x, sizes, *, ep, slots: _to_owners(x, sizes, ep, slots, _OnOneDevice),
+    arrived_sizes.jax_fn: lambda sizes, *, ep, slots: _arrived_sizes(sizes, ep, slots, _OnOneDevice),
+    from_owners.jax_fn: lambda y, sizes, *, ep, rows: _from_owners(y, sizes, ep, rows, _OnOneDevice)})
 
 
 class Exchange:
     """model.MoE's dispatch (its route_through seam) in the compiled step: the rows to the devices that
     own their experts, through `experts` there, and back (steps 1-4)."""
 
-    def __init__(self, ep):
-        self.ep = ep
+    def __init__(self, ep, buffer_factor=0.0):
+        self.ep, self.factor = ep, buffer_factor
 
     def __call__(self, experts, x_MxD, group_sizes):
         sizes_RxE = group_sizes if group_sizes.dim() == 2 else group_sizes[None]
         rows = x_MxD.shape[0] // sizes_RxE.shape[0]
-        arrived_QxD = to_owners(x_MxD, sizes_RxE, ep=self.ep)
-        y_QxD = experts(arrived_QxD, arrived_sizes(sizes_RxE, ep=self.ep, rows=rows))
-        return from_owners(y_QxD, sizes_RxE, ep=self.ep)
+        slots = slots_a_peer(rows, self.ep, self.factor)
+        arrived_QxD = to_owners(x_MxD, sizes_RxE, ep=self.ep, slots=slots)
+        y_QxD = experts(arrived_QxD, arrived_sizes(sizes_RxE, ep=self.ep, slots=slots))
+        return from_owners(y_QxD, sizes_RxE, ep=self.ep, rows=rows)
 
 
 def route(model, ep):
@@ -168,7 +184,7 @@ def route(model, ep):
     def routed(root):
         for prefix, module in root.named_modules():
             if isinstance(module, MoE):
-                module.route_through(Exchange(ep))
+                module.route_through(Exchange(ep, module.args.ep_buffer_factor))
                 yield from (f"{prefix}.{name}" for name, _ in module.named_parameters(recurse=False))
     names = set()
     for prefix, module in model.named_modules():

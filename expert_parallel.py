@@ -15,8 +15,9 @@ and come back to be combined with the router weights:
    rows every peer sends it, per local expert;
 2. the rows travel: eagerly with variable splits (the counts, read on the host); when traced
    (graph mode, XLA) shapes must be static, so each destination gets a buffer of the worst case
-   (all M rows), padded with zero rows, and nothing can be dropped (a capacity factor would
-   trade drops for memory; not built);
+   (all M rows), padded with zero rows, and nothing can be dropped (the step compiled for a TPU
+   can bound the buffers, dropping the overflow: ModelArgs.ep_buffer_factor, expert_exchange.py;
+   this trainer refuses it);
 3. arrivals are ordered by source rank, then expert: a stable sort by local expert makes them
    expert-major for the grouped matmul (padding rows last, in the last expert's group, where zero
    rows add nothing to its gradient), and the inverse permutation undoes it;

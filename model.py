@@ -53,6 +53,8 @@ def check_args(args):
                          f"{args.top_k}, n_experts={args.n_experts}, moe_ffn_dim={args.moe_ffn_dim}")
     if args.moe_groups < 1:
         raise ValueError(f"moe_groups must be >= 1, got {args.moe_groups}")
+    if not (args.ep_buffer_factor >= 0 and math.isfinite(args.ep_buffer_factor)):
+        raise ValueError(f"ep_buffer_factor must be >= 0 (0: dropless), got {args.ep_buffer_factor}")
     if args.sliding_window is not None and args.sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive (or none), got {args.sliding_window}")
     if args.doc_sep is not None and not 0 <= args.doc_sep < args.vocab_size:

@@ -20,8 +20,11 @@ holds 1/dcn of them. The compiler's cost model does not see inside a Mosaic kern
 so its step and MFU are the program outside the kernels' (their FLOPs left out on both sides).
 So the planner's HBM beside it is for that same program (remat "full"); the published layout's own
 planner figures (its remat policy, precision and kernels) are in `dryrun.py --calibrate`.
-An MoE's experts are our grouped-matmul kernel (dropless, one routing group a device: step_compile.
-lm_program), whatever the run's dispatch (MaxText's capacity-padded "dropped" einsums included).
+An MoE's experts are our grouped-matmul kernel (one routing group a device: step_compile.lm_program),
+whatever the run's dispatch (MaxText's capacity-padded "dropped" einsums included): dropless, but
+under ep a run's published capacity factor bounds the exchange's buffers (ep_buffer_factor: each
+peer a device's E / ep experts, so MaxText's per-expert cap is ours per peer: the same slots, fewer
+drops).
 A run is skipped, with the reason, where the compile cannot express it: DDP, tensor parallelism
 (compiled, but not under --scan or with our kernels, as this column compiles). Expert parallelism
 is compiled at the run's ep (--mesh ...,ep=E).
@@ -69,6 +72,7 @@ def command(run):
     return [sys.executable, os.path.join(ROOT, "train.py"), "--dry-run", "--compile", "--scan", "--kernels", "pallas",
             "--dtype", "bf16", *(["--offload"] if offload else []), "--chip", run["chip"],
             "--flavor", flavor, *extra, "--set", f"max_seq_len={run['seq_len']}",
+            *(["--set", f"ep_buffer_factor={run.get('capacity_factor', 0.0)}"] if run.get("ep", 1) > 1 else []),
             "--mesh", ",".join([*([f"dcn={run['dcn']}"] if run["dcn"] > 1 else []), f"ici={run['ici']}",
                                 *([f"ep={run['ep']}"] if run.get("ep", 1) > 1 else [])]),
             "--batch-size", str(run["global_batch"]), "--seq-len", str(run["seq_len"])]

@@ -72,6 +72,7 @@ class Shape:
     dim: int = 0
     n_experts: int = 0
     top_k: int = 0
+    ep_buffer_factor: float = 0.0  # ep's exchange buffers: f / ep of a device's rows a peer (0: all of them)
     model_flops: float = 0.0    # the usual count (6N + attention), for MFU
 
 
@@ -132,7 +133,8 @@ def lm_shape(a, seq, label="", capacity_factor=1.0, moe_dispatch="gmm", fused_lo
     return Shape(label, S, L, whole, layer, tuple(mm), dict(heads=H, head_dim=hd, seq=S, causal=True, layers=L, kv_heads=KV),
                  acts, recompute_of, elementwise, vocab=0 if fused_loss else a.vocab_size,
                  loss_head=a.vocab_size * D if fused_loss else 0, dim=D,
-                 n_experts=a.n_experts, top_k=a.top_k, model_flops=flops_per_token(a, S) * S,
+                 n_experts=a.n_experts, top_k=a.top_k, ep_buffer_factor=a.ep_buffer_factor,
+                 model_flops=flops_per_token(a, S) * S,
                  aliases=aliases, internal=("norms", "mlp_act"), unread=("mlpwo",))
 
 

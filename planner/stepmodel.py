@@ -257,12 +257,15 @@ def exchanged_elems(shape, ep):
     at ep=8, 2 x 4096 tokens a device, 17.3 GiB, planner 20.3 GiB (+18%; 6.2 without this term);
     Qwen3-235B's (128 experts of 1536, top 8), 2 layers, 4096 tokens a device, ep=8 / 32: 16.9 / 55.5
     GiB, planner 14.9 / 50.9 (-12% / -8%; 6.9 / 18.9 without it). None for the capacity-padded
-    einsum dispatch ("dispatch" matmuls: its slots are the capacity's) nor a dense model."""
+    einsum dispatch ("dispatch" matmuls: its slots are the capacity's) nor a dense model.
+    A buffer factor f > 0 (shape.ep_buffer_factor: ModelArgs') has a peer's buffer hold f / ep of
+    a device's rows, so the ep x above is min(ep, f)."""
     if ep == 1 or not shape.n_experts or any(m.name == "dispatch" for m in shape.matmuls):
         return 0.0
     experts = sum(shape.acts.get(name, 0.0) for name in ("mlpwi_0", "mlpwi_1", "mlp_act", "mlpwo"))
     routed_rows = shape.acts.get("mlpwo", 0.0) / shape.dim  # (rows a token: top_k x capacity)
-    return (ep - 1) * experts + ep * EXCHANGE_COPIES * routed_rows * shape.dim
+    copies = min(ep, shape.ep_buffer_factor) if shape.ep_buffer_factor > 0 else ep   # a device's rows its experts run on, in units of its own
+    return (copies - 1) * experts + copies * EXCHANGE_COPIES * routed_rows * shape.dim
 
 
 def memory_terms(shape, lay, shard, gathered, fsdp, device_elems, all_elems, devices=1):
