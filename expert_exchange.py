@@ -173,9 +173,9 @@ class Exchange:
         return from_owners(y_QxD, sizes_RxE, ep=self.ep, rows=rows)
 
 
-def route(model, ep):
-    """Each MoE block's rows through Exchange(ep) (its route_through seam); the names of the experts'
-    weights, which the compile's layout splits over ep (simplefsdp.py's choice: the block's own
+def route(model, ep, buffer_factor=0.0):
+    """Each MoE block's rows through Exchange(ep, buffer_factor) (its route_through seam); the names of
+    the experts' weights, which the compile's layout splits over ep (simplefsdp.py's choice: the block's own
     (E, ...) parameters; its router is a child, FSDP-sharded as any weight). Under --scan a stack's
     one block is routed, once for every layer, and its experts' names are the stacked (L, E, ...) ones."""
     import layer_scan
@@ -184,7 +184,7 @@ def route(model, ep):
     def routed(root):
         for prefix, module in root.named_modules():
             if isinstance(module, MoE):
-                module.route_through(Exchange(ep, module.args.ep_buffer_factor))
+                module.route_through(Exchange(ep, buffer_factor))
                 yield from (f"{prefix}.{name}" for name, _ in module.named_parameters(recurse=False))
     names = set()
     for prefix, module in model.named_modules():

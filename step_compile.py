@@ -110,7 +110,7 @@ def lm_program(args, batch_size, seq_len, saved_bytes, shards=1):
     return Program(model, next_token_loss, (ids, ids), saved_bytes, kernel_flops(args, batch_size * seq_len, seq_len),
                    tp_split=None if args.n_experts else tensor_parallel.split_dims(model),
                    loss_reduction="mean", split_sequence=lambda cp: model.split_sequence(context_parallel.HeadTailOrder(cp)),
-                   expert_parallel=(lambda ep: expert_exchange.route(model, ep)) if args.n_experts else None)
+                   expert_parallel=(lambda ep: expert_exchange.route(model, ep, args.ep_buffer_factor)) if args.n_experts else None)
 
 
 
