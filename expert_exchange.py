@@ -125,7 +125,8 @@ def _from_owners(y_QxF, sizes_RxE, ep, M, on):
     expert_RxM = (jnp.arange(M)[None, :, None] >= jnp.cumsum(sizes_RxE, -1)[:, None, :]).sum(-1)
     peer_RxM = jnp.minimum(expert_RxM // L, ep - 1)
     j_RxM = jnp.arange(M) - jnp.take_along_axis(first_RxP, peer_RxM, 1)   # row m's slot at its peer
-    y_RxMxF = jnp.take_along_axis(back_RxPxCxF.reshape(R, ep * C, F), (peer_RxM * C + jnp.minimum(j_RxM, C - 1))[..., None], 1)
+    slot_RxM = peer_RxM * C + jnp.minimum(j_RxM, C - 1)
+    y_RxMxF = jnp.take_along_axis(back_RxPxCxF.reshape(R, ep * C, F), slot_RxM[..., None], 1)
     return jnp.where((j_RxM < C)[..., None], y_RxMxF, 0).reshape(R * M, F)   # (a dropped row: nothing)
 
 

@@ -62,9 +62,10 @@ class LanguageModelFamily(ModelFamily):
                 raise ValueError(f"vocab_size {args.vocab_size} is smaller than the data's {data.BYTE_VOCAB} byte values")
             args = tpu_config(args) if cfg.kernels == "pallas" else args
             check_args(args)
-            if args.ep_buffer_factor > 0 and not getattr(cfg, "dry_run", False):  # (expert_parallel.AllToAll: dropless)
-                raise ValueError(f"ep_buffer_factor={args.ep_buffer_factor} is built for the step compiled for a TPU "
-                                 "(--dry-run --compile with ep > 1) and the planner; the trainer's exchange is dropless (0)")
+            if args.ep_buffer_factor > 0 and not getattr(cfg, "dry_run", False):  # (expert_parallel: dropless)
+                raise ValueError(f"ep_buffer_factor={args.ep_buffer_factor} is built for the step compiled for a "
+                                 "TPU (--dry-run --compile with ep > 1) and the planner; the trainer's exchange is "
+                                 "dropless (0)")
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return args

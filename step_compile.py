@@ -81,7 +81,8 @@ class Program:
     saved_bytes: object = None
     kernel_flops: float = 0.0
     expert_parallel: object = None  # ep -> names of the parameters split over ep, the model's MoE blocks now
-    #                                 routed through expert_exchange.Exchange(ep) (None: no experts)
+    #                                 routed through expert_exchange.Exchange(ep, the args' ep_buffer_factor)
+    #                                 (None: no experts)
     twin: object = None  # (mesh, clip) -> (jax fn, its abstract inputs, donated argnums): the same step written
     #                      in JAX, compiled beside ours (FLUX's flux/jax_step.py: flux/compiled.py)
     stacks: object = None  # model -> [(owner, attribute)] of its block stacks for --scan (the family's

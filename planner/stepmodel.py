@@ -264,7 +264,8 @@ def exchanged_elems(shape, ep):
         return 0.0
     experts = sum(shape.acts.get(name, 0.0) for name in ("mlpwi_0", "mlpwi_1", "mlp_act", "mlpwo"))
     routed_rows = shape.acts.get("mlpwo", 0.0) / shape.dim  # (rows a token: top_k x capacity)
-    copies = min(ep, shape.ep_buffer_factor) if shape.ep_buffer_factor > 0 else ep   # a device's rows its experts run on, in units of its own
+    # the rows a device's experts run on, in units of its own routed rows
+    copies = min(ep, shape.ep_buffer_factor) if shape.ep_buffer_factor > 0 else ep
     return (copies - 1) * experts + copies * EXCHANGE_COPIES * routed_rows * shape.dim
 
 

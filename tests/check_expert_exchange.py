@@ -13,16 +13,11 @@ from tests.check_step_compile import compile_run, compiled
 from tests.common import run_train
 
 
-@pytest.mark.fast
-def test_the_exchange_routes_every_row_as_the_plain_moe_does():
-    """An MoE block routed through expert_exchange.Exchange (4 routing groups, ep = 2 and 4: the rows
-    sent to their experts' devices in padded buffers, sorted there, and back) against the same block
-    with every expert where the rows are (model.run_here): the output and the gradients of the
-    input, the router and the three expert weights equal, relative to the largest value, within 1e-6
-    (measured: at most 3.5e-7, the grouped matmul's sums in another order; a row sent to the wrong
-    device or slot is off by O(1))."""
-    import expert_exchange
-    from model import MoE, run_here
+def _moe_block_run():
+    """(args, run): qwen3_moe_debug's MoE block in 4 routing groups of 16 tokens; run(dispatch) is its
+    output and the gradients of the input, the router and the three expert weights, routed through
+    `dispatch` (the block's route_through seam)."""
+    from model import MoE
     from model_args import FLAVORS
     args = dataclasses.replace(FLAVORS["qwen3_moe_debug"], moe_groups=4)
     torch.manual_seed(0)
@@ -39,6 +34,20 @@ def test_the_exchange_routes_every_row_as_the_plain_moe_does():
         out, _ = moe(x)
         (out * weights).sum().backward()
         return [out.detach(), x.grad.clone()] + [p.grad.clone() for p in moe.parameters()]
+    return args, run
+
+
+@pytest.mark.fast
+def test_the_exchange_routes_every_row_as_the_plain_moe_does():
+    """An MoE block routed through expert_exchange.Exchange (4 routing groups, ep = 2 and 4: the rows
+    sent to their experts' devices in padded buffers, sorted there, and back) against the same block
+    with every expert where the rows are (model.run_here): the output and the gradients of the
+    input, the router and the three expert weights equal, relative to the largest value, within 1e-6
+    (measured: at most 3.5e-7, the grouped matmul's sums in another order; a row sent to the wrong
+    device or slot is off by O(1))."""
+    import expert_exchange
+    from model import run_here
+    _, run = _moe_block_run()
     want = run(run_here)
     for ep in (2, 4):
         got = run(expert_exchange.Exchange(ep))
@@ -76,23 +85,8 @@ def test_a_buffer_factor_drops_the_rows_past_a_peers_slots_as_the_rule_says():
     (counted; a dropped row counted as kept is off by O(1)); f = ep keeps every row: the dropless
     output, and C never exceeds M."""
     import expert_exchange
-    from model import MoE, run_here
-    from model_args import FLAVORS
-    args = dataclasses.replace(FLAVORS["qwen3_moe_debug"], moe_groups=4)
-    torch.manual_seed(0)
-    moe = MoE(args)
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    x = torch.randn(4, 16, args.dim, requires_grad=True)
-    weights = torch.linspace(-1, 1, x.numel()).view_as(x)
-
-    def run(dispatch):
-        moe.route_through(dispatch)
-        moe.zero_grad()
-        x.grad = None
-        out, _ = moe(x)
-        (out * weights).sum().backward()
-        return [out.detach(), x.grad.clone()] + [p.grad.clone() for p in moe.parameters()]
+    from model import run_here
+    args, run = _moe_block_run()
     M = 16 * args.top_k  # rows a routing group
     for ep, factor in ((2, 1.0), (4, 1.0), (4, 0.5)):
         rule = _dropping_past(expert_exchange.slots_a_peer(M, ep, factor), ep)
