@@ -91,8 +91,9 @@ def lm_workload(args, flavor, seq_len):
 
     def check(dims):
         cp = dims.get("cp", 1)
-        if args.ep_buffer_factor > 0 and dims["ep"] == 1:
-            return f"ep_buffer_factor={args.ep_buffer_factor} sizes ep's exchange: it needs ep > 1"
+        refusal = expert_parallel.check_buffer_factor(args, dims["ep"])
+        if refusal:
+            return refusal
         if cp > 1 and (dims["tp"] > 1 or dims["ep"] > 1 or seq_len % (2 * cp)):
             return f"cp={cp} is built beside FSDP / HSDP only, on a --seq-len divisible by 2 x cp"
         for size, refusal_of in ((dims["tp"], tensor_parallel.check), (dims["ep"], expert_parallel.check)):

@@ -19,12 +19,12 @@ L = E / ep. For a device's M rows, sorted by expert:
   1. counts: sizes (E,) viewed (ep, L): the rows it sends each peer, per peer expert; exchanged, the
      rows each peer sends it, per local expert;
   2. the rows travel in a (ep, C, D) buffer, C slots a peer, the rows for peer p in its first slots.
-     By default C = M, the worst case: nothing dropped, as in the trainer and MaxText's dropless
-     ragged all-to-all. With ModelArgs.ep_buffer_factor f > 0, C = min(M, ceil(f M / ep)): f times
-     a balanced peer's share (MaxText's ragged_buffer_factor). A device's rows for peer p past its
-     first C, in expert order, are dropped: they contribute nothing to the output (the token keeps
-     its residual and its other experts) nor to any gradient. The counts exchanged in 1 are the
-     kept ones;
+     By default C = M, the worst case: nothing dropped, as in MaxText's dropless ragged all-to-all.
+     With ModelArgs.ep_buffer_factor f > 0, C = min(M, ceil(f M / ep)): f times a balanced peer's
+     share (MaxText's ragged_buffer_factor; the trainer's rule, expert_parallel.slots_a_peer). A
+     device's rows for peer p past its first C, in expert order, are dropped: they contribute
+     nothing to the output (the token keeps its residual and its other experts) nor to any
+     gradient. The counts exchanged in 1 are the kept ones;
   3. arrivals, ordered by source then expert, are sorted (stably) by local expert for the grouped
      matmul, padding last, in the last local expert's group (zero rows: nothing added to its
      gradient). Their group sizes are laid out over all E experts, zero outside the device's own,
@@ -33,11 +33,10 @@ L = E / ep. For a device's M rows, sorted by expert:
   4. the way back undoes 3 and 2: each row returns to its own slot.
 Autograd's backward of each op is its jax.vjp: the all-to-all's transpose is the all-to-all back.
 """
-import math
-
 import jax
 import jax.numpy as jnp
 
+from expert_parallel import slots_a_peer  # (C: the trainer's rule)
 from jax_op import jax_op
 
 
@@ -63,11 +62,6 @@ class _OnOneDevice:
     @staticmethod
     def ep_index(R, ep):
         return jnp.full((R,), jax.lax.axis_index("ep"))
-
-
-def slots_a_peer(rows, ep, factor):
-    """C: the exchange's slots a peer for a device's `rows` routed rows (2)."""
-    return rows if factor <= 0 else min(rows, math.ceil(factor * rows / ep))
 
 
 def _arrival_order(from_RxPxL, C):

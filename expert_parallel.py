@@ -11,13 +11,16 @@ and come back to be combined with the router weights:
 
     rows sorted by expert (M, D) --all-to-all--> rows for my experts --gmm--> --all-to-all--> (M, D)
 
-1. exchange counts: an all-to-all of group_sizes (E,) viewed (ep, E/ep) tells each rank how many
-   rows every peer sends it, per local expert;
+1. counts: group_sizes (E,) viewed (ep, E/ep): the rows I route to each peer, per peer expert; an
+   all-to-all of them tells each rank how many rows every peer sends it, per local expert;
 2. the rows travel: eagerly with variable splits (the counts, read on the host); when traced
-   (graph mode, XLA) shapes must be static, so each destination gets a buffer of the worst case
-   (all M rows), padded with zero rows, and nothing can be dropped (the step compiled for a TPU
-   can bound the buffers, dropping the overflow: ModelArgs.ep_buffer_factor, expert_exchange.py;
-   this trainer refuses it);
+   (graph mode, XLA) shapes must be static, so each peer gets a buffer of C slots, padded with zero
+   rows. By default C = M, all the rows a rank routes: the worst case, nothing dropped (MaxText's
+   dropless ragged all-to-all). A buffer factor f > 0 (ModelArgs.ep_buffer_factor, MaxText's
+   ragged_buffer_factor) makes C = min(M, ceil(f M / ep)), f times a balanced peer's share: a
+   rank's rows for one peer past its first C, in expert order, are dropped (no expert output, the
+   token keeps its residual and its other experts; no gradient), eagerly too, so both forms drop
+   the same rows; the counts exchanged in 1 are the kept ones;
 3. arrivals are ordered by source rank, then expert: a stable sort by local expert makes them
    expert-major for the grouped matmul (padding rows last, in the last expert's group, where zero
    rows add nothing to its gradient), and the inverse permutation undoes it;
@@ -25,8 +28,11 @@ and come back to be combined with the router weights:
 
 The experts' gradient on their owner sums the ep ranks' losses; the data-parallel mean counts each
 rank once, so it is scaled by 1/ep (simplefsdp.py places expert weights as Shard(expert) over ep
-and FSDP-shards them over the remaining data-parallel ranks).
+and FSDP-shards them over the remaining data-parallel ranks). The step compiled for a TPU pod runs
+this exchange as JAX ops (expert_exchange.py), with the same C and the same rows dropped.
 """
+import math
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch._guards import detect_fake_mode
@@ -44,20 +50,40 @@ def check(args, ep):
     return None
 
 
+def check_buffer_factor(args, ep):
+    """The buffer factor sizes ep's exchange: without one (ep = 1) it would do nothing, silently."""
+    if args.ep_buffer_factor > 0 and ep == 1:
+        return f"ep_buffer_factor={args.ep_buffer_factor} sizes ep's exchange: it needs ep > 1"
+    return None
+
+
+def slots_a_peer(rows, ep, factor):
+    """C (2): the slots each peer's buffer has for a rank's `rows` routed rows (factor 0: all of them)."""
+    return rows if factor <= 0 else min(rows, math.ceil(factor * rows / ep))
+
+
 class AllToAll:
     """An MoE dispatch (model.MoE.route_through) that sends rows to the ranks owning their experts;
     the module's `experts` then holds (and runs) only this rank's E/ep experts."""
 
-    def __init__(self, ep_mesh):
+    def __init__(self, ep_mesh, buffer_factor=0.0):
         self.mesh, self.group, self.ep = ep_mesh, ep_mesh.get_group("ep"), ep_mesh.size(1)
+        self.buffer_factor = buffer_factor
 
     def __call__(self, experts, x_MxD, group_sizes_E):
-        ep, E = self.ep, group_sizes_E.shape[0]
-        to_peer_RxL = group_sizes_E.view(ep, E // ep)                       # rows I send, per peer expert
-        from_peer_RxL = funcol.all_to_all_single(to_peer_RxL.reshape(-1), None, None, self.group).view(ep, E // ep)
+        (M, _), ep, E = x_MxD.shape, self.ep, group_sizes_E.shape[0]
+        C = slots_a_peer(M, ep, self.buffer_factor)
+        sent_RxL = group_sizes_E.view(ep, E // ep)                          # 1. rows I route, per peer expert
+        kept_RxL = torch.diff(torch.cumsum(sent_RxL, 1).clamp(max=C), dim=1, prepend=sent_RxL[:, :1] * 0)
+        from_peer_RxL = funcol.all_to_all_single(kept_RxL.reshape(-1), None, None, self.group).view(ep, E // ep)
+        # my sorted row m: its peer r (its expert // L), its place among my rows for r; kept if place < C
+        sent_R = sent_RxL.sum(1)
+        first_R = torch.cumsum(sent_R, 0) - sent_R
+        peer_M = torch.repeat_interleave(torch.arange(ep, device=x_MxD.device), sent_R, output_size=M)
+        place_M = torch.arange(M, device=x_MxD.device) - first_R[peer_M]
         if detect_fake_mode(x_MxD) is None:
-            return self._ragged(experts, x_MxD, to_peer_RxL, from_peer_RxL)
-        return self._padded(experts, x_MxD, to_peer_RxL, from_peer_RxL)
+            return self._ragged(experts, x_MxD, kept_RxL, from_peer_RxL, place_M < C)
+        return self._padded(experts, x_MxD, first_R, kept_RxL, from_peer_RxL, peer_M * C + place_M, place_M < C, C)
 
     @staticmethod
     def _local(experts, x_NxD, expert_N, sizes_L):
@@ -66,39 +92,40 @@ class AllToAll:
         y = experts(x_NxD[order], sizes_L)
         return torch.empty_like(y).index_copy(0, order, y)  # (the inverse permutation)
 
-    def _ragged(self, experts, x_MxD, to_peer_RxL, from_peer_RxL):
-        send, recv = to_peer_RxL.sum(1).tolist(), from_peer_RxL.sum(1).tolist()  # (host sync: eager)
-        x_NxD = funcol.all_to_all_single_autograd(x_MxD, recv, send, self.group)
+    def _ragged(self, experts, x_MxD, kept_RxL, from_peer_RxL, kept_M):
+        send, recv = kept_RxL.sum(1).tolist(), from_peer_RxL.sum(1).tolist()  # (host sync: eager)
+        rows_K = kept_M.nonzero().squeeze(1)                              # (all M rows without a buffer factor)
+        x_NxD = funcol.all_to_all_single_autograd(x_MxD[rows_K], recv, send, self.group)
         L = from_peer_RxL.shape[1]
         expert_N = torch.arange(L, device=x_MxD.device).repeat(self.ep).repeat_interleave(from_peer_RxL.reshape(-1))
         y_NxD = self._local(experts, x_NxD, expert_N, from_peer_RxL.sum(0))
-        return funcol.all_to_all_single_autograd(y_NxD, send, recv, self.group)
+        y_KxD = funcol.all_to_all_single_autograd(y_NxD, send, recv, self.group)
+        return y_KxD.new_zeros(x_MxD.shape[0], y_KxD.shape[1]).index_copy(0, rows_K, y_KxD)  # dropped rows: 0
 
-    def _padded(self, experts, x_MxD, to_peer_RxL, from_peer_RxL):
-        M, (ep, L) = x_MxD.shape[0], to_peer_RxL.shape
-        # my sorted row m goes to peer r = its expert // L, slot m - (rows before r's first)
-        send_R = to_peer_RxL.sum(1)
-        first_R = torch.cumsum(send_R, 0) - send_R
-        peer_M = torch.repeat_interleave(torch.arange(ep, device=x_MxD.device), send_R, output_size=M)
-        slot_M = peer_M * M + torch.arange(M, device=x_MxD.device) - first_R[peer_M]
-        buf = x_MxD.new_zeros(ep * M, x_MxD.shape[1]).index_copy(0, slot_M, x_MxD)
-        x_NxD = funcol.all_to_all_single_autograd(buf, None, None, self.group)  # (ep * M, D), equal splits
-        # arrival from peer r, slot j: valid if j < its count; its local expert from the counts
-        j_RxM = torch.arange(M, device=x_MxD.device).expand(ep, M)
+    def _padded(self, experts, x_MxD, first_R, kept_RxL, from_peer_RxL, slot_M, kept_M, C):
+        (M, D), (ep, L) = x_MxD.shape, kept_RxL.shape
+        # 2. peer r's slot j holds my row first_r + j while j < its kept count, else the zero row (index M)
+        j_C = torch.arange(C, device=x_MxD.device)
+        row_RxC = torch.where(j_C < kept_RxL.sum(1, keepdim=True), first_R[:, None] + j_C, M)
+        buf = torch.cat([x_MxD, x_MxD.new_zeros(1, D)])[row_RxC.reshape(-1)]
+        x_NxD = funcol.all_to_all_single_autograd(buf, None, None, self.group)  # (ep * C, D), equal splits
+        # 3. arrival from peer r, slot j: valid if j < its count; its local expert from the counts
         ends_RxL = torch.cumsum(from_peer_RxL, 1)
-        expert_RxM = torch.searchsorted(ends_RxL, j_RxM, right=True)  # L for padding (j >= count)
-        expert_N = expert_RxM.clamp(max=L - 1).reshape(-1)  # padding joins the last expert's group
+        expert_RxC = torch.searchsorted(ends_RxL, j_C.expand(ep, C).contiguous(), right=True)  # L: padding
+        expert_N = expert_RxC.clamp(max=L - 1).reshape(-1)  # padding joins the last expert's group
         sizes_L = from_peer_RxL.sum(0)
-        sizes_L = torch.cat([sizes_L[:-1], sizes_L[-1:] + (ep * M - from_peer_RxL.sum())])
+        sizes_L = torch.cat([sizes_L[:-1], sizes_L[-1:] + (ep * C - from_peer_RxL.sum())])
         y_NxD = self._local(experts, x_NxD, expert_N, sizes_L)
         y = funcol.all_to_all_single_autograd(y_NxD, None, None, self.group)
-        return y[slot_M]
+        # 4. my row m from its slot (peer r's slot place_m); a dropped row from the zero row (index ep C)
+        return torch.cat([y, y.new_zeros(1, y.shape[1])])[torch.where(kept_M, slot_M, ep * C)]
 
 
 def parallelize(model, ep_mesh):
-    """Route every MoE block's rows through an all-to-all over ep (model.MoE's declared seam);
-    simplefsdp.data_parallel then places the expert weights over `ep_mesh`."""
+    """Route every MoE block's rows through an all-to-all over ep (model.MoE's declared seam), its
+    buffers sized by the block's ep_buffer_factor; simplefsdp.data_parallel then places the expert
+    weights over `ep_mesh`."""
     for module in model.modules():
         if isinstance(module, MoE):
-            module.route_through(AllToAll(ep_mesh))
+            module.route_through(AllToAll(ep_mesh, module.args.ep_buffer_factor))
     return model

@@ -62,10 +62,6 @@ class LanguageModelFamily(ModelFamily):
                 raise ValueError(f"vocab_size {args.vocab_size} is smaller than the data's {data.BYTE_VOCAB} byte values")
             args = tpu_config(args) if cfg.kernels == "pallas" else args
             check_args(args)
-            if args.ep_buffer_factor > 0 and not getattr(cfg, "dry_run", False):  # (expert_parallel: dropless)
-                raise ValueError(f"ep_buffer_factor={args.ep_buffer_factor} is built for the step compiled for a "
-                                 "TPU (--dry-run --compile with ep > 1) and the planner; the trainer's exchange is "
-                                 "dropless (0)")
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return args
@@ -83,11 +79,12 @@ class LanguageModelFamily(ModelFamily):
         model.init_buffers()
 
     def layout_args(self, args, tp, ep):
-        """Refuse what tensor / expert parallelism cannot split; under tp, the loss over the vocabulary split."""
+        """Refuse what tensor / expert parallelism cannot split, and a setting only ep uses without it;
+        under tp, the loss over the vocabulary split."""
         import expert_parallel
         import tensor_parallel
-        for lib, size in ((tensor_parallel, tp), (expert_parallel, ep)):
-            refusal = lib.check(args, size) if size > 1 else None
+        for refusal in (tensor_parallel.check(args, tp) if tp > 1 else None,
+                        expert_parallel.check(args, ep) if ep > 1 else None, expert_parallel.check_buffer_factor(args, ep)):
             if refusal:
                 raise ValueError(refusal)
         return tensor_parallel.config(args) if tp > 1 else args

@@ -34,9 +34,9 @@ class ModelArgs:
     moe_impl: str = "reference"             # "reference" | "gmm" (Pallas)
     moe_groups: int = 1                     # tokens routed in this many equal groups, each sorted alone
     #                                         (fewer where the batch's tokens are not a multiple)
-    ep_buffer_factor: float = 0.0           # > 0: the compiled step's ep exchange sends a peer at most this x
-    #                                         a balanced share of a device's rows, dropping the rest
-    #                                         (expert_exchange.py; MaxText's ragged_buffer_factor); 0: dropless
+    ep_buffer_factor: float = 0.0           # > 0: ep's exchange sends a peer at most this x a balanced
+    #                                         share of a rank's rows, dropping the rest (expert_parallel.py;
+    #                                         MaxText's ragged_buffer_factor); 0: dropless
     sliding_window: Optional[int] = None    # a query sees itself and the window-1 keys before it
     doc_sep: Optional[int] = None           # packed documents: this token ends one; attention stays inside
 

@@ -36,6 +36,7 @@ import os
 import torch
 
 import device as dev
+from errors import ConfigError
 
 
 def launched_by_torchrun():
@@ -95,7 +96,12 @@ class Parallel:
         return self.global_rank == 0
 
     def model_args(self, args, family=None):
-        return args
+        """The family's config on one device: no tp or ep (ModelFamily.layout_args refuses a setting
+        that needs them: one line)."""
+        try:
+            return family.layout_args(args, 1, 1) if family is not None else args
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def parallelize(self, model, units=(), family=None):
         """`units`: the model's repeated modules (the workload's blocks, or --scan's stacks), which a

@@ -1,7 +1,9 @@
 # expert_exchange.py: expert parallelism in the step compiled for a TPU pod. Oracles: the MoE's plain
 # dispatch (every expert on the device that routed the rows, model.run_here) for the global form; that
 # global form for the one-device form under shard_map on 4 CPU devices; the compiler's own FSDP step
-# (every device gathering every expert) for the compiled layout.
+# (every device gathering every expert) for the compiled layout. The buffer factor's rule, written out
+# row by row (_dropping_past), for both that exchange and the trainer's (expert_parallel.AllToAll on
+# 2 gloo ranks, eager and traced).
 import dataclasses
 import json
 
@@ -13,19 +15,25 @@ from tests.check_step_compile import compile_run, compiled
 from tests.common import run_train
 
 
-def _moe_block_run():
-    """(args, run): qwen3_moe_debug's MoE block in 4 routing groups of 16 tokens; run(dispatch) is its
-    output and the gradients of the input, the router and the three expert weights, routed through
-    `dispatch` (the block's route_through seam)."""
+def _moe_block(groups=4):
+    """(args, moe, x, weights): qwen3_moe_debug's MoE block routing 4 x 16 tokens in `groups` groups,
+    and the weights of the loss (out * weights).sum()."""
     from model import MoE
     from model_args import FLAVORS
-    args = dataclasses.replace(FLAVORS["qwen3_moe_debug"], moe_groups=4)
+    args = dataclasses.replace(FLAVORS["qwen3_moe_debug"], moe_groups=groups)
     torch.manual_seed(0)
     moe = MoE(args)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.05)
     x = torch.randn(4, 16, args.dim, requires_grad=True)
-    weights = torch.linspace(-1, 1, x.numel()).view_as(x)
+    return args, moe, x, torch.linspace(-1, 1, x.numel()).view_as(x)
+
+
+def _moe_block_run(groups=4):
+    """(args, run): the block above; run(dispatch) is its output and the gradients of the input, the
+    router and the three expert weights (in moe.named_parameters' order), routed through `dispatch`
+    (the block's route_through seam)."""
+    args, moe, x, weights = _moe_block(groups)
 
     def run(dispatch):
         moe.route_through(dispatch)
@@ -97,6 +105,67 @@ def test_a_buffer_factor_drops_the_rows_past_a_peers_slots_as_the_rule_says():
     dropless = run(run_here)[0]
     assert expert_exchange.slots_a_peer(M, 4, 4.0) == expert_exchange.slots_a_peer(M, 4, 9.0) == M
     assert float((run(expert_exchange.Exchange(4, 4.0))[0] - dropless).abs().max()) <= 1e-6 * float(dropless.abs().max())
+
+
+def child_trainer_exchange_drops(*factors):
+    """(child process, torchrun, 2 ranks) The block above on `--mesh ici=2,ep=2`: rank r routes
+    sequences 2r and 2r + 1 as one group and holds experts [r L, (r + 1) L); its MoE routed by
+    expert_parallel.parallelize (an ep_buffer_factor in its args). Eager (ragged all-to-all) and
+    traced as graph mode traces (make_fx on fake tensors: padded buffers), then run. Against one
+    process with every expert and the rule (_dropping_past, 2 groups): the rank's output rows and input
+    gradient rows, the router's gradient summed over ranks, its experts' gradients. Prints, per factor
+    and form, the rule's dropped rows and the largest relative gap of each (max over ranks)."""
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+    import expert_parallel
+    import mesh
+    from model import MoE
+    ctx = mesh.TorchrunMesh("ici=2,ep=2")
+    ep, r = 2, ctx.global_rank
+    args, run = _moe_block_run(groups=2)
+    _, moe, x, weights = _moe_block(groups=2)  # (the same seed: the same values)
+    L, rows, M = args.n_experts // ep, slice(2 * r, 2 * r + 2), 32 * args.top_k
+    names = [n for n, _ in moe.named_parameters()]
+    for factor in map(float, factors):
+        rule = _dropping_past(expert_parallel.slots_a_peer(M, ep, factor), ep)
+        want_out, want_dx, *want_grads = run(rule)
+        mine = MoE(dataclasses.replace(args, moe_groups=1, ep_buffer_factor=factor))
+        expert_parallel.parallelize(mine, mesh.expert_mesh("cpu", 2, ep))
+        mine_of = lambda n, t: t[r * L:(r + 1) * L] if n.startswith("w_") else t  # noqa: E731  (w_*_Ex..: experts)
+        params = [mine_of(n, p).detach().clone() for n, p in moe.named_parameters()]
+        want = [want_out[rows], want_dx[rows], *(mine_of(n, g) for n, g in zip(names, want_grads))]
+
+        def step(x_r, weights_r, *ps):  # (every tensor an input: fake tensors, as graph mode traces)
+            with torch.enable_grad():
+                x_r, ps = x_r.detach().requires_grad_(), [p.detach().requires_grad_() for p in ps]
+                out, _ = torch.func.functional_call(mine, dict(zip(names, ps)), (x_r,))
+                return [out.detach(), *torch.autograd.grad((out * weights_r).sum(), [x_r, *ps])]
+        inputs = (x[rows].detach(), weights[rows], *params)
+        traced = make_fx(step, tracing_mode="fake")(*inputs)
+        for form, fn in (("eager", step), ("traced", traced)):
+            got = fn(*inputs)
+            dist.all_reduce(got[2 + names.index("gate.weight")])  # (each rank's router saw its own tokens)
+            gaps = torch.tensor([float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)])
+            dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
+            if r == 0:
+                print("RESULT", json.dumps({"factor": factor, "form": form, "dropped": rule.dropped,
+                                            "gaps": gaps.tolist()}), flush=True)
+
+
+def test_the_trainers_exchange_drops_the_rows_the_rule_drops_eager_and_traced():
+    """ep_buffer_factor in the trainer (expert_parallel.AllToAll on 2 gloo ranks, its ragged eager form
+    and its padded traced one) against one process with every expert and the rule row by row: output,
+    input gradient, the router's and the experts' gradients within 1e-6 relative (measured: at most
+    3.8e-7), with f = 1 and 0.5 each dropping rows (13 and 64 of 128), and f = 0 dropless (none dropped, the plain
+    dispatch's result: the rule with C = M is run_here)."""
+    rc, out, err = launch.ranks(2, ["test_all.py", "child_trainer_exchange_drops", "0", "1", "0.5"], timeout=240)
+    assert rc == 0, err[-3000:]
+    results = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+    print(results)
+    assert [(r["factor"], r["form"]) for r in results] == [(f, form) for f in (0.0, 1.0, 0.5) for form in ("eager", "traced")]
+    for r in results:
+        assert (r["dropped"] > 0) == (r["factor"] > 0) and len(r["gaps"]) == 6, r
+        assert all(g <= 1e-6 for g in r["gaps"]), r
 
 
 def child_expert_exchange():
@@ -225,7 +294,7 @@ def test_a_buffer_factor_bounds_the_compiled_exchange_and_the_planner_counts_it(
     the exchange's all-to-alls still in the program, the compiler's temporaries at most 0.75x (measured
     0.64x: 24.1 of 37.7 MB); the planner's, with its exchange term at min(ep, f) = 1 copy, within 25%
     (measured +22%: the term was fitted on dropless buffers). Refused where the factor does nothing:
-    no ep, or the trainer (its exchange is dropless)."""
+    no ep, in the compile and in the trainer alike."""
     dropless = compiled(*WIDE_EXPERTS, mesh="ici=4,ep=4")
     bounded = compiled(*WIDE_EXPERTS, "--set", "ep_buffer_factor=1", mesh="ici=4,ep=4")
     assert bounded["compiler_fits"] and bounded["all_to_alls"] > 0, bounded["message"]
@@ -238,4 +307,4 @@ def test_a_buffer_factor_bounds_the_compiled_exchange_and_the_planner_counts_it(
     rc, _, err = compile_run(*WIDE_EXPERTS, "--set", "ep_buffer_factor=1")
     assert rc == 2 and err.strip().splitlines()[-1] == "error: ep_buffer_factor=1.0 sizes ep's exchange: it needs ep > 1", err[-2000:]
     rc, _, err = run_train(["--flavor", "qwen3_moe_debug", "--steps", "1", "--set", "ep_buffer_factor=1"])
-    assert rc == 2 and err.strip().splitlines()[-1].startswith("error: ep_buffer_factor=1.0 is built for the step compiled"), err[-2000:]
+    assert rc == 2 and err.strip().splitlines()[-1] == "error: ep_buffer_factor=1.0 sizes ep's exchange: it needs ep > 1", err[-2000:]
