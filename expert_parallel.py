@@ -74,6 +74,8 @@ class AllToAll:
         (M, _), ep, E = x_MxD.shape, self.ep, group_sizes_E.shape[0]
         C = slots_a_peer(M, ep, self.buffer_factor)
         sent_RxL = group_sizes_E.view(ep, E // ep)                          # 1. rows I route, per peer expert
+        # 2. of those, the ones inside the peer's first C (a peer's rows are in expert order: the running
+        # count capped at C, differenced)
         kept_RxL = torch.diff(torch.cumsum(sent_RxL, 1).clamp(max=C), dim=1, prepend=sent_RxL[:, :1] * 0)
         from_peer_RxL = funcol.all_to_all_single(kept_RxL.reshape(-1), None, None, self.group).view(ep, E // ep)
         # my sorted row m: its peer r (its expert // L), its place among my rows for r; kept if place < C
