@@ -6,6 +6,7 @@
 # 2 gloo ranks, eager and traced).
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -142,6 +143,10 @@ def child_trainer_exchange_drops(*factors):
                 return [out.detach(), *torch.autograd.grad((out * weights_r).sum(), [x_r, *ps])]
         inputs = (x[rows].detach(), weights[rows], *params)
         traced = make_fx(step, tracing_mode="fake")(*inputs)
+        # the rows that travel: the traced step's 2-D all-to-alls whose size is static (the rows sent and,
+        # in the backward, their gradient; the reference experts' outputs are sized by the group sizes)
+        moved = [int(n.meta["val"].shape[0]) for n in traced.graph.nodes if "all_to_all_single" in str(n.target)
+                 and n.meta["val"].dim() == 2 and not isinstance(n.meta["val"].shape[0], torch.SymInt)]
         for form, fn in (("eager", step), ("traced", traced)):
             got = fn(*inputs)
             dist.all_reduce(got[2 + names.index("gate.weight")])  # (each rank's router saw its own tokens)
@@ -149,15 +154,16 @@ def child_trainer_exchange_drops(*factors):
             dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
             if r == 0:
                 print("RESULT", json.dumps({"factor": factor, "form": form, "dropped": rule.dropped,
-                                            "gaps": gaps.tolist()}), flush=True)
+                                            "gaps": gaps.tolist(), "moved": moved, "rows": M}), flush=True)
 
 
 def test_the_trainers_exchange_drops_the_rows_the_rule_drops_eager_and_traced():
     """ep_buffer_factor in the trainer (expert_parallel.AllToAll on 2 gloo ranks, its ragged eager form
     and its padded traced one) against one process with every expert and the rule row by row: output,
     input gradient, the router's and the experts' gradients within 1e-6 relative (measured: at most
-    3.8e-7), with f = 1 and 0.5 each dropping rows (13 and 64 of 128), and f = 0 dropless (none dropped, the plain
-    dispatch's result: the rule with C = M is run_here)."""
+    3.8e-7), with f = 1 and 0.5 each dropping rows (13 and 64 of 128) and f = 0 dropless (none
+    dropped, the plain dispatch's result: the rule with C = M is run_here). The traced step's rows
+    travel in buffers of ep x C rows: 64 and 32 where dropless sends 128 (the memory the factor bounds)."""
     rc, out, err = launch.ranks(2, ["test_all.py", "child_trainer_exchange_drops", "0", "1", "0.5"], timeout=240)
     assert rc == 0, err[-3000:]
     results = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
@@ -165,6 +171,9 @@ def test_the_trainers_exchange_drops_the_rows_the_rule_drops_eager_and_traced():
     assert [(r["factor"], r["form"]) for r in results] == [(f, form) for f in (0.0, 1.0, 0.5) for form in ("eager", "traced")]
     for r in results:
         assert (r["dropped"] > 0) == (r["factor"] > 0) and len(r["gaps"]) == 6, r
+        # the traced exchange's buffers: ep x C rows, C = the rows a rank routes (M) or ceil(f M / ep)
+        slots = r["rows"] if r["factor"] == 0 else math.ceil(r["factor"] * r["rows"] / 2)
+        assert r["moved"] == [2 * slots, 2 * slots], (slots, r["moved"])
         assert all(g <= 1e-6 for g in r["gaps"]), r
 
 
