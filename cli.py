@@ -304,9 +304,8 @@ def _validate_mesh(cfg, workload):
     if rows % dp:
         raise ConfigError(f"{named} is not divisible by {dp} data-parallel ranks")
     if sizes["tp"] > 1 or sizes["ep"] > 1:
-        if cfg.scan and (sizes["tp"] > 1 or not cfg.compile):  # (the pod compile scans ep's blocks: step_compile.py)
-            raise ConfigError(f"--mesh {cfg.mesh!r}: --scan with tp or ep is not built"
-                              f"{'' if sizes['tp'] > 1 else ' for training (--dry-run --compile compiles it)'}")
+        if cfg.scan and sizes["tp"] > 1:
+            raise ConfigError(f"--mesh {cfg.mesh!r}: --scan with tp is not built")
         if cfg.dp_impl != "simple":
             raise ConfigError(f"--mesh {cfg.mesh!r}: tp and ep are built on --dp-impl simple")
     if cfg.mode == "graph" and cfg.dp_impl == "fsdp2":

@@ -62,6 +62,15 @@ def slots_a_peer(rows, ep, factor):
     return rows if factor <= 0 else min(rows, math.ceil(factor * rows / ep))
 
 
+def _rows_all_to_all(x, output_splits, input_splits, group):
+    """The rows' all-to-all: differentiable where they need a gradient; the plain collective where they
+    do not, as inside a custom op's kernel (--scan's layer loop, layer_scan.py), where autograd is
+    already below the dispatcher and the differentiable op has no kernel to run."""
+    if x.requires_grad:
+        return funcol.all_to_all_single_autograd(x, output_splits, input_splits, group)
+    return funcol.all_to_all_single(x, output_splits, input_splits, group)
+
+
 class AllToAll:
     """An MoE dispatch (model.MoE.route_through) that sends rows to the ranks owning their experts;
     the module's `experts` then holds (and runs) only this rank's E/ep experts."""
@@ -97,11 +106,11 @@ class AllToAll:
     def _ragged(self, experts, x_MxD, kept_RxL, from_peer_RxL, kept_M):
         send, recv = kept_RxL.sum(1).tolist(), from_peer_RxL.sum(1).tolist()  # (host sync: eager)
         rows_K = kept_M.nonzero().squeeze(1)                              # (all M rows without a buffer factor)
-        x_NxD = funcol.all_to_all_single_autograd(x_MxD[rows_K], recv, send, self.group)
+        x_NxD = _rows_all_to_all(x_MxD[rows_K], recv, send, self.group)
         L = from_peer_RxL.shape[1]
         expert_N = torch.arange(L, device=x_MxD.device).repeat(self.ep).repeat_interleave(from_peer_RxL.reshape(-1))
         y_NxD = self._local(experts, x_NxD, expert_N, from_peer_RxL.sum(0))
-        y_KxD = funcol.all_to_all_single_autograd(y_NxD, send, recv, self.group)
+        y_KxD = _rows_all_to_all(y_NxD, send, recv, self.group)
         return y_KxD.new_zeros(x_MxD.shape[0], y_KxD.shape[1]).index_copy(0, rows_K, y_KxD)  # dropped rows: 0
 
     def _padded(self, experts, x_MxD, first_R, kept_RxL, from_peer_RxL, slot_M, kept_M, C):
@@ -110,7 +119,7 @@ class AllToAll:
         j_C = torch.arange(C, device=x_MxD.device)
         row_RxC = torch.where(j_C < kept_RxL.sum(1, keepdim=True), first_R[:, None] + j_C, M)
         buf = torch.cat([x_MxD, x_MxD.new_zeros(1, D)])[row_RxC.reshape(-1)]
-        x_NxD = funcol.all_to_all_single_autograd(buf, None, None, self.group)  # (ep * C, D), equal splits
+        x_NxD = _rows_all_to_all(buf, None, None, self.group)  # (ep * C, D), equal splits
         # 3. arrival from peer r, slot j: valid if j < its count; its local expert from the counts
         ends_RxL = torch.cumsum(from_peer_RxL, 1)
         expert_RxC = torch.searchsorted(ends_RxL, j_C.expand(ep, C).contiguous(), right=True)  # L: padding
@@ -118,7 +127,7 @@ class AllToAll:
         sizes_L = from_peer_RxL.sum(0)
         sizes_L = torch.cat([sizes_L[:-1], sizes_L[-1:] + (ep * C - from_peer_RxL.sum())])
         y_NxD = self._local(experts, x_NxD, expert_N, sizes_L)
-        y = funcol.all_to_all_single_autograd(y_NxD, None, None, self.group)
+        y = _rows_all_to_all(y_NxD, None, None, self.group)
         # 4. my row m from its slot (peer r's slot place_m); a dropped row from the zero row (index ep C)
         return torch.cat([y, y.new_zeros(1, y.shape[1])])[torch.where(kept_M, slot_M, ep * C)]
 

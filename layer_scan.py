@@ -36,8 +36,10 @@ the stacked weights, the body the block's own traced graph (register_torchax).
 Limits: static shapes only (MoE needs the Pallas gmm). Under a SimpleFSDP --mesh the (L, ...)
 weights are sharded after the layer axis and each iteration gathers its own layer (the kernels call
 simplefsdp.LayerGather: forward gathers, backward re-gathers and reduce-scatters, one layer ahead);
-under GSPMD (spmd.py) the same sharding puts XLA's all-gather inside the While body. FSDP2 treats
-the stack as one unit and gathers it whole.
+under GSPMD (spmd.py) the same sharding puts XLA's all-gather inside the While body. Under ep the
+stack's one block routes every layer's rows (expert_parallel.AllToAll, set on it by the family), and
+each rank holds and gathers only its experts of each layer (simplefsdp.ExpertStackGather). FSDP2
+treats the stack as one unit and gathers it whole.
 """
 import contextlib
 import copy

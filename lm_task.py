@@ -93,13 +93,17 @@ class LanguageModelFamily(ModelFamily):
         """Megatron TP + sequence parallel over tp_mesh (tensor_parallel.py), then the MoE blocks' rows
         routed over ep_mesh (expert_parallel.py): their experts are what SimpleFSDP places over it."""
         import expert_parallel
+        import layer_scan
         import tensor_parallel
         if tp_mesh is not None:
             tensor_parallel.parallelize(model, tp_mesh)
         if ep_mesh is None:
             return []
-        expert_parallel.parallelize(model, ep_mesh)
-        return [m for m in model.modules() if isinstance(m, MoE)]
+        # (--scan: a stack's layers all run its one block, whose MoE is routed once for all of them)
+        blocks = [model, *(m.block() for m in model.modules() if isinstance(m, layer_scan.StackedLayers))]
+        for block in blocks:
+            expert_parallel.parallelize(block, ep_mesh)
+        return [m for block in blocks for m in block.modules() if isinstance(m, MoE)]
 
     def split_sequence(self, model, sequence):
         model.split_sequence(sequence)

@@ -22,6 +22,8 @@ A --scan stack (layer_scan.py) is the exception: its (L, ...) weights are sharde
 the layer axis, so that each layer's slice is itself a shard, and the scan gathers ONE layer per
 iteration (`LayerGather`: one bucketed all-gather per layer, issued a layer ahead; in the backward
 one re-gather and one reduce-scatter per layer). Memory holds two gathered layers, not the stack.
+Under ep a stack's expert weights (L, E, ...) are placed as an MoE's are, on E over ep, and gathered
+per layer over the experts' own FSDP ranks (ExpertStackGather).
 """
 import dataclasses
 from contextlib import contextmanager
@@ -99,7 +101,7 @@ def data_parallel(model, mesh, param_dtype=None, tp_mesh=None, expert_mesh=None,
         if not names:
             continue
         if isinstance(module, StackedLayers):
-            _shard_per_layer(module, mesh, placements[:-1], param_dtype)
+            _shard_per_layer(module, mesh, placements[:-1], param_dtype, expert_mesh, experts)
             continue
         if id(module) in experts:
             _shard_experts(module, expert_mesh, param_dtype)  # (its router `gate` is a child: below)
@@ -136,15 +138,31 @@ def layer_shard_dim(shape, n):
     return dim
 
 
-def _shard_per_layer(stack, mesh, replicate, param_dtype):
+def _shard_per_layer(stack, mesh, replicate, param_dtype, expert_mesh=None, experts=()):
+    """A stack's (L, ...) weights, each layer's slice a shard. Under ep, the weights of the block's
+    `experts` modules, (L, E, ...), are (Shard over efsdp on a dim after E, Shard(E) over ep), as
+    _shard_experts places an unstacked MoE's."""
     ici = mesh["ici"] if mesh.ndim == 2 else mesh
-    n, dims = ici.size(), []
+    in_experts = {stack.stacked_name(f"{prefix}.{n}" if prefix else n) for prefix, m in stack.block().named_modules()
+                  if id(m) in experts for n, _ in m.named_parameters(recurse=False)}
+    is_expert, dims, expert_dims = [], [], []
     for name, p in list(stack._parameters.items()):
-        dims.append(layer_shard_dim(p.shape[1:], n))
-        stack._parameters[name] = nn.Parameter(distribute_tensor(p.data, mesh, [*replicate, Shard(1 + dims[-1])],
-                                                                 src_data_rank=None), requires_grad=p.requires_grad)
+        is_expert.append(name in in_experts)
+        if is_expert[-1]:  # one layer's piece: (E/ep, ...), split further over efsdp on a dim after E
+            expert_dims.append(1 + layer_shard_dim(p.shape[2:], expert_mesh.size(0)))
+            where, on = [Shard(1 + expert_dims[-1]), Shard(1)], expert_mesh
+        else:
+            dims.append(layer_shard_dim(p.shape[1:], ici.size()))
+            where, on = [*replicate, Shard(1 + dims[-1])], mesh
+        stack._parameters[name] = nn.Parameter(distribute_tensor(p.data, on, where, src_data_rank=None),
+                                               requires_grad=p.requires_grad)
     dcn = mesh["dcn"].get_group().group_name if mesh.ndim == 2 else ""
-    stack.gather_per_layer(LayerGather(ici.get_group().group_name, n, dcn, dims, param_dtype))
+    dense = LayerGather(ici.get_group().group_name, ici.size(), dcn, dims, param_dtype)
+    if not any(is_expert):
+        return stack.gather_per_layer(dense)
+    efsdp = expert_mesh.get_group("efsdp").group_name  # (experts: no HSDP, their FSDP group spans dcn)
+    stack.gather_per_layer(ExpertStackGather(dense, LayerGather(efsdp, expert_mesh.size(0), "", expert_dims, param_dtype),
+                                             is_expert, expert_mesh.size(1)))
 
 
 @dataclasses.dataclass
@@ -191,6 +209,46 @@ class LayerGather:
         if self.dcn:
             flat = c10d.wait_tensor(c10d.all_reduce(flat, "avg", self.dcn))
         return [g.view(s).to(dtype) for g, s in zip(flat.split([s.numel() for s in shapes]), shapes)]
+
+
+@dataclasses.dataclass
+class ExpertStackGather:
+    """LayerGather's interface for a stack that holds expert weights (ep): its other weights through one
+    LayerGather over the data-parallel ranks, its experts (this rank's E/ep of each layer) through
+    another over efsdp, their gradients scaled 1/ep as an unstacked MoE's are (_expert_property)."""
+    dense: LayerGather
+    experts: LayerGather
+    is_expert: list   # per stacked weight, in the stack's order
+    ep: int
+
+    @property
+    def param_dtype(self):
+        return self.dense.param_dtype
+
+    def _split(self, items):
+        return ([x for x, e in zip(items, self.is_expert) if not e], [x for x, e in zip(items, self.is_expert) if e])
+
+    def _join(self, dense, experts):
+        dense, experts = iter(dense), iter(experts)
+        return [next(experts) if e else next(dense) for e in self.is_expert]
+
+    def full_shapes(self, shard_shapes):
+        dense, experts = self._split(shard_shapes)
+        return self._join(self.dense.full_shapes(dense), self.experts.full_shapes(experts))
+
+    def gather_start(self, shards):
+        dense, experts = self._split(shards)
+        return self.dense.gather_start(dense), self.experts.gather_start(experts)
+
+    def gather_wait(self, pending):
+        return self._join(self.dense.gather_wait(pending[0]), self.experts.gather_wait(pending[1]))
+
+    def reduce_start(self, grads):
+        dense, experts = self._split(grads)
+        return self.dense.reduce_start(dense), self.experts.reduce_start([g / self.ep for g in experts])
+
+    def reduce_wait(self, pending, dtype):
+        return self._join(self.dense.reduce_wait(pending[0], dtype), self.experts.reduce_wait(pending[1], dtype))
 
 
 # ------------------------------------------------------------------------------------------------
