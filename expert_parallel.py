@@ -85,7 +85,7 @@ class AllToAll:
         sent_RxL = group_sizes_E.view(ep, E // ep)                          # 1. rows I route, per peer expert
         # 2. of those, the ones inside the peer's first C (a peer's rows are in expert order: the running
         # count capped at C, differenced)
-        kept_RxL = torch.diff(torch.cumsum(sent_RxL, 1).clamp(max=C), dim=1, prepend=sent_RxL[:, :1] * 0)
+        kept_RxL = torch.diff(torch.cumsum(sent_RxL, 1).clamp(max=C), dim=1, prepend=torch.zeros_like(sent_RxL[:, :1]))
         from_peer_RxL = funcol.all_to_all_single(kept_RxL.reshape(-1), None, None, self.group).view(ep, E // ep)
         # my sorted row m: its peer r (its expert // L), its place among my rows for r; kept if place < C
         sent_R = sent_RxL.sum(1)
@@ -93,7 +93,7 @@ class AllToAll:
         peer_M = torch.repeat_interleave(torch.arange(ep, device=x_MxD.device), sent_R, output_size=M)
         place_M = torch.arange(M, device=x_MxD.device) - first_R[peer_M]
         if detect_fake_mode(x_MxD) is None:
-            return self._ragged(experts, x_MxD, kept_RxL, from_peer_RxL, place_M < C)
+            return self._ragged(experts, x_MxD, kept_RxL, from_peer_RxL, None if C == M else place_M < C)
         return self._padded(experts, x_MxD, first_R, kept_RxL, from_peer_RxL, peer_M * C + place_M, place_M < C, C)
 
     @staticmethod
@@ -104,13 +104,16 @@ class AllToAll:
         return torch.empty_like(y).index_copy(0, order, y)  # (the inverse permutation)
 
     def _ragged(self, experts, x_MxD, kept_RxL, from_peer_RxL, kept_M):
+        """kept_M: which rows stay (None: all of them, no buffer factor: no gather, no scatter back)."""
         send, recv = kept_RxL.sum(1).tolist(), from_peer_RxL.sum(1).tolist()  # (host sync: eager)
-        rows_K = kept_M.nonzero().squeeze(1)                              # (all M rows without a buffer factor)
-        x_NxD = _rows_all_to_all(x_MxD[rows_K], recv, send, self.group)
+        rows_K = None if kept_M is None else kept_M.nonzero().squeeze(1)
+        x_NxD = _rows_all_to_all(x_MxD if rows_K is None else x_MxD[rows_K], recv, send, self.group)
         L = from_peer_RxL.shape[1]
         expert_N = torch.arange(L, device=x_MxD.device).repeat(self.ep).repeat_interleave(from_peer_RxL.reshape(-1))
         y_NxD = self._local(experts, x_NxD, expert_N, from_peer_RxL.sum(0))
         y_KxD = _rows_all_to_all(y_NxD, send, recv, self.group)
+        if rows_K is None:
+            return y_KxD
         return y_KxD.new_zeros(x_MxD.shape[0], y_KxD.shape[1]).index_copy(0, rows_K, y_KxD)  # dropped rows: 0
 
     def _padded(self, experts, x_MxD, first_R, kept_RxL, from_peer_RxL, slot_M, kept_M, C):

@@ -91,8 +91,9 @@ def data_parallel(model, mesh, param_dtype=None, tp_mesh=None, expert_mesh=None,
     given and the family's tensor-parallel plan has made the planned weights DTensors on it) in place.
     Two kinds of module are placed their own way: a --scan stack (its declared type,
     layer_scan.StackedLayers: the scan gathers one layer at a time) and the `experts` modules the
-    family routed over `expert_mesh` (ModelFamily.split). Every rank holds the same whole tensor (or a
-    meta one): each keeps its own block, no communication (src_data_rank=None)."""
+    family routed over `expert_mesh` (ModelFamily.split; a stack's block's own, for the stacked weights
+    they name). Every rank holds the same whole tensor (or a meta one): each keeps its own block, no
+    communication (src_data_rank=None)."""
     experts = {id(m) for m in experts}
     placements = [Replicate(), Shard(0)] if mesh.ndim - (tp_mesh is not None) == 2 else [Shard(0)]
     classes = {}

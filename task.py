@@ -25,7 +25,8 @@ model, parallelize function and loss beside the shared trainer):
     layout_args(args, tp, ep)   the config a layout splitting it over tp / ep ranks builds (ValueError: why not)
     split(model, tp_mesh, ep_mesh)  its own tensor-parallel plan and expert routing (torchtitan: each
                                 model's parallelize function), called by the torchrun layout; returns
-                                the modules whose weights are experts split over ep_mesh
+                                the modules whose weights are experts split over ep_mesh (with --scan:
+                                a stack's block's, naming its stacked weights)
     split_sequence(model, seq)  context parallelism: the model runs its chunks of every sequence
                                 (context_parallel.py; the LM family's; others refuse)
     kind                        what its models are, in words (a run of another kind is refused by name)
