@@ -26,6 +26,8 @@ class LanguageModelFamily(ModelFamily):
     """model.Transformer from a flavor (or a Hugging Face directory's config) with --set applied and,
     for --kernels pallas, the TPU kernels swapped in by a config rewrite."""
     model_parallel, kind = ("tp", "ep"), KIND
+    resume_settings = ("ep_buffer_factor",)  # (which rows ep's exchange may drop: MaxText's capacity factor,
+    #                                           which a run may raise or lower between restarts)
 
     def __init__(self, cfg, args=None, byte_vocab=True):
         self.cfg = cfg  # (None for a family made from a checkpoint's record)
@@ -119,7 +121,7 @@ class LanguageModelFamily(ModelFamily):
 
     def record(self, args):
         """Implementations (attention, loss, experts) may change across resumes: not recorded."""
-        d = dataclasses.asdict(args)
+        d = super().record(args)
         for key in ("attn_impl", "loss_impl", "moe_impl"):
             d.pop(key)
         return d

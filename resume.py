@@ -6,7 +6,8 @@ verifies (`resume_path`), then refuses it if it is another run (`check_compatibl
 
   - another --task, model or layer layout: never (the weights would not fit);
   - another mesh: only with --allow-change mesh (DCP reshards on load);
-  - another shared setting (RESUME_CHECKED): only with --allow-change NAME, a deliberate change;
+  - another shared setting (RESUME_CHECKED), or a model setting that leaves the weights as they are
+    (the family's `resume_settings`: ep's buffer factor): only with --allow-change NAME, a deliberate change;
   - another workload setting: as the workload's `resume_policy` says (task.py): True (with
     --allow-change), a reason it never may, or a function of (saved, now) giving one or None.
 
@@ -29,8 +30,11 @@ RESHARD = "mesh"  # --allow-change mesh: resume on another layout (DCP reshards 
 
 def run_record(cfg, workload, model_args, mesh_spec):
     """What a checkpoint records of the run (meta.json), and a resume must match (check_compatible)."""
-    meta = {"flavor": workload.family.label(), "task": cfg.task, "model_args": workload.family.record(model_args),
-            "mesh": mesh_spec, "train": {**{k: getattr(cfg, k) for k in RESUME_CHECKED}, **workload.meta()}}
+    family = workload.family
+    settings = {**{k: getattr(cfg, k) for k in RESUME_CHECKED},
+                **{k: getattr(model_args, k) for k in family.resume_settings}, **workload.meta()}
+    meta = {"flavor": family.label(), "task": cfg.task, "model_args": family.record(model_args),
+            "mesh": mesh_spec, "train": settings}
     if cfg.scan:
         meta["layers"] = "stacked"
     return json.loads(json.dumps(meta))  # as meta.json will hold it (tuples become lists), so it compares
@@ -40,7 +44,7 @@ def refusal_for(cls, key, saved, now):
     """Why a resume of workload class `cls` cannot change setting `key` from `saved` to `now`, not even
     with --allow-change (the checkpoint would not fit the run), or None: the shared settings may change,
     the workload's as its `resume_policy` says."""
-    if key in RESUME_CHECKED:
+    if key in RESUME_CHECKED or key in cls.family_class.resume_settings:
         return None
     rule = cls.resume_policy.get(key, "this version does not take a change of it")
     return None if rule is True else rule(saved, now) if callable(rule) else rule
@@ -48,7 +52,8 @@ def refusal_for(cls, key, saved, now):
 
 def changeable(cls):
     """What --allow-change may name for workload class `cls` (a refusal never offers another)."""
-    return RESUME_CHECKED + (RESHARD,) + tuple(k for k, rule in cls.resume_policy.items() if not isinstance(rule, str))
+    return (RESUME_CHECKED + cls.family_class.resume_settings + (RESHARD,)
+            + tuple(k for k, rule in cls.resume_policy.items() if not isinstance(rule, str)))
 
 
 def check_allow_change(allow_change, cls):
@@ -154,17 +159,23 @@ def check_compatible(path, meta, allow_change=(), refusal=lambda key, saved, now
         raise CheckpointError(f"checkpoint {path} is from a --task {was} run, this run is --task {now}: a run "
                               f"resumes with its own workload (resume it with --task {was}, or give --task {now} "
                               f"another --out-dir)")
+    old, new = saved.get("train", {}), meta.get("train", {})
+    moved = saved.get("model_args")  # (a version that recorded a resume setting among the model's: read it there)
+    if isinstance(moved, dict) and isinstance(old, dict):
+        for k in set(moved) & (set(new) - set(meta.get("model_args") or ())):
+            old.setdefault(k, moved.pop(k))
     for key in ("flavor", "model_args"):
-        if saved.get(key) != meta.get(key):
-            raise CheckpointError(f"checkpoint {path} is from another model ({key}: saved "
-                                  f"{saved.get(key)!r}, this run {meta.get(key)!r})")
+        was, now = saved.get(key), meta.get(key)
+        if was != now:
+            if isinstance(was, dict) and isinstance(now, dict):  # the fields that differ, not two whole configs
+                was, now = ({k: d.get(k) for k in sorted({*was, *now}) if was.get(k) != now.get(k)} for d in (was, now))
+            raise CheckpointError(f"checkpoint {path} is from another model ({key}: saved {was!r}, this run {now!r})")
     if saved.get("mesh") != meta.get("mesh") and "mesh" not in allow_change:  # (DCP reshards on load)
         raise CheckpointError(f"checkpoint {path} was saved on mesh {saved.get('mesh')!r}, this run "
                               f"uses {meta.get('mesh')!r} (pass --allow-change mesh to reshard it on load)")
     if saved.get("layers", "per-layer") != meta.get("layers", "per-layer"):  # parameter names differ
         raise CheckpointError(f"checkpoint {path} holds {saved.get('layers', 'per-layer')} layer weights, this "
                               f"run {meta.get('layers', 'per-layer')}: resume with{'out' if meta.get('layers') else ''} --scan")
-    old, new = saved.get("train", {}), meta.get("train", {})
     if saved.get("step", 0) >= new.get("steps", float("inf")):
         if complete_ok and saved.get("step") == new["steps"] == old.get("steps"):
             raise RunComplete(f"{path} is the run's final checkpoint (step {saved['step']} of --steps "

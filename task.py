@@ -85,6 +85,8 @@ class ModelFamily:
     """A kind of model (see the module docstring); subclasses implement what raises here."""
     model_parallel = ()
     kind = "model"  # what its models are, in words ("a language model"): how a run of it is named
+    resume_settings = ()  # config fields that change how a step runs, not its weights: a checkpoint records
+    #                       them as training settings, which a resume may change with --allow-change NAME
 
     def __init__(self, args):
         self.args = args
@@ -131,8 +133,9 @@ class ModelFamily:
         raise NotImplementedError
 
     def record(self, args):
-        """The model config as meta.json records it (a resume must build the same model)."""
-        return dataclasses.asdict(args)
+        """The model config as meta.json records it (a resume must build the same model), less its
+        resume_settings (resume.run_record records those beside the training settings)."""
+        return {k: v for k, v in dataclasses.asdict(args).items() if k not in self.resume_settings}
 
     def dynamic_shapes_reason(self, args):
         """Why the step cannot be traced ahead of time (graph mode, --scan), or None."""

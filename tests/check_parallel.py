@@ -505,3 +505,11 @@ def test_tp_and_ep_checkpoints_resume_bit_for_bit_and_another_layout_is_refused(
     rc, _, err = torchrun(2, [*common, "--mesh", other, "--out-dir", part, "--resume", "--steps", "12", "--allow-change", "steps"])
     lines = [l for l in err.splitlines() if l.startswith("error:")]
     assert rc != 0 and lines and all(f"was saved on mesh '{mesh}', this run uses '{other}'" in l for l in lines), err[-2000:]
+    if "ep" in mesh:  # ep's buffer factor changes which rows a step drops, not the weights: --allow-change names it
+        bounded = [*common, "--mesh", mesh, "--out-dir", part, "--resume", "--steps", "12", "--set", "ep_buffer_factor=1"]
+        rc, _, err = torchrun(2, [*bounded, "--allow-change", "steps"])
+        lines = [l for l in err.splitlines() if l.startswith("error:")]
+        assert rc == 2 and lines and all("(ep_buffer_factor: saved 0.0, now 1.0); pass --allow-change "
+                                         "ep_buffer_factor" in l for l in lines), err[-2000:]
+        rc, _, err = torchrun(2, [*bounded, "--allow-change", "steps,ep_buffer_factor"])
+        assert rc == 0 and sorted(losses(part)) == list(range(1, 13)), err[-3000:]

@@ -2,6 +2,7 @@
 # with torch.optim.AdamW and clip_grad_norm_ on a workload the trainer has never seen
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import dataclasses
+import functools
 import math
 import os
 
@@ -255,7 +256,8 @@ def test_a_resume_offers_only_changes_cli_accepts_and_grpo_records_what_its_poli
     workload = train.make_workload(cfg)
     cls = type(workload)
     assert set(workload.meta()["grpo"]) | {"init_from"} == set(cls.resume_policy)
-    assert set(resume.changeable(cls)) == {*resume.RESUME_CHECKED, "mesh", *cls.resume_policy} - {"updates_per_batch"}
+    assert set(resume.changeable(cls)) == {*resume.RESUME_CHECKED, "mesh", *cls.resume_policy,
+                                           *cls.family_class.resume_settings} - {"updates_per_batch"}
     meta = {"task": "grpo", "train": {**{k: getattr(cfg, k) for k in resume.RESUME_CHECKED}, **workload.meta()}}
     saved = json.loads(json.dumps(meta))
     saved["train"]["grpo"].update(colour=1, temperature=0.5)
@@ -271,6 +273,48 @@ def test_a_resume_offers_only_changes_cli_accepts_and_grpo_records_what_its_poli
         resume.check_compatible(str(tmp_path / "ckpt"), meta, (), refusal)
     offered = cli.parse_config(["--task", "grpo", "--allow-change", "temperature"]).allow_change.split(",")
     resume.check_compatible(str(tmp_path / "ckpt"), meta, offered, refusal)
+
+
+def test_ep_buffer_factor_is_a_setting_a_resume_may_change_also_from_a_record_that_kept_it_in_model_args(tmp_path):
+    """The buffer factor sizes ep's exchange (which rows a step drops), not a weight: a checkpoint
+    records it as a training setting (LanguageModelFamily.resume_settings), which --allow-change may
+    name; a checkpoint whose record kept it among model_args (an earlier version) reads it from there,
+    so resuming that run unchanged is not "another model"."""
+    import json
+    import checkpoint
+    import cli
+    import resume
+    import train
+    cfg = cli.parse_config(["--flavor", "qwen3_moe_debug", "--set", "ep_buffer_factor=1.5"])
+    workload = train.make_workload(cfg)
+    cls = type(workload)
+    assert "ep_buffer_factor" in resume.changeable(cls)
+    workload.fingerprint = "corpus"  # (what setup_data would set: this test reads no corpus)
+    meta = resume.run_record(cfg, workload, workload.args, "ici=2,ep=2")
+    assert "ep_buffer_factor" not in meta["model_args"] and meta["train"]["ep_buffer_factor"] == 1.5
+    refusal = functools.partial(resume.refusal_for, cls)
+
+    def check(saved, allow=()):
+        (tmp_path / "ckpt").mkdir(exist_ok=True)
+        (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(saved))
+        return resume.check_compatible(str(tmp_path / "ckpt"), meta, allow, refusal)
+
+    earlier = json.loads(json.dumps(meta))
+    earlier["model_args"]["ep_buffer_factor"] = earlier["train"].pop("ep_buffer_factor")
+    check(earlier)  # (as it was saved: no change)
+    earlier["model_args"]["ep_buffer_factor"] = 0.0
+    for saved in (earlier, {**meta, "train": {**meta["train"], "ep_buffer_factor": 0.0}}):
+        with pytest.raises(checkpoint.CheckpointError) as refused:
+            check(json.loads(json.dumps(saved)))
+        assert "ep_buffer_factor: saved 0.0, now 1.5); pass --allow-change ep_buffer_factor" in str(refused.value)
+        check(json.loads(json.dumps(saved)), ["ep_buffer_factor"])  # deliberate: resumes
+    assert cli.parse_config(["--allow-change", "ep_buffer_factor"]).allow_change == "ep_buffer_factor"
+    other = json.loads(json.dumps(meta))
+    other["model_args"]["moe_ffn_dim"] = 64  # a weight's shape: still another model, whatever is allowed
+    with pytest.raises(checkpoint.CheckpointError) as refused:  # (naming the one field, not two whole configs)
+        check(other, ["ep_buffer_factor"])
+    assert str(refused.value).endswith("is from another model (model_args: saved {'moe_ffn_dim': 64}, "
+                                       "this run {'moe_ffn_dim': 128})"), refused.value
 
 
 def test_the_flux_family_is_whole_when_the_workload_is_built(tmp_path):
