@@ -132,8 +132,6 @@ def args_from_config(cfg):
         aux_loss_coef=f["router_aux_loss_coef"] if moe else ModelArgs.aux_loss_coef)
     try:
         check_args(args)
-        if args.head_dim is not None and args.head_dim <= 0:
-            raise ValueError(f"head_dim must be positive, got {args.head_dim}")
     except ValueError as e:
         raise HFError(f"config.json describes no valid model: {e}") from None
     return args

@@ -44,8 +44,9 @@ def check_args(args):
                              f"factor > 0, 0 < low < high, original_ctx > 0; got {args.rope_scaling}")
     if args.n_heads % args.n_kv_heads:
         raise ValueError(f"n_heads ({args.n_heads}) must be divisible by n_kv_heads ({args.n_kv_heads})")
-    if args.hd <= 0 or args.hd % 2:
-        raise ValueError(f"head_dim must be positive and even for rotary embeddings, got {args.hd}")
+    hd = args.hd if args.head_dim is None else args.head_dim  # (a given 0 is refused, not read as the default)
+    if hd <= 0 or hd % 2:
+        raise ValueError(f"head_dim must be positive and even for rotary embeddings (none: dim // n_heads), got {hd}")
     if args.aux_loss_coef < 0:
         raise ValueError(f"aux_loss_coef must be >= 0, got {args.aux_loss_coef}")
     if args.n_experts and not (0 < args.top_k <= args.n_experts and args.moe_ffn_dim > 0):

@@ -70,6 +70,7 @@ BAD_INPUTS = [
     (["--set", "attn_impl=foo"], "unknown attention implementation 'foo'"),
     (["--set", "norm_eps=-1"], "norm_eps must be a positive number"),  # (was a NaN loss, exit 3)
     (["--set", "rope_theta=0"], "rope_theta must be a positive number"),
+    (["--set", "head_dim=0"], "head_dim must be positive and even for rotary embeddings (none: dim // n_heads), got 0"),  # (was the default)
     (["--flavor", "qwen3_moe_debug", "--set", "moe_groups=0"], "moe_groups must be >= 1, got 0"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--flavor", "llama3_405b"], "GiB is free here"),  # refused before the 1.6 TB of weights are allocated
