@@ -34,6 +34,7 @@ this exchange as JAX ops (expert_exchange.py), with the same C and the same rows
 import math
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._guards import detect_fake_mode
 
@@ -78,6 +79,7 @@ class AllToAll:
     def __init__(self, ep_mesh, buffer_factor=0.0):
         self.mesh, self.group, self.ep = ep_mesh, ep_mesh.get_group("ep"), ep_mesh.size(1)
         self.buffer_factor = buffer_factor
+        self.rows_routed = self.rows_dropped = 0  # by eager training forwards, since dropped_share read them
 
     def __call__(self, experts, x_MxD, group_sizes_E):
         (M, _), ep, E = x_MxD.shape, self.ep, group_sizes_E.shape[0]
@@ -106,6 +108,10 @@ class AllToAll:
     def _ragged(self, experts, x_MxD, kept_RxL, from_peer_RxL, kept_M):
         """kept_M: which rows stay (None: all of them, no buffer factor: no gather, no scatter back)."""
         send, recv = kept_RxL.sum(1).tolist(), from_peer_RxL.sum(1).tolist()  # (host sync: eager)
+        if torch.is_grad_enabled():  # a training forward (not an evaluation: no_grad); a --scan replay
+            # counts its layer again, routed and dropped alike, so the share dropped_share gives holds
+            self.rows_routed += x_MxD.shape[0]
+            self.rows_dropped += x_MxD.shape[0] - sum(send)
         rows_K = None if kept_M is None else kept_M.nonzero().squeeze(1)
         x_NxD = _rows_all_to_all(x_MxD if rows_K is None else x_MxD[rows_K], recv, send, self.group)
         L = from_peer_RxL.shape[1]
@@ -133,6 +139,23 @@ class AllToAll:
         y = _rows_all_to_all(y_NxD, None, None, self.group)
         # 4. my row m from its slot (peer r's slot place_m); a dropped row from the zero row (index ep C)
         return torch.cat([y, y.new_zeros(1, y.shape[1])])[torch.where(kept_M, slot_M, ep * C)]
+
+
+def dropped_share(moe_modules, device):
+    """The share of the rows routed through these MoE modules' exchanges, summed over every rank, that
+    a buffer factor dropped since the last call (eager forwards: the counts are read on the host there
+    anyway); None without a factor, or where nothing was counted (a traced exchange's counts are tensors
+    inside the step's graph). A collective wherever a factor is set: every rank must call it alike."""
+    exchanges = [m.dispatch for m in moe_modules if isinstance(m.dispatch, AllToAll) and m.dispatch.buffer_factor > 0]
+    if not exchanges:
+        return None
+    counts = torch.tensor([sum(x.rows_routed for x in exchanges), sum(x.rows_dropped for x in exchanges)],
+                          dtype=torch.float64, device=device)
+    for x in exchanges:
+        x.rows_routed = x.rows_dropped = 0
+    dist.all_reduce(counts)
+    routed, dropped = counts.tolist()
+    return dropped / routed if routed else None
 
 
 def parallelize(model, ep_mesh):

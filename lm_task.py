@@ -95,17 +95,24 @@ class LanguageModelFamily(ModelFamily):
         """Megatron TP + sequence parallel over tp_mesh (tensor_parallel.py), then the MoE blocks' rows
         routed over ep_mesh (expert_parallel.py): their experts are what SimpleFSDP places over it."""
         import expert_parallel
-        import layer_scan
         import tensor_parallel
         if tp_mesh is not None:
             tensor_parallel.parallelize(model, tp_mesh)
         if ep_mesh is None:
             return []
-        # (--scan: a stack's layers all run its one block, whose MoE is routed once for all of them)
-        blocks = [model, *(m.block() for m in model.modules() if isinstance(m, layer_scan.StackedLayers))]
-        for block in blocks:
+        for block in self._blocks_with_experts(model):
             expert_parallel.parallelize(block, ep_mesh)
-        return [m for block in blocks for m in block.modules() if isinstance(m, MoE)]
+        return self.moe_blocks(model)
+
+    @staticmethod
+    def _blocks_with_experts(model):
+        """The model and, under --scan, each stack's one block, which all its layers run (so its MoE is
+        routed once for all of them): the modules that hold every MoE."""
+        import layer_scan
+        return [model, *(m.block() for m in model.modules() if isinstance(m, layer_scan.StackedLayers))]
+
+    def moe_blocks(self, model):
+        return [m for block in self._blocks_with_experts(model) for m in block.modules() if isinstance(m, MoE)]
 
     def split_sequence(self, model, sequence):
         model.split_sequence(sequence)
@@ -207,6 +214,17 @@ class Pretraining(Workload):
 
     def flops_per_step(self, args):
         return flops_per_token(args, self.cfg.seq_len) * self.units_per_step
+
+    def attach(self, model, parallel):
+        self.moe_modules, self.device = self.family.moe_blocks(model), parallel.device
+
+    def step_metrics(self):
+        """ep_dropped: the share of the routed rows ep's exchange dropped (a buffer factor) since the last
+        logged step, over every rank (a collective: every rank logs the same steps); absent where
+        nothing was counted (no factor, or a traced step: graph mode's counts stay in the graph)."""
+        import expert_parallel
+        share = expert_parallel.dropped_share(self.moe_modules, self.device)
+        return {} if share is None else {"ep_dropped": share}
 
     def meta(self):
         return {"data": self.fingerprint,

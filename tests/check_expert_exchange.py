@@ -149,11 +149,12 @@ def child_trainer_exchange_drops(*factors):
                  and n.meta["val"].dim() == 2 and not isinstance(n.meta["val"].shape[0], torch.SymInt)]
         for form, fn in (("eager", step), ("traced", traced)):
             got = fn(*inputs)
+            share = expert_parallel.dropped_share([mine], "cpu")  # (both ranks' rows: a collective)
             dist.all_reduce(got[2 + names.index("gate.weight")])  # (each rank's router saw its own tokens)
             gaps = torch.tensor([float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)])
             dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
             if r == 0:
-                print("RESULT", json.dumps({"factor": factor, "form": form, "dropped": rule.dropped,
+                print("RESULT", json.dumps({"factor": factor, "form": form, "dropped": rule.dropped, "share": share,
                                             "gaps": gaps.tolist(), "moved": moved, "rows": M}), flush=True)
 
 
@@ -163,7 +164,8 @@ def test_the_trainers_exchange_drops_the_rows_the_rule_drops_eager_and_traced():
     input gradient, the router's and the experts' gradients within 1e-6 relative (measured: at most
     3.8e-7), with f = 1 and 0.5 each dropping rows (13 and 64 of 128) and f = 0 dropless (none
     dropped, the plain dispatch's result: the rule with C = M is run_here). The traced step's rows
-    travel in buffers of ep x C rows: 64 and 32 where dropless sends 128 (the memory the factor bounds)."""
+    travel in buffers of ep x C rows: 64 and 32 where dropless sends 128 (the memory the factor bounds).
+    The share of rows the eager exchange counts as dropped (the trainer's ep_dropped) is the rule's."""
     rc, out, err = launch.ranks(2, ["test_all.py", "child_trainer_exchange_drops", "0", "1", "0.5"], timeout=240)
     assert rc == 0, err[-3000:]
     results = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
@@ -175,6 +177,10 @@ def test_the_trainers_exchange_drops_the_rows_the_rule_drops_eager_and_traced():
         slots = r["rows"] if r["factor"] == 0 else math.ceil(r["factor"] * r["rows"] / 2)
         assert r["moved"] == [2 * slots, 2 * slots], (slots, r["moved"])
         assert all(g <= 1e-6 for g in r["gaps"]), r
+        # what the trainer logs as ep_dropped (expert_parallel.dropped_share): the rule's dropped rows over
+        # the 2 ranks' routed rows, counted by the eager exchange; no factor or a traced step: not counted
+        want_share = r["dropped"] / (2 * r["rows"]) if r["factor"] > 0 and r["form"] == "eager" else None
+        assert r["share"] == want_share, (r["share"], want_share, r)
 
 
 def child_expert_exchange():

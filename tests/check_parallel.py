@@ -513,3 +513,7 @@ def test_tp_and_ep_checkpoints_resume_bit_for_bit_and_another_layout_is_refused(
                                          "ep_buffer_factor" in l for l in lines), err[-2000:]
         rc, _, err = torchrun(2, [*bounded, "--allow-change", "steps,ep_buffer_factor"])
         assert rc == 0 and sorted(losses(part)) == list(range(1, 13)), err[-3000:]
+        # the share of routed rows the factor dropped, logged for each step that had one (its value's
+        # oracle: test_the_trainers_exchange_drops_the_rows_the_rule_drops_eager_and_traced)
+        dropped = _records(part, "ep_dropped")
+        assert sorted(dropped) == [11, 12] and all(0 < v < 1 for v in dropped.values()), dropped
