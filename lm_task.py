@@ -221,7 +221,7 @@ class Pretraining(Workload):
     def step_metrics(self):
         """ep_dropped: the share of the routed rows ep's exchange dropped (a buffer factor) since the last
         logged step, over every rank (a collective: every rank logs the same steps); absent where
-        nothing was counted (no factor, or a traced step: graph mode's counts stay in the graph)."""
+        nothing was counted (no factor, or a traced step or --scan block: their counts stay in the graph)."""
         import expert_parallel
         share = expert_parallel.dropped_share(self.moe_modules, self.device)
         return {} if share is None else {"ep_dropped": share}
