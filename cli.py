@@ -102,7 +102,7 @@ class TrainConfig:
     dry_run: bool = flag(False, "trace at full scale on meta tensors; print memory/FLOPs/step-time estimates")
     chip: str = flag("tpu_v5p", "TPU generation for --dry-run: tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e, tpu_v7")
     plan: bool = flag(False, "with --dry-run: rank every mesh layout of --chips N (dcn x ici x tp, ep; remat)")
-    chips: int = flag(0, "chips for --plan, or for --compile without --mesh (the layout --plan ranks first)")
+    chips: Optional[int] = flag(None, "chips for --plan, or for --compile without --mesh (the layout --plan ranks first)")
     compile: bool = flag(False, "with --dry-run: compile the training step for the --chip topology of the mesh with "
                          "the real TPU compiler (compile-only devices, no chip): HBM, fits, FLOPs, estimated step")
     topology: Optional[str] = flag(None, "with --compile: libtpu's topology name, e.g. v5p:2x2x1 (default: the mesh's "

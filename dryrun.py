@@ -313,7 +313,7 @@ def main(w, cfg):
     if cfg.chip not in chips_lib.CHIPS:
         raise ValueError(f"--chip {cfg.chip!r}: choose one of {', '.join(chips_lib.CHIPS)}")
     accumulation = getattr(cfg, "grad_accum", 1)
-    if cfg.chips < 0:
+    if cfg.chips is not None and cfg.chips < 1:  # (0 is no chip count, not "the default")
         raise ValueError(f"--chips must be >= 1, got {cfg.chips}")
     laid_out = math.prod(v for k, v in mesh.mesh_dims(cfg.mesh).items() if k != "ep") if cfg.mesh else 0
     if cfg.chips and laid_out and laid_out != cfg.chips:  # (both name the chips: they must agree)
@@ -324,7 +324,7 @@ def main(w, cfg):
     if getattr(cfg, "compile", False):  # (a namespace without the flag: the estimate)
         return compiled_report(w, cfg, compile_dims(w, cfg), cfg.remat)
     if cfg.plan:
-        if not cfg.chips or cfg.chips < 1:
+        if not cfg.chips:
             raise ValueError("--plan needs --chips N (N >= 1)")
         traced = {r: w.saved_bytes(r) for r in (False, True)}
         rows = plan(w, cfg.chips, cfg.batch_size, cfg.chip, traced, accumulation)

@@ -527,6 +527,7 @@ def test_compile_without_a_mesh_takes_the_layout_plan_ranks_first_and_chips_that
                           ([*flags[:-4], "--batch-size", "4", "--seq-len", "256", "--compile", "--scan", "--chips", "8"],
                            "error: no FSDP / HSDP layout of 8 chips takes --batch-size 4"),
                           ([*flags, "--compile", "--chips", "-3"], "error: --chips must be >= 1"),
+                          ([*flags, "--compile", "--chips", "0"], "error: --chips must be >= 1, got 0"),  # (was the mesh's)
                           ([*flags, "--compile", "--topology", "bogus"], "error: topology 'bogus': give libtpu's name"),
                           ([*flags, "--compile", "--topology", "v5p:2xQ"], "error: topology 'v5p:2xQ': its dims")):
         assert _main(argv) == 2, argv
