@@ -231,6 +231,8 @@ def validate(cfg):
     for name in ("warmup", "eval_interval", "eval_batches", "ckpt_interval", "halt_at", "seed", "split"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.halt_at > cfg.steps:  # (it would never stop the run: a test of a resume that tests nothing)
+        raise ConfigError(f"--halt-at {cfg.halt_at} is past --steps {cfg.steps}: the run would end first")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise ConfigError(f"--lr must be a positive finite number, got {cfg.lr}")
     for name in ("clip", "weight_decay", "watchdog"):

@@ -77,6 +77,7 @@ BAD_INPUTS = [
     (["--allow-change", "lr,colour"], "unknown ['colour']"),
     (["--resume-from", "step_000001"], "no such checkpoint"),
     (["--watchdog", "-1"], "--watchdog must be >= 0"),
+    (["--steps", "4", "--halt-at", "9"], "--halt-at 9 is past --steps 4: the run would end first"),
     (["--init-from", "/nonexistent"], "config.json: missing or unreadable"),
     (["--batch-size", "100000"], "and the activations of 100000 sequences need"),  # (the dry run's estimate)
     (["--scan", "--mesh", "ici=2,tp=2"], "--scan with tp is not built"),  # (checked before any launch)
