@@ -102,7 +102,7 @@ class LanguageModelFamily(ModelFamily):
             return []
         for block in self._blocks_with_experts(model):
             expert_parallel.parallelize(block, ep_mesh)
-        return self.moe_blocks(model)
+        return self.moe_modules(model)
 
     @staticmethod
     def _blocks_with_experts(model):
@@ -111,7 +111,8 @@ class LanguageModelFamily(ModelFamily):
         import layer_scan
         return [model, *(m.block() for m in model.modules() if isinstance(m, layer_scan.StackedLayers))]
 
-    def moe_blocks(self, model):
+    def moe_modules(self, model):
+        """Every MoE module of `model` (under --scan: of its stacks' blocks)."""
         return [m for block in self._blocks_with_experts(model) for m in block.modules() if isinstance(m, MoE)]
 
     def split_sequence(self, model, sequence):
@@ -216,14 +217,14 @@ class Pretraining(Workload):
         return flops_per_token(args, self.cfg.seq_len) * self.units_per_step
 
     def attach(self, model, parallel):
-        self.moe_modules, self.device = self.family.moe_blocks(model), parallel.device
+        self.moes, self.device = self.family.moe_modules(model), parallel.device
 
     def step_metrics(self):
         """ep_dropped: the share of the routed rows ep's exchange dropped (a buffer factor) since the last
         logged step, over every rank (a collective: every rank logs the same steps); absent where
         nothing was counted (no factor, or a traced step or --scan block: their counts stay in the graph)."""
         import expert_parallel
-        share = expert_parallel.dropped_share(self.moe_modules, self.device)
+        share = expert_parallel.dropped_share(self.moes, self.device)
         return {} if share is None else {"ep_dropped": share}
 
     def meta(self):

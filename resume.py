@@ -168,7 +168,8 @@ def check_compatible(path, meta, allow_change=(), refusal=lambda key, saved, now
         was, now = saved.get(key), meta.get(key)
         if was != now:
             if isinstance(was, dict) and isinstance(now, dict):  # the fields that differ, not two whole configs
-                was, now = ({k: d.get(k) for k in sorted({*was, *now}) if was.get(k) != now.get(k)} for d in (was, now))
+                differ = sorted(k for k in {*was, *now} if was.get(k) != now.get(k))
+                was, now = [{k: d.get(k) for k in differ} for d in (was, now)]
             raise CheckpointError(f"checkpoint {path} is from another model ({key}: saved {was!r}, this run {now!r})")
     if saved.get("mesh") != meta.get("mesh") and "mesh" not in allow_change:  # (DCP reshards on load)
         raise CheckpointError(f"checkpoint {path} was saved on mesh {saved.get('mesh')!r}, this run "
