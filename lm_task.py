@@ -26,8 +26,9 @@ class LanguageModelFamily(ModelFamily):
     """model.Transformer from a flavor (or a Hugging Face directory's config) with --set applied and,
     for --kernels pallas, the TPU kernels swapped in by a config rewrite."""
     model_parallel, kind = ("tp", "ep"), KIND
-    resume_settings = ("ep_buffer_factor",)  # (which rows ep's exchange may drop: MaxText's capacity factor,
-    #                                           which a run may raise or lower between restarts)
+    # (no weight changes with these: the load-balancing loss's weight, how tokens are grouped for routing,
+    # and which rows ep's exchange may drop, MaxText's capacity factor; a run may retune them between restarts)
+    resume_settings = ("aux_loss_coef", "moe_groups", "ep_buffer_factor")
 
     def __init__(self, cfg, args=None, byte_vocab=True):
         self.cfg = cfg  # (None for a family made from a checkpoint's record)
@@ -38,6 +39,8 @@ class LanguageModelFamily(ModelFamily):
         saved = meta.get("model_args")
         if not isinstance(saved, dict):
             raise CheckpointError(f"{where} records no model_args")
+        train = meta.get("train") if isinstance(meta.get("train"), dict) else {}
+        saved = {**saved, **{k: train[k] for k in cls.resume_settings if k in train}}  # (run_record keeps them there)
         unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(ModelArgs)})
         if unknown:
             raise CheckpointError(f"{where}: model_args {', '.join(unknown)} unknown to this version (a checkpoint "

@@ -277,21 +277,23 @@ def test_a_resume_offers_only_changes_cli_accepts_and_grpo_records_what_its_poli
 
 def test_ep_buffer_factor_is_a_setting_a_resume_may_change_also_from_a_record_that_kept_it_in_model_args(tmp_path):
     """The buffer factor sizes ep's exchange (which rows a step drops), not a weight: a checkpoint
-    records it as a training setting (LanguageModelFamily.resume_settings), which --allow-change may
-    name; a checkpoint whose record kept it among model_args (an earlier version) reads it from there,
+    records it as a training setting (LanguageModelFamily.resume_settings, with the MoE's aux-loss
+    weight and routing groups), which --allow-change may name; a checkpoint whose record kept it among model_args (an earlier version) reads it from there,
     so resuming that run unchanged is not "another model"."""
     import json
     import checkpoint
     import cli
     import resume
     import train
-    cfg = cli.parse_config(["--flavor", "qwen3_moe_debug", "--set", "ep_buffer_factor=1.5"])
+    cfg = cli.parse_config(["--flavor", "qwen3_moe_debug", "--set", "ep_buffer_factor=1.5", "--set", "aux_loss_coef=0.005"])
     workload = train.make_workload(cfg)
     cls = type(workload)
-    assert "ep_buffer_factor" in resume.changeable(cls)
+    assert {"ep_buffer_factor", "aux_loss_coef", "moe_groups"} <= set(resume.changeable(cls))
     workload.fingerprint = "corpus"  # (what setup_data would set: this test reads no corpus)
     meta = resume.run_record(cfg, workload, workload.args, "ici=2,ep=2")
     assert "ep_buffer_factor" not in meta["model_args"] and meta["train"]["ep_buffer_factor"] == 1.5
+    # what reads a run back (generate.py --run, hf.py export: router_aux_loss_coef) gets the run's config whole
+    assert type(workload.family).from_record(meta, "ckpt").args == workload.args
     refusal = functools.partial(resume.refusal_for, cls)
 
     def check(saved, allow=()):
@@ -309,6 +311,10 @@ def test_ep_buffer_factor_is_a_setting_a_resume_may_change_also_from_a_record_th
         assert "ep_buffer_factor: saved 0.0, now 1.5); pass --allow-change ep_buffer_factor" in str(refused.value)
         check(json.loads(json.dumps(saved)), ["ep_buffer_factor"])  # deliberate: resumes
     assert cli.parse_config(["--allow-change", "ep_buffer_factor"]).allow_change == "ep_buffer_factor"
+    retuned = {**meta, "train": {**meta["train"], "aux_loss_coef": 0.01, "moe_groups": 2}}  # (MoE's other two)
+    with pytest.raises(checkpoint.CheckpointError, match=r"pass --allow-change aux_loss_coef,moe_groups to continue"):
+        check(retuned)
+    check(retuned, ["aux_loss_coef", "moe_groups"])
     other = json.loads(json.dumps(meta))
     other["model_args"]["moe_ffn_dim"] = 64  # a weight's shape: still another model, whatever is allowed
     with pytest.raises(checkpoint.CheckpointError) as refused:  # (naming the one field, not two whole configs)
