@@ -278,8 +278,9 @@ def test_a_resume_offers_only_changes_cli_accepts_and_grpo_records_what_its_poli
 def test_ep_buffer_factor_is_a_setting_a_resume_may_change_also_from_a_record_that_kept_it_in_model_args(tmp_path):
     """The buffer factor sizes ep's exchange (which rows a step drops), not a weight: a checkpoint
     records it as a training setting (LanguageModelFamily.resume_settings, with the MoE's aux-loss
-    weight and routing groups), which --allow-change may name; a checkpoint whose record kept it among model_args (an earlier version) reads it from there,
-    so resuming that run unchanged is not "another model"."""
+    weight and routing groups), which --allow-change may name; a checkpoint whose record kept it
+    among model_args (an earlier version) reads it from there, so resuming that run unchanged is not
+    "another model"; a run read back from its record has its whole config."""
     import json
     import checkpoint
     import cli
