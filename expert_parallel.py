@@ -108,8 +108,8 @@ class AllToAll:
     def _ragged(self, experts, x_MxD, kept_RxL, from_peer_RxL, kept_M):
         """kept_M: which rows stay (None: all of them, no buffer factor: no gather, no scatter back)."""
         send, recv = kept_RxL.sum(1).tolist(), from_peer_RxL.sum(1).tolist()  # (host sync: eager)
-        if torch.is_grad_enabled():  # a training forward (not an evaluation: no_grad); a --scan replay
-            # counts its layer again, routed and dropped alike, so the share dropped_share gives holds
+        if self.buffer_factor > 0 and torch.is_grad_enabled():  # a training forward that may drop rows
+            # (not an evaluation: no_grad); a replay counts its layer again, routed and dropped alike
             self.rows_routed += x_MxD.shape[0]
             self.rows_dropped += x_MxD.shape[0] - sum(send)
         rows_K = None if kept_M is None else kept_M.nonzero().squeeze(1)

@@ -30,6 +30,8 @@ model, parallelize function and loss beside the shared trainer):
     split_sequence(model, seq)  context parallelism: the model runs its chunks of every sequence
                                 (context_parallel.py; the LM family's; others refuse)
     kind                        what its models are, in words (a run of another kind is refused by name)
+    resume_settings             config fields no weight depends on (ep's buffer factor): a checkpoint
+                                records them as training settings, which a resume may change (resume.py)
 
   Workload: the data, the loss and what a run of it does besides the loop
     name, default_flavor        registered in WORKLOADS below; `Flags`: a dataclass of its own flags
