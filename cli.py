@@ -224,6 +224,9 @@ def validate(cfg):
     """Every check on the shared flags and their combinations, then the workload's own
     (Workload.check_flags), before anything is read or written; fills the workload's default flavor."""
     cls = workloads.workload_class(cfg.task)
+    if cfg.flavor and cfg.init_from:  # (the directory's config is the model: a flavor would be ignored)
+        raise ConfigError(f"--flavor {cfg.flavor} and --init-from both name the model; --init-from "
+                          f"{cfg.init_from} fixes it: drop --flavor (--set changes a field)")
     cfg.flavor = cfg.flavor or cls.default_flavor
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "log_interval"):
         if getattr(cfg, name) <= 0:

@@ -120,7 +120,8 @@ def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_k=0, top_p=
 
 def run_tokenizer(meta):
     """What a run trained on: bytes, or the tokenizer directory its checkpoint records (--tokenizer)."""
-    where = meta.get("train", {}).get("tokenizer", meta.get("tokenizer"))  # (older runs: beside "train")
+    import hf
+    where = hf.run_tokenizer_dir(meta)
     if where is None:
         return ByteTokenizer()
     try:

@@ -15,6 +15,9 @@ of its shape; each refusal is one line. Weights are read tensor by tensor with `
 the whole file at once); under a mesh each rank reads only its own block of each weight, which
 tensor parallelism cuts by columns as well as rows (`load_into`). An export is all or nothing: it is
 written beside its target and renamed into place, and never mixes with files already there (`save`).
+It carries the run's tokenizer, so that transformers' AutoTokenizer and `generate.py --hf` read it:
+the files of the directory the run trained on (`--tokenizer`), else our bytes as a tokenizer.json
+(`data.byte_tokenizer`).
 """
 import json
 import math
@@ -29,6 +32,7 @@ from safetensors.torch import save_file
 
 import atomic
 import checkpoint
+import data
 from errors import BadInput
 from parallel import local_box, local_tensor
 from model import KIND, ModelArgs, Transformer, check_args
@@ -167,6 +171,9 @@ def read_config(path):
         with open(file) as f:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
+        if os.path.isdir(os.path.join(path, "checkpoints")):  # (a train.py run: no HF directory yet)
+            raise HFError(f"{path} is a train.py run, not a Hugging Face directory: `python hf.py export "
+                          f"{path} OUT_DIR` makes one") from None
         raise HFError(f"{file}: missing or unreadable ({type(e).__name__})") from None
     if not isinstance(cfg, dict):
         raise HFError(f"{file} must be a JSON object, got {type(cfg).__name__}")
@@ -333,8 +340,9 @@ def hf_state_dict(model):
     return hf_tensors(model.named_parameters())
 
 
-def _write_files(model, out, max_shard_bytes):
-    """config.json and safetensors into the directory `out` (sharded with an index above `max_shard_bytes`)."""
+def _write_files(model, out, max_shard_bytes, files):
+    """config.json and safetensors into the directory `out` (sharded with an index above `max_shard_bytes`),
+    and `files` ({name: bytes}) beside them."""
     tensors, shards, size = hf_state_dict(model), [{}], 0
     for key, t in tensors.items():
         if size and size + t.numel() * t.element_size() > max_shard_bytes:
@@ -349,10 +357,13 @@ def _write_files(model, out, max_shard_bytes):
         jsons["model.safetensors.index.json"] = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
             "weight_map": {k: n for n, shard in zip(names, shards) for k in shard}}
-    for name, shard in [*zip(names, shards), *jsons.items()]:
+    for name, shard in [*zip(names, shards), *jsons.items(), *files.items()]:
         file = os.path.join(out, name)
         try:
-            if name in jsons:
+            if name in files:
+                with open(file, "wb") as f:
+                    f.write(shard)
+            elif name in jsons:
                 with open(file, "w") as f:
                     json.dump(shard, f, indent=2)
             else:
@@ -371,11 +382,12 @@ def check_target(path, overwrite=False):
                       f"directory: pass --overwrite to replace it, or choose a new one")
 
 
-def save(model, path, max_shard_bytes=5 * 2**30, overwrite=False):
-    """Write `model` as the HF directory `path`, all or nothing: the files go to a temporary directory
-    beside it, fsynced, then renamed into place. A failed write removes it and leaves `path` as it was;
-    a non-empty `path` is refused unless `overwrite`, which replaces the directory whole (no old shard
-    or index survives to be loaded instead of the new weights)."""
+def save(model, path, max_shard_bytes=5 * 2**30, overwrite=False, files=None):
+    """Write `model` (and `files`, {name: bytes}: a tokenizer's) as the HF directory `path`, all or
+    nothing: the files go to a temporary directory beside it, fsynced, then renamed into place. A
+    failed write removes it and leaves `path` as it was; a non-empty `path` is refused unless
+    `overwrite`, which replaces the directory whole (no old shard or index survives to be loaded
+    instead of the new weights)."""
     check_target(path, overwrite)
     path = os.path.abspath(path)
     parent, base = os.path.split(path)
@@ -388,12 +400,42 @@ def save(model, path, max_shard_bytes=5 * 2**30, overwrite=False):
     except OSError as e:
         raise HFError(f"cannot write {path}: {e.strerror}: {e.filename}") from None
     try:
-        _write_files(model, tmp, max_shard_bytes)
+        _write_files(model, tmp, max_shard_bytes, files or {})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     atomic.replace_dir(tmp, path)  # (--overwrite: the old directory is replaced whole)
     return path
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def run_tokenizer_dir(meta):
+    """The tokenizer directory a run's checkpoint records (train.py --tokenizer), or None: bytes."""
+    return meta.get("train", {}).get("tokenizer", meta.get("tokenizer"))  # (older runs: beside "train")
+
+
+def tokenizer_files(meta, args):
+    """{file name: bytes} of the tokenizer an export of this run carries: its directory's files, or
+    for a byte run our byte-level tokenizer.json with a tokenizer_config.json naming transformers'
+    generic fast tokenizer (not the Llama / Qwen one config.json's model_type would pick, which adds
+    a BOS id). HFError if the recorded tokenizer is gone."""
+    where = run_tokenizer_dir(meta)
+    if where is None:
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": args.max_seq_len}
+        return {"tokenizer.json": data.byte_tokenizer().to_str().encode(),
+                "tokenizer_config.json": json.dumps(config, indent=2).encode()}
+    files = {}
+    for name in TOKENIZER_FILES:
+        try:
+            with open(os.path.join(where, name), "rb") as f:
+                files[name] = f.read()
+        except OSError as e:
+            if name == "tokenizer.json":
+                raise HFError(f"this run trained on the tokenizer in {where}, whose tokenizer.json is gone "
+                              f"({e.strerror}): put it back to export the run") from None
+    return files
 
 
 def main(argv):
@@ -408,12 +450,13 @@ def main(argv):
     cfg = p.parse_args(argv)
     try:
         check_target(cfg.out_dir, cfg.overwrite)  # before the (maybe large) checkpoint is read
-        model, _ = checkpoint.load_run(cfg.run_dir, kind=KIND)
+        model, meta = checkpoint.load_run(cfg.run_dir, kind=KIND)
+        tokenizer = tokenizer_files(meta, model.args)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        print(f"wrote {save(model, cfg.out_dir, overwrite=cfg.overwrite)}")
+        print(f"wrote {save(model, cfg.out_dir, overwrite=cfg.overwrite, files=tokenizer)}")
         return 0
     except HFError as e:
         print(f"error: {e}", file=sys.stderr)

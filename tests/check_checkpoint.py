@@ -79,6 +79,7 @@ BAD_INPUTS = [
     (["--watchdog", "-1"], "--watchdog must be >= 0"),
     (["--steps", "4", "--halt-at", "9"], "--halt-at 9 is past --steps 4: the run would end first"),
     (["--init-from", "/nonexistent"], "config.json: missing or unreadable"),
+    (["--flavor", "qwen3_debug", "--init-from", "hf_dir"], "--flavor qwen3_debug and --init-from both name the model"),  # (was: the flavor ignored)
     (["--batch-size", "100000"], "and the activations of 100000 sequences need"),  # (the dry run's estimate)
     (["--scan", "--mesh", "ici=2,tp=2"], "--scan with tp is not built"),  # (checked before any launch)
     (["--task", "flux", "--mesh", "ici=1,tp=2"], "the flux workload's model splits over data-parallel dims (dcn / ici) only, not tp"),

@@ -140,12 +140,15 @@ def test_bad_hf_and_generation_inputs_are_one_line(tmp_path, capsys):
             hf.load(broken[label])
     with pytest.raises(hf.HFError, match="config.json: missing or unreadable"):
         hf.load(str(tmp_path))
+    run_dir = tmp_path / "run"  # (a train.py run's layout, given where a HF directory belongs)
+    (run_dir / "checkpoints").mkdir(parents=True)
     mixed = tmp_path / "mixed"  # a 300-token tokenizer on a 256-token model
     shutil.copytree(os.path.join(HF_FIXTURES, "llama"), mixed)
     shutil.copy(os.path.join(HF_FIXTURES, "qwen3", "tokenizer.json"), mixed / "tokenizer.json")
     for argv, message in [(["--hf", str(mixed), "x"], "the tokenizer has 300 tokens, the model only 256"),
                           (["--hf", os.path.join(HF_FIXTURES, "qwen3"), ""], "the prompt is empty"),
-                          (["--run", str(tmp_path), "x"], "holds no checkpoint to read")]:
+                          (["--run", str(tmp_path), "x"], "holds no checkpoint to read"),
+                          (["--hf", str(run_dir), "x"], "is a train.py run, not a Hugging Face directory: `python hf.py export")]:
         assert generate.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
@@ -216,8 +219,13 @@ def test_generate_on_a_tokenizer_run_picks_its_tokenizer_and_checkpoint_and_refu
         one_line(argv, hint, tool)
     assert generate.main(["--run", str(good), prompt, *sample]) == 0
     assert capsys.readouterr().out == greedy_text("step_000001")
+    assert hf.main(["export", str(good), str(tmp_path / "exported")]) == 0  # (its tokenizer's file, as it is)
+    assert (tmp_path / "exported" / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
     shutil.rmtree(tok_dir)
     one_line(["--run", str(good), "x"], f"this run trained on the tokenizer in {tok_dir}, which is gone")
+    one_line(["export", str(good), str(tmp_path / "e")], f"the tokenizer in {tok_dir}, whose tokenizer.json is gone",
+             hf.main)
+    assert not os.path.exists(tmp_path / "e")
 
 
 # config.json key -> (ModelArgs field, the value model.py must get), written out from HF's documentation
@@ -376,7 +384,8 @@ def test_export_never_clobbers_and_a_failed_write_keeps_the_old_files(corpus, tm
         assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
     assert (user / "config.json").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"
     assert hf.main(["export", run, str(tmp_path / "out"), "--overwrite"]) == 0
-    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                     "tokenizer_config.json"]
     for (n, p), (_, q) in zip(model.named_parameters(), hf.load(str(tmp_path / "out")).named_parameters()):
         assert torch.equal(p, q), n
     before = {f: checkpoint.sha256_of(tmp_path / "out" / f) for f in os.listdir(tmp_path / "out")}
@@ -386,6 +395,40 @@ def test_export_never_clobbers_and_a_failed_write_keeps_the_old_files(corpus, tm
     assert rc == 5 and len(err.splitlines()) == 1 and err.startswith("error: a write failed"), err
     assert {f: checkpoint.sha256_of(tmp_path / "out" / f) for f in os.listdir(tmp_path / "out")} == before
     assert sorted(os.listdir(tmp_path)) == ["file", "out", "run", "user"]  # no temporary directory left
+
+
+def test_a_byte_runs_export_reads_in_transformers_as_its_tokenizer_and_model(corpus, tmp_path, capsys):
+    """hf.py export writes a byte run's tokenizer beside the weights. Oracles, none of them ours:
+    transformers' AutoTokenizer turns text in several scripts into exactly its UTF-8 bytes and back, its
+    vocabulary is the 256 byte values, and transformers' model on those ids gives our model's logits
+    (within 1e-4 of their scale, as for the HF fixtures). generate.py --hf on the export then writes
+    what generate.py --run writes on the run. Before, an export had no tokenizer: AutoTokenizer and
+    generate.py --hf both failed on it."""
+    import checkpoint
+    import generate
+    import hf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+    assert _main([*TINY, "--data", corpus, "--steps", "2", "--eval-batches", "0", "--sample-tokens", "0",
+                  "--out-dir", run]) == 0
+    assert hf.main(["export", run, out]) == 0
+    tok = AutoTokenizer.from_pretrained(out)
+    text = "def f(x):\n\treturn 'h\u00e9llo', \u20ac5, \u65e5\u672c, \U0001f642 \x00\x7f  end"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == list(text.encode("utf-8")) and tok.decode(ids) == text, (ids, list(text.encode()))
+    assert sorted(tok.get_vocab().values()) == list(range(256))
+    model, _ = checkpoint.load_run(run)
+    theirs = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        ours, want = model(torch.tensor([ids])), theirs(torch.tensor([ids])).logits
+    scale = want.abs().max().item()
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4 * scale)
+    sample = ["h\u00e9llo", "--max-new-tokens", "12", "--temperature", "0"]
+    capsys.readouterr()
+    assert generate.main(["--run", run, *sample]) == 0
+    from_run = capsys.readouterr().out
+    assert generate.main(["--hf", out, *sample]) == 0
+    assert capsys.readouterr().out == from_run
 
 
 def test_fine_tuning_starts_from_the_hf_weights_on_one_process_and_under_a_mesh(corpus, tmp_path):
