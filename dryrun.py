@@ -34,6 +34,7 @@ saves whole, fragmentation and XLA's own buffers, and DCN topology (one number p
 """
 import dataclasses
 import math
+import sys
 
 from planner import chips as chips_lib
 from planner import shapes
@@ -399,18 +400,29 @@ def compiled_report(w, cfg, dims, remat):
     return judged(step_compile.main(program, planned, cfg, TPU_SPECS[cfg.chip]), planned)
 
 
-if __name__ == "__main__":
-    import sys
-    argv = sys.argv[1:]
+def cli(argv):
+    """python dryrun.py ARGS: the calibration table and its compiler column (the dry run itself is
+    train.py --dry-run). The exit code: 0, or 2 with one `error:` line."""
+    usage = ("python dryrun.py --calibrate [--breakdown]: the planner against every published run of "
+             "planner/calibration.json;\npython dryrun.py --calibrate --compile [RUN_ID ...]: each run compiled "
+             "by the TPU compiler (minutes a run).\nThe dry run itself is train.py --dry-run (--plan --chips N, "
+             "--compile); the CPU anchor python -m planner.anchor.")
+    if argv in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     try:
         if argv[:1] == ["--calibrate"] and set(argv[1:]) <= {"--breakdown"}:
             from planner import calibrate
-            sys.exit(calibrate.main(argv[1:]))
+            return calibrate.main(argv[1:])
         if argv[:2] == ["--calibrate", "--compile"]:  # (the compiler column: minutes a run)
             from planner import compile_column
-            sys.exit(compile_column.main(argv[2:]))
-        raise ValueError(f"expected --calibrate [--breakdown] or --calibrate --compile [RUN_ID ...], got {' '.join(argv) or 'nothing'} (the dry run "
-                         f"itself is train.py --dry-run; the CPU anchor python -m planner.anchor)")
+            return compile_column.main(argv[2:])
+        raise ValueError(f"expected --calibrate [--breakdown] or --calibrate --compile [RUN_ID ...], got "
+                         f"{' '.join(argv) or 'nothing'} (--help: the usage)")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -123,7 +123,8 @@ def test_planner_remat_policies_are_never_silent_and_state_dtypes_are_fields():
 
 def test_plan_layouts_use_exactly_the_chips_asked_and_the_anchor_takes_help(capsys):
     """--plan --chips 7 (and 12): every ranked layout's dcn x ici x tp is the chips asked (tp=2 on 7
-    chips was rounded down to 6 before); `python -m planner.anchor --help` prints its usage, exit 0."""
+    chips was rounded down to 6 before); `python -m planner.anchor --help` and `python dryrun.py --help`
+    print their usage, exit 0 (dryrun.py's was an error), and dryrun.py's unknown flag is one line, exit 2."""
     import dryrun
     w = dryrun.lm_workload(FLAVORS["llama3_8b"], "llama3_8b", 1024)
     w = dataclasses.replace(w, saved_bytes=lambda remat: 2**30)
@@ -136,6 +137,10 @@ def test_plan_layouts_use_exactly_the_chips_asked_and_the_anchor_takes_help(caps
     assert any("tp=2" in r["mesh"] for r in dryrun.plan(w, 12, 48, "tpu_v5p"))
     from planner import anchor
     assert anchor.main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: python -m planner.anchor")
+    assert dryrun.cli(["--help"]) == 0 and capsys.readouterr().out.startswith("python dryrun.py --calibrate")
+    assert dryrun.cli(["--bogus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: expected --calibrate") and len(err.splitlines()) == 1, err
 
 
 def test_dry_run_memory_is_the_step_models_and_marks_a_layout_whose_host_memory_does_not_fit():
