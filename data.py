@@ -31,22 +31,6 @@ import torch
 BYTE_VOCAB = 256  # one token per byte value
 
 
-def byte_tokenizer():
-    """Our byte vocabulary as a Hugging Face tokenizer (the `tokenizers` library), so that a byte run's
-    export reads like any HF model's: id b is byte b. It is a byte-level BPE with no merges: GPT-2's
-    byte-level alphabet writes each byte as one printable character (bytes that print as themselves
-    keep their code point, the other 68 take 256, 257, ... in byte order), and the vocabulary maps
-    byte b's character to id b."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    prints = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
-    others = iter(range(256, 512))
-    char_of = {b: chr(b if b in prints else next(others)) for b in range(BYTE_VOCAB)}
-    tok = Tokenizer(models.BPE(vocab={c: b for b, c in char_of.items()}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
-
-
 class DataError(BadInput):
     pass
 

@@ -9,14 +9,12 @@ keys and values go into a cache allocated once at its final size, (B, Hkv, T_max
 the current position with index_copy_ and read whole under a mask `key position <= query position`;
 the position is a tensor. So every decode step has the same shapes and the same program: on XLA it
 compiles once (prefill once more) for a whole generation, instead of once per length.
-A run's text is bytes, or the ids of the tokenizer its checkpoint records (train.py --tokenizer).
+A run's text is bytes, or the ids of the tokenizer its checkpoint records (tokenizer.py).
 Sampling: greedy (temperature 0), or temperature, then top-k, then top-p (nucleus; Holtzman et al.,
 arXiv 1904.09751), from a seeded generator: same seed, same text.
 """
 import argparse
-import codecs
 import math
-import os
 import sys
 
 import torch
@@ -24,6 +22,7 @@ import torch
 import checkpoint
 import device as dev
 from model import KIND
+import tokenizer
 
 
 class KVCache:
@@ -115,76 +114,11 @@ def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_k=0, top_p=
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# Loading: what a run trained on (its checkpoint: checkpoint.load_run)
-
-def run_tokenizer(meta):
-    """What a run trained on: bytes, or the tokenizer directory its checkpoint records (--tokenizer)."""
-    import hf
-    where = hf.run_tokenizer_dir(meta)
-    if where is None:
-        return ByteTokenizer()
-    try:
-        return HFTokenizer(str(where))
-    except ValueError as e:
-        raise ValueError(f"this run trained on the tokenizer in {where}, which is gone ({e}): put it back "
-                         f"to sample from the run") from None
-
-
-class ByteTokenizer:
-    """What our runs train on: UTF-8 bytes, decoded incrementally (a character may span tokens)."""
-    vocab_size, eos_id = 256, None
-
-    def encode(self, text):
-        return list(text.encode("utf-8"))
-
-    def stream(self):
-        """step(token) -> the text it completes ('' inside a character); step(None) -> what is left."""
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-        def step(token):
-            if token is None or token >= 256:  # an id past 255 (a wider --set vocab_size) is no byte: U+FFFD
-                return decoder.decode(b"", final=True) + ("" if token is None else "\ufffd")
-            return decoder.decode(bytes([token]))
-        return step
-
-
 def byte_sample(model, n, seed, temperature=0.8):
     """(text, bytes drawn): what a byte-level model writes after a newline (train.py's last words)."""
-    show = ByteTokenizer().stream()
+    show = tokenizer.ByteTokenizer().stream()
     ids = generate(model, list(b"\n"), min(n, model.args.max_seq_len - 1), temperature=temperature, seed=seed)
     return "".join(show(t) for t in ids) + show(None), len(ids)
-
-
-class HFTokenizer:
-    """A HF directory's tokenizer.json through the `tokenizers` library."""
-
-    def __init__(self, path, eos_id=None):
-        from tokenizers import Tokenizer
-        try:
-            self.tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-        except Exception as e:
-            raise ValueError(f"{os.path.join(path, 'tokenizer.json')}: missing or unreadable ({type(e).__name__})") from None
-        self.vocab_size, self.eos_id = self.tok.get_vocab_size(), eos_id
-
-    def encode(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def stream(self):
-        """As ByteTokenizer.stream: decode everything so far, return what is new. A text ending in U+FFFD
-        may be a character cut between tokens: it is held back until the next token (or the end)
-        completes it, else the printed text would keep the U+FFFD and drop the character."""
-        ids, shown = [], [""]
-
-        def step(token):
-            if token is not None:
-                ids.append(token)
-            text = self.tok.decode(ids)
-            if token is not None and text.endswith("\ufffd"):
-                return ""
-            new, shown[0] = text[len(shown[0]):], text
-            return new
-        return step
 
 
 def main(argv=None):
@@ -209,11 +143,11 @@ def main(argv=None):
         device = dev.pick_device(cfg.device)
         if cfg.run:
             model, meta = checkpoint.load_run(cfg.run, device, kind=KIND)
-            tok = run_tokenizer(meta)
+            tok = tokenizer.for_run(meta)
         else:
             import hf
             config = hf.read_config(cfg.hf)
-            tok = HFTokenizer(cfg.hf, config.get("eos_token_id"))
+            tok = tokenizer.HFTokenizer(cfg.hf, config.get("eos_token_id"))
             model = hf.load(cfg.hf, device)
         if tok.vocab_size > model.args.vocab_size:
             raise ValueError(f"the tokenizer has {tok.vocab_size} tokens, the model only {model.args.vocab_size}")

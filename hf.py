@@ -17,7 +17,7 @@ tensor parallelism cuts by columns as well as rows (`load_into`). An export is a
 written beside its target and renamed into place, and never mixes with files already there (`save`).
 It carries the run's tokenizer, so that transformers' AutoTokenizer and `generate.py --hf` read it:
 the files of the directory the run trained on (`--tokenizer`), else our bytes as a tokenizer.json
-(`data.byte_tokenizer`).
+(`tokenizer.export_files`).
 """
 import json
 import math
@@ -32,10 +32,10 @@ from safetensors.torch import save_file
 
 import atomic
 import checkpoint
-import data
 from errors import BadInput
 from parallel import local_box, local_tensor
 from model import KIND, ModelArgs, Transformer, check_args
+import tokenizer
 
 
 class HFError(BadInput):
@@ -408,36 +408,6 @@ def save(model, path, max_shard_bytes=5 * 2**30, overwrite=False, files=None):
     return path
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def run_tokenizer_dir(meta):
-    """The tokenizer directory a run's checkpoint records (train.py --tokenizer), or None: bytes."""
-    return meta.get("train", {}).get("tokenizer", meta.get("tokenizer"))  # (older runs: beside "train")
-
-
-def tokenizer_files(meta, args):
-    """{file name: bytes} of the tokenizer an export of this run carries: its directory's files, or
-    for a byte run our byte-level tokenizer.json with a tokenizer_config.json naming transformers'
-    generic fast tokenizer (not the Llama / Qwen one config.json's model_type would pick, which adds
-    a BOS id). HFError if the recorded tokenizer is gone."""
-    where = run_tokenizer_dir(meta)
-    if where is None:
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": args.max_seq_len}
-        return {"tokenizer.json": data.byte_tokenizer().to_str().encode(),
-                "tokenizer_config.json": json.dumps(config, indent=2).encode()}
-    files = {}
-    for name in TOKENIZER_FILES:
-        try:
-            with open(os.path.join(where, name), "rb") as f:
-                files[name] = f.read()
-        except OSError as e:
-            if name == "tokenizer.json":
-                raise HFError(f"this run trained on the tokenizer in {where}, whose tokenizer.json is gone "
-                              f"({e.strerror}): put it back to export the run") from None
-    return files
-
-
 def main(argv):
     """python hf.py export RUN_DIR OUT_DIR [--overwrite]: a training run's newest checkpoint as a HF
     directory. Exit 0 done, 2 bad input (nothing written), 5 a write failed (OUT_DIR as it was)."""
@@ -451,12 +421,12 @@ def main(argv):
     try:
         check_target(cfg.out_dir, cfg.overwrite)  # before the (maybe large) checkpoint is read
         model, meta = checkpoint.load_run(cfg.run_dir, kind=KIND)
-        tokenizer = tokenizer_files(meta, model.args)
+        tokenizer_files = tokenizer.export_files(meta, model.args.max_seq_len)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        print(f"wrote {save(model, cfg.out_dir, overwrite=cfg.overwrite, files=tokenizer)}")
+        print(f"wrote {save(model, cfg.out_dir, overwrite=cfg.overwrite, files=tokenizer_files)}")
         return 0
     except HFError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -165,6 +165,7 @@ def test_generate_on_a_tokenizer_run_picks_its_tokenizer_and_checkpoint_and_refu
     import shutil
     import generate
     import hf
+    import tokenizer
     import train
     from tokenizers import Tokenizer
     monkeypatch.setenv("MINITITAN_CACHE", str(tmp_path / "cache"))
@@ -176,7 +177,7 @@ def test_generate_on_a_tokenizer_run_picks_its_tokenizer_and_checkpoint_and_refu
                   "--eval-batches", "0", "--out-dir", str(run)]) == 0
     tok, prompt = Tokenizer.from_file(str(tok_dir / "tokenizer.json")), "def main("
     split = [tok.token_to_id("Ã"), tok.token_to_id("©")]  # "é" as its two byte tokens: printed whole
-    show = generate.HFTokenizer(str(tok_dir)).stream()
+    show = tokenizer.HFTokenizer(str(tok_dir)).stream()
     assert "".join(map(show, split)) + show(None) == tok.decode(split) == "é"
 
     def greedy_text(step_name):  # 6 tokens by argmax over the whole sequence, no KV cache
@@ -397,6 +398,7 @@ def test_export_never_clobbers_and_a_failed_write_keeps_the_old_files(corpus, tm
     assert sorted(os.listdir(tmp_path)) == ["file", "out", "run", "user"]  # no temporary directory left
 
 
+@pytest.mark.fast
 def test_a_byte_runs_export_reads_in_transformers_as_its_tokenizer_and_model(corpus, tmp_path, capsys):
     """hf.py export writes a byte run's tokenizer beside the weights. Oracles, none of them ours:
     transformers' AutoTokenizer turns text in several scripts into exactly its UTF-8 bytes and back, its
