@@ -340,9 +340,9 @@ def hf_state_dict(model):
     return hf_tensors(model.named_parameters())
 
 
-def _write_files(model, out, max_shard_bytes, files):
-    """config.json and safetensors into the directory `out` (sharded with an index above `max_shard_bytes`),
-    and `files` ({name: bytes}) beside them."""
+def _write_files(model, out, max_shard_bytes, files, eos_id):
+    """config.json (with `eos_id` as its eos_token_id, where not None) and safetensors into the directory
+    `out` (sharded with an index above `max_shard_bytes`), and `files` ({name: bytes}) beside them."""
     tensors, shards, size = hf_state_dict(model), [{}], 0
     for key, t in tensors.items():
         if size and size + t.numel() * t.element_size() > max_shard_bytes:
@@ -352,7 +352,8 @@ def _write_files(model, out, max_shard_bytes, files):
         size += t.numel() * t.element_size()
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    jsons = {"config.json": config_from_args(model.args)}
+    config = config_from_args(model.args)
+    jsons = {"config.json": config if eos_id is None else {**config, "eos_token_id": eos_id}}
     if len(shards) > 1:
         jsons["model.safetensors.index.json"] = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
@@ -382,12 +383,12 @@ def check_target(path, overwrite=False):
                       f"directory: pass --overwrite to replace it, or choose a new one")
 
 
-def save(model, path, max_shard_bytes=5 * 2**30, overwrite=False, files=None):
-    """Write `model` (and `files`, {name: bytes}: a tokenizer's) as the HF directory `path`, all or
-    nothing: the files go to a temporary directory beside it, fsynced, then renamed into place. A
-    failed write removes it and leaves `path` as it was; a non-empty `path` is refused unless
-    `overwrite`, which replaces the directory whole (no old shard or index survives to be loaded
-    instead of the new weights)."""
+def save(model, path, max_shard_bytes=5 * 2**30, overwrite=False, files=None, eos_id=None):
+    """Write `model` (and `files`, {name: bytes}: a tokenizer's; `eos_id`: the token its samples end
+    with, as config.json's eos_token_id) as the HF directory `path`, all or nothing: the files go to
+    a temporary directory beside it, fsynced, then renamed into place. A failed write removes it and
+    leaves `path` as it was; a non-empty `path` is refused unless `overwrite`, which replaces the
+    directory whole (no old shard or index survives to be loaded instead of the new weights)."""
     check_target(path, overwrite)
     path = os.path.abspath(path)
     parent, base = os.path.split(path)
@@ -400,7 +401,7 @@ def save(model, path, max_shard_bytes=5 * 2**30, overwrite=False, files=None):
     except OSError as e:
         raise HFError(f"cannot write {path}: {e.strerror}: {e.filename}") from None
     try:
-        _write_files(model, tmp, max_shard_bytes, files or {})
+        _write_files(model, tmp, max_shard_bytes, files or {}, eos_id)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -426,7 +427,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        print(f"wrote {save(model, cfg.out_dir, overwrite=cfg.overwrite, files=tokenizer_files)}")
+        print(f"wrote {save(model, cfg.out_dir, overwrite=cfg.overwrite, files=tokenizer_files, eos_id=meta.get('eos_id'))}")
         return 0
     except HFError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -37,6 +37,8 @@ def run_record(cfg, workload, model_args, mesh_spec):
             "mesh": mesh_spec, "train": settings}
     if cfg.scan:
         meta["layers"] = "stacked"
+    if workload.eos_id is not None:  # (beside the settings: what ends a sample, not a resume's concern)
+        meta["eos_id"] = workload.eos_id
     return json.loads(json.dumps(meta))  # as meta.json will hold it (tuples become lists), so it compares
 
 

@@ -57,6 +57,8 @@ model, parallelize function and loss beside the shared trainer):
     attach(model, parallel), step_metrics(), evaluate(model, step, log), evaluates, plotted, close()
                                 for a workload with state beside the model (GRPO's rollout engine)
     halt(record)                end the run after an evaluation (sft's --halt-at-accuracy)
+    eos_id                      the token that ends a sample (GRPO's and SFT's completions: a newline),
+                                or None; the run records it, and sampling it stops there (tokenizer.for_run)
 
 These are all the members the trainer uses (tests/check_seams.py holds it to that).
 
@@ -176,6 +178,7 @@ class Workload:
     val_batches = ()
     evaluates = False
     plotted = ()
+    eos_id = None               # the token that ends a sample: recorded with the run (resume.run_record)
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -25,7 +25,10 @@ class TokenizerError(BadInput):
 
 class ByteTokenizer:
     """What our runs train on: UTF-8 bytes, decoded incrementally (a character may span tokens)."""
-    vocab_size, eos_id = data.BYTE_VOCAB, None
+    vocab_size = data.BYTE_VOCAB
+
+    def __init__(self, eos_id=None):
+        self.eos_id = eos_id
 
     def encode(self, text):
         return list(text.encode("utf-8"))
@@ -79,12 +82,13 @@ def run_tokenizer_dir(meta):
 
 
 def for_run(meta):
-    """What a run trained on: bytes, or the tokenizer directory its checkpoint records (--tokenizer)."""
-    where = run_tokenizer_dir(meta)
+    """What a run trained on: bytes, or the tokenizer directory its checkpoint records (--tokenizer),
+    with the token that ends its samples where the run records one (its workload's eos_id)."""
+    where, eos_id = run_tokenizer_dir(meta), meta.get("eos_id")
     if where is None:
-        return ByteTokenizer()
+        return ByteTokenizer(eos_id)
     try:
-        return HFTokenizer(str(where))
+        return HFTokenizer(str(where), eos_id)
     except TokenizerError as e:
         raise TokenizerError(f"this run trained on the tokenizer in {where}, which is gone ({e}): put it "
                              f"back to sample from the run") from None

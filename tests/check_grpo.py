@@ -333,6 +333,39 @@ def grpo_warm(tmp_path_factory):
     return str(root / "warm")
 
 
+def test_a_policy_run_samples_and_exports_ending_at_its_newline(grpo_warm, tmp_path, capsys):
+    """An SFT run records the token its answers end with (the workload's eos_id: a newline), so that
+    generate.py --run stops after it, and hf.py export writes it as config.json's eos_token_id, which
+    generate.py --hf and transformers' generate() stop at. Oracles: our greedy ids with no end token,
+    cut after their first newline; transformers' greedy generate() on the export. Before, a sample ran
+    on past its answer to --max-new-tokens, and an export named no end token."""
+    import checkpoint
+    import generate
+    import hf
+    from transformers import AutoModelForCausalLM
+    model, meta = checkpoint.load_run(grpo_warm)
+    assert meta["eos_id"] == ord("\n"), meta.get("eos_id")
+    prompt, n = "12+34=", 24
+    ids = generate.generate(model, list(prompt.encode()), n)  # (greedy, no end token)
+    assert ord("\n") in ids, ids  # (the warm start writes digits and newlines)
+    answer = ids[:ids.index(ord("\n")) + 1]
+    want = prompt + bytes(answer).decode("utf-8", errors="replace") + "\n"  # (print's own newline after it)
+    sample = [prompt, "--max-new-tokens", str(n), "--temperature", "0"]
+    out = str(tmp_path / "export")
+    capsys.readouterr()
+    assert generate.main(["--run", grpo_warm, *sample]) == 0
+    assert capsys.readouterr().out == want
+    assert hf.main(["export", grpo_warm, out]) == 0
+    assert json.load(open(os.path.join(out, "config.json")))["eos_token_id"] == ord("\n")
+    capsys.readouterr()
+    assert generate.main(["--hf", out, *sample]) == 0
+    assert capsys.readouterr().out == want
+    theirs = AutoModelForCausalLM.from_pretrained(out)
+    got = theirs.generate(torch.tensor([list(prompt.encode())]), max_new_tokens=n, do_sample=False,
+                          pad_token_id=ord("\n"))[0, len(prompt):].tolist()
+    assert got == answer, (got, answer)
+
+
 def _grpo_args(warm, out_dir, *extra):
     return ["--task", "grpo", "--init-from", warm, "--steps", "4", "--updates-per-batch", "2",
             "--prompts-per-step", "4", "--group-size", "4", "--format-credit", "0.1", "--kl-beta", "0.05", "--lr", "1e-3",
