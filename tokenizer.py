@@ -3,7 +3,8 @@ carries.
 
 A run trains on bytes (data.py: id b is byte b, no tokenizer to download) or on the ids of a Hugging
 Face tokenizer.json (train.py --tokenizer DIR), which its checkpoint records. `for_run` gives back the
-one it trained on, `generate.py` samples through it, and `export_files` writes it beside an export's
+one it trained on, with the token its samples end with where the run records one (its workload's
+`eos_id`), `generate.py` samples through it, and `export_files` writes it beside an export's
 weights (hf.py), so that transformers' AutoTokenizer and `generate.py --hf` read the export as any HF
 model. Our bytes become a HF tokenizer without inventing a format: GPT-2's byte-level BPE with no
 merges, whose alphabet writes each byte as one printable character (`byte_level`).
