@@ -255,10 +255,20 @@ class Compiled:
     mosaic_calls: int = 0     # Mosaic kernels in the compiled program (tpu_custom_call)
     host_bytes: int = 0       # host memory the program's temporaries take (offloaded activations)
     all_to_alls: int = 0      # all-to-alls in the program (ep's exchanges: expert_exchange.py)
+    peak_bytes: int = 0       # what the device holds at the program's peak, arguments included: its
+                              # buffer assignment's (memory_analysis's peak_memory_in_bytes; 0: not given)
+
+    @property
+    def summed_bytes(self):
+        """memory_analysis's sizes added up. Not what must fit: on a scanned step its temporaries
+        exceed the buffer assignment's heap (Mixtral 8x7B on v5p-128: 117.1 GiB against 79.2, a
+        program libtpu compiles for 95 GiB devices; docs/planning.md, "Which figure must fit")."""
+        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
     @property
     def hbm_bytes(self):
-        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+        """The device's HBM at the program's peak: the compiler's own figure where it gives one."""
+        return self.peak_bytes or self.summed_bytes
 
     def line(self):
         if not self.fits:
@@ -316,7 +326,7 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=()):
                     # (counted in the lowered program: jax 0.10.2 cannot print some compiled ones,
                     # "RET_CHECK ... async-update instruction should have 1 operands but sees 2")
                     text.count("@tpu_custom_call"), getattr(mem, "host_temp_size_in_bytes", 0),
-                    text.count("stablehlo.all_to_all"))
+                    text.count("stablehlo.all_to_all"), getattr(mem, "peak_memory_in_bytes", 0))
 
 
 
@@ -329,6 +339,7 @@ def per_chip(compiled, cores):
     return dataclasses.replace(compiled, argument_bytes=compiled.argument_bytes * cores,
                                output_bytes=compiled.output_bytes * cores, temp_bytes=compiled.temp_bytes * cores,
                                alias_bytes=compiled.alias_bytes * cores, host_bytes=compiled.host_bytes * cores,
+                               peak_bytes=compiled.peak_bytes * cores,
                                flops=times(compiled.flops), bytes_accessed=times(compiled.bytes_accessed))
 
 

@@ -112,7 +112,7 @@ def row(run, r):
         return head + f" does not fit: {r['message'][:200]}"
     return (head + f" {gib(r['total_bytes']):7.1f} {'yes' if r['fits'] else 'NO':<4} {gib(r['planned_total_bytes']):7.1f} "
             f"{100 * ratio:+6.0f}%{'' if abs(ratio) <= 0.15 else '!'} {step:>9} {r['planned_step_s']:8.2f}s "
-            f"{published:8.2f}s {mfu:>6} {r['compile_s']:6.0f}s")
+            f"{published:8.2f}s {mfu:>6} {r['compile_s']:6.0f}s {gib(r.get('summed_bytes', r['total_bytes'])):7.1f}")
 
 
 def main(ids=()):
@@ -124,10 +124,10 @@ def main(ids=()):
     print("compiler column (train.py --dry-run --compile --scan --kernels pallas --dtype bf16 [--offload] at each published layout and batch; "
           "XLA:TPU on compile-only devices, no chip; the planner's figures for the same program: FSDP, bf16 forward, remat full)")
     print(f"{'run':<38} {'chip':<8} {'topology':<11} {'HBM GiB':>7} {'fits':<4} {'planner':>7} {'diff':>7} "
-          f"{'est step':>9} {'planner':>9} {'published':>9} {'MFU':>6} {'compile':>7}")
+          f"{'est step':>9} {'planner':>9} {'published':>9} {'MFU':>6} {'compile':>7} {'summed':>7}")
     print("(est step: the cost model's seconds at the chip's bf16 peak, in units of its own matmul rate, outside the "
-          "Mosaic kernels; MFU: flops_per_step outside the kernels over that step and peak; diff: the compiler's HBM "
-          "over the planner's)")
+          "Mosaic kernels; MFU: flops_per_step outside the kernels over that step and peak; HBM: the compiler's peak; "
+          "diff: it over the planner's; summed: memory_analysis's sizes added up)")
     results = {}
     for run in runs:
         why = skip_reason(run)

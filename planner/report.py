@@ -82,7 +82,8 @@ def format_compiled(r, planned):
              f"  {'temporaries (grads, activations, workspace)':<44} {g(r['temp_bytes'])} {g(r['planned_temp_bytes'])}",
              f"  {'  of which the FSDP gathered block':<44} {'':>14} {g(r['planned_gathered_bytes'])}",
              f"  {'outputs not aliased to an argument':<44} {g(r['output_bytes'])} {g(0)}",
-             f"  {'total':<44} {g(r['total_bytes'])} {g(r['planned_total_bytes'])}   of {r['hbm_bytes'] / GiB:.0f} GiB HBM",
+             f"  {'total: the peak (compiler: its buffers)':<44} {g(r['total_bytes'])} {g(r['planned_total_bytes'])}   of {r['hbm_bytes'] / GiB:.0f} GiB HBM"
+             + (f"; the sizes above add to {r['summed_bytes'] / GiB:.3f}" if r["summed_bytes"] != r["total_bytes"] else ""),
              f"  {'fits':<44} {'yes' if r['fits'] else 'NO':>14} {'yes' if r['planned_fits'] else 'NO':>14}",
              f"  {'host memory (offloaded activations)':<44} {g(r['host_bytes'])} {g(r['planned_host_bytes'])}",
              f"  {'FLOPs (compiler / flops_per_step)':<44} {r['flops']:14.4e} {r['flops_per_step']:14.4e}   "
@@ -119,7 +120,7 @@ def judged(r, planned):
     if not r["compiler_fits"]:
         raise ValueError(f"does not fit {r['topology']}: the TPU compiler says {r['message']}")
     if not r["fits"]:
-        raise ValueError(f"does not fit {r['topology']}: arguments + temporaries + outputs need "
-                         f"{r['total_bytes'] / GiB:.2f} GiB a {'device' if r['devices_per_chip'] == 1 else 'chip'} "
-                         f"of {r['hbm_bytes'] / GiB:.0f} GiB HBM")
+        raise ValueError(f"does not fit {r['topology']}: the compiler's peak (arguments, temporaries, outputs) is "
+                         f"{r['total_bytes'] / GiB:.2f} GiB a {'device' if r['devices_per_chip'] == 1 else 'chip'}, "
+                         f"over its {r['hbm_bytes'] / GiB:.0f} GiB HBM")
     return 0
