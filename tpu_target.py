@@ -256,7 +256,10 @@ class Compiled:
     host_bytes: int = 0       # host memory the program's temporaries take (offloaded activations)
     all_to_alls: int = 0      # all-to-alls in the program (ep's exchanges: expert_exchange.py)
     peak_bytes: int = 0       # what the device holds at the program's peak, arguments included: its
-                              # buffer assignment's (memory_analysis's peak_memory_in_bytes; 0: not given)
+                              # buffer assignment's (memory_analysis's peak_memory_in_bytes; 0: not given).
+                              # Not HBM's alone where the program has host buffers (offloaded
+                              # activations): Llama 3.1 70B on v6e-256 with --offload, 53.1 GiB with
+                              # 50.0 in host memory, where its HBM sizes add up to 23.9
 
     @property
     def summed_bytes(self):
@@ -267,8 +270,9 @@ class Compiled:
 
     @property
     def hbm_bytes(self):
-        """The device's HBM at the program's peak: the compiler's own figure where it gives one."""
-        return self.peak_bytes or self.summed_bytes
+        """The device's HBM at the program's peak: the compiler's own figure where it gives one for
+        HBM alone (no host buffers), else the sizes added up."""
+        return self.peak_bytes if self.peak_bytes and not self.host_bytes else self.summed_bytes
 
     def line(self):
         if not self.fits:
