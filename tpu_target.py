@@ -259,7 +259,7 @@ class Compiled:
                               # buffer assignment's (memory_analysis's peak_memory_in_bytes; 0: not given).
                               # Not HBM's alone where the program has host buffers (offloaded
                               # activations): Llama 3.1 70B on v6e-256 with --offload, 53.1 GiB with
-                              # 50.0 in host memory, where its HBM sizes add up to 23.9
+                              # 50.0 GiB of host buffers, where its HBM sizes add up to 23.9
 
     @property
     def summed_bytes(self):
