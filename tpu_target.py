@@ -8,8 +8,8 @@ kernel whose blocks exceed VMEM, or temporaries that exceed HBM fail here as on 
 train_compile.py checks a pod run this way). Nothing is allocated and nothing runs.
 
 What a compile tells: the program lowers and Mosaic accepts its kernels; per device, the HBM of the
-arguments, outputs and temporaries (`memory_analysis`); the cost model's FLOPs, bytes and
-`optimal_seconds` (`cost_analysis`). What it does not: numerics or speed on a chip, and the cost
+arguments, outputs and temporaries, and the peak that must fit (`memory_analysis`); the cost model's
+FLOPs, bytes and `optimal_seconds` (`cost_analysis`). What it does not: numerics or speed on a chip, and the cost
 model does not see inside a Mosaic kernel (an opaque custom call: no FLOPs, ~0 s).
 
 The jax / libtpu pair matters: jax serializes a Mosaic kernel in a versioned format that libtpu
