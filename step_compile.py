@@ -17,10 +17,11 @@ partition spec (spmd.partition_spec: the GSPMD layout train.py gives XLA; param_
 donated (updated in place, as torch_xla aliases them). XLA:TPU compiles it for the named topology
 through JAX's compile-only devices (tpu_target.py): the compiler's verdict, its per-device HBM
 (arguments, temporaries, outputs; the fit judged on its peak: tpu_target.Compiled.hbm_bytes), its
-cost model's FLOPs and `optimal_seconds` (Ironwood: a chip's, its two TensorCores being two devices: tpu_target.per_chip). That time is the compiler's
-estimate, not a measurement: no chip ran anything, and the cost model prices a bf16 matmul at 22.8
-TFLOP/s a device on v5p and v6e alike (Ironwood: 996, 86% of its peak), so the report also reads it
-in units of that rate (tpu_target.cost_model_rate). Under --scan the blocks (Program.stacks) are
+cost model's FLOPs and `optimal_seconds` (Ironwood: a chip's, its two TensorCores being two
+devices: tpu_target.per_chip). That time is the compiler's estimate, not a measurement: no chip
+ran anything, and the cost model prices a bf16 matmul at 22.8 TFLOP/s a device on v5p and v6e
+alike (Ironwood: 996, 86% of its peak), so the report also reads it in units of that rate
+(tpu_target.cost_model_rate). Under --scan the blocks (Program.stacks) are
 layer_scan's ops, whose JAX form is a lax.scan; the cost model counts a While body once, so the
 step is compiled again at 2 layers an iteration and every layer counted from the difference
 (every_layer_counted). --scan --offload sends each layer's input to host memory as the scan makes
