@@ -55,7 +55,7 @@ param_groups = shapes.lm_param_groups   # (the one count: the step model's shape
 MEMORY_LABELS = {"parameters": "params (fp32 shard)", "gradients": "grads (fp32 shard)",
                  "optimizer state": "AdamW state (fp32 shard)", "gradient accumulator": "grad sum (fp32 shard, --grad-accum)",
                  "gathered block (bf16, x2)": "gathered layer (bf16, x2 prefetch)",
-                 "saved activations": "saved activations (bf16)", "transient peak": "transient peak (one layer, bf16)"}
+                 "saved activations": "saved activations (bf16)", "transient peak": "transient peak (beyond the block)"}
 
 
 @dataclasses.dataclass

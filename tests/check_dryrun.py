@@ -199,7 +199,9 @@ def test_planner_step_terms_equal_a_hand_computation():
     head = _toy_shape(vocab=64, loss_head=64 * 16)
     one, two = (stepmodel.predict(head, lay, _toy_chip(devices=n))["memory"] for n in (1, 2))
     assert two["gathered block (bf16, x2)"] == 2 * one["gathered block (bf16, x2)"] == 2 * 2 * 2 * 512
-    assert one["transient peak"] == 2 * 2 * 64 * 16 and two["transient peak"] == 2 * one["transient peak"]
+    # the head's peak (bf16 head + its gradient) is outside the layers, where the block's bytes are free:
+    # the transient term is what it needs beyond them
+    assert one["transient peak"] == 2 * 2 * 64 * 16 - 2 * 2 * 512 and two["transient peak"] == 2 * one["transient peak"]
     assert all(two[k] == one[k] for k in ("parameters", "gradients", "optimizer state", "saved activations"))
     # bf16 state (MaxText weight_dtype=bfloat16) halves it; DDP replicates it and gathers nothing
     q = stepmodel.predict(shape, dataclasses.replace(lay, precision=stepmodel.PRECISIONS["bf16"], dp_mode="ddp"), chip)
