@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import glob
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -255,11 +256,9 @@ class Compiled:
     mosaic_calls: int = 0     # Mosaic kernels in the compiled program (tpu_custom_call)
     host_bytes: int = 0       # host memory the program's temporaries take (offloaded activations)
     all_to_alls: int = 0      # all-to-alls in the program (ep's exchanges: expert_exchange.py)
-    peak_bytes: int = 0       # what the device holds at the program's peak, arguments included: its
-                              # buffer assignment's (memory_analysis's peak_memory_in_bytes; 0: not given).
-                              # Not HBM's alone where the program has host buffers (offloaded
-                              # activations): Llama 3.1 70B on v6e-256 with --offload, 53.1 GiB with
-                              # 50.0 GiB of host buffers, where its HBM sizes add up to 23.9
+    peak_bytes: int = 0       # the program's peak, arguments included (memory_analysis's
+                              # peak_memory_in_bytes; 0: not given); with host buffers it can count them
+    hbm_allocated_bytes: int = 0  # with host buffers: the HBM its buffer assignment reserves (_hbm_allocated)
 
     @property
     def summed_bytes(self):
@@ -271,8 +270,13 @@ class Compiled:
     @property
     def hbm_bytes(self):
         """The device's HBM at the program's peak: the compiler's own figure where it gives one for
-        HBM alone (no host buffers), else the sizes added up."""
-        return self.peak_bytes if self.peak_bytes and not self.host_bytes else self.summed_bytes
+        HBM alone (no host buffers); with host buffers, the HBM its buffer assignment reserves;
+        else the sizes added up."""
+        if not self.host_bytes:
+            return self.peak_bytes or self.summed_bytes
+        # (the same buffers packed: never more than their sizes added up on libtpu 0.0.24's rows; more
+        # is a dump not read as it is meant: libtpu 0.0.52's, 2.5x the HBM of a program it fits)
+        return min(self.hbm_allocated_bytes or self.summed_bytes, self.summed_bytes)
 
     def line(self):
         if not self.fits:
@@ -307,6 +311,9 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=()):
         with jax.default_device(one.mesh.devices.flat[0]):
             lowered = jax.jit(lambda *a: fn(*a), donate_argnums=donate_argnums).lower(*args)
             compiled = lowered.compile()
+            seconds = time.perf_counter() - start
+            host = getattr(compiled.memory_analysis(), "host_temp_size_in_bytes", 0)
+            hbm_allocated = _hbm_allocated(lowered, host) if host else 0
     except Exception as e:
         text = str(e)
         if "RESOURCE_EXHAUSTED" in text and ("memory space hbm" in text or "HbmOom" in text  # (libtpu 0.0.24, 0.0.52;
@@ -317,7 +324,6 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=()):
     finally:
         _LOWERING_FOR_TPU[0] = None
         jax.clear_caches()
-    seconds = time.perf_counter() - start
     text = lowered.as_text()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -330,8 +336,35 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=()):
                     # (counted in the lowered program: jax 0.10.2 cannot print some compiled ones,
                     # "RET_CHECK ... async-update instruction should have 1 operands but sees 2")
                     text.count("@tpu_custom_call"), getattr(mem, "host_temp_size_in_bytes", 0),
-                    text.count("stablehlo.all_to_all"), getattr(mem, "peak_memory_in_bytes", 0))
+                    text.count("stablehlo.all_to_all"), getattr(mem, "peak_memory_in_bytes", 0), hbm_allocated)
 
+
+HBM_COLOR, HOST_COLOR = 0, 5  # buffer assignment's memory colors on TPU: HBM, host (1: VMEM, 128 MiB on
+                              # v6e; 2, 4, 6: a few KiB of scalar and sync memory)
+
+
+def _hbm_allocated(lowered, host_bytes):
+    """The HBM a program with host buffers reserves: its buffer assignment's allocations of HBM's color
+    (arguments, outputs, the temporaries' heap), from XLA's dump of the program compiled again. Its
+    peak can count host buffers (Llama 3.1 70B on v6e-64 with --offload: 32.3 GiB, where every HBM
+    allocation adds up to 25.2). 0 (the sizes added up stand) unless the host color's allocations
+    are memory_analysis's host temporaries, exactly."""
+    with tempfile.TemporaryDirectory() as where:
+        try:
+            lowered.compile(compiler_options={"xla_dump_to": where})
+        except Exception:  # (a jax or libtpu without the option: no HBM figure, not a failed compile)
+            return 0
+        found = glob.glob(os.path.join(where, "*after_optimizations-buffer-assignment.txt"))
+        if len(found) != 1:
+            return 0
+        with open(found[0]) as f:
+            text = f.read()
+    by_color = {}
+    for size, rest in re.findall(r"^allocation \d+: size (\d+)(.*)$", text, re.M):
+        color = re.search(r", color (\d+)", rest)  # (none written: HBM's)
+        color = int(color.group(1)) if color else HBM_COLOR
+        by_color[color] = by_color.get(color, 0) + int(size)
+    return by_color.get(HBM_COLOR, 0) if by_color.get(HOST_COLOR) == host_bytes else 0
 
 
 def per_chip(compiled, cores):
@@ -343,7 +376,7 @@ def per_chip(compiled, cores):
     return dataclasses.replace(compiled, argument_bytes=compiled.argument_bytes * cores,
                                output_bytes=compiled.output_bytes * cores, temp_bytes=compiled.temp_bytes * cores,
                                alias_bytes=compiled.alias_bytes * cores, host_bytes=compiled.host_bytes * cores,
-                               peak_bytes=compiled.peak_bytes * cores,
+                               peak_bytes=compiled.peak_bytes * cores, hbm_allocated_bytes=compiled.hbm_allocated_bytes * cores,
                                flops=times(compiled.flops), bytes_accessed=times(compiled.bytes_accessed))
 
 

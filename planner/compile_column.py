@@ -126,7 +126,7 @@ def main(ids=()):
     print(f"{'run':<38} {'chip':<8} {'topology':<11} {'HBM GiB':>7} {'fits':<4} {'planner':>7} {'diff':>7} "
           f"{'est step':>9} {'planner':>9} {'published':>9} {'MFU':>6} {'compile':>7} {'summed':>7}")
     print("(est step: the cost model's seconds at the chip's bf16 peak, in units of its own matmul rate, outside the "
-          "Mosaic kernels; MFU: flops_per_step outside the kernels over that step and peak; HBM: the compiler's peak; "
+          "Mosaic kernels; MFU: flops_per_step outside the kernels over that step and peak; HBM: the compiler's peak (with host buffers: the HBM its buffer assignment reserves); "
           "diff: it over the planner's; summed: memory_analysis's sizes added up)")
     results = {}
     for run in runs:

@@ -77,12 +77,14 @@ def format_compiled(r, planned):
     if not r["compiler_fits"]:
         return head
     unit = "per device" if r["devices_per_chip"] == 1 else f"per chip (the compiler's {r['devices_per_chip']} devices)"
+    # (with host buffers the compiler's peak counts them: the HBM its buffer assignment reserves)
+    total_label = "total: HBM its buffers reserve (compiler)" if r["host_bytes"] else "total: the peak (compiler: its buffers)"
     lines = [head, f"  {unit:<44} {'compiler':>14} {'planner':>14}",
              f"  {'arguments (weights, AdamW state, batch)':<44} {g(r['argument_bytes'])} {g(r['planned_state_bytes'])}",
              f"  {'temporaries (grads, activations, workspace)':<44} {g(r['temp_bytes'])} {g(r['planned_temp_bytes'])}",
              f"  {'  of which the FSDP gathered block':<44} {'':>14} {g(r['planned_gathered_bytes'])}",
              f"  {'outputs not aliased to an argument':<44} {g(r['output_bytes'])} {g(0)}",
-             f"  {'total: the peak (compiler: its buffers)':<44} {g(r['total_bytes'])} {g(r['planned_total_bytes'])}   of {r['hbm_bytes'] / GiB:.0f} GiB HBM"
+             f"  {total_label:<44} {g(r['total_bytes'])} {g(r['planned_total_bytes'])}   of {r['hbm_bytes'] / GiB:.0f} GiB HBM"
              + (f"; the sizes above add to {r['summed_bytes'] / GiB:.3f}" if r["summed_bytes"] != r["total_bytes"] else ""),
              f"  {'fits':<44} {'yes' if r['fits'] else 'NO':>14} {'yes' if r['planned_fits'] else 'NO':>14}",
              f"  {'host memory (offloaded activations)':<44} {g(r['host_bytes'])} {g(r['planned_host_bytes'])}",
@@ -120,7 +122,7 @@ def judged(r, planned):
     if not r["compiler_fits"]:
         raise ValueError(f"does not fit {r['topology']}: the TPU compiler says {r['message']}")
     if not r["fits"]:
-        raise ValueError(f"does not fit {r['topology']}: the compiler's peak (arguments, temporaries, outputs) is "
+        raise ValueError(f"does not fit {r['topology']}: the compiler's HBM at its peak (arguments, temporaries, outputs) is "
                          f"{r['total_bytes'] / GiB:.2f} GiB a {'device' if r['devices_per_chip'] == 1 else 'chip'}, "
                          f"over its {r['hbm_bytes'] / GiB:.0f} GiB HBM")
     return 0
