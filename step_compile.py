@@ -16,7 +16,8 @@ torch_xla's HLO: docs/planning.md), every parameter and AdamW moment sharded by 
 partition spec (spmd.partition_spec: the GSPMD layout train.py gives XLA; param_sharding) and
 donated (updated in place, as torch_xla aliases them). XLA:TPU compiles it for the named topology
 through JAX's compile-only devices (tpu_target.py): the compiler's verdict, its per-device HBM
-(arguments, temporaries, outputs; the fit judged on its peak: tpu_target.Compiled.hbm_bytes), its
+(arguments, temporaries, outputs; the fit judged on its peak, or with host buffers on the HBM
+its buffer assignment reserves: tpu_target.Compiled.hbm_bytes), its
 cost model's FLOPs and `optimal_seconds` (Ironwood: a chip's, its two TensorCores being two
 devices: tpu_target.per_chip). That time is the compiler's estimate, not a measurement: no chip
 ran anything, and the cost model prices a bf16 matmul at 22.8 TFLOP/s a device on v5p and v6e

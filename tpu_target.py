@@ -8,7 +8,8 @@ kernel whose blocks exceed VMEM, or temporaries that exceed HBM fail here as on 
 train_compile.py checks a pod run this way). Nothing is allocated and nothing runs.
 
 What a compile tells: the program lowers and Mosaic accepts its kernels; per device, the HBM of the
-arguments, outputs and temporaries, and the peak that must fit (`memory_analysis`); the cost model's
+arguments, outputs and temporaries, and the peak that must fit (`memory_analysis`; with host buffers,
+the HBM its buffer assignment reserves: `_hbm_allocated`); the cost model's
 FLOPs, bytes and `optimal_seconds` (`cost_analysis`). What it does not: numerics or speed on a chip, and the cost
 model does not see inside a Mosaic kernel (an opaque custom call: no FLOPs, ~0 s).
 
@@ -29,6 +30,7 @@ jax's own backends are up, so that nothing else in the process ever looks for a 
     .venv-tpu/bin/python tpu_target.py tpu_v7 8           # (a chip count: the topology of 8 chips)
     PYTHONPATH=.jax-tpu7x .venv/bin/python tpu_target.py tpu_v7 8   # (the pair the step compile uses)
 """
+import collections
 import contextlib
 import dataclasses
 import glob
@@ -312,7 +314,8 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=()):
             lowered = jax.jit(lambda *a: fn(*a), donate_argnums=donate_argnums).lower(*args)
             compiled = lowered.compile()
             seconds = time.perf_counter() - start
-            host = getattr(compiled.memory_analysis(), "host_temp_size_in_bytes", 0)
+            mem = compiled.memory_analysis()
+            host = getattr(mem, "host_temp_size_in_bytes", 0)
             hbm_allocated = _hbm_allocated(lowered, host) if host else 0
     except Exception as e:
         text = str(e)
@@ -325,7 +328,6 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=()):
         _LOWERING_FOR_TPU[0] = None
         jax.clear_caches()
     text = lowered.as_text()
-    mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
     estimate = cost.get("optimal_seconds")  # (over DCN, libtpu 0.0.24 gives about -20 s plus the step: no
@@ -335,7 +337,7 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=()):
                     cost.get("bytes accessed"), estimate, seconds,
                     # (counted in the lowered program: jax 0.10.2 cannot print some compiled ones,
                     # "RET_CHECK ... async-update instruction should have 1 operands but sees 2")
-                    text.count("@tpu_custom_call"), getattr(mem, "host_temp_size_in_bytes", 0),
+                    text.count("@tpu_custom_call"), host,
                     text.count("stablehlo.all_to_all"), getattr(mem, "peak_memory_in_bytes", 0), hbm_allocated)
 
 
@@ -359,11 +361,9 @@ def _hbm_allocated(lowered, host_bytes):
             return 0
         with open(found[0]) as f:
             text = f.read()
-    by_color = {}
-    for size, rest in re.findall(r"^allocation \d+: size (\d+)(.*)$", text, re.M):
-        color = re.search(r", color (\d+)", rest)  # (none written: HBM's)
-        color = int(color.group(1)) if color else HBM_COLOR
-        by_color[color] = by_color.get(color, 0) + int(size)
+    by_color = collections.Counter()
+    for size, color in re.findall(r"^allocation \d+: size (\d+)(?:.*?, color (\d+))?", text, re.M):
+        by_color[int(color or HBM_COLOR)] += int(size)  # (no color written: HBM's)
     return by_color.get(HBM_COLOR, 0) if by_color.get(HOST_COLOR) == host_bytes else 0
 
 
