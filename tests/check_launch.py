@@ -4,6 +4,7 @@ the ordinary way, for what a child sees and how it ends; for ranks, arithmetic (
 numbers) and torchrun's contract (its environment variables; the others ended when one rank fails)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,3 +67,25 @@ def test_ranks_get_torchruns_contract_and_one_failure_ends_the_others():
     start = time.time()
     rc, _, err = launch.ranks(2, ["-c", RANKS, "fail"], timeout=120)
     assert rc == 7 and time.time() - start < 30, (rc, err[-2000:])
+
+
+def test_the_two_workers_run_each_file_of_tests_whole():
+    """The README's test command (`-n 2 --dist loadgroup`, conftest.py's scheduler) on a few quick tests
+    of two files: every test of a file ran on one worker, and conftest's map of tests to files, read
+    from the files' text, is the one their imports give (each function's module). Oracle: xdist's own
+    report of which worker ran what. Fails where the files' tests are dealt out one by one (pytest
+    9.2 with xdist_group marks: tests/check_model.py's 6 spread over both workers)."""
+    import conftest
+    import test_all
+    files = conftest.file_of_each_test()
+    imported = {n: f.__module__.rsplit(".", 1)[-1] for n, f in vars(test_all).items() if n.startswith("test_") and callable(f)}
+    assert files == imported, set(files.items()) ^ set(imported.items())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # (a fresh session, not this worker's)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-v", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
+                          "test_all.py", "-k", "causality_future or model_logits_equal_the_architecture or forked_child"],
+                         cwd=HERE, env=env, capture_output=True, text=True, timeout=600).stdout
+    ran = {}
+    for worker, name in re.findall(r"\[(gw\d)\] \[ *\d+%\] PASSED test_all.py::(test_\w+)", out):
+        ran.setdefault(files[name], set()).add(worker)
+    assert set(ran) == {"check_model", "check_launch"} and out.count(" PASSED ") == 7 and "FAILED" not in out, out[-3000:]
+    assert all(len(workers) == 1 for workers in ran.values()), (ran, out[-3000:])
