@@ -28,7 +28,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # (xdist sets it before a worker load
 
 # tests/' files whose tests take longest together, longest first (docs/verified.md has the measured
 # times); the others follow in xdist's order (most tests first)
-HEAVIEST = ("check_step_compile", "check_parallel", "check_flux_trainer", "check_grpo", "check_vllm")
+HEAVIEST = ("check_step_compile", "check_parallel", "check_expert_exchange", "check_layer_scan", "check_flux_trainer",
+            "check_context_parallel", "check_tpu_compile", "check_grpo")
 
 
 def pytest_configure(config):
