@@ -95,7 +95,7 @@ def test_a_fit_is_judged_on_the_compilers_peak_not_on_memory_analysis_sizes_adde
     it runs out of HBM, its "Used" the peak's line through the first two (measured within 0.01 GiB),
     not the sums' (measured 3.3 GiB over). So Compiled.hbm_bytes is the peak (peak_memory_in_bytes;
     with no host buffers, which it counts too), and step_compile judges a fit on it. (Mixtral 8x7B
-    on v5p-128: the sum 121.1 GiB, the peak 83.3, a program libtpu compiles: docs/planning.md.)"""
+    on v5p-128: the sum 120.9 GiB, the peak 83.0, a program libtpu compiles: docs/planning.md.)"""
     import re
     first, second, third = _scanned_steps("inputs", 688128, 704512, 720896)
     used, capacity = map(float, re.search(r"Used ([\d.]+)G of ([\d.]+)G hbm", third["message"]).groups())
