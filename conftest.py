@@ -46,6 +46,7 @@ def file_of_each_test():
     return files
 
 
+@pytest.hookimpl(optionalhook=True)  # (xdist's hook: test_torch_tpu.py runs in .venv-tpu, which has no xdist)
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadgroup":
         return None
