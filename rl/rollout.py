@@ -105,13 +105,16 @@ class Engine:
 def _serve(conn, model_args, dtype, port, timeout_s, sigint=None):
     """The engine process: build the policy copy, join the sync group, answer commands until 'stop'.
     It ends without a word when the trainer has already said what happened: Ctrl-C reaches the whole
-    process group (the trainer prints the line and exits 130), and a trainer that died (SIGKILL) leaves
-    a closed pipe (its caller reports the death; nobody reads a traceback from here)."""
+    process group (the trainer prints the line and exits 130; the engine ends by the signal's default
+    action, at once), and a trainer that died (SIGKILL) leaves a closed pipe (its caller reports the
+    death; nobody reads a traceback from here). Not by a KeyboardInterrupt: Python runs a SIGINT
+    handler only once the main thread is back in the interpreter, and gloo's handshake, a C++ call,
+    holds it there until the trainer joins or the timeout (seen: an engine alive 60 s after Ctrl-C)."""
     if sigint is not None:  # started with Ctrl-C ignored (its bootstrap: the imports); now the trainer's disposition
         signal.signal(signal.SIGINT, sigint)
     try:
         _serve_loop(conn, model_args, dtype, port, timeout_s)
-    except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
+    except (EOFError, BrokenPipeError, ConnectionResetError):
         sys.stderr.flush()
         os._exit(0)  # (no interpreter teardown: gloo's threads may wait on the trainer that is gone)
 
@@ -163,14 +166,15 @@ class EngineProcess(EngineHandle):
     def _spawn(self, child_sock):
         ctx = mp.get_context("spawn")  # a fresh interpreter: no state inherited from the trainer
         child_conn = Connection(child_sock.detach())
-        # A Ctrl-C during the child's bootstrap (importing torch, before _serve can catch it) would print a
-        # traceback from multiprocessing's spawn_main: start it with SIGINT ignored, and let _serve take the
-        # trainer's disposition back (kept ignored where the trainer ignores it: a background job).
+        # A Ctrl-C during the child's bootstrap (importing torch) would print a traceback from
+        # multiprocessing's spawn_main: start it with SIGINT ignored, and let _serve take the signal's
+        # default action (the end, silent) where the trainer takes Ctrl-C, or keep it ignored where the
+        # trainer ignores it (a background job).
         try:
             sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
         except ValueError:  # (not the main thread: dispositions cannot change here)
             sigint = None
-        restore = signal.default_int_handler if callable(sigint) else sigint
+        restore = signal.SIG_DFL if callable(sigint) else sigint
         self.proc = ctx.Process(target=_serve, args=(child_conn, self.model_args, self.dtype, self.store.port,
                                                      self.timeout_s, restore), daemon=True)
         try:

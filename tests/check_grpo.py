@@ -571,7 +571,7 @@ def test_grpo_resume_keeps_its_warm_start_checkpoint_and_offers_only_accepted_ch
 @pytest.mark.parametrize("how", ["SIGINT", "trainer gone"])
 def test_the_engine_process_ends_without_a_word_on_ctrl_c_or_when_its_trainer_is_gone(how, capfd, ctrl_c_as_in_a_terminal):
     """Ctrl-C reaches the whole process group: the trainer says it in one line (exit 130), the engine
-    process ends without a KeyboardInterrupt traceback; a trainer that is gone (SIGKILLed: its end of
+    process ends by the signal, without a traceback; a trainer that is gone (SIGKILLed: its end of
     the pipe closed) leaves an engine that ends without an EOFError traceback. (The engine process
     writes to this process's stderr, which capfd captures at the file descriptor.)"""
     import signal
@@ -583,11 +583,41 @@ def test_the_engine_process_ends_without_a_word_on_ctrl_c_or_when_its_trainer_is
         else:
             engine.sock.close()  # what the engine sees of a SIGKILLed trainer
         engine.proc.join(60)
-        assert engine.proc.exitcode == 0, engine.proc.exitcode
+        assert engine.proc.exitcode == (-signal.SIGINT if how == "SIGINT" else 0), engine.proc.exitcode
     finally:
         engine._kill()
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Error" not in err, err
+
+
+def test_ctrl_c_ends_the_engine_at_once_while_it_waits_in_the_gloo_handshake(monkeypatch, ctrl_c_as_in_a_terminal):
+    """Ctrl-C reaching the engine while it waits in gloo's handshake for the trainer (a C++ call, which
+    a Python SIGINT handler waits out: to the handshake's timeout if the trainer never joins) ends it
+    within 5 s, by the signal; the trainer then reports an engine that did not join, in one line.
+    Fails where the engine takes Ctrl-C as a KeyboardInterrupt (measured: alive 10 s after it)."""
+    import signal
+    import time
+    from rl import rollout
+    from rl.engine import EngineError
+    spawned, ended, spawn = [], {}, rollout.EngineProcess._spawn
+
+    def recording_spawn(self, child_sock):
+        spawn(self, child_sock)
+        spawned.append(self.proc)
+
+    def trainer_late(rank, timeout_s, store=None, port=None):  # (the trainer's join: the engine's is under way)
+        engine = spawned[-1]
+        time.sleep(2)  # (the engine sent "built" and called its join: it waits for this side's)
+        start = time.monotonic()
+        os.kill(engine.pid, signal.SIGINT)
+        engine.join(10)
+        ended.update(code=engine.exitcode, seconds=time.monotonic() - start)
+        raise RuntimeError("the trainer did not join")
+    monkeypatch.setattr(rollout.EngineProcess, "_spawn", recording_spawn)
+    monkeypatch.setattr(rollout.weight_sync, "join", trainer_late)
+    with pytest.raises(EngineError, match="did not join the sync group: the trainer did not join"):
+        rollout.EngineProcess(GRPO_TINY, timeout_s=30)
+    assert ended["code"] == -signal.SIGINT and ended["seconds"] < 5, ended
 
 
 def test_a_warm_start_halts_at_its_first_evaluation_meeting_the_accuracy_and_grpo_takes_that_checkpoint(
