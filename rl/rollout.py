@@ -114,8 +114,8 @@ def _serve(conn, model_args, dtype, port, timeout_s, sigint=None):
         signal.signal(signal.SIGINT, sigint)
     try:
         _serve_loop(conn, model_args, dtype, port, timeout_s)
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        sys.stderr.flush()
+    except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):  # (KeyboardInterrupt: an
+        sys.stderr.flush()  # engine started from a trainer's other thread, whose dispositions _spawn cannot set)
         os._exit(0)  # (no interpreter teardown: gloo's threads may wait on the trainer that is gone)
 
 
