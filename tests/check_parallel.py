@@ -125,10 +125,11 @@ def test_a_rank_stopped_before_its_process_group_exists_ends_quietly(corpus, tmp
     assert capsys.readouterr().err.startswith("error: interrupted by SIGTERM at step 0; no checkpoint was written")
 
 
-def test_mesh_that_does_not_match_world_size_fails_fast(corpus, tmp_path):
+def test_mesh_that_does_not_match_world_size_fails_fast(corpus, tmp_path, monkeypatch):
     """Refused in one line (rank 0's), every rank exit 2, nothing written: a mesh that is not the world size (before the
     process group starts) and a split the model cannot take (after it: tp); the other refusals of
-    those two checks are the same functions' words, asked here directly."""
+    those two checks are the same functions' words, asked here directly, as is a mesh without torchrun
+    (the launch to use: the mesh's own ranks, 2 for ici=1,cp=2, where it said ici=2 whatever the mesh)."""
     import expert_parallel
     import mesh as mesh_lib
     import tensor_parallel
@@ -150,6 +151,10 @@ def test_mesh_that_does_not_match_world_size_fails_fast(corpus, tmp_path):
     with pytest.raises(mesh_lib.MeshError, match="ep=4 must divide the data-parallel ranks dcn x ici = 2"):
         mesh_lib.mesh_dims("ici=2,ep=4")
     assert "n_experts" in expert_parallel.check(args, 2)
+    for env in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):  # (no torchrun: the launch to use, for this mesh's rank count)
+        monkeypatch.delenv(env, raising=False)
+    with pytest.raises(mesh_lib.MeshError, match=re.escape("torchrun --nproc-per-node 2 train.py --mesh ici=1,cp=2 ")):
+        mesh_lib.TorchrunMesh.from_cli("ici=1,cp=2", "cpu", "simple", None)
 
 
 def _signal_one_of_two_ranks(corpus, out_dir, sig, *extra):
