@@ -18,7 +18,8 @@ must read, and each libtpu knows only the chips of its day.
   - jax 0.7.1 (.venv) with libtpu 0.0.24 (requirements-libtpu.txt): v5p, v6e. libtpu 0.0.20 (what
     jax[tpu] 0.7.1 pins) and 0.0.21 refuse every Mosaic kernel ("Unsupported version: expected <= 7
     but got 8"); 0.0.24 does not know Ironwood ("Invalid TPU external name: TPU7x").
-  - jax 0.10.2 with libtpu 0.0.52 (.venv-tpu, requirements-tpu.txt): Ironwood (tpu7x). The training
+  - jax 0.10.2 with libtpu 0.0.51 (.venv-tpu, requirements-tpu.txt): Ironwood (tpu7x); 0.0.52 also
+    knows it, but aborts on Llama 3.1 70B's published Ironwood layout (docs/planning.md). The training
     step (torchax, on .venv's torch) compiles for Ironwood with that pair first on PYTHONPATH:
     .jax-tpu7x, links to .venv-tpu's jax, jaxlib, libtpu and ml_dtypes (step_jax_path makes it).
 libtpu 0.0.24 is kept out of .venv, in a directory of its own (.libtpu, made by .ci/run, or
@@ -130,11 +131,15 @@ def step_jax_path(chip):
     .jax-tpu7x, links to .venv-tpu's jax, jaxlib, libtpu and ml_dtypes (the pins of
     requirements-tpu.txt; both environments are Python 3.11), made here when first asked for. (torchax
     does not import on .venv-tpu's torch 2.13: "aten.prod has no overload name dim_Dimname", with
-    torchax 0.0.7 and 0.0.13.)"""
+    torchax 0.0.7 and 0.0.13.) Made again where a link no longer leads anywhere: .venv-tpu rebuilt
+    with other pins (its versioned dist-info folders renamed), so never a new jax beside an old libtpu's
+    metadata."""
     kind = _kind(chip)
     if not kind.jax_path:
         return None
     where = os.path.join(ROOT, kind.jax_path)
+    if os.path.isdir(where) and not all(os.path.exists(os.path.join(where, n)) for n in os.listdir(where)):
+        shutil.rmtree(where, ignore_errors=True)  # (removes the links, not what they lead to)
     if not os.path.isdir(where):
         found = glob.glob(os.path.join(ROOT, kind.python, "lib", "python3*", "site-packages", "libtpu"))
         if not found:

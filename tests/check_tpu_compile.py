@@ -3,6 +3,7 @@
 # layout Mosaic cannot lower, a kernel whose blocks overflow VMEM, temporaries that overflow HBM.
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import json
+import os
 
 import pytest
 
@@ -124,3 +125,25 @@ def test_with_host_buffers_the_hbm_figure_is_what_the_buffer_assignment_reserves
     print(f"HBM offloaded {offloaded['hbm'] / GiB:.4f} + inputs {inputs / GiB:.1f} against kept {kept['hbm'] / GiB:.4f} GiB: "
           f"{moved:+.4f}; the sizes added up {(offloaded['summed'] + inputs - kept['hbm']) / GiB:+.4f}")
     assert abs(moved) <= 0.01, moved
+
+
+def test_the_ironwood_links_follow_a_rebuilt_tpu_environment(tmp_path, monkeypatch):
+    """tpu_target.step_jax_path: .jax-tpu7x links to .venv-tpu's jax, jaxlib, libtpu and ml_dtypes with
+    their versioned metadata. After .venv-tpu is rebuilt with another libtpu pin, a link to the old
+    libtpu's dist-info leads nowhere: the folder is made again, its links to what is there now, and
+    what they led to is untouched. Oracle: the links read back (os.readlink). Before, the first
+    folder was kept whatever .venv-tpu became (the old version's metadata named, the new one's not)."""
+    import tpu_target
+    packages = tmp_path / ".venv-tpu" / "lib" / "python3.11" / "site-packages"
+    for name in ("jax", "jaxlib", "libtpu", "ml_dtypes", "jax-0.10.2.dist-info", "libtpu-0.0.52.dist-info"):
+        (packages / name).mkdir(parents=True)
+    monkeypatch.setattr(tpu_target, "ROOT", str(tmp_path))
+    where = tpu_target.step_jax_path("tpu_v7")
+    assert sorted(os.listdir(where)) == ["jax", "jax-0.10.2.dist-info", "jaxlib", "libtpu", "libtpu-0.0.52.dist-info",
+                                         "ml_dtypes"]
+    (packages / "libtpu-0.0.52.dist-info").rename(packages / "libtpu-0.0.51.dist-info")  # (the rebuild's pin)
+    assert tpu_target.step_jax_path("tpu_v7") == where
+    assert sorted(os.listdir(where)) == ["jax", "jax-0.10.2.dist-info", "jaxlib", "libtpu", "libtpu-0.0.51.dist-info",
+                                         "ml_dtypes"]
+    assert all(os.readlink(os.path.join(where, n)) == str(packages / n) for n in os.listdir(where))
+    assert sorted(os.listdir(packages))[-2] == "libtpu-0.0.51.dist-info" and (packages / "jax").is_dir()
