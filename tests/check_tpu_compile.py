@@ -146,4 +146,4 @@ def test_the_ironwood_links_follow_a_rebuilt_tpu_environment(tmp_path, monkeypat
     assert sorted(os.listdir(where)) == ["jax", "jax-0.10.2.dist-info", "jaxlib", "libtpu", "libtpu-0.0.51.dist-info",
                                          "ml_dtypes"]
     assert all(os.readlink(os.path.join(where, n)) == str(packages / n) for n in os.listdir(where))
-    assert sorted(os.listdir(packages))[-2] == "libtpu-0.0.51.dist-info" and (packages / "jax").is_dir()
+    assert all((packages / n).is_dir() for n in os.listdir(where))  # (the environment's own folders kept)
