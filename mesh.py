@@ -111,8 +111,9 @@ class TorchrunMesh(Parallel):
     def from_cli(cls, spec, device, dp_impl, param_dtype):
         """train.py's --mesh / --device / --dp-impl (flag combinations were checked by cli.validate)."""
         if not launched_by_torchrun():
-            d = mesh_dims(spec) if spec else {"dcn": 1, "ici": 2, "tp": 1, "cp": 1}
-            ranks, shown = d["dcn"] * d["ici"] * d["tp"] * d["cp"], spec or "ici=2"  # (ep adds no ranks)
+            shown = spec or "ici=2"
+            d = mesh_dims(shown)
+            ranks = d["dcn"] * d["ici"] * d["tp"] * d["cp"]  # (ep adds no ranks)
             raise MeshError(f"--mesh {shown} runs one process a rank ({ranks}): launch it with torchrun, e.g. "
                             f"torchrun --nproc-per-node {ranks} train.py --mesh {shown} ...")
         end_with_the_launcher()

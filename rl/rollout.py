@@ -114,8 +114,10 @@ def _serve(conn, model_args, dtype, port, timeout_s, sigint=None):
         signal.signal(signal.SIGINT, sigint)
     try:
         _serve_loop(conn, model_args, dtype, port, timeout_s)
-    except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):  # (KeyboardInterrupt: an
-        sys.stderr.flush()  # engine started from a trainer's other thread, whose dispositions _spawn cannot set)
+    # (KeyboardInterrupt still: an engine started from a trainer's other thread, whose SIGINT
+    # disposition _spawn cannot set, has Python's default handler)
+    except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
+        sys.stderr.flush()
         os._exit(0)  # (no interpreter teardown: gloo's threads may wait on the trainer that is gone)
 
 
