@@ -153,8 +153,10 @@ def test_layer_scan_under_simplefsdp_holds_one_gathered_layer_not_the_stack(corp
     # 3.5: the stack is 8, and a second layer prefetched would add 1.5
     assert transient["simple"]["forward"] < 3.5 * layer, (transient["simple"]["forward"] / layer, transient)
     # forward + backward: also one layer's full gradients and the flat buckets of two reduce-scatters
-    # in flight (this one's and the one overlapping the next layer's vjp); measured 5.1 layers
-    assert transient["simple"]["transient"] < 6 * layer < stack, transient
+    # in flight (this one's and the one overlapping the next layer's vjp): 5.5 layers by that count,
+    # measured 5.1 and, in one suite run, 6.01 (gloo's and the allocator's buffers, as in the forward's
+    # 0.2-0.5 above its count). Bound 7: one layer under the stack, which FSDP2's gathering exceeds
+    assert transient["simple"]["transient"] < 7 * layer < stack, (transient["simple"]["transient"] / layer, transient)
 
 
 def child_step_transient_bytes(*argv):
