@@ -277,7 +277,11 @@ def _validate_grad_accum(cfg, workload):
         int(os.environ["WORLD_SIZE"])
     rows, named = workload.global_rows(cfg)
     reduction = workload.loss_reduction(cfg) if cfg.grad_accum > 1 else None
-    why = accum.check(cfg.grad_accum, reduction, rows // dp, f"{named} over {dp} data-parallel rank(s)", cfg.task)
+    # (a dry run of --chips / --topology picks its layout later: here the whole batch, which must split
+    # for any; the chosen layout's ranks are checked once it is picked)
+    later = cfg.dry_run and not cfg.mesh and (cfg.chips or cfg.topology)
+    where = f"{named} (on any layout)" if later else f"{named} over {dp} data-parallel rank(s)"
+    why = accum.check(cfg.grad_accum, reduction, rows // dp, where, cfg.task)
     if why:
         raise ConfigError(why)
 

@@ -93,6 +93,9 @@ def test_a_step_of_4_microbatches_equals_one_step_on_the_whole_batch(corpus, tmp
 @pytest.mark.parametrize("argv, message", [
     (["--grad-accum", "0"], "--grad-accum must be positive, got 0"),
     (["--grad-accum", "3"], "--grad-accum 3: --batch-size 4 over 1 data-parallel rank(s) do not split into 3 equal"),
+    # (--chips: the layout is picked later, so no rank count is named)
+    (["--grad-accum", "3", "--dry-run", "--plan", "--chips", "4"],
+     "--grad-accum 3: --batch-size 4 (on any layout) do not split into 3 equal"),
 ])
 def test_a_bad_grad_accum_is_one_line_exit_2(argv, message, capsys):
     assert _main([*TINY, *argv]) == 2
