@@ -33,6 +33,16 @@ def parse_as(kind, text):
     return kind(text)
 
 
+def kind_name(kind):
+    """A declared type in a user's words: 'an int', 'an int or none', 'comma-separated numbers', ..."""
+    if typing.get_origin(kind) is typing.Union:
+        inner = next(k for k in typing.get_args(kind) if k is not type(None))
+        return f"{kind_name(inner)} or none"
+    words = {int: "an int", float: "a float", str: "a string", bool: "a bool (true/false/1/0)",
+             tuple: "comma-separated numbers"}
+    return words.get(kind, f"a {getattr(kind, '__name__', kind)}")
+
+
 def finite(value):
     """True unless `value` (a number, or a tuple of them) holds a NaN or an infinity: no config value
     or flag of ours means anything as one, and NaN passes every `x < 0` check (NaN < 0 is False)."""
@@ -62,7 +72,7 @@ def with_overrides(args, items):
         try:
             parsed = parse_as(kinds[key], value)
         except ValueError:
-            raise ValueError(f"--set {item!r}: {value!r} is not a {getattr(kinds[key], '__name__', kinds[key])}") from None
+            raise ValueError(f"--set {item!r}: {value!r} is not {kind_name(kinds[key])}") from None
         if not finite(parsed):
             raise ValueError(f"--set {item!r}: not a finite number")
         args = dataclasses.replace(args, **{key: parsed})

@@ -115,7 +115,8 @@ def test_set_parses_each_field_by_its_declared_type():
     assert args.rope_scaling == (8, 1, 4, 8192) and args.head_dim is None and args.qk_norm is True
     assert args.norm_eps == 1e-6 and args.n_layers == 3
     assert parse("head_dim=16").head_dim == 16  # Optional[int]: an int, not a string
-    for bad, message in [("qk_norm=maybe", "is not a bool"), ("n_layers=2.5", "is not a int"),
+    for bad, message in [("qk_norm=maybe", "is not a bool (true/false/1/0)"), ("n_layers=2.5", "is not an int"),
+                         ("head_dim=x", "is not an int or none"),
                          ("rope_scaling=8,1", "rope_scaling is (factor, low_freq_factor")]:
         with pytest.raises(train.ConfigError, match=re.escape(message)):
             parse(bad)
