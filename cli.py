@@ -244,9 +244,15 @@ def validate(cfg):
                               f"got {getattr(cfg, name)}")
     check_allow_change(cfg.allow_change, cls)
     graph_only = [f for f, on in (("--remat", cfg.remat), ("--offload", cfg.offload), ("--split", cfg.split),
-                                  ("--backend", cfg.backend)) if on]
+                                  ("--backend", cfg.backend), ("--fsdp-passes", cfg.fsdp_passes != "auto")) if on]
     if graph_only and cfg.mode != "graph" and not cfg.dry_run:
         raise ConfigError(f"{', '.join(graph_only)} transform(s) the step graph: add --mode graph")
+    # (on one device there are no parameters to shard: the flags would be ignored, as they were)
+    one_device = not cfg.dry_run and parallel.layout_kind(cfg.mesh, cfg.device) == "one"
+    if one_device and cfg.dp_impl != "simple":
+        raise ConfigError(f"--dp-impl {cfg.dp_impl} shards the parameters over --mesh: add --mesh (one device shards nothing)")
+    if one_device and cfg.fsdp_passes != "auto":
+        raise ConfigError("--fsdp-passes transform SimpleFSDP's collectives: add --mesh (one device has none)")
     if (cfg.compile or cfg.topology) and not cfg.dry_run:
         raise ConfigError("--compile and --topology compile the step for a TPU without running it: add --dry-run")
     # --device auto / tpu is an XLA device only through torch_xla's TPU runtime (device.pick_device; torch_tpu,

@@ -63,6 +63,9 @@ BAD_INPUTS = [
     (["--lr", "nan"], "argument --lr: 'nan' is not a finite number"),  # (every float flag: flags.finite_float)
     (["--steps", "ten"], "invalid int value"),
     (["--remat"], "add --mode graph"),
+    (["--fsdp-passes", "reshard"], "--fsdp-passes transform(s) the step graph: add --mode graph"),  # (was ignored)
+    (["--mode", "graph", "--fsdp-passes", "none"], "--fsdp-passes transform SimpleFSDP's collectives: add --mesh"),
+    (["--dp-impl", "fsdp2"], "--dp-impl fsdp2 shards the parameters over --mesh: add --mesh"),  # (was ignored)
     (["--mode", "graph", "--flavor", "qwen3_moe_debug"], "graph mode traces ahead of time; the reference MoE dispatch"),
     (["--mode", "compile", "--scan"], "--scan has no per-block modules"),
     (["--scan", "--flavor", "qwen3_moe_debug"], "--scan traces ahead of time; the reference MoE dispatch reads group sizes on the host (data-dependent shapes): add --kernels pallas"),
