@@ -46,7 +46,7 @@ class TrainConfig:
     grad_accum: int = flag(1, "gradient accumulation: each step's global batch (--batch-size) as N microbatches, "
                            "a forward + backward each, one update (a count, not a microbatch size: the batch a "
                            "step trains on stays --batch-size; accum.py)", metavar="N")
-    seq_len: int = flag(128, "tokens (bytes) per sequence")
+    seq_len: int = flag(128, "tokens (bytes) per sequence (--task lm: the others' rows have lengths of their own)")
     lr: float = flag(3e-3, "peak learning rate")
     warmup: int = flag(30, "linear warmup steps, then cosine decay to lr/10")
     clip: float = flag(1.0, "global gradient-norm clip (0: off)")
@@ -231,6 +231,9 @@ def validate(cfg):
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "log_interval"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    if cls.sequence_from and cfg.seq_len != TrainConfig.seq_len:  # (it would be ignored)
+        raise ConfigError(f"--seq-len sets --task lm's row length; --task {cfg.task}'s is {cls.sequence_from}: "
+                          f"drop --seq-len")
     for name in ("warmup", "eval_interval", "eval_batches", "ckpt_interval", "halt_at", "seed", "split"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")

@@ -171,6 +171,7 @@ class Workload:
     name = default_flavor = None
     Flags = NoFlags
     splits_sequences = False  # (--mesh cp=C: refused by cli.py unless True)
+    sequence_from = None        # what fixes a row's length where --seq-len does not (cli.py refuses the flag)
     family_class = ModelFamily  # the kind of model it trains (for checks before it is built)
     resume_policy = {}          # meta() key -> True (--allow-change KEY), why it cannot change, or f(saved, now)
     unit = "samples"            # what units_per_step counts

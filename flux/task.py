@@ -239,6 +239,7 @@ class FluxDigits(Workload):
     """Rectified flow on the digits (or a latent file): the batches, the flow-matching loss, the grids."""
     name, default_flavor, Flags, unit = "flux", "flux_debug", FluxFlags, "img"
     family_class = FluxFamily
+    sequence_from = "its image's latent tokens (--image-size)"
     loss_reduction = classmethod(lambda cls, cfg: "mean")  # (the MSE over rows of one latent size: accum.py)
     resume_policy = {"data": lambda saved, now: None if (saved is None) == (now is None) else (  # (None: the digits)
         "the data source (the digits or a --data latent file) fixes the model's conditioning weights: resume "

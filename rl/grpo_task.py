@@ -139,6 +139,7 @@ class ArithmeticPolicy(Workload):
     accuracy on the held-out prompts."""
     unit, evaluates, default_flavor = "seq", True, "llama3_debug"
     Flags, family_class = PolicyFlags, PolicyFamily
+    sequence_from = "a problem's prompt and answer bytes (--max-new-tokens: the answer's)"
     eos_id = arithmetic.EOS  # (an answer ends with a newline: generate.py --run stops after it)
     # resume_policy (task.Workload): the warm start, and each of its own flags a checkpoint records (meta())
 

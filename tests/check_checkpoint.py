@@ -86,6 +86,7 @@ BAD_INPUTS = [
     (["--batch-size", "100000"], "and the activations of 100000 sequences need"),  # (the dry run's estimate)
     (["--scan", "--mesh", "ici=2,tp=2"], "--scan with tp is not built"),  # (checked before any launch)
     (["--task", "flux", "--mesh", "ici=1,tp=2"], "the flux workload's model splits over data-parallel dims (dcn / ici) only, not tp"),
+    (["--task", "flux", "--seq-len", "64"], "--task flux's is its image's latent tokens (--image-size): drop --seq-len"),
     (["--task", "flux", "--image-size", "16"], "the digits are 8 x 8"),  # (other sizes: the dry run only)
     (["--task", "flux", "--flavor", "flux_dev", "--data", ""], "(the published flavors: --dry-run)"),  # (on the digits)
 ]

@@ -22,6 +22,7 @@ NONFINITE_OR_OUT_OF_RANGE = [  # each ran on (or was a traceback) before: the is
     (["--set", "rope_scaling=8,4,4,8192"], "factor > 0, 0 < low < high"),
     (["--set", "rope_scaling=8,nan,4,8192"], "'rope_scaling=8,nan,4,8192': not a finite number"),
     (["--set", "head_dim=-2"], "head_dim must be positive and even"),  # (4: a traceback, exit 1)
+    (["--task", "sft", "--seq-len", "64"], "--seq-len sets --task lm's row length; --task sft's is a problem's"),  # (ignored)
 ]
 
 
