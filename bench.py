@@ -353,6 +353,11 @@ def main():
                    "(e.g. plain '--mode graph --device xla') into bench_results/profile/ and tabulate its time by category")
     args = p.parse_args()
     if args.profile:
+        unknown = [r for r in args.profile if r not in QUICK_CONFIGS + FULL_CONFIGS]
+        if unknown:  # (it ran as train.py flags and wrote a failed row over bench_results/profile.md)
+            print(f"error: --profile {unknown[0]!r} is not a speed-table row; the rows: "
+                  f"{', '.join(map(repr, QUICK_CONFIGS + FULL_CONFIGS))}", file=sys.stderr)
+            sys.exit(2)
         return _write("profile", *profile_rows(args.profile))
     tables = {"rollout": (rollout_table, rollout_markdown),
               "flux": (lambda: bench_flux.flux_table(cpu_peak_flops), flux_markdown)}

@@ -168,6 +168,18 @@ def test_bad_profile_value_is_refused_in_one_line(value, corpus, tmp_path, capsy
     assert not os.path.exists(tmp_path / "bad")
 
 
+def test_bench_profile_of_a_row_not_in_the_speed_table_is_refused_in_one_line():
+    """bench.py --profile ROW names a speed-table row; a misspelled one ran as train.py flags and wrote a
+    failed row over bench_results/profile.md. Now one line, exit 2, and the file as it was."""
+    from tests import launch
+    path = os.path.join(HERE, "bench_results", "profile.md")
+    before = open(path).read() if os.path.exists(path) else None
+    rc, _, err = launch.python(["bench.py", "--profile", "plain", "--mode graf"], timeout=120)
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("error: --profile '--mode graf' is not a speed-table "
+                                                                 "row; the rows: 'plain', "), err[-2000:]
+    assert (open(path).read() if os.path.exists(path) else None) == before
+
+
 def test_anchor_prices_the_optimizer_bytes_once():
     """planner.anchor --profile's fix, by hand on the recorded inputs: the optimizer's bytes leave the
     elementwise term (which counted every op of the eager step, AdamW's too) and become the optimizer
