@@ -319,6 +319,11 @@ def main(w, cfg):
     laid_out = math.prod(v for k, v in mesh.mesh_dims(cfg.mesh).items() if k != "ep") if cfg.mesh else 0
     if cfg.chips and laid_out and laid_out != cfg.chips:  # (both name the chips: they must agree)
         raise ValueError(f"--mesh {cfg.mesh} lays out {laid_out} chips, --chips says {cfg.chips}: give one of them")
+    if cfg.plan and cfg.mesh:  # (the ranking ignored it)
+        raise ValueError(f"--plan ranks every layout of --chips; --mesh {cfg.mesh} is one layout: give one of them")
+    if getattr(cfg, "topology", None) and not getattr(cfg, "compile", False):  # (the estimate ignored it: one chip)
+        raise ValueError(f"--topology {cfg.topology} names the chips the compile targets: add --compile, or give "
+                         f"the estimate's layout with --mesh / --plan --chips")
     if cfg.chips and not (laid_out or cfg.plan or getattr(cfg, "compile", False)):
         raise ValueError(f"--chips {cfg.chips} is for --plan (rank its layouts) or --compile (compile the "
                          f"first): add one, or give the layout with --mesh")

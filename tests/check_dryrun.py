@@ -66,6 +66,13 @@ def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones(c
     rc = _main([*flags, "--plan", "--chips", "3"])
     err = capsys.readouterr().err
     assert rc == 2 and err.strip().startswith("error:") and len(err.strip().splitlines()) == 1, err
+    for extra, said in ((["--plan", "--chips", "8", "--mesh", "ici=8"], "--plan ranks every layout of --chips; --mesh "
+                                                                         "ici=8 is one layout: give one of them"),
+                        (["--topology", "v5p:2x2x1"], "--topology v5p:2x2x1 names the chips the compile targets: add "
+                                                      "--compile")):  # (each was ignored: a report of another layout)
+        assert _main([*flags, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: " + said), err
 
 
 @pytest.mark.parametrize("flavor,mesh", [("llama3_405b", "dcn=2,ici=128"), ("qwen3_235b_a22b", "dcn=2,ici=128")])
