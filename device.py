@@ -82,8 +82,13 @@ def is_tpu(device):
 
 
 def default_to_xla_cpu():
-    """The one place PJRT_DEVICE gets its default: XLA:CPU unless the user named another runtime."""
+    """The one place PJRT_DEVICE gets its default: XLA:CPU unless the user named another runtime. XLA:CPU's
+    device count, CPU_NUM_DEVICES, must be a positive integer (torch_xla crashes on another value: a
+    segmentation fault)."""
     os.environ.setdefault("PJRT_DEVICE", "CPU")
+    count = os.environ.get("CPU_NUM_DEVICES")
+    if os.environ["PJRT_DEVICE"] == "CPU" and count is not None and not (count.strip().isdigit() and int(count) > 0):
+        raise DeviceUnavailable(f"CPU_NUM_DEVICES={count!r}: XLA:CPU's device count is a positive integer")
 
 
 def _xla_device():

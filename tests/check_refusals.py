@@ -35,6 +35,18 @@ def test_nonfinite_flags_and_config_values_are_one_line_exit_2_nothing_written(a
     assert not os.path.exists(out_dir)
 
 
+@pytest.mark.parametrize("count", ["abc", "0", ""])
+def test_a_bad_xla_cpu_device_count_is_one_line_not_torch_xlas_crash(count, tmp_path, monkeypatch, capsys):
+    """CPU_NUM_DEVICES is read by torch_xla as XLA:CPU starts: 'abc' was a segmentation fault (exit 139),
+    '0' and '' no device at all. Refused before torch_xla starts (device.default_to_xla_cpu)."""
+    monkeypatch.setenv("CPU_NUM_DEVICES", count)
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")  # (restored after: default_to_xla_cpu sets it)
+    assert _main(["--device", "xla", "--steps", "1", "--out-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: CPU_NUM_DEVICES={count!r}: XLA:CPU's device count is a positive integer"], err
+    assert not os.path.exists(tmp_path / "r")
+
+
 @pytest.mark.fast
 def test_the_checks_refuse_nan_wherever_the_value_comes_from():
     """A config.json or a checkpoint's record reaches model.check_args without cli.py, and GRPO's config
