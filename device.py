@@ -19,6 +19,7 @@ Peak FLOP/s are the vendors' published dense bf16 numbers per chip; on CPU we me
 peak instead and say so in the log line (MFU on CPU is "fraction of what this CPU's GEMM reaches";
 `utilization` measures it again when a run outpaces it, and never reports a fraction above 1).
 """
+import importlib.util
 import os
 import random
 import resource
@@ -97,7 +98,19 @@ def _xla_device():
         import torch_xla
     except ImportError as e:
         raise DeviceUnavailable(f"--device xla needs torch_xla ({e})") from None
-    return torch_xla.device()
+    return xla_start(torch_xla.device)
+
+
+def xla_start(first_call):
+    """`first_call()`, torch_xla's first touch of the runtime PJRT_DEVICE names, with a runtime that cannot
+    start here (no libtpu; no such plugin) as DeviceUnavailable: torch_xla raises an OSError (which
+    would read as a failed write, exit 5) or a RuntimeError (a traceback)."""
+    try:
+        return first_call()
+    except (OSError, RuntimeError) as e:
+        why = str(e).strip().split(". ")[0].splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DeviceUnavailable(f"PJRT_DEVICE={os.environ['PJRT_DEVICE']}: torch_xla cannot start that runtime "
+                                f"here ({why})") from None
 
 
 def pick_device(name="auto"):
@@ -107,11 +120,10 @@ def pick_device(name="auto"):
         if native:
             return torch.device("tpu")
         if pjrt_is_tpu():
-            try:
-                return _xla_device()
-            except DeviceUnavailable:  # torch_xla is not installed (e.g. in the TorchTPU environment)
+            if importlib.util.find_spec("torch_xla") is None:  # (e.g. in the TorchTPU environment)
                 raise DeviceUnavailable(f"--device {name}: {why_not}; and PJRT_DEVICE=TPU needs torch_xla, "
-                                        f"which is not installed (requirements.txt)") from None
+                                        f"which is not installed (requirements.txt)")
+            return _xla_device()
         if name == "tpu":
             raise DeviceUnavailable(f"--device tpu: no TPU here: {why_not}; and PJRT_DEVICE is not TPU "
                                     f"(the torch_xla route)")

@@ -62,7 +62,7 @@ class XlaSpmd(Parallel):
         dcn, ici, cp = mesh_lib.parse_mesh(spec)
         dev.default_to_xla_cpu()
         xr.use_spmd()  # before any XLA tensor exists: from here on there is one logical device
-        n = xr.global_runtime_device_count()
+        n = dev.xla_start(xr.global_runtime_device_count)
         if dcn * ici * cp != n:
             hint = " (set CPU_NUM_DEVICES on XLA:CPU)" if not dev.pjrt_is_tpu() else ""
             raise mesh_lib.MeshError(f"--mesh {spec!r} has {dcn * ici * cp} devices but XLA sees {n}{hint}")

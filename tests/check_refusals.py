@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.common import TINY, _main
+from tests.common import TINY, _main, run_train
 
 
 GRPO_TINY = ["--task", "grpo", *TINY[:10], "--set", "head_dim=32", "--set", "max_seq_len=16"]
@@ -44,6 +44,18 @@ def test_a_bad_xla_cpu_device_count_is_one_line_not_torch_xlas_crash(count, tmp_
     assert _main(["--device", "xla", "--steps", "1", "--out-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: CPU_NUM_DEVICES={count!r}: XLA:CPU's device count is a positive integer"], err
+    assert not os.path.exists(tmp_path / "r")
+
+
+def test_a_pjrt_runtime_that_cannot_start_here_is_one_line_exit_2(tmp_path):
+    """PJRT_DEVICE=TPU on a machine without libtpu (the auto device, and XLA SPMD's mesh) was "a write
+    failed: libtpu not found", exit 5 (torch_xla's OSError read as a failed write); PJRT_DEVICE=bogus a
+    traceback, exit 1. In real processes: torch_xla's runtime cannot start twice in one."""
+    for pjrt, extra, why in (("TPU", [], "libtpu not found"),
+                             ("bogus", ["--device", "xla", "--mesh", "ici=2"], "No PjRtPlugin registered for: bogus")):
+        rc, _, err = run_train(["--steps", "1", "--out-dir", str(tmp_path / "r"), *extra], {"PJRT_DEVICE": pjrt})
+        assert rc == 2 and err.strip().splitlines()[-1] == f"error: PJRT_DEVICE={pjrt}: torch_xla cannot start that " \
+            f"runtime here ({why})", err[-2000:]
     assert not os.path.exists(tmp_path / "r")
 
 
