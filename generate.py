@@ -137,9 +137,12 @@ def main(argv=None):
     cfg = p.parse_args(argv)
     echoed = False
     try:
-        if (cfg.max_new_tokens <= 0 or not (0 < cfg.top_p <= 1) or not (0 <= cfg.temperature < math.inf)
-                or cfg.top_k < 0):  # (NaN fails both comparisons)
-            raise ValueError("need --max-new-tokens > 0, 0 < --top-p <= 1, a finite --temperature >= 0, --top-k >= 0")
+        for flag, value, ok, want in (  # (NaN fails every comparison)
+                ("--max-new-tokens", cfg.max_new_tokens, cfg.max_new_tokens > 0, "> 0"),
+                ("--temperature", cfg.temperature, 0 <= cfg.temperature < math.inf, "finite and >= 0 (0: greedy)"),
+                ("--top-k", cfg.top_k, cfg.top_k >= 0, ">= 0 (0: off)"), ("--top-p", cfg.top_p, 0 < cfg.top_p <= 1, "in (0, 1]")):
+            if not ok:
+                raise ValueError(f"{flag} {value}: must be {want}")
         device = dev.pick_device(cfg.device)
         if cfg.run:
             model, meta = checkpoint.load_run(cfg.run, device, kind=KIND)

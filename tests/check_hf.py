@@ -209,7 +209,7 @@ def test_generate_on_a_tokenizer_run_picks_its_tokenizer_and_checkpoint_and_refu
     one_line(["--run", str(future), "x"], "model_args attn_logit_softcap unknown to this version")
     one_line(["export", str(future), str(tmp_path / "exported")], "model_args attn_logit_softcap unknown", hf.main)
     for bad in ("nan", "inf"):
-        one_line(["--run", str(run), "x", "--temperature", bad], "a finite --temperature >= 0")
+        one_line(["--run", str(run), "x", "--temperature", bad], f"--temperature {bad}: must be finite and >= 0")
     out = one_line(["--run", str(run), "hi", "--max-new-tokens", "100000"], "exceeds the model's max_seq_len")
     assert out == "hi\n"  # (the echoed prompt, then the error on a line of its own)
     newest, good = run / "checkpoints" / "step_000002", run / "checkpoints" / "step_000001"
