@@ -374,8 +374,18 @@ def _write_files(model, out, max_shard_bytes, files, eos_id):
             raise OSError(f"writing {name} failed: {getattr(e, 'strerror', None) or e}") from None
 
 
-def check_target(path, overwrite=False):
-    """Refuse an export target that is a file, or a non-empty directory unless `overwrite`."""
+def check_target(path, overwrite=False, source=None):
+    """Refuse an export target that is a file, or a non-empty directory unless `overwrite`, or that
+    overlaps `source`, the run read (a run directory or one of its checkpoints): the run's directory or
+    one above it, or its checkpoints directory or anything in it (--overwrite replaced them)."""
+    if source is not None:
+        out, run = os.path.realpath(path), os.path.realpath(source)
+        checkpoints = next((d for d in (run, os.path.dirname(run)) if os.path.basename(d) == "checkpoints"),
+                           os.path.join(run, "checkpoints"))
+        inside = lambda a, b: os.path.commonpath([a, b]) == b  # noqa: E731  (a is b or below it)
+        if inside(run, out) or inside(checkpoints, out) or inside(out, checkpoints):
+            raise HFError(f"{path} overlaps the run it would export ({source}): an export there would replace the "
+                          f"run's checkpoints; choose a directory outside the run")
     if os.path.lexists(path) and not os.path.isdir(path):
         raise HFError(f"{path} exists and is not a directory")
     if os.path.isdir(path) and os.listdir(path) and not overwrite:
@@ -420,7 +430,7 @@ def main(argv):
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR (whole, atomically)")
     cfg = p.parse_args(argv)
     try:
-        check_target(cfg.out_dir, cfg.overwrite)  # before the (maybe large) checkpoint is read
+        check_target(cfg.out_dir, cfg.overwrite, cfg.run_dir)  # before the (maybe large) checkpoint is read
         model, meta = checkpoint.load_run(cfg.run_dir, kind=KIND)
         tokenizer_files = tokenizer.export_files(meta, model.args.max_seq_len)
     except (ValueError, OSError) as e:

@@ -362,7 +362,7 @@ def test_hf_loader_uses_every_tensor_and_finds_every_one_it_needs(tmp_path, caps
 def test_export_never_clobbers_and_a_failed_write_keeps_the_old_files(corpus, tmp_path, capsys):
     """hf.py export writes a whole directory or nothing: a non-empty target is refused (a user's files
     there stay), --overwrite replaces it whole (an old sharded export's index does not survive to be
-    loaded instead), and a write that fails (a 256 KiB file-size limit) leaves the previous export
+    loaded instead) but never the run it reads, and a write that fails (a 256 KiB file-size limit) leaves the previous export
     bit for bit, no temporary directory behind, one line, exit 5. Oracle: the run's own weights."""
     import checkpoint
     import hf
@@ -384,6 +384,14 @@ def test_export_never_clobbers_and_a_failed_write_keeps_the_old_files(corpus, tm
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
     assert (user / "config.json").read_text() == "mine" and (tmp_path / "file").read_text() == "mine"
+    kept = sorted(os.listdir(os.path.join(run, "checkpoints")))
+    for target in (run, str(tmp_path), os.path.join(run, "checkpoints"),  # (each replaced the run's checkpoints)
+                   os.path.join(run, "checkpoints", "step_000001")):
+        assert hf.main(["export", run, target, "--overwrite"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: {target} overlaps the run it would export ({run}): an export there would replace the " \
+                      "run's checkpoints; choose a directory outside the run", err
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == kept
     assert hf.main(["export", run, str(tmp_path / "out"), "--overwrite"]) == 0
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors", "tokenizer.json",
                                                      "tokenizer_config.json"]
