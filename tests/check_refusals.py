@@ -97,8 +97,9 @@ def test_resuming_a_run_of_another_task_names_both_and_the_remedy_works(corpus, 
     """`--task sft --resume` on an lm run was told to pass `--allow-change steps,sft`,
     which cli.py then refused as unknown; meta.json records the task, which was never named."""
     out = str(tmp_path / "lm")
-    base = [*TINY, "--eval-batches", "0", "--out-dir", out]
-    lm = ["--data", corpus, "--sample-tokens", "0"]
+    at = TINY.index("--seq-len")  # (an lm flag: sft's rows have their own length)
+    base = [*TINY[:at], *TINY[at + 2:], "--eval-batches", "0", "--out-dir", out]
+    lm = ["--data", corpus, "--sample-tokens", "0", *TINY[at:at + 2]]
     assert _main([*base, *lm, "--steps", "2"]) == 0
     capsys.readouterr()
     assert _main(["--task", "sft", *base, "--steps", "4", "--resume"]) == 2
