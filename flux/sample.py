@@ -227,7 +227,14 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="--prompt's grid (default: RUN_DIR/prompts_g<scale>.png, or ./)")
     cfg = p.parse_args(argv)
     try:
-        scales = [float(g) for g in cfg.guidance.split(",")]
+        try:
+            scales = [float(g) for g in cfg.guidance.split(",")]
+        except ValueError:
+            raise ValueError(f"--guidance {cfg.guidance!r}: a comma list of numbers (e.g. 1,2,4)") from None
+        given = [f for f, v in (("--out", cfg.out), ("--size", cfg.size)) if v]
+        if given and not cfg.prompt:  # (a run's grids go into RUN_DIR: they were ignored)
+            raise ValueError(f"{' and '.join(given)}: --prompt's grid; a run's own grids are written into RUN_DIR "
+                             f"(samples_g<scale>.png, decoded_g<scale>.png)")
         if cfg.per_class < 1 or cfg.steps < 1 or not all(0 < g < float("inf") for g in scales):
             raise ValueError(f"--per-class and --steps must be >= 1 and --guidance positive numbers, got "
                              f"{cfg.per_class}, {cfg.steps}, {cfg.guidance}")

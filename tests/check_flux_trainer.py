@@ -372,6 +372,23 @@ def test_flux_sampling_cli_samples_a_scan_run_and_a_dcp_failure_is_one_line(tmp_
     assert "\n" not in str(e.value)
 
 
+def test_the_sampling_cli_refuses_what_it_would_ignore_in_one_line(tmp_path, capsys):
+    """python -m flux.sample RUN_DIR writes a run's grids into RUN_DIR: --out and --size (--prompt's grid)
+    were ignored without a word; a --guidance that is no number said only Python's "could not convert
+    string to float". Each is one line naming the flag, exit 2, before the run is read, nothing written."""
+    from flux import sample as flux_sample
+    run = tmp_path / "run"
+    run.mkdir()
+    for argv, said in ((["--out", str(tmp_path / "g.png")], "--out: --prompt's grid; a run's own grids are written "
+                                                            "into RUN_DIR"),
+                       (["--size", "16x16"], "--size: --prompt's grid"),
+                       (["--guidance", "1,x"], "--guidance '1,x': a comma list of numbers")):
+        assert flux_sample.main([str(run), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: " + said), err
+    assert os.listdir(tmp_path) == ["run"] and not os.listdir(run)
+
+
 def test_a_flux_run_given_as_a_language_model_is_named_a_flux_run(tmp_path, capsys):
     """generate.py --run, hf.py export and --task grpo --init-from on a FLUX run: one line saying it is a
     FLUX run, not a language model (not "model_args ... unknown to this version"), exit 2, nothing
