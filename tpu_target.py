@@ -407,7 +407,7 @@ def _compiler_line(text):
 def main(argv):
     """python tpu_target.py CHIP [TOPOLOGY | CHIPS]: a bf16 matmul compiled, as a check of the
     environment; `error:` and exit 2 where it cannot be."""
-    if not argv or argv[0] not in KINDS:
+    if not argv or argv[0] not in KINDS or len(argv) > 2:  # (a third word was ignored)
         print(f"usage: tpu_target.py {{{','.join(KINDS)}}} [TOPOLOGY | CHIPS]", file=sys.stderr)
         return 2
     chip, topology = argv[0], (argv[1] if len(argv) > 1 else MIN_CHIPS)

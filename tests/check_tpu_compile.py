@@ -147,3 +147,16 @@ def test_the_ironwood_links_follow_a_rebuilt_tpu_environment(tmp_path, monkeypat
                                          "ml_dtypes"]
     assert all(os.readlink(os.path.join(where, n)) == str(packages / n) for n in os.listdir(where))
     assert all((packages / n).is_dir() for n in os.listdir(where))  # (the environment's own folders kept)
+
+
+def test_the_environment_check_refuses_a_bad_command_line_in_one_line(capsys):
+    """`python tpu_target.py CHIP [TOPOLOGY | CHIPS]` (a check of the compile environment: one matmul compiled):
+    no chip, another chip's name, or a word past the topology (it was ignored) is the usage line; a
+    topology of another chip or no chip count is one `error:` line. Exit 2 each, before any compile."""
+    import tpu_target
+    usage = "usage: tpu_target.py {tpu_v5p,tpu_v6e,tpu_v7} [TOPOLOGY | CHIPS]"
+    for argv, said in (([], usage), (["tpu_v9"], usage), (["tpu_v5p", "4", "extra"], usage),
+                       (["tpu_v5p", "v6e:2x2"], "error: topology 'v6e:2x2' is not a tpu_v5p one (v5p:...)"),
+                       (["tpu_v5p", "0"], "error: a tpu_v5p topology has 1-4 chips (one host's) or a power of two, not 0")):
+        assert tpu_target.main(argv) == 2, argv
+        assert capsys.readouterr().err.strip().splitlines() == [said], argv
