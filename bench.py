@@ -345,13 +345,14 @@ def main():
                       else _child_train(sys.argv[3], int(sys.argv[4]), *sys.argv[5:7]))
         print(json.dumps(result), flush=True)
         os._exit(0)  # skip interpreter teardown: JAX/XLA threads sometimes abort it after the work is done
-    p = argparse.ArgumentParser(description="minititan measurements")
+    parser = argparse.ArgumentParser(description="minititan measurements")
+    p = parser.add_mutually_exclusive_group()  # (one kind of run: with two, all but one was ignored)
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (< 5 min on 2 cores)")
     p.add_argument("--flux", action="store_true", help="only the FLUX training-step rows (< 2 min on 2 cores)")
     p.add_argument("--rollout", action="store_true", help="only the rollout engines' rows, ours vs vLLM (< 3 min)")
     p.add_argument("--profile", nargs="+", metavar="ROW", help="trace one step of each named speed-table row "
                    "(e.g. plain '--mode graph --device xla') into bench_results/profile/ and tabulate its time by category")
-    args = p.parse_args()
+    args = parser.parse_args()
     if args.profile:
         unknown = [r for r in args.profile if r not in QUICK_CONFIGS + FULL_CONFIGS]
         if unknown:  # (it ran as train.py flags and wrote a failed row over bench_results/profile.md)

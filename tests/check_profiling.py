@@ -168,9 +168,10 @@ def test_bad_profile_value_is_refused_in_one_line(value, corpus, tmp_path, capsy
     assert not os.path.exists(tmp_path / "bad")
 
 
-def test_bench_profile_of_a_row_not_in_the_speed_table_is_refused_in_one_line():
+def test_bench_refuses_a_profile_row_not_in_the_speed_table_and_two_kinds_of_run():
     """bench.py --profile ROW names a speed-table row; a misspelled one ran as train.py flags and wrote a
-    failed row over bench_results/profile.md. Now one line, exit 2, and the file as it was."""
+    failed row over bench_results/profile.md. Now one line, exit 2, and the file as it was. Two kinds
+    of run at once (--flux --rollout: only the rollout rows ran) are argparse's refusal, exit 2."""
     from tests import launch
     path = os.path.join(HERE, "bench_results", "profile.md")
     before = open(path).read() if os.path.exists(path) else None
@@ -178,6 +179,9 @@ def test_bench_profile_of_a_row_not_in_the_speed_table_is_refused_in_one_line():
     assert rc == 2 and err.strip().splitlines()[-1].startswith("error: --profile '--mode graf' is not a speed-table "
                                                                  "row; the rows: 'plain', "), err[-2000:]
     assert (open(path).read() if os.path.exists(path) else None) == before
+    rc, _, err = launch.python(["bench.py", "--flux", "--rollout"], timeout=120)
+    assert rc == 2 and err.strip().splitlines()[-1] == "bench.py: error: argument --rollout: not allowed with " \
+                                                       "argument --flux", err[-2000:]
 
 
 def test_anchor_prices_the_optimizer_bytes_once():
