@@ -175,7 +175,8 @@ class Watchdog:
             if stalled > self.timeout_s:
                 who, why = ((f"rank {self.rank}: ", "a peer is probably stalled") if self.peers else
                             ("", "the process is stuck or too slow (raise --watchdog for long compiles)"))
-                sys.stderr.write(f"error: {who}no progress for {stalled:.0f} s in {self.where} "
+                took = f"{stalled:.0f}" if stalled >= 10 else f"{stalled:.2g}"  # (a short --watchdog: not "0 s")
+                sys.stderr.write(f"error: {who}no progress for {took} s in {self.where} "
                                  f"(--watchdog {self.timeout_s:g}); {why}; stopping\n")
                 sys.stderr.flush()
                 os._exit(self.exit_code)  # the main thread is stuck in C++: no unwinding possible

@@ -409,11 +409,13 @@ def test_own_failures_and_peer_failures_are_told_apart(corpus, tmp_path, monkeyp
 
 
 def test_the_watchdog_of_one_process_blames_no_peer_and_evaluation_batches_are_progress(corpus, tmp_path):
-    """One process has no peer: its watchdog line says the process is stuck (exit 4). Every
+    """One process has no peer: its watchdog line says the process is stuck (exit 4), and a watchdog under
+    10 s its stall to two digits (whole seconds said "1 s" for 0.6, "0 s" for 0.01). Every
     evaluation batch is progress: an evaluation longer than --watchdog in all is not a stall."""
     code = "import rundir, time; rundir.Watchdog(0.5, 0, peers=False); time.sleep(30)"
     rc, _, err = launch.python(["-c", code], timeout=60)
     assert rc == 4 and "the process is stuck or too slow" in err and "peer" not in err
+    assert re.search(r"^error: no progress for 0\.\d+ s in ", err, re.M), err  # (a short one's seconds: was "1 s")
     import rundir
     beats = []
     monkeypatch_beat = rundir.Watchdog.beat
