@@ -238,6 +238,17 @@ def run_checkpoint(path):
     return chosen, read_meta(chosen)
 
 
+def overlaps_run(path, source):
+    """True where a directory written whole at `path` would replace part of the run `source` (a run
+    directory or one of its checkpoints, as run_checkpoint takes): the run's directory or one above
+    it, or its checkpoints directory or anything in it."""
+    out, run = os.path.realpath(path), os.path.realpath(source)
+    ckpt_dir = next((d for d in (run, os.path.dirname(run)) if os.path.basename(d) == "checkpoints"),
+                    os.path.join(run, "checkpoints"))
+    inside = lambda a, b: os.path.commonpath([a, b]) == b  # noqa: E731  (a is b, or below it)
+    return inside(run, out) or inside(ckpt_dir, out) or inside(out, ckpt_dir)
+
+
 def load_run(path, device="cpu", kind=None):
     """(model, meta) of a run's newest verified checkpoint, or of the checkpoint directory `path`, built
     by the model family of the workload that trained it (task.WORKLOADS; its `from_record`), also one

@@ -375,17 +375,11 @@ def _write_files(model, out, max_shard_bytes, files, eos_id):
 
 
 def check_target(path, overwrite=False, source=None):
-    """Refuse an export target that is a file, or a non-empty directory unless `overwrite`, or that
-    overlaps `source`, the run read (a run directory or one of its checkpoints): the run's directory or
-    one above it, or its checkpoints directory or anything in it (--overwrite replaced them)."""
-    if source is not None:
-        out, run = os.path.realpath(path), os.path.realpath(source)
-        checkpoints = next((d for d in (run, os.path.dirname(run)) if os.path.basename(d) == "checkpoints"),
-                           os.path.join(run, "checkpoints"))
-        inside = lambda a, b: os.path.commonpath([a, b]) == b  # noqa: E731  (a is b or below it)
-        if inside(run, out) or inside(checkpoints, out) or inside(out, checkpoints):
-            raise HFError(f"{path} overlaps the run it would export ({source}): an export there would replace the "
-                          f"run's checkpoints; choose a directory outside the run")
+    """Refuse an export target that is a file, a non-empty directory unless `overwrite`, or part of the
+    run `source` it reads (checkpoint.overlaps_run: --overwrite replaced the run's checkpoints)."""
+    if source is not None and checkpoint.overlaps_run(path, source):
+        raise HFError(f"{path} overlaps the run it would export ({source}): an export there would replace the "
+                      f"run's checkpoints; choose a directory outside the run")
     if os.path.lexists(path) and not os.path.isdir(path):
         raise HFError(f"{path} exists and is not a directory")
     if os.path.isdir(path) and os.listdir(path) and not overwrite:
