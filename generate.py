@@ -140,7 +140,8 @@ def main(argv=None):
         for flag, value, ok, want in (  # (NaN fails every comparison)
                 ("--max-new-tokens", cfg.max_new_tokens, cfg.max_new_tokens > 0, "> 0"),
                 ("--temperature", cfg.temperature, 0 <= cfg.temperature < math.inf, "finite and >= 0 (0: greedy)"),
-                ("--top-k", cfg.top_k, cfg.top_k >= 0, ">= 0 (0: off)"), ("--top-p", cfg.top_p, 0 < cfg.top_p <= 1, "in (0, 1]")):
+                ("--top-k", cfg.top_k, cfg.top_k >= 0, ">= 0 (0: off)"),
+                ("--top-p", cfg.top_p, 0 < cfg.top_p <= 1, "in (0, 1]")):
             if not ok:
                 raise ValueError(f"{flag} {value}: must be {want}")
         device = dev.pick_device(cfg.device)

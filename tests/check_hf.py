@@ -362,8 +362,9 @@ def test_hf_loader_uses_every_tensor_and_finds_every_one_it_needs(tmp_path, caps
 def test_export_never_clobbers_and_a_failed_write_keeps_the_old_files(corpus, tmp_path, capsys):
     """hf.py export writes a whole directory or nothing: a non-empty target is refused (a user's files
     there stay), --overwrite replaces it whole (an old sharded export's index does not survive to be
-    loaded instead) but never the run it reads, and a write that fails (a 256 KiB file-size limit) leaves the previous export
-    bit for bit, no temporary directory behind, one line, exit 5. Oracle: the run's own weights."""
+    loaded instead) but never the run it reads, and a write that fails (a 256 KiB file-size limit)
+    leaves the previous export bit for bit, no temporary directory behind, one line, exit 5. Oracle:
+    the run's own weights."""
     import checkpoint
     import hf
     run = str(tmp_path / "run")
