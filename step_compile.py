@@ -251,12 +251,13 @@ def jax_step(gm, out_shardings, unroll=1, offload=False):
 
 
 def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtype="fp32", offload=False, cores=1,
-                 microbatches=1):
+                 microbatches=1, effort=0.0):
     """Compile `program`'s training step for `chip`'s topology (one slice's libtpu name, default the
     mesh's ici x tp x cp chips; dcn > 1: that many slices joined by DCN) on the (dcn, ici, tp | cp) layout `dims`:
     a tpu_target.Compiled, plus the capture seconds.
     `dtype`: capture's; `offload` (--scan): each layer's input in host memory between its
-    forward and backward (layer_scan.register_torchax); `cores`: devices a chip (Ironwood's 2)."""
+    forward and backward (layer_scan.register_torchax); `cores`: devices a chip (Ironwood's 2);
+    `effort`: the compiler's (tpu_target.EFFORTS)."""
     import tpu_target
     from jax.sharding import NamedSharding, PartitionSpec
     tp, cp, ep = dims.get("tp", 1), dims.get("cp", 1), dims.get("ep", 1)
@@ -308,7 +309,8 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     def compiled(unroll):
         try:
             return dataclasses.replace(tpu_target.compile(jax_step(gm, out_shardings, unroll, offload), *inputs,
-                                                          chip=chip, topology=name, donate_argnums=(0, 2, 3)),
+                                                          chip=chip, topology=name, donate_argnums=(0, 2, 3),
+                                                          effort=effort),
                                        topology=label)
         except tpu_target.CompileFailed as e:
             raise ValueError(f"the TPU compiler refused the step for {label}: {e}") from None
@@ -330,13 +332,14 @@ def device_dims(dims, cores):
     return {**dims, "ici": dims["ici"] * cores}
 
 
-def compile_twin(program, dims, chip, topology, clip, cores=1):
+def compile_twin(program, dims, chip, topology, clip, cores=1, effort=0.0):
     """The program's twin (Program.twin) compiled for the same topology (one slice's name) and (dcn,
     ici) layout."""
     import tpu_target
     fn, inputs, donated = program.twin(layout_mesh(device_dims(dims, cores), tpu_target.devices(chip, topology, dims["dcn"])), clip)
     try:
-        return tpu_target.per_chip(tpu_target.compile(fn, *inputs, chip=chip, topology=topology, donate_argnums=donated), cores)
+        return tpu_target.per_chip(tpu_target.compile(fn, *inputs, chip=chip, topology=topology, donate_argnums=donated,
+                                                      effort=effort), cores)
     except tpu_target.CompileFailed as e:
         raise ValueError(f"the TPU compiler refused the JAX twin for {topology}: {e}") from None
 
@@ -407,15 +410,16 @@ def main(program, planned, cfg, spec):
                              "model names neither")
         layer_scan.stack_layers(program.model, program.stacks(program.model) if program.stacks else None)
     cores = spec["devices"]  # (a chip's devices: Ironwood's two TensorCores)
+    effort = getattr(cfg, "compile_effort", None) or 0.0  # (None: XLA's default, 0)
     compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"] is True, cfg.clip,
-                               cfg.dtype, cfg.offload, cores, cfg.grad_accum)
+                               cfg.dtype, cfg.offload, cores, cfg.grad_accum, effort)
     one_slice = compiled.topology.split(" x ")[-1]
     r = compare(compiled, planned, planned["flops_per_device"], spec["peak"], spec["hbm"],
                 tpu_target.cost_model_rate(cfg.chip, one_slice, cores) if compiled.fits else None,
                 program.kernel_flops / planned["devices"])
-    r["devices_per_chip"] = cores
+    r["devices_per_chip"], r["compile_effort"] = cores, effort
     if program.twin and compiled.fits:
-        twin = compile_twin(program, dims, cfg.chip, one_slice, cfg.clip, cores)
+        twin = compile_twin(program, dims, cfg.chip, one_slice, cfg.clip, cores, effort)
         r.update(twin_fits=twin.fits, twin_total_bytes=twin.hbm_bytes, twin_argument_bytes=twin.argument_bytes,
                  twin_flops=twin.flops or 0.0,
                  twin_step_s=twin.optimal_seconds or 0.0, twin_compile_s=twin.compile_s,

@@ -63,6 +63,11 @@ KINDS = {"tpu_v5p": TpuKind("v5p", 3, ".venv"),
          "tpu_v6e": TpuKind("v6e", 2, ".venv"),
          "tpu_v7": TpuKind("tpu7x", 3, ".venv-tpu", ".jax-tpu7x")}  # (2 devices a chip: planner/chips.py)
 MIN_CHIPS = 4
+# XLA's exec_time_optimization_effort (-1 to 1; 0, its default, is what a run's compile uses): how hard
+# its backend passes work for speed, which is most of a compile's time (21 of 25 s on a 4096-wide
+# block). At -1 the same program compiles ~5x quicker: its FLOPs and argument bytes the same, its
+# temporaries those of a less-worked schedule (docs/planning.md, "A quicker compile")
+EFFORTS = (-1.0, 1.0)
 
 
 class TargetError(ValueError):
@@ -300,12 +305,16 @@ def _first_line(e):
     return lines[0] if lines else type(e).__name__
 
 
-def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=()):
+def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=(), effort=0.0):
     """Compile jax function `fn` on `args` (ShapeDtypeStructs; one without a sharding is placed on
     one device of the topology) for `chip`, with its Pallas kernels lowered by Mosaic. Returns a
     Compiled; an HBM overflow is `fits=False` with the compiler's message; any other refusal raises
     CompileFailed. `donate_argnums`: arguments whose buffers the outputs may reuse (a training step's
-    weights and optimizer state, updated in place: alias_bytes)."""
+    weights and optimizer state, updated in place: alias_bytes). `effort`: XLA's
+    exec_time_optimization_effort (EFFORTS), given here whatever $JAX_EXEC_TIME_OPTIMIZATION_EFFORT says."""
+    if not (EFFORTS[0] <= effort <= EFFORTS[1]):  # (NaN too; XLA took -5 and NaN without a word)
+        raise ValueError(f"compile effort {effort}: XLA's exec_time_optimization_effort is in [-1, 1]")
+    options = {"exec_time_optimization_effort": float(effort)}
     name = topology_name(chip, topology)
     one = one_device_sharding(chip, name)
     place = lambda a: (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one)
@@ -317,11 +326,11 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=()):
     try:  # (the default device: Pallas asks it which chip it lowers for, jax 0.10's tpu_info)
         with jax.default_device(one.mesh.devices.flat[0]):
             lowered = jax.jit(lambda *a: fn(*a), donate_argnums=donate_argnums).lower(*args)
-            compiled = lowered.compile()
+            compiled = lowered.compile(compiler_options=options)
             seconds = time.perf_counter() - start
             mem = compiled.memory_analysis()
             host = getattr(mem, "host_temp_size_in_bytes", 0)
-            hbm_allocated = _hbm_allocated(lowered, host) if host else 0
+            hbm_allocated = _hbm_allocated(lowered, options, host) if host else 0
     except Exception as e:
         text = str(e)
         if "RESOURCE_EXHAUSTED" in text and ("memory space hbm" in text or "HbmOom" in text  # (libtpu 0.0.24, 0.0.52;
@@ -350,7 +359,7 @@ HBM_COLOR, HOST_COLOR = 0, 5  # buffer assignment's memory colors on TPU: HBM, h
                               # v6e; 2, 4, 6: a few KiB of scalar and sync memory)
 
 
-def _hbm_allocated(lowered, host_bytes):
+def _hbm_allocated(lowered, options, host_bytes):
     """The HBM a program with host buffers reserves: its buffer assignment's allocations of HBM's color
     (arguments, outputs, the temporaries' heap), from XLA's dump of the program compiled again. Its
     peak can count host buffers (Llama 3.1 70B on v6e-64 with --offload: 32.3 GiB, where every HBM
@@ -358,7 +367,7 @@ def _hbm_allocated(lowered, host_bytes):
     are memory_analysis's host temporaries, exactly."""
     with tempfile.TemporaryDirectory() as where:
         try:
-            lowered.compile(compiler_options={"xla_dump_to": where})
+            lowered.compile(compiler_options={**options, "xla_dump_to": where})  # (the same program's)
         except Exception:  # (a jax or libtpu without the option: no HBM figure, not a failed compile)
             return 0
         found = glob.glob(os.path.join(where, "*after_optimizations-buffer-assignment.txt"))

@@ -73,7 +73,9 @@ def format_compiled(r, planned):
     g = lambda b: f"{b / GiB:10.3f} GiB"
     head = (f"compiled for {r['topology']} ({planned['devices']} x {planned['chip']}, mesh {planned['mesh']}): "
             f"{planned['flavor']}, {planned['local_batch']} x {planned['seq_len']} tokens per data-parallel rank, "
-            f"{compiled_policy_label(planned['remat'])}; XLA:TPU on compile-only devices, no chip")
+            f"{compiled_policy_label(planned['remat'])}; XLA:TPU on compile-only devices, no chip"
+            + (f"; compile effort {r['compile_effort']:g}, not XLA's default 0: the same program, its temporaries "
+               f"and fit those of a less-worked schedule" if r.get("compile_effort") else ""))
     if not r["compiler_fits"]:
         return head
     unit = "per device" if r["devices_per_chip"] == 1 else f"per chip (the compiler's {r['devices_per_chip']} devices)"

@@ -69,7 +69,9 @@ def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones(c
     for extra, said in ((["--plan", "--chips", "8", "--mesh", "ici=8"], "--plan ranks every layout of --chips; --mesh "
                                                                          "ici=8 is one layout: give one of them"),
                         (["--topology", "v5p:2x2x1"], "--topology v5p:2x2x1 names the chips the compile targets: add "
-                                                      "--compile")):  # (each was ignored: a report of another layout)
+                                                      "--compile"),
+                        (["--compile-effort", "-1"], "--compile-effort -1.0 is the TPU compiler's: add --compile")):
+        # (each was ignored: a report of another layout, an estimate no effort changes)
         assert _main([*flags, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: " + said), err
