@@ -108,7 +108,7 @@ class TrainConfig:
     topology: Optional[str] = flag(None, "with --compile: libtpu's topology name, e.g. v5p:2x2x1 (default: the mesh's "
                                    "device count)")
     compile_effort: Optional[float] = flag(None, "with --compile: XLA's exec_time_optimization_effort, -1 to 1 (default "
-                                           "0, XLA's): -1 compiles ~5x quicker, the same FLOPs and arguments, "
+                                           "0, XLA's): -1 compiles up to ~5x quicker, the same FLOPs and arguments, "
                                            "temporaries of a less-worked schedule", metavar="E")
 
 

@@ -121,10 +121,11 @@ def judged(r, planned):
     import json
     print(format_compiled(r, planned), flush=True)
     print(json.dumps(r), flush=True)
+    effort = f" (at --compile-effort {r['compile_effort']:g}, not XLA's default 0)" if r.get("compile_effort") else ""
     if not r["compiler_fits"]:
-        raise ValueError(f"does not fit {r['topology']}: the TPU compiler says {r['message']}")
+        raise ValueError(f"does not fit {r['topology']}: the TPU compiler says {r['message']}{effort}")
     if not r["fits"]:
         raise ValueError(f"does not fit {r['topology']}: the compiler's HBM at its peak (arguments, temporaries, outputs) is "
                          f"{r['total_bytes'] / GiB:.2f} GiB a {'device' if r['devices_per_chip'] == 1 else 'chip'}, "
-                         f"over its {r['hbm_bytes'] / GiB:.0f} GiB HBM")
+                         f"over its {r['hbm_bytes'] / GiB:.0f} GiB HBM{effort}")
     return 0

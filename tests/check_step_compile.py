@@ -279,11 +279,12 @@ def test_flux_step_compiles_with_the_flops_and_state_of_its_pure_jax_twin():
 def test_a_step_that_cannot_fit_is_the_compilers_out_of_memory_in_one_line():
     """64 sequences of 8192 tokens a device through the reference attention (an S x S score matrix a
     head, kept for the backward: ~150 GiB in one block): the compiler runs out of HBM; the run says so
-    in one line, exit 2."""
+    in one line, exit 2, naming the compile effort it ran at."""
     rc, out, err = compile_run(*LONG)
     lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
     assert rc == 2 and len(lines) == 1, err[-3000:]
     assert lines[0].startswith("error: does not fit v5p:2x2x1: the TPU compiler says") and "hbm" in lines[0].lower(), lines
+    assert lines[0].endswith("(at --compile-effort -1, not XLA's default 0)"), lines  # (compile_run's effort, named)
     rc, _, err = run_train(["--compile", "--steps", "1"])  # (without --dry-run it was ignored: a training run)
     assert rc == 2 and err.strip().splitlines() == ["error: --compile, --topology and --compile-effort compile the "
                                                     "step for a TPU without running it: add --dry-run"], err[-2000:]
