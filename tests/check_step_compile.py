@@ -142,7 +142,7 @@ def test_mid_size_state_bytes_are_the_layouts_shards_and_activations_in_band():
     gathered block (two bf16 copies of a block, SimpleFSDP's prefetch) is left out: the GSPMD program
     has no room for it (docs/planning.md). These at XLA's default effort, a run's; the oracle of the
     other tests' --compile-effort -1 is this compile: at -1 the same arguments exactly, the FLOPs within
-    0.1% (measured +0.0002%), the temporaries within 25% (measured -11.5%), in a fifth of the time."""
+    0.1% (measured +0.0002%), the temporaries within 25% (measured -11.5%), in a sixth of the time."""
     args = ModelArgs(**{**FLAVORS["llama3_8b"].__dict__, "n_layers": 1, "vocab_size": 16384})
     r, quick = compiled(*MID, effort=0), compiled(*MID)
     print(f"--compile-effort -1: compile {quick['compile_s']:.1f} s against {r['compile_s']:.1f} s; temporaries "
