@@ -107,9 +107,9 @@ class TrainConfig:
                          "the real TPU compiler (compile-only devices, no chip): HBM, fits, FLOPs, estimated step")
     topology: Optional[str] = flag(None, "with --compile: libtpu's topology name, e.g. v5p:2x2x1 (default: the mesh's "
                                    "device count)")
-    compile_effort: Optional[float] = flag(None, "with --compile: XLA's exec_time_optimization_effort, -1 to 1 (default "
-                                           "0, XLA's): -1 compiles up to ~5x quicker, the same FLOPs and arguments, "
-                                           "temporaries of a less-worked schedule", metavar="E")
+    compile_effort: float = flag(0.0, "with --compile: XLA's exec_time_optimization_effort, -1 to 1 (0: XLA's "
+                                 "default): -1 compiles up to ~5x quicker, the same FLOPs and arguments, temporaries "
+                                 "of a less-worked schedule", metavar="E")
 
 
 CONFIG_CLASSES = {}  # workload name -> its run's config class, TrainConfig_<name> (made by config_class)
@@ -259,7 +259,7 @@ def validate(cfg):
         raise ConfigError(f"--dp-impl {cfg.dp_impl} shards the parameters over --mesh: add --mesh (one device shards nothing)")
     if one_device and cfg.fsdp_passes != "auto":
         raise ConfigError("--fsdp-passes transform SimpleFSDP's collectives: add --mesh (one device has none)")
-    if (cfg.compile or cfg.topology or cfg.compile_effort is not None) and not cfg.dry_run:
+    if (cfg.compile or cfg.topology or cfg.compile_effort) and not cfg.dry_run:
         raise ConfigError("--compile, --topology and --compile-effort compile the step for a TPU without running it: "
                           "add --dry-run")
     # --device auto / tpu is an XLA device only through torch_xla's TPU runtime (device.pick_device; torch_tpu,

@@ -324,15 +324,15 @@ def main(w, cfg):
     if getattr(cfg, "topology", None) and not getattr(cfg, "compile", False):  # (the estimate ignored it: one chip)
         raise ValueError(f"--topology {cfg.topology} names the chips the compile targets: add --compile, or give "
                          f"the estimate's layout with --mesh / --plan --chips")
-    effort = getattr(cfg, "compile_effort", None)
-    if effort is not None and not getattr(cfg, "compile", False):  # (the estimate would ignore it)
+    effort = getattr(cfg, "compile_effort", 0.0)
+    if effort and not getattr(cfg, "compile", False):  # (the estimate would ignore it)
         raise ValueError(f"--compile-effort {effort} is the TPU compiler's: add --compile")
     if cfg.chips and not (laid_out or cfg.plan or getattr(cfg, "compile", False)):
         raise ValueError(f"--chips {cfg.chips} is for --plan (rank its layouts) or --compile (compile the "
                          f"first): add one, or give the layout with --mesh")
     if getattr(cfg, "compile", False):  # (a namespace without the flag: the estimate)
         import tpu_target
-        if effort is not None and not tpu_target.EFFORTS[0] <= effort <= tpu_target.EFFORTS[1]:
+        if not tpu_target.EFFORTS[0] <= effort <= tpu_target.EFFORTS[1]:
             raise ValueError(f"--compile-effort {effort}: XLA's exec_time_optimization_effort is from -1 to 1")
         return compiled_report(w, cfg, compile_dims(w, cfg), cfg.remat)
     if cfg.plan:

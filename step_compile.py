@@ -410,7 +410,7 @@ def main(program, planned, cfg, spec):
                              "model names neither")
         layer_scan.stack_layers(program.model, program.stacks(program.model) if program.stacks else None)
     cores = spec["devices"]  # (a chip's devices: Ironwood's two TensorCores)
-    effort = getattr(cfg, "compile_effort", None) or 0.0  # (None: XLA's default, 0)
+    effort = getattr(cfg, "compile_effort", 0.0)  # (0: XLA's default)
     compiled, _ = compile_step(program, dims, cfg.chip, cfg.topology, planned["remat"] is True, cfg.clip,
                                cfg.dtype, cfg.offload, cores, cfg.grad_accum, effort)
     one_slice = compiled.topology.split(" x ")[-1]
