@@ -65,7 +65,7 @@ KINDS = {"tpu_v5p": TpuKind("v5p", 3, ".venv"),
 MIN_CHIPS = 4
 # XLA's exec_time_optimization_effort (-1 to 1; 0, its default, is what a run's compile uses): how hard
 # its backend passes work for speed, which is most of a compile's time (21 of 25 s on a 4096-wide
-# block). At -1 the same program compiles ~5x quicker: its FLOPs and argument bytes the same, its
+# block). At -1 the same program compiles up to ~6x quicker: its FLOPs and argument bytes the same, its
 # temporaries those of a less-worked schedule (docs/planning.md, "A quicker compile")
 EFFORTS = (-1.0, 1.0)
 
