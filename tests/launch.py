@@ -40,8 +40,11 @@ from errors import EXIT_PEER_FAILED
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 # train imports the core (model, mesh, checkpoint, ...); scikit-learn is the FLUX digits' reader (its import
-# is ~1.2 s of every FLUX child's start, measured). Nothing runs on import; none of ours outside the core.
-PRELOAD = ["torch", "train", "sklearn.datasets", "sklearn.model_selection"]
+# is ~1.2 s of every FLUX child's start, measured). torch._dynamo (and sympy, inductor's config: torch.compile,
+# make_fx's fake tensors, torch_xla's import all need it) is imported by 234 of the suite's 258 children:
+# a 2-step train.py child 1.37 s -> 0.58 s, measured; it starts no thread and reads no variable the suite
+# sets (its config's are TORCHDYNAMO_* / TORCHINDUCTOR_*). Nothing runs on import; none of ours outside the core.
+PRELOAD = ["torch", "train", "torch._dynamo", "sklearn.datasets", "sklearn.model_selection"]
 
 
 def _context():
