@@ -97,9 +97,10 @@ def test_a_fit_is_judged_on_the_compilers_peak_not_on_memory_analysis_sizes_adde
     """memory_analysis's sizes added up (arguments + temporaries + outputs) over-count a scanned step:
     at 671744 and 688128 tokens they exceed v5p's HBM, yet libtpu compiles both; 16384 tokens more and
     it runs out of HBM, its "Used" the peak's line through the first two (measured within 0.01 GiB),
-    not the sums' (measured 5.1 GiB over; at XLA's default effort, 16384 tokens on: 0.01 and 3.3). So Compiled.hbm_bytes is the peak (peak_memory_in_bytes;
-    with no host buffers, which it counts too), and step_compile judges a fit on it. (Mixtral 8x7B
-    on v5p-128: the sum 120.9 GiB, the peak 83.0, a program libtpu compiles: docs/planning.md.)"""
+    not the sums' (measured 5.1 GiB over; at XLA's default effort, 16384 tokens on: 0.01 and 3.3).
+    So Compiled.hbm_bytes is the peak (peak_memory_in_bytes; with no host buffers, which it counts
+    too), and step_compile judges a fit on it. (Mixtral 8x7B on v5p-128: the sum 120.9 GiB, the peak
+    83.0, a program libtpu compiles: docs/planning.md.)"""
     import re
     first, second, third = _scanned_steps("inputs", 671744, 688128, 704512)
     used, capacity = map(float, re.search(r"Used ([\d.]+)G of ([\d.]+)G hbm", third["message"]).groups())
