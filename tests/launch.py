@@ -13,8 +13,9 @@ too), the working directory, `__name__ == "__main__"`, stdout and stderr, atexit
 the exit code of SystemExit / os._exit / a signal (negative, as subprocess reports it): checked against
 a real subprocess by tests/check_launch.py. What it cannot see differently from its server is what a
 library read from the environment while it was imported: torch's intra-op thread count (so it is set
-here where the child's OMP_NUM_THREADS is) and glibc's malloc tunables (the memory test that needs one sets it with
-mallopt). torch_xla and jax are imported by the child, after its environment is set, as in a fresh
+here where the child's OMP_NUM_THREADS is), glibc's malloc tunables (the memory test that needs one sets it with
+mallopt) and torch._dynamo's and inductor's config (TORCHDYNAMO_* / TORCHINDUCTOR_*, which no test sets
+for a child: PRELOAD). torch_xla and jax are imported by the child, after its environment is set, as in a fresh
 process (torch_xla's import changes torch's dynamo settings: it must not be in the server).
 
 `ranks(n, argv)` is torchrun's worker contract without its launcher: RANK, LOCAL_RANK, WORLD_SIZE, ...,
