@@ -26,6 +26,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # (xdist sets it before a worker load
     # against 218-222. (-n 3 with two threads took longer.)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# XLA:CPU's code generation at LLVM's -O0 in every process of the suite (torch_xla's and jax's CPU
+# clients read XLA_FLAGS when they start): the same HLO, the same passes and buffers, its loops
+# compiled unoptimized, and the suite's XLA:CPU programs are small, so their compile is their cost.
+# Measured here: FLUX's 2-device SPMD run 32.7 s -> 15.4 s (48 -> 17 CPU-s), the same losses to the
+# printed digit. The TPU compiler (libtpu, tpu_target.py) is not LLVM's: the same report with it.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
 # tests/' files whose tests take longest together, longest first (docs/verified.md has the measured
 # times); the others follow in xdist's order (most tests first)
 HEAVIEST = ("check_step_compile", "check_parallel", "check_expert_exchange", "check_layer_scan", "check_flux_trainer",
