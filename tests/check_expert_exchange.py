@@ -13,7 +13,7 @@ import torch
 
 from tests import launch
 from tests.check_step_compile import compile_run, compiled
-from tests.common import run_train
+from tests.common import run_train, xla_flags
 
 
 def _moe_block(groups=4):
@@ -251,7 +251,8 @@ def test_the_exchange_under_shard_map_equals_its_global_form_on_four_devices():
     largest value (measured: 0, the same sums in the same order), and the global chain is each row
     times its expert's weight. Before kernels_gmm's fix the experts' gradient was off by 0.30 here."""
     rc, out, err = launch.python(["test_all.py", "child_expert_exchange"],
-                                 env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"})
+                                 env={"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4"),
+                                      "JAX_PLATFORMS": "cpu"})
     assert rc == 0, err[-3000:]
     sizes = json.loads(out.split("sizes")[1])
     assert len(sizes) == 4 and all(s <= 1e-5 for s in sizes), sizes  # (a NaN fails)

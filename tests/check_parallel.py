@@ -17,7 +17,7 @@ import optim
 
 from tests import launch
 from tests.common import (DIST_TINY, HERE, TINY, _main, _near, background, _ranks_equal_one_process, _records, _train_losses,
-                          _trainer, adam_spread, losses, shared_run, run_train, tiny_args, torchrun, start_record)
+                          _trainer, adam_spread, losses, shared_run, run_train, tiny_args, torchrun, start_record, xla_flags)
 
 
 def _dp_args(flavor, corpus):
@@ -347,7 +347,7 @@ def test_spmd_mesh_on_xla_equals_one_cpu_process(mesh, mode, extra, corpus, tmp_
     dump = tmp_path / "hlo"
     child = launch.Child(["test_all.py", "child_spmd_steps", *args, "--out-dir", str(tmp_path / "x"), "--device", "xla",
                           "--mesh", mesh, "--mode", mode],
-                         env={**SPMD_ENV, "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
+                         env={**SPMD_ENV, "XLA_FLAGS": xla_flags(f"--xla_dump_to={dump}", "--xla_dump_hlo_as_text")})
     oracle, norms = _trainer(corpus, tmp_path, *extra), []  # (while the child runs)
     init = {n: p.detach().clone() for n, p in zip(oracle.param_names, oracle.params)}
     want = _train_losses(oracle, steps=8, norms=norms)

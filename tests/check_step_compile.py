@@ -11,7 +11,7 @@ import json
 
 from model import FLAVORS, ModelArgs, Transformer
 from tests import launch
-from tests.common import run_train
+from tests.common import run_train, xla_flags
 
 _RUNS = {}
 # llama3_debug at 2 of its 4 blocks: every figure below is per block or scales with the depth, and the
@@ -375,7 +375,8 @@ def test_each_kernel_under_shard_map_equals_the_unsharded_kernel_on_four_devices
     their largest value, within 1e-5 (measured: at most 1.4e-7, float sums in another order; a
     missing n_d / N or psum is off by a factor of ~1 / 4; a global N of 48 rows for the 46 kept: 4%)."""
     rc, out, err = launch.python(["test_all.py", "child_sharded_kernels"],
-                                 env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"})
+                                 env={"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4"),
+                                      "JAX_PLATFORMS": "cpu"})
     assert rc == 0, err[-3000:]
     sizes = json.loads(out.split("sizes")[1])
     print(sizes)

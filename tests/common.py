@@ -28,6 +28,11 @@ def corpus(tmp_path_factory):
     return str(path)
 
 
+def xla_flags(*flags):
+    """XLA_FLAGS for a child that needs its own: the suite's (conftest.py: XLA:CPU at -O0) and `flags`."""
+    return " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+
+
 def run_train(args, env=None, timeout=300):
     """`python train.py ARGS` in a fresh process (a fork of one that has imported torch: tests/launch.py):
     (returncode, stdout, stderr)."""
