@@ -106,7 +106,7 @@ class TrainConfig:
     compile: bool = flag(False, "with --dry-run: compile the training step for the --chip topology of the mesh with "
                          "the real TPU compiler (compile-only devices, no chip): HBM, fits, FLOPs, estimated step")
     topology: Optional[str] = flag(None, "with --compile: libtpu's topology name, e.g. v5p:2x2x1 (default: the mesh's "
-                                   "device count)")
+                                   "device count); a --mesh ici=N of k times its chips: k slices, FSDP over all of them")
     compile_effort: float = flag(0.0, "with --compile: XLA's exec_time_optimization_effort, -1 to 1 (0: XLA's "
                                  "default): -1 compiles up to ~6x quicker, the same FLOPs and arguments, temporaries "
                                  "of a less-worked schedule", metavar="E")

@@ -253,7 +253,8 @@ def jax_step(gm, out_shardings, unroll=1, offload=False):
 def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtype="fp32", offload=False, cores=1,
                  microbatches=1, effort=0.0):
     """Compile `program`'s training step for `chip`'s topology (one slice's libtpu name, default the
-    mesh's ici x tp x cp chips; dcn > 1: that many slices joined by DCN) on the (dcn, ici, tp | cp) layout `dims`:
+    mesh's ici x tp x cp chips; dcn > 1: that many slices joined by DCN, HSDP; dcn = 1 with a mesh of
+    k times the topology's chips: k slices, FSDP over all of them) on the (dcn, ici, tp | cp) layout `dims`:
     a tpu_target.Compiled, plus the capture seconds.
     `dtype`: capture's; `offload` (--scan): each layer's input in host memory between its
     forward and backward (layer_scan.register_torchax); `cores`: devices a chip (Ironwood's 2);
@@ -273,11 +274,14 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
         raise ValueError("--compile with tp compiles the reference attention and loss (the Pallas kernels run under "
                          "shard_map over the data-parallel devices): drop --kernels pallas")
     name = tpu_target.topology_name(chip, topology or dims["ici"] * tp * cp)  # (one slice's; dcn: that many slices)
-    devices = tpu_target.devices(chip, name, slices=dims["dcn"])
-    if len(devices) != dims["dcn"] * dims["ici"] * tp * cp * cores:
-        raise ValueError(f"{dims['dcn']} x topology {name} has {len(devices) // cores} chips; the mesh has "
-                         f"{dims['dcn'] * dims['ici'] * tp * cp}")
-    label = name if dims["dcn"] == 1 else f"{dims['dcn']} x {name}"
+    slices, chips = dims["dcn"], dims["dcn"] * dims["ici"] * tp * cp
+    per_slice = tpu_target.topology_chips(chip, name)
+    if slices == 1 and chips > per_slice and chips % per_slice == 0:
+        slices = chips // per_slice  # (FSDP over DCN: one ici axis across the slices, MaxText's dcn_fsdp)
+    devices = tpu_target.devices(chip, name, slices=slices)
+    if len(devices) != chips * cores:
+        raise ValueError(f"{slices} x topology {name} has {len(devices) // cores} chips; the mesh has {chips}")
+    label = name if slices == 1 else f"{slices} x {name}"
     start = time.perf_counter()
     if cp > 1:
         program.split_sequence(cp)

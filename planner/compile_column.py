@@ -14,9 +14,10 @@ that input in host memory), and our Pallas kernels for the attention and the los
 fused loss under shard_map: sharded_kernels.py), as the published runs use splash attention. FLUX
 is compiled the same way, its two block stacks scanned (each block's input kept, its forward replayed,
 where FLUX_OPTIMIZED keeps some matmul outputs).
-Several slices (dcn > 1) are compiled as that many slices of the topology, joined by DCN, laid out as
-train.py's HSDP (the weights replicated across slices), where a run published as FSDP over DCN
-holds 1/dcn of them. The compiler's cost model does not see inside a Mosaic kernel,
+Several slices (dcn > 1) are compiled as that many slices of the topology, joined by DCN: a run
+published as FSDP over DCN (MaxText's dcn_fsdp) with one FSDP axis over all their chips (`--topology
+SLICE --mesh ici=ALL`), else as train.py's HSDP (the weights replicated across slices). The compiler's
+cost model does not see inside a Mosaic kernel,
 so its step and MFU are the program outside the kernels' (their FLOPs left out on both sides).
 So the planner's HBM beside it is for that same program (remat "full"); the published layout's own
 planner figures (its remat policy, precision and kernels) are in `dryrun.py --calibrate`.
@@ -66,15 +67,20 @@ def command(run):
                 "--image-size", str(run["image_size"]), "--dry-run", "--compile", "--kernels", "pallas", "--dtype",
                 "bf16", "--scan", "--chip", run["chip"], "--mesh", f"ici={run['ici']}",
                 "--batch-size", str(run["global_batch"])]
+    import tpu_target
     flavor, extra = FLAVOR_OF.get(run["model"], (run["model"], []))
+    # (FSDP over DCN: one ici axis over every slice's chips, the slice named; else dcn slices of HSDP)
+    over_dcn = run["dcn"] > 1 and run.get("dcn_mode") == "fsdp"
+    slice_ = ["--topology", tpu_target.topology_name(run["chip"], run["ici"])] if over_dcn else []
     # (--offload where the run offloads any activation: ours can offload only each layer's input)
     offload = isinstance(run["remat"], dict) and "offload" in run["remat"].values()
     return [sys.executable, os.path.join(ROOT, "train.py"), "--dry-run", "--compile", "--scan", "--kernels", "pallas",
             "--dtype", "bf16", *(["--offload"] if offload else []), "--chip", run["chip"],
             "--flavor", flavor, *extra, "--set", f"max_seq_len={run['seq_len']}",
             *(["--set", f"ep_buffer_factor={run.get('capacity_factor', 0.0)}"] if run.get("ep", 1) > 1 else []),
-            "--mesh", ",".join([*([f"dcn={run['dcn']}"] if run["dcn"] > 1 else []), f"ici={run['ici']}",
-                                *([f"ep={run['ep']}"] if run.get("ep", 1) > 1 else [])]),
+            *slice_, "--mesh", ",".join([*([f"dcn={run['dcn']}"] if run["dcn"] > 1 and not over_dcn else []),
+                                         f"ici={run['ici'] * (run['dcn'] if over_dcn else 1)}",
+                                         *([f"ep={run['ep']}"] if run.get("ep", 1) > 1 else [])]),
             "--batch-size", str(run["global_batch"]), "--seq-len", str(run["seq_len"])]
 
 

@@ -245,7 +245,8 @@ def test_the_compiler_columns_stand_in_flavors_have_the_published_shapes():
     flavor and --set overrides: those give shapes.PLANNER_MODELS' published config (every shape
     field; the rotary table's values aside), so the compiled program has the run's parameters. The
     MoE runs are compiled, Mixtral 8x22B at its published ep=4 and capacity factor (before, skipped:
-    the ep compile took no --scan); a DDP run is skipped, naming it."""
+    the ep compile took no --scan); the two-slice 405B as published, FSDP over DCN (before, as HSDP);
+    a DDP run is skipped, naming it."""
     import dataclasses
     from flags import with_overrides
     from model import FLAVORS, param_counts
@@ -266,6 +267,9 @@ def test_the_compiler_columns_stand_in_flavors_have_the_published_shapes():
     command = compile_column.command(runs["tpu_recipes_mixtral_8x22b_v6e_256"])
     assert command[command.index("--mesh") + 1] == "ici=256,ep=4", command
     assert "ep_buffer_factor=1.25" in command, command  # (its published capacity factor bounds the exchange)
+    command = compile_column.command(runs["tpu_recipes_llama3.1_405b_2x_v6e_256"])  # (published as FSDP over DCN:
+    assert command[command.index("--mesh") + 1] == "ici=512", command              # one FSDP axis over both slices)
+    assert command[command.index("--topology") + 1] == "v6e:16x16", command
     assert "DDP" in compile_column.skip_reason(runs["maxdiffusion_flux_dev_v5p_8"])
 
 
