@@ -22,7 +22,12 @@ of them) the devices combine their pieces with a psum. Per kernel, what each dev
                             each device keeps 1/n of the sum, split on the first dim that n divides
                             (the FSDP shard GSPMD wants, or a reshard away), where a psum would hold
                             the whole sum on every device beside the local dw; a psum where neither
-                            dim divides. The kept part is behind an optimization barrier: libtpu
+                            dim divides. Across slices (devices joined by DCN) the vocabulary is
+                            padded to a multiple of n and split, never the width: there libtpu 0.0.24's
+                            reduce-scatter on the second dim held ~50 GiB more (Llama 3's 128256
+                            tokens over 2 x 256 v6e chips; docs/planning.md), and the padded
+                            rows' part is sliced off, GSPMD resharding the rest to the FSDP shard.
+                            The kept part is behind an optimization barrier: libtpu
                             lowers the reduce-scatter as an all-reduce and a slice, and without it
                             fused the slice into AdamW's update, the whole sum held until then.
                      A device whose rows are all ignored has m_d = 0 / 0: its terms are set to 0.
@@ -65,6 +70,12 @@ def batch_axes():
 def use(mesh):
     """The mesh the kernels are split over, for the next compile (step_compile.compile_step)."""
     _MESH[0] = mesh
+
+
+def spans_slices():
+    """Whether the mesh's devices are more than one slice, joined by DCN (a multi-slice topology's
+    devices carry their slice_index; one slice's, and CPU devices, none)."""
+    return len({getattr(d, "slice_index", None) for d in _MESH[0].devices.flat}) > 1
 
 
 def _sharded(body, in_specs, out_specs):
@@ -136,6 +147,12 @@ def mean_over_rows(call, ignore_index="ignore_index"):
             n = kept(targets, statics)
             dh, dw = vjp(h, w, targets, cotangent * n / jax.lax.psum(n, axes))  # 2.
             return [jnp.where(n > 0, dh, 0), summed(jnp.where(n > 0, dw, 0))]  # 3.
+        pad = -w.shape[0] % math.prod(_MESH[0].shape[a] for a in axes) if spans_slices() else 0
+        if pad:  # (across DCN: the vocabulary padded and split, not the width; step 3 above)
+            summed = lambda dw: jax.lax.optimization_barrier(jax.lax.psum_scatter(  # noqa: E731
+                jnp.pad(dw, [(0, pad), (0, 0)]), axes, scatter_dimension=0, tiled=True))
+            dh, dw = _sharded(body, (rows, whole, rows, whole), [rows, P(axes)])(h, w, targets, cotangent)
+            return [dh, dw[:w.shape[0]]]
         summed, dw_spec = _summed_over_devices(w.shape)
         return _sharded(body, (rows, whole, rows, whole), [rows, dw_spec])(h, w, targets, cotangent)
     return forward, backward

@@ -357,12 +357,17 @@ def child_sharded_kernels():
     # that (302), on its width
     call, statics = jax_op.KERNELS["minititan::fused_linear_cross_entropy"], (-100, 16, 128)
     forward, backward = sharded_kernels.mean_over_rows(call)
-    for vocab in (300, 302):
+    spans_slices = sharded_kernels.spans_slices
+    for vocab, across in ((300, False), (302, False), (302, True)):
+        # (across: the devices taken as two slices joined by DCN, where the vocabulary is padded to a
+        # multiple of the devices and split, not the width; CPU devices name no slice)
+        sharded_kernels.spans_slices = lambda: across  # noqa: B023
         h, w, targets = f32(64, 32), 0.3 * f32(vocab, 32), rng.integers(0, vocab, 64)
         targets[:16], targets[[20, 33]] = -100, -100
-        against(f"loss{vocab}", lambda h, w, t, g: [forward(h, w, t, *statics), *backward(h, w, t, g, *statics)],
+        against(f"loss{vocab}{'-across' if across else ''}", lambda h, w, t, g: [forward(h, w, t, *statics), *backward(h, w, t, g, *statics)],
                 lambda h, w, t: call.jax_fn(h, w, t, **dict(zip(call.statics, statics))),
                 (h, w), (jnp.asarray(targets, jnp.int32),), jnp.float32(0.7))
+    sharded_kernels.spans_slices = spans_slices
     # splash: two packed documents a sequence, one sequence a device
     q, k, v = f32(4, 2, 64, 16), f32(4, 1, 64, 16), f32(4, 1, 64, 16)
     segments = jnp.asarray(np.repeat([[0] * 40 + [1] * 24], 4, 0), jnp.int32)
@@ -388,7 +393,8 @@ def child_sharded_kernels():
 def test_each_kernel_under_shard_map_equals_the_unsharded_kernel_on_four_devices():
     """sharded_kernels.py's three layouts on 4 CPU devices: splash attention split by sequence, the
     fused loss split by rows with its psums (the kept-row weighting, the head's gradient summed, a
-    device whose rows are all ignored, the head's gradient reduce-scattered on either dim), and the
+    device whose rows are all ignored, the head's gradient reduce-scattered on either dim, or across
+    slices on its vocabulary padded to the devices), and the
     grouped matmul split by routing group (the experts' gradient summed): output and
     gradients equal the unsharded kernel's, relative to
     their largest value, within 1e-5 (measured: at most 1.4e-7, float sums in another order; a
@@ -399,7 +405,7 @@ def test_each_kernel_under_shard_map_equals_the_unsharded_kernel_on_four_devices
     assert rc == 0, err[-3000:]
     sizes = json.loads(out.split("sizes")[1])
     print(sizes)
-    assert len(sizes) == 16 and all(s <= 1e-5 for s in sizes.values()), sizes  # (a NaN fails: nan <= x is False)
+    assert len(sizes) == 19 and all(s <= 1e-5 for s in sizes.values()), sizes  # (a NaN fails: nan <= x is False)
 
 
 def test_the_compiles_jax_forms_equal_torchs_ops_on_masked_and_empty_rows():
