@@ -72,6 +72,11 @@ def use(mesh):
     _MESH[0] = mesh
 
 
+def _devices(axes):
+    """How many devices the mesh's `axes` hold together."""
+    return math.prod(_MESH[0].shape[a] for a in axes)
+
+
 def spans_slices():
     """Whether the mesh's devices are more than one slice, joined by DCN (a multi-slice topology's
     devices carry their slice_index; one slice's, and CPU devices, none)."""
@@ -147,7 +152,7 @@ def mean_over_rows(call, ignore_index="ignore_index"):
             n = kept(targets, statics)
             dh, dw = vjp(h, w, targets, cotangent * n / jax.lax.psum(n, axes))  # 2.
             return [jnp.where(n > 0, dh, 0), summed(jnp.where(n > 0, dw, 0))]  # 3.
-        pad = -w.shape[0] % math.prod(_MESH[0].shape[a] for a in axes) if spans_slices() else 0
+        pad = -w.shape[0] % _devices(axes) if spans_slices() else 0
         if pad:  # (across DCN: the vocabulary padded and split, not the width; step 3 above)
             summed = lambda dw: jax.lax.optimization_barrier(jax.lax.psum_scatter(  # noqa: E731
                 jnp.pad(dw, [(0, pad), (0, 0)]), axes, scatter_dimension=0, tiled=True))
@@ -165,7 +170,7 @@ def _summed_over_devices(shape, axes=None, lead=()):
     on every device beside the local part; a psum where no dim divides. `lead`: the out spec of
     dims already split (the experts' dim over ep), never scattered again."""
     axes = axes or batch_axes()
-    devices = math.prod(_MESH[0].shape[a] for a in axes)
+    devices = _devices(axes)
     split = next((d for d in range(len(lead), len(shape)) if shape[d] % devices == 0), None)
     if split is None:
         return (lambda dw: jax.lax.psum(dw, axes)), P(*lead)

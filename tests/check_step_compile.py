@@ -354,7 +354,7 @@ def child_sharded_kernels():
 
     # the loss: 16 rows a device; device 0's rows all ignored, two more elsewhere (its mean is 0 / 0);
     # the head's gradient reduce-scattered on its vocabulary (300 rows) or, where 4 does not divide
-    # that (302), on its width
+    # that (302), on its width; across slices, on its vocabulary padded to 304
     call, statics = jax_op.KERNELS["minititan::fused_linear_cross_entropy"], (-100, 16, 128)
     forward, backward = sharded_kernels.mean_over_rows(call)
     spans_slices = sharded_kernels.spans_slices
@@ -364,7 +364,8 @@ def child_sharded_kernels():
         sharded_kernels.spans_slices = lambda: across  # noqa: B023
         h, w, targets = f32(64, 32), 0.3 * f32(vocab, 32), rng.integers(0, vocab, 64)
         targets[:16], targets[[20, 33]] = -100, -100
-        against(f"loss{vocab}{'-across' if across else ''}", lambda h, w, t, g: [forward(h, w, t, *statics), *backward(h, w, t, g, *statics)],
+        against(f"loss{vocab}{'-across' if across else ''}",
+                lambda h, w, t, g: [forward(h, w, t, *statics), *backward(h, w, t, g, *statics)],
                 lambda h, w, t: call.jax_fn(h, w, t, **dict(zip(call.statics, statics))),
                 (h, w), (jnp.asarray(targets, jnp.int32),), jnp.float32(0.7))
     sharded_kernels.spans_slices = spans_slices
