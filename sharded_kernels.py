@@ -23,10 +23,13 @@ of them) the devices combine their pieces with a psum. Per kernel, what each dev
                             (the FSDP shard GSPMD wants, or a reshard away), where a psum would hold
                             the whole sum on every device beside the local dw; a psum where neither
                             dim divides. Across slices (devices joined by DCN) the vocabulary is
-                            padded to a multiple of n and split, never the width: there libtpu 0.0.24's
-                            reduce-scatter on the second dim held ~50 GiB more (Llama 3's 128256
-                            tokens over 2 x 256 v6e chips; docs/planning.md), and the padded
-                            rows' part is sliced off, GSPMD resharding the rest to the FSDP shard.
+                            padded to a multiple of n and split, never the width, within each slice
+                            first (over ICI) and then across slices (over DCN: 1 / (chips a slice) of
+                            the sum crosses it): one reduce-scatter over all the devices on the
+                            width held ~50 GiB more (libtpu 0.0.24, Llama 3's 128256 tokens over
+                            2 x 256 v6e chips), one on the padded vocabulary ~2 GiB more than the
+                            two (docs/planning.md). The padded rows' part is sliced off, GSPMD
+                            resharding the rest to the FSDP shard.
                             The kept part is behind an optimization barrier: libtpu
                             lowers the reduce-scatter as an all-reduce and a slice, and without it
                             fused the slice into AdamW's update, the whole sum held until then.
@@ -77,14 +80,26 @@ def _devices(axes):
     return math.prod(_MESH[0].shape[a] for a in axes)
 
 
-def spans_slices():
-    """Whether the mesh's devices are more than one slice, joined by DCN (a multi-slice topology's
-    devices carry their slice_index; one slice's, and CPU devices, none)."""
-    return len({getattr(d, "slice_index", None) for d in _MESH[0].devices.flat}) > 1
+def slices():
+    """How many slices, joined by DCN, the mesh's devices are (a multi-slice topology's devices carry
+    their slice_index; one slice's, and CPU devices, none: 1)."""
+    return len({getattr(d, "slice_index", None) for d in _MESH[0].devices.flat})
 
 
-def _sharded(body, in_specs, out_specs):
-    return jax.shard_map(body, mesh=_MESH[0], in_specs=in_specs, out_specs=out_specs, check_vma=False)
+def _by_slice(count):
+    """The mesh's devices, in its order, as (slice, chip): `count` slices of the rest. Rows split over
+    the data-parallel axes land on the same devices split over ("slice", "chip"), the order being
+    slice-major (tpu_target.devices lays slices out one after the other)."""
+    from jax.sharding import Mesh
+    flat = _MESH[0].devices.flat
+    index = [getattr(d, "slice_index", i * count // _MESH[0].devices.size) for i, d in enumerate(flat)]
+    if index != sorted(index):
+        raise ValueError("sharded_kernels: the mesh's devices are not slice by slice")
+    return Mesh(_MESH[0].devices.reshape(count, -1), ("slice", "chip"))
+
+
+def _sharded(body, in_specs, out_specs, mesh=None):
+    return jax.shard_map(body, mesh=mesh or _MESH[0], in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def _split(call, args):
@@ -145,21 +160,24 @@ def mean_over_rows(call, ignore_index="ignore_index"):
     def backward(h, w, targets, cotangent, *static_args):
         statics = chip_blocks(dict(zip(call.statics, static_args)), h, w)
         vjp = functools.partial(jax_op.vjp_fn(call.jax_fn, (True, True, False)), **statics)
-        axes = batch_axes()
+        count = slices()
+        mesh, axes = (_by_slice(count), ("slice", "chip")) if count > 1 else (_MESH[0], batch_axes())
         rows = P(axes)
+        if count > 1:  # (across DCN: the vocabulary padded and split, within each slice first; step 3 above)
+            pad = -w.shape[0] % mesh.size
+            summed = lambda dw: jax.lax.optimization_barrier(jax.lax.psum_scatter(jax.lax.psum_scatter(  # noqa: E731
+                jnp.pad(dw, [(0, pad), (0, 0)]), "chip", scatter_dimension=0, tiled=True),
+                "slice", scatter_dimension=0, tiled=True))
+            dw_spec = P(("chip", "slice"))  # (chip c's block of the vocabulary, its slice s's part of that)
+        else:
+            summed, dw_spec = _summed_over_devices(w.shape)
 
         def body(h, w, targets, cotangent):
             n = kept(targets, statics)
             dh, dw = vjp(h, w, targets, cotangent * n / jax.lax.psum(n, axes))  # 2.
             return [jnp.where(n > 0, dh, 0), summed(jnp.where(n > 0, dw, 0))]  # 3.
-        pad = -w.shape[0] % _devices(axes) if spans_slices() else 0
-        if pad:  # (across DCN: the vocabulary padded and split, not the width; step 3 above)
-            summed = lambda dw: jax.lax.optimization_barrier(jax.lax.psum_scatter(  # noqa: E731
-                jnp.pad(dw, [(0, pad), (0, 0)]), axes, scatter_dimension=0, tiled=True))
-            dh, dw = _sharded(body, (rows, whole, rows, whole), [rows, P(axes)])(h, w, targets, cotangent)
-            return [dh, dw[:w.shape[0]]]
-        summed, dw_spec = _summed_over_devices(w.shape)
-        return _sharded(body, (rows, whole, rows, whole), [rows, dw_spec])(h, w, targets, cotangent)
+        dh, dw = _sharded(body, (rows, whole, rows, whole), [rows, dw_spec], mesh)(h, w, targets, cotangent)
+        return [dh, dw[:w.shape[0]]]
     return forward, backward
 
 

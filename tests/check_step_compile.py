@@ -354,21 +354,22 @@ def child_sharded_kernels():
 
     # the loss: 16 rows a device; device 0's rows all ignored, two more elsewhere (its mean is 0 / 0);
     # the head's gradient reduce-scattered on its vocabulary (300 rows) or, where 4 does not divide
-    # that (302), on its width; across slices, on its vocabulary padded to 304
+    # that (302), on its width; across slices, on its vocabulary padded to 304, within each slice first
     call, statics = jax_op.KERNELS["minititan::fused_linear_cross_entropy"], (-100, 16, 128)
     forward, backward = sharded_kernels.mean_over_rows(call)
-    spans_slices = sharded_kernels.spans_slices
+    slices = sharded_kernels.slices
     for vocab, across in ((300, False), (302, False), (302, True)):
-        # (across: the devices taken as two slices joined by DCN, where the vocabulary is padded to a
-        # multiple of the devices and split, not the width; CPU devices name no slice)
-        sharded_kernels.spans_slices = lambda: across  # noqa: B023
+        # (across: the devices taken as two slices of two joined by DCN, where the vocabulary is padded
+        # to a multiple of the devices and split, not the width, over a slice's devices and then across
+        # the slices; CPU devices name no slice)
+        sharded_kernels.slices = lambda: 2 if across else 1  # noqa: B023
         h, w, targets = f32(64, 32), 0.3 * f32(vocab, 32), rng.integers(0, vocab, 64)
         targets[:16], targets[[20, 33]] = -100, -100
         against(f"loss{vocab}{'-across' if across else ''}",
                 lambda h, w, t, g: [forward(h, w, t, *statics), *backward(h, w, t, g, *statics)],
                 lambda h, w, t: call.jax_fn(h, w, t, **dict(zip(call.statics, statics))),
                 (h, w), (jnp.asarray(targets, jnp.int32),), jnp.float32(0.7))
-    sharded_kernels.spans_slices = spans_slices
+    sharded_kernels.slices = slices
     # splash: two packed documents a sequence, one sequence a device
     q, k, v = f32(4, 2, 64, 16), f32(4, 1, 64, 16), f32(4, 1, 64, 16)
     segments = jnp.asarray(np.repeat([[0] * 40 + [1] * 24], 4, 0), jnp.int32)
@@ -395,11 +396,12 @@ def test_each_kernel_under_shard_map_equals_the_unsharded_kernel_on_four_devices
     """sharded_kernels.py's three layouts on 4 CPU devices: splash attention split by sequence, the
     fused loss split by rows with its psums (the kept-row weighting, the head's gradient summed, a
     device whose rows are all ignored, the head's gradient reduce-scattered on either dim, or across
-    slices on its vocabulary padded to the devices), and the
+    slices on its vocabulary padded to the devices, within each slice first), and the
     grouped matmul split by routing group (the experts' gradient summed): output and
     gradients equal the unsharded kernel's, relative to
     their largest value, within 1e-5 (measured: at most 1.4e-7, float sums in another order; a
-    missing n_d / N or psum is off by a factor of ~1 / 4; a global N of 48 rows for the 46 kept: 4%)."""
+    missing n_d / N or psum is off by a factor of ~1 / 4; a global N of 48 rows for the 46 kept: 4%; the
+    two scatters' blocks taken slice-major, 1.24)."""
     rc, out, err = launch.python(["test_all.py", "child_sharded_kernels"],
                                  env={"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4"),
                                       "JAX_PLATFORMS": "cpu"})
