@@ -228,18 +228,19 @@ def test_context_parallel_step_splits_each_sequence_as_data_parallel_splits_the_
 
 
 def test_gradient_accumulation_compiles_one_microbatch_at_a_time():
-    """--grad-accum 2 at 32 sequences (graph mode's step: the microbatches unrolled, one gradient sum,
-    one update) beside one pass over 16: the oracle is the compiler's own step of one microbatch. The
-    FLOPs are two such steps' within 1% (measured -0.2%: one AdamW, not two); the temporaries are
-    one microbatch's plus its running sum within 25% (measured 1.06x). Without the barrier that ties
-    each microbatch to the previous one's gradients (compile_graph.GradsLikeParams.after_microbatch)
-    XLA scheduled both forwards first: 2.0x, the whole batch's. At XLA's default effort, a run's (at
-    -1 its less-worked schedule holds 1.29x)."""
-    one = compiled(*DEBUG_MODEL, "--seq-len", "256", "--batch-size", "16", effort=0)
-    two = compiled(*DEBUG_MODEL, "--seq-len", "256", "--batch-size", "32", "--grad-accum", "2", effort=0)
-    assert abs(two["flops"] / (2 * one["flops"]) - 1) <= 0.01, (two["flops"], one["flops"])
-    assert two["temp_bytes"] <= 1.25 * one["temp_bytes"], (two["temp_bytes"], one["temp_bytes"])
-    assert two["argument_bytes"] - one["argument_bytes"] == 2 * 4 * 256 * 16 // 4, (two["argument_bytes"], one["argument_bytes"])
+    """--grad-accum 4 at 16 sequences of llama3_debug (graph mode's step: the microbatches unrolled, one
+    gradient sum, one update) beside one pass over 4: the oracle is the compiler's own step of one microbatch. The
+    FLOPs are four such steps' within 1% (measured -0.2%: one AdamW, not four); the peak, what must
+    fit (docs/planning.md), is one microbatch's and its running sum within 25% (measured 1.013x; the
+    16 sequences in one pass 2.2x). Without the barrier that ties each microbatch to the previous one's
+    gradients (compile_graph.GradsLikeParams.after_microbatch) XLA scheduled the forwards together:
+    1.9x. At XLA's default effort, a run's (at -1 the less-worked schedule's peak grows with the count:
+    2.3x at 4 microbatches)."""
+    one = compiled("--flavor", "llama3_debug", "--seq-len", "256", "--batch-size", "4", effort=0)
+    four = compiled("--flavor", "llama3_debug", "--seq-len", "256", "--batch-size", "16", "--grad-accum", "4", effort=0)
+    assert abs(four["flops"] / (4 * one["flops"]) - 1) <= 0.01, (four["flops"], one["flops"])
+    assert four["total_bytes"] <= 1.25 * one["total_bytes"], (four["total_bytes"], one["total_bytes"])
+    assert four["argument_bytes"] - one["argument_bytes"] == 2 * 4 * 256 * 12 // 4, (four["argument_bytes"], one["argument_bytes"])
 
 
 def test_moe_step_compiles_with_each_device_routing_its_own_tokens():
