@@ -97,7 +97,7 @@ def bench_trainer(config, argv):
 
 def _child_train(config, steps, extra="", profile_dir=""):
     """Tokens/s of the bench model for one configuration (see bench_trainer); with `profile_dir`, one
-    more step traced there and its time by category (profiling.py)."""
+    more step traced there and its time by category (run/profiling.py)."""
     import device as dev
     import optim
     trainer, step = bench_trainer(config, ["--steps", str(steps), "--data", _bench_data(), *extra.split()])
@@ -116,7 +116,7 @@ def _child_train(config, steps, extra="", profile_dir=""):
     result = {"mode": config, "tokens_per_s": tokens / med, "tflops": flops / 1e12, "mfu": flops / peak,
               "first_step_s": times[0], "peak_rss_mib": dev.host_peak_rss_bytes() / 2**20}
     if profile_dir:
-        import profiling
+        from run import profiling
         one = lambda: step(*trainer.parallel.place_batch(trainer.task.batch(steps + 1)),  # noqa: E731
                            dev.scalar(optim.lr_at(steps, 1e-3, 5, steps), trainer.device))[0].item()
         result["profile"] = profiling.profile_call(one, profile_dir, "bench", trainer.device)
@@ -288,7 +288,7 @@ def dist_table(repeats, steps, only=None):
 def profile_rows(configs, steps=8):
     """Each speed-table row `configs` names, timed as in the table, then one more step traced
     (bench_results/profile/<row>/): (markdown of its time by category, the rows)."""
-    import profiling
+    from run import profiling
     rows = []
     for c in configs:
         where = os.path.join(HERE, "bench_results", "profile", "_".join(c.replace("--", "").split()) or "plain")

@@ -31,7 +31,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # (xdist sets it before a worker load
 # for byte, in both), its loops compiled unoptimized; the suite's XLA:CPU programs are small, so their
 # compile is their cost.
 # Measured here: FLUX's 2-device SPMD run 32.7 s -> 15.4 s (48 -> 17 CPU-s), the same losses to the
-# printed digit. The TPU compiler (libtpu, tpu_target.py) is not LLVM's: the same report with it.
+# printed digit. The TPU compiler (libtpu, tpu_pod/target.py) is not LLVM's: the same report with it.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 

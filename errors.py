@@ -43,13 +43,13 @@ class WriteFailed(MinititanError, OSError):
 
 
 class ConfigError(BadInput):
-    """A flag or a combination of flags (cli.py, a workload's own flags, a model config)."""
+    """A flag or a combination of flags (run/cli.py, a workload's own flags, a model config)."""
 
 
 class Interrupted(BaseException):
     """SIGTERM (or SIGINT, as KeyboardInterrupt): end like a shell does, 128 + the signal number. Not an
     Exception, so no `except Exception` on the way swallows it; here, so that a layer that must let it
-    through (checkpoint.py) knows it by its class."""
+    through (run/checkpoint.py) knows it by its class."""
 
     def __init__(self, signum):
         super().__init__(signum)

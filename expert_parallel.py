@@ -29,7 +29,7 @@ and come back to be combined with the router weights:
 The experts' gradient on their owner sums the ep ranks' losses; the data-parallel mean counts each
 rank once, so it is scaled by 1/ep (simplefsdp.py places expert weights as Shard(expert) over ep
 and FSDP-shards them over the remaining data-parallel ranks). The step compiled for a TPU pod runs
-this exchange as JAX ops (expert_exchange.py), with the same C and the same rows dropped.
+this exchange as JAX ops (tpu_pod/expert_exchange.py), with the same C and the same rows dropped.
 """
 import math
 

@@ -193,7 +193,7 @@ def bucket_by_block(gm, bucket_of):
 
 
 def reduce_once(gm, n_params):
-    """Gradient accumulation (accum.py, the loop unrolled in the step): a parameter's N reduce-scatters,
+    """Gradient accumulation (step.py, the loop unrolled in the step): a parameter's N reduce-scatters,
     one a microbatch, whose results the step sums, become one reduce-scatter of their summed inputs at
     the last one's place (reduce-scatter is linear: the same sum, rounded once more or less). The cost:
     the unsharded gradient sum lives from the first microbatch's backward to the last, a rank holding

@@ -9,7 +9,7 @@ keys and values go into a cache allocated once at its final size, (B, Hkv, T_max
 the current position with index_copy_ and read whole under a mask `key position <= query position`;
 the position is a tensor. So every decode step has the same shapes and the same program: on XLA it
 compiles once (prefill once more) for a whole generation, instead of once per length.
-A run's text is bytes, or the ids of the tokenizer its checkpoint records (tokenizer.py).
+A run's text is bytes, or the ids of the tokenizer its checkpoint records (interop/tokenizer.py).
 Sampling: greedy (temperature 0), or temperature, then top-k, then top-p (nucleus; Holtzman et al.,
 arXiv 1904.09751), from a seeded generator: same seed, same text.
 """
@@ -19,12 +19,10 @@ import sys
 
 import torch
 
-import checkpoint
+from run import checkpoint
 import device as dev
 from model import KIND
-import tokenizer
-
-
+from interop import tokenizer
 class KVCache:
     """Keys and values of every layer, (B, Hkv, T_max, hd) each, and `pos`, the number of tokens
     already in the cache (a 0-d tensor on the device, so positions never become constants)."""
@@ -149,7 +147,7 @@ def main(argv=None):
             model, meta = checkpoint.load_run(cfg.run, device, kind=KIND)
             tok = tokenizer.for_run(meta)
         else:
-            import hf
+            from interop import hf
             config = hf.read_config(cfg.hf)
             tok = tokenizer.HFTokenizer(cfg.hf, config.get("eos_token_id"))
             model = hf.load(cfg.hf, device)

@@ -20,17 +20,33 @@ import torch
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import accum
 import device as dev
-from errors import BadInput
 import fsdp_passes
 import graph_passes
 import optim
+from errors import BadInput
 from parallel import Parallel
+from step import Microbatches, loss_and_grads
 
 
 class GraphCaptureError(BadInput):
     pass
+
+
+class _TracedBackward:
+    """The backward hook of step.loss_and_grads inside the trace: autograd on the traced leaves, the
+    forward's end marked (the passes read the first marker); between microbatches, the layout's own
+    hand-over (a compiler's ordering barrier)."""
+
+    def __init__(self, parallel):
+        self.parallel = parallel
+
+    @staticmethod
+    def grads(loss, leaves, last):
+        return torch.autograd.grad(graph_passes.forward_end(loss), leaves)
+
+    def after_microbatch(self, grads_sum, micro):
+        return self.parallel.after_microbatch(grads_sum, micro)
 
 
 class _LossOf(nn.Module):
@@ -51,13 +67,14 @@ def build_step_fn(model, names, loss_fn, clip, betas, eps, weight_decay, mask, a
     differentiate)` is the task's. Under a mesh `params` are the local shards: `parallel.like` wraps
     them back into DTensors for the model (whose parameter reads all-gather and whose backward
     reduce-scatters), and the gradient norm and logged loss are reduced across ranks, all inside.
-    `microbatches` (accum.Microbatches, --grad-accum): the loop over them is unrolled into the graph,
+    `microbatches` (step.Microbatches, --grad-accum): the loop over them is unrolled into the graph,
     each microbatch's forward + backward in turn (the passes take the first microbatch's forward as the
     forward: the first forward_end marker), one gradient sum, one update. `param_dtype` (bf16): the
     forward reads the weights cast to it, FSDP2's MixedPrecisionPolicy(param_dtype) over fp32 master
     weights, so its activations (the residual stream too) are bf16; the gradients come back fp32."""
     parallel = parallel or Parallel(None)
-    microbatches = microbatches or accum.Microbatches(1, "mean")
+    microbatches = microbatches or Microbatches(1, "mean")
+    backward = _TracedBackward(parallel)
     buffer_names = [n for n, _ in model.named_buffers()]
     placed_like = list(model.parameters())  # (DTensors under a mesh: their mesh and placements)
     loss_module = _LossOf(loss_fn, model)
@@ -68,12 +85,8 @@ def build_step_fn(model, names, loss_fn, clip, betas, eps, weight_decay, mask, a
             compute = [p.to(param_dtype) for p in leaves] if param_dtype else leaves
             state = {**{f"model.{n}": t for n, t in zip(names, parallel.like(compute, placed_like))},
                      **{f"model.{n}": b for n, b in zip(buffer_names, buffers)}}
-
-            def grads_of(loss, last):  # forward_end marks the forward/backward boundary (the passes read the first)
-                return torch.autograd.grad(graph_passes.forward_end(loss), leaves)
-            reported, grads = accum.loss_and_grads(lambda module, micro: torch.func.functional_call(module, state, micro),
-                                                   loss_module, batch, microbatches, grads_of, autocast,
-                                                   parallel.after_microbatch)
+            traced_loss = lambda module, micro: torch.func.functional_call(module, state, micro)  # (params swapped in)
+            reported, grads = loss_and_grads(traced_loss, loss_module, batch, microbatches, backward, leaves, autocast)
         grads, norm = optim.clip_by_global_norm(list(grads), clip, parallel.global_sq_norm)
         reported = parallel.mean_over_dp(reported)
         new_params, state = optim.adamw(params, grads, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},

@@ -143,7 +143,7 @@ def _result_dtype(f, args):
 
 
 KERNELS = {}  # op name ("minititan::splash") -> its registered call: .op, .vjp_op, .jax_fn, .n_tensors,
-# .statics (step_compile.py lowers each as its JAX function when it compiles the step for a TPU)
+# .statics (tpu_pod/step_compile.py lowers each as its JAX function when it compiles the step for a TPU)
 
 
 def jax_op(name, static=None):

@@ -19,7 +19,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jax_op import jax_op
-from kernels_pallas import NUM_SUBLANES, dot_f32, pad_to, pallas_call_prefetch, round_up, tile
+from kernels_pallas import (INTERPRET_BLOCKS, NUM_LANES, NUM_SUBLANES, TPU_BLOCKS, dot_f32, pad_to, pallas_call_prefetch,
+                            round_up, target_chip, tile)
 
 def group_metadata(group_sizes, m_tiles, block_m):
     """The (row tile, group) pairs the grid visits, in group order, as traceable arrays.
@@ -175,11 +176,18 @@ def gmm_jax(x, w, group_sizes, *, block_m, block_k=0, block_n=0):
     return _gmm_padded(pad_to(x, M_pad, 0), w, group_sizes, block_m, block_k or K, block_n or N)[:M]
 
 
-def gmm(x_MxK, w_GxKxN, group_sizes_G, block_m=128, block_k=0, block_n=0):
-    """PyTorch entry point, same contract as model.gmm_reference."""
+def gmm_tiles(rows, chip=None):
+    """(block_m, block_k, block_n) for `rows` routed rows: the chip's (TPU_BLOCKS), else interpret
+    mode's (0: K / N whole); block_m no larger than the rows, padded to whole sublanes (on a chip to
+    whole lanes too: the weight gradient's kernel contracts over them)."""
+    tm, tk, tn = TPU_BLOCKS[chip]["gmm"] if chip else INTERPRET_BLOCKS["gmm"]
+    return min(tm, round_up(rows, NUM_LANES if chip else NUM_SUBLANES)), tk, tn
+
+
+def gmm(x_MxK, w_GxKxN, group_sizes_G, block_m=None, block_k=None, block_n=None):
+    """PyTorch entry point, same contract as model.gmm_reference; the tiles the chip's (gmm_tiles)."""
     if x_MxK.shape[0] == 0:  # (an expert-parallel rank sent no rows: nothing to tile; w's gradient is zero)
         return x_MxK.new_zeros((0, w_GxKxN.shape[2])) + 0 * w_GxKxN.sum().to(x_MxK.dtype)
-    return gmm_jax(x_MxK, w_GxKxN, group_sizes_G, block_m=min(block_m, round_up(x_MxK.shape[0], NUM_SUBLANES)),
-                   block_k=block_k, block_n=block_n)
-
-
+    tm, tk, tn = gmm_tiles(x_MxK.shape[0], target_chip())
+    return gmm_jax(x_MxK, w_GxKxN, group_sizes_G, block_m=min(block_m or tm, round_up(x_MxK.shape[0], NUM_SUBLANES)),
+                   block_k=tk if block_k is None else block_k, block_n=tn if block_n is None else block_n)

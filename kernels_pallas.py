@@ -10,13 +10,14 @@ targets and the backward's inputs as (1, N) rows.
 
 Each kernel is a JAX function with a jax.custom_vjp (Pallas forward and backward kernels), registered
 as a PyTorch op by jax_op.py and named in model.py's / flux/model.py's tables ("splash", "fused",
-"gmm"). Off a TPU they run in Pallas interpret mode (one switch: INTERPRET), which the suite checks
-against plain PyTorch and JAX's own kernels. For a TPU they lower with Mosaic; tpu_target.py runs
+"gmm"). Off a TPU they run in Pallas interpret mode (one switch: `target_chip`), which the suite checks
+against plain PyTorch and JAX's own kernels. For a TPU they lower with Mosaic; python -m tpu_pod.target runs
 that compiler, the real one (libtpu), on this CPU machine for compile-only TPU devices: forward and
 backward of each kernel at production shapes compile for v5p in the suite (tests/check_tpu_compile.py)
-and for v5p, v6e and Ironwood in `tpu_kernels.py sweep` (docs/measured.md). That verifies lowering,
+and for v5p, v6e and Ironwood in `python -m tpu_pod.kernels sweep` (docs/measured.md). That verifies lowering,
 Mosaic, and the VMEM and HBM fit; not numerics or speed on a chip, where none of them has run.
 """
+import contextlib
 import functools
 
 import jax
@@ -24,26 +25,74 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-import tpu_target
 from jax_op import jax_op
 
-INTERPRET = jax.default_backend() != "tpu"
 NEG_INF = -1e30  # finite: exp(NEG_INF - m) == 0 without inf - inf = nan
 # TPU vector registers are (8 sublanes x 128 lanes) of 32-bit values: a block's last dim should be a
 # multiple of NUM_LANES and its second-to-last of NUM_SUBLANES, or Mosaic pads (or refuses) it.
 NUM_LANES, NUM_SUBLANES = 128, 8
 MiB = 2**20
-# VMEM a TensorCore has, as the TPU compiler states it when a kernel overflows it here ("Used ... of
-# 63.94M vmem" for v5p and for Ironwood, "of 128.00M" for v6e: tpu_target.py), and the scoped
-# VMEM our kernels ask Mosaic for: 3/4 of it (the compiler's own default is 16 MiB on v5p, too little
-# for a cross-entropy tile at hidden 4096); the rest stays for Mosaic's internal scratch.
+# VMEM a TensorCore has, as the TPU compiler states it when a kernel overflows it ("Used ... of
+# 63.94M vmem" for v5p and for Ironwood, "of 128.00M" for v6e), and the scoped VMEM our kernels ask
+# Mosaic for: 3/4 of it (the compiler's own default is 16 MiB on v5p, too little for a cross-entropy
+# tile at hidden 4096); the rest stays for Mosaic's internal scratch.
 VMEM_BYTES = {"tpu_v5p": 64 * MiB, "tpu_v6e": 128 * MiB, "tpu_v7": 64 * MiB}
 VMEM_LIMIT_BYTES = {chip: b * 3 // 4 for chip, b in VMEM_BYTES.items()}
 # Block sizes on a TPU, per chip: splash 512 (MaxText's default sa_block_q / sa_block_kv, configs/
 # base.yml; JAX's own default is 128); gmm (tm, tk, tn) = 512 each (the m / k / n tiles of megablox's
 # tiling, MaxText's default 512 rows); the cross-entropy's (rows, vocab) tile from ce_blocks.
-# Each is compiled for its chip at production shapes by tests/check_tpu_compile.py and the sweep.
 TPU_BLOCKS = {chip: {"splash": 512, "gmm": (512, 512, 512)} for chip in VMEM_BYTES}
+# Off a TPU (interpret mode) the blocks are small, so the suite's shapes span several of them.
+INTERPRET_BLOCKS = {"splash": 128, "gmm": (128, 0, 0), "ce": (256, 512)}  # (gmm's 0: K / N whole)
+
+# ================================================================================================
+# 1. The chip the kernels lower for: the one switch
+#
+# Off a TPU every kernel runs in Pallas interpret mode. On a TPU it lowers with Mosaic for that chip,
+# with the chip's blocks and VMEM limit. Two callers name the chip, and both reach the same choice
+# (`target_chip`, then `tpu_blocks` / `ce_blocks` and VMEM_LIMIT_BYTES): a training step on a TPU,
+# whose chip JAX's own device names (`running_chip`), and the compile harness (tpu_pod/target.py),
+# which compiles for a named chip on a machine without one (`lowering_for`). So the kernels a
+# training step runs are the kernels that were compiled.
+DEVICE_KINDS = {"TPU v5": "tpu_v5p", "TPU v5p": "tpu_v5p", "TPU v6 lite": "tpu_v6e", "TPU v6e": "tpu_v6e",
+                "TPU7x": "tpu_v7", "TPU v7": "tpu_v7"}  # jax's Device.device_kind -> our chip names
+
+
+def chip_of(device_kind):
+    """Our name for the chip whose jax device_kind this is, or None (a chip without tuned blocks)."""
+    return DEVICE_KINDS.get(device_kind)
+
+
+@functools.cache
+def on_tpu():
+    """This process runs on a TPU (asked once, at the first kernel: not at import, where it would start
+    jax's backends before the compile harness chooses them)."""
+    return jax.default_backend() == "tpu"
+
+
+@functools.cache
+def running_chip():
+    """The TPU chip this process runs on, or None (off a TPU, or a chip without tuned blocks)."""
+    return chip_of(jax.devices()[0].device_kind) if on_tpu() else None
+
+
+_COMPILING_FOR = [None]
+
+
+@contextlib.contextmanager
+def lowering_for(chip):
+    """Trace the kernels for `chip` (Mosaic, its VMEM and blocks) whatever this process runs on: the
+    compile harness, compiling for a TPU on a CPU machine. None: as this process would."""
+    _COMPILING_FOR[0] = chip
+    try:
+        yield
+    finally:
+        _COMPILING_FOR[0] = None
+
+
+def target_chip():
+    """The chip the kernels lower for now: the harness's, else the TPU this process runs on, else None."""
+    return _COMPILING_FOR[0] or running_chip()
 
 
 def round_up(x, multiple):
@@ -80,8 +129,8 @@ def pallas_call_prefetch(kernel, *, out_shape, grid, in_specs, out_specs, num_sc
     grid's steps (accumulators). The first `parallel` grid axes are independent (a chip with two
     TensorCores may split them); the others carry state from step to step, in order."""
     semantics = ("parallel",) * parallel + ("arbitrary",) * (len(grid) - parallel)
-    chip = tpu_target.lowering_for_tpu()
-    return pl.pallas_call(kernel, out_shape=out_shape, interpret=INTERPRET and not chip,
+    chip = target_chip()
+    return pl.pallas_call(kernel, out_shape=out_shape, interpret=not chip and not on_tpu(),
                           compiler_params=pltpu.CompilerParams(dimension_semantics=semantics,
                                                                vmem_limit_bytes=VMEM_LIMIT_BYTES.get(chip)),
                           grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -230,8 +279,17 @@ def ce_blocks(chip, hidden, vocab, itemsize=2):
     return bn, (tile(vocab, bv) if vocab % NUM_LANES == 0 else bv)
 
 
-def fused_linear_cross_entropy(h_NxD, w_VxD, targets_N, ignore_index=-100, block_n=256, block_v=512):
-    """PyTorch entry point, same contract as model.plain_cross_entropy."""
-    block_n = min(block_n, round_up(h_NxD.shape[0], NUM_SUBLANES))  # rows: the sublane dim of a logits tile
-    block_v = min(block_v, round_up(w_VxD.shape[0], NUM_LANES))     # vocab: its lane dim
+def ce_tiles(rows, hidden, vocab, itemsize, chip=None, block_n=None, block_v=None):
+    """(block_n, block_v) for a loss of `rows` x `vocab`: given, else the chip's (ce_blocks), else
+    interpret mode's; no larger than the (padded) array."""
+    default = ce_blocks(chip, hidden, vocab, itemsize) if chip else INTERPRET_BLOCKS["ce"]
+    block_n, block_v = block_n or default[0], block_v or default[1]
+    return (min(block_n, round_up(rows, NUM_SUBLANES)),   # rows: the sublane dim of a logits tile
+            min(block_v, round_up(vocab, NUM_LANES)))     # vocab: its lane dim
+
+
+def fused_linear_cross_entropy(h_NxD, w_VxD, targets_N, ignore_index=-100, block_n=None, block_v=None):
+    """PyTorch entry point, same contract as model.plain_cross_entropy; the tiles the chip's."""
+    block_n, block_v = ce_tiles(h_NxD.shape[0], h_NxD.shape[1], w_VxD.shape[0], w_VxD.element_size(),
+                                target_chip(), block_n, block_v)
     return fused_ce_jax(h_NxD, w_VxD, targets_N, ignore_index=ignore_index, block_n=block_n, block_v=block_v)

@@ -31,7 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jax_op import jax_op
-from kernels_pallas import NEG_INF, NUM_LANES, NUM_SUBLANES, dot_f32, pad_to, pallas_call_prefetch, round_up
+from kernels_pallas import (INTERPRET_BLOCKS, NEG_INF, NUM_LANES, NUM_SUBLANES, TPU_BLOCKS, dot_f32, pad_to,
+                            pallas_call_prefetch, round_up, target_chip)
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -277,13 +278,19 @@ def splash_chunk_jax(q, k, v, q_segment_ids, kv_segment_ids, *, q_offset, window
     return out[:, :, :Sq]
 
 
-def splash_attention(q, k, v, window=None, segment_ids=None, block=128, causal=True):
+def splash_block(seq_len, chip=None):
+    """The query / key block for a sequence: the chip's (TPU_BLOCKS), else interpret mode's; no
+    larger than the (padded) sequence."""
+    return min(TPU_BLOCKS[chip]["splash"] if chip else INTERPRET_BLOCKS["splash"], round_up(seq_len, NUM_SUBLANES))
+
+
+def splash_attention(q, k, v, window=None, segment_ids=None, block=None, causal=True):
     """PyTorch entry point, same contract as model.sdpa_attention; causal=False: full attention
-    (every block live; a window is a causal notion and refused)."""
+    (every block live; a window is a causal notion and refused). The block the chip's (splash_block)."""
     if window and not causal:
         raise ValueError("a sliding window is causal: not with causal=False")
     S = q.shape[2]
-    block = min(block, round_up(S, NUM_SUBLANES))
+    block = min(block, round_up(S, NUM_SUBLANES)) if block else splash_block(S, target_chip())
     seg = segment_ids if segment_ids is not None else q.new_zeros(q.shape[0], S, dtype=torch.int32)
     segments = segment_ids is not None or (not causal and S % block != 0)  # (padded keys: segment -1)
     return splash_jax(q, k, v, seg, window=window or 0, block=block, segments=int(segments), causal=int(causal))

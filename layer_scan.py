@@ -31,7 +31,7 @@ and XLA (torch's scan was not evaluated here). On XLA the two ops' kernels build
 instead of Python loops (torch_xla's scan core, torch_xla/experimental/scan.py, without its
 AOTAutograd layer: our backward op is the vjp), so the compiled program, not only the FX graph,
 stays one block long: the same path in eager XLA (autograd calls the backward op) and graph mode.
-Under torchax (the step compiled for a TPU pod, step_compile.py) the two ops are jax.lax.scan over
+Under torchax (the step compiled for a TPU pod, tpu_pod/step_compile.py) the two ops are jax.lax.scan over
 the stacked weights, the body the block's own traced graph (register_torchax).
 Limits: static shapes only (MoE needs the Pallas gmm). Under a SimpleFSDP --mesh the (L, ...)
 weights are sharded after the layer axis and each iteration gathers its own layer (the kernels call
@@ -230,7 +230,7 @@ def _traced(graphs, shape, dtype):
 
 
 def register_torchax(on_jax, unroll=1, offload=False):
-    """The two ops' JAX forms, for torchax (the TPU compile of the step, step_compile.py): each a
+    """The two ops' JAX forms, for torchax (the TPU compile of the step, tpu_pod/step_compile.py): each a
     `jax.lax.scan` over the stacked weights' layer axis, the scan body one block run by torchax from its
     traced aten graph, so the compiled program has one block in a While loop, as on XLA above.
     Forward: the carry is (h, aux), each layer's input stacked as the carries; backward: a reverse

@@ -12,7 +12,7 @@ exactly the weights one process starts from, bit for bit:
                 keeps this process's block of it (`parallel.Parallel.fill`: a DTensor's local shard, an
                 XLA tensor's partition spec) and the whole tensor is dropped before the next one. Peak
                 host memory: this process's shards + the largest single parameter.
-    --init-from the family's `load_pretrained` reads each rank's block from the files (hf.py, flux/hf.py)
+    --init-from the family's `load_pretrained` reads each rank's block from the files (interop/hf.py, flux/hf.py)
     resume      the checkpoint fills the shards (DCP: each rank reads its own)
 
 The values do not depend on how parameters are laid out, so a `--scan` stack (L, ...) is filled from

@@ -33,7 +33,7 @@ def adamw(params, grads, state, step, lr, betas=(0.9, 0.95), eps=1e-8, weight_de
       p <- p * (1 - lr * wd);  m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2
       p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
     """
-    with torch.profiler.record_function("minititan/optimizer"):  # (its range in a trace: profiling.py)
+    with torch.profiler.record_function("minititan/optimizer"):  # (its range in a trace: run/profiling.py)
         b1, b2 = betas
         mask = [True] * len(params) if mask is None else mask
         bias1 = 1 - b1 ** step

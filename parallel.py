@@ -20,7 +20,7 @@ What a layout must answer, and nothing more:
     data parallel; `units` are the model's repeated modules as the trainer gets them from the workload;
     a model on the meta device comes back allocated, each process holding only its own shards) and
     `fill(param, whole)` (this process's block of a whole tensor into `param`: materialize.py);
-  - checkpoints: `checkpoint_shards()` (None: DCP through host copies; or how checkpoint.py writes and
+  - checkpoints: `checkpoint_shards()` (None: DCP through host copies; or how run/checkpoint.py writes and
     reads this layout's state shard by shard on its devices: spmd_checkpoint.DeviceShards);
   - the step: `local(params)` (what the elementwise optimizer updates), `like(shards, params)` (back
     to the parameters' form for checkpoints and the traced step), `place_state`, `place_batch`,
@@ -28,7 +28,7 @@ What a layout must answer, and nothing more:
   - bookkeeping: `param_split` (a device's share of a weight: 1 / param_split), `grad_sum_split` (of
     the gradients' sum over microbatches), `seq_split` (of a sequence's activations), `local_bytes(tensors)`,
     `graph_passes` (the passes graph mode applies by default), `close()`.
-`layout_kind(mesh, device)` is the one decision of which implementation a command line gets: cli.py
+`layout_kind(mesh, device)` is the one decision of which implementation a command line gets: run/cli.py
 validates the flags against it and train.choose_parallel builds it.
 """
 import os
@@ -70,7 +70,7 @@ def local_block(full, like):
 
 def local_box(like):
     """[(start, stop)] per dim of the block of a whole tensor that this rank holds for parameter `like`
-    (all of it for a plain tensor): what a reader that reads only a block from disk (hf.py) needs. No
+    (all of it for a plain tensor): what a reader that reads only a block from disk (interop/hf.py) needs. No
     public API gives a DTensor's offset, so this is the one place that asks torch's own helper."""
     from torch.distributed.tensor import DTensor
     if not isinstance(like, DTensor):
@@ -113,7 +113,7 @@ class Parallel:
 
     @staticmethod
     def checkpoint_shards():
-        """None: checkpoint.py copies the state to the host and DCP writes each process's shards."""
+        """None: run/checkpoint.py copies the state to the host and DCP writes each process's shards."""
         return None
 
     @staticmethod
@@ -139,13 +139,13 @@ class Parallel:
 
     def grads(self, loss, params, last=True):
         """d loss / d params, this process's part, reduced over the ranks that share it. `last`: False
-        for a step's microbatches before its last (--grad-accum, accum.loss_and_grads): a layout that
+        for a step's microbatches before its last (--grad-accum, step.loss_and_grads): a layout that
         keeps the running sum itself, to reduce it once at the last, returns None for them."""
         return list(torch.autograd.grad(loss, params))
 
     @staticmethod
     def after_microbatch(grads_sum, micro):
-        """The next microbatch (--grad-accum, accum.loss_and_grads), given the gradients' running sum
+        """The next microbatch (--grad-accum, step.loss_and_grads), given the gradients' running sum
         so far: as it is, where the microbatches run in turn (eager; one graph's ops run in the traced
         order). A compiler that schedules one graph freely ties the two (compile_graph.GradsLikeParams)."""
         return micro

@@ -44,7 +44,7 @@ def partition_spec(shape, ici, stacked=False, cp=1, inner="cp"):
     does not. A --scan weight (L, out, in) is never split on the layer axis (as scanned JAX models shard
     their weights): each layer's slice is then itself sharded, and XLA gathers one layer inside the
     While body, not the whole stack before it. (Also the shardings of the step compiled for a TPU
-    topology: step_compile.py, where `inner` names ep's axis: ep borrows data-parallel devices too.)"""
+    topology: tpu_pod/step_compile.py, where `inner` names ep's axis: ep borrows data-parallel devices too.)"""
     dims = range(1 if stacked else 0, len(shape))
     dim = next((d for d in dims if shape[d] % (ici * cp) == 0), dims[0])
     axes = ("ici", inner) if cp > 1 else "ici"
@@ -124,7 +124,7 @@ class XlaSpmd(Parallel):
     def place_batch(self, batch):
         """The global batch split over every data-parallel device (dcn x ici), the rest whole; under cp
         each sequence in head-tail order, split over cp."""
-        if self.sequence is not None:  # (cli.py: a language model's (inputs, targets))
+        if self.sequence is not None:  # (run/cli.py: a language model's (inputs, targets))
             batch = tuple(self.sequence.split(t) for t in batch)
         batch = tuple(t.to(self.device) for t in batch)
         for t in batch:

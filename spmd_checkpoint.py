@@ -54,7 +54,7 @@ def distinct_shards(t):
 class DeviceShards:
     """What checkpoint.save / load_into need from XLA SPMD: the two planners below, and `place(state)`,
     which gives every tensor of the trainer's state keyed by a parameter's name (the weights, AdamW's
-    moments) that parameter's partition spec. checkpoint.py places the state before a save (an in-place
+    moments) that parameter's partition spec. run/checkpoint.py places the state before a save (an in-place
     update can leave a tensor without its spec) and before and after a load (a copy from the host
     leaves a tensor replicated)."""
 

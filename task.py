@@ -31,21 +31,21 @@ model, parallelize function and loss beside the shared trainer):
                                 (context_parallel.py; the LM family's; others refuse)
     kind                        what its models are, in words (a run of another kind is refused by name)
     resume_settings             config fields no weight depends on (ep's buffer factor): a checkpoint
-                                records them as training settings, which a resume may change (resume.py)
+                                records them as training settings, which a resume may change (run/resume.py)
 
   Workload: the data, the loss and what a run of it does besides the loop
     name, default_flavor        registered in WORKLOADS below; `Flags`: a dataclass of its own flags
-                                (cli.py shows them as the workload's group; another's are refused);
+                                (run/cli.py shows them as the workload's group; another's are refused);
     family_class                its ModelFamily's class (for checks before it is built)
     resume_policy               what a resume may change, the one form: each meta() key -> True (with
                                 --allow-change KEY), why not (a clause), or f(saved, now) -> None or why;
-                                a key it does not name cannot change (resume.py reads it)
+                                a key it does not name cannot change (run/resume.py reads it)
     check_flags(cfg)            its own validation (classmethod; ConfigError: one line, exit 2)
     splits_sequences            True if its loss is a mean over the batch's tokens, as many per rank when
                                 a sequence is split over cp ranks (so cp ranks' mean is the whole's)
     global_rows(cfg)            (rows of one global batch, as its flags name them): what must split evenly
-                                over the data-parallel ranks (classmethod; cli.py checks it before a rank starts)
-    loss_reduction(cfg)         how its loss over a batch splits into microbatches (--grad-accum, accum.py):
+                                over the data-parallel ranks (classmethod; run/cli.py checks it before a rank starts)
+    loss_reduction(cfg)         how its loss over a batch splits into microbatches (--grad-accum, step.py):
                                 "mean" (a mean over rows of equal counts), "sum" (divided by a whole-batch
                                 count carried in the batch), or None: it refuses --grad-accum (classmethod)
     family                      its ModelFamily, whole when the workload is (GRPO and SFT use the LM
@@ -72,7 +72,7 @@ import importlib
 import torch
 
 WORKLOADS = {  # --task NAME -> "module:Class"
-    "lm": "lm_task:Pretraining",
+    "lm": "workloads.lm:Pretraining",
     "flux": "flux.task:FluxDigits",
     "sft": "rl.sft_task:SFTArithmetic",
     "grpo": "rl.grpo_task:GRPOArithmetic",
@@ -117,7 +117,7 @@ class ModelFamily:
 
     def split_sequence(self, model, sequence):
         """Context parallelism: give the model `sequence` (context_parallel.ContextParallel), so that each
-        process runs its chunks of every sequence. Families that cannot (most) are refused by cli.py."""
+        process runs its chunks of every sequence. Families that cannot (most) are refused by run/cli.py."""
         raise NotImplementedError(f"{self.kind} does not split sequences")
 
     def blocks(self, model):
@@ -170,8 +170,8 @@ class Workload:
     """A kind of training (see the module docstring); subclasses implement what raises here."""
     name = default_flavor = None
     Flags = NoFlags
-    splits_sequences = False  # (--mesh cp=C: refused by cli.py unless True)
-    sequence_from = None        # what fixes a row's length where --seq-len does not (cli.py refuses the flag)
+    splits_sequences = False  # (--mesh cp=C: refused by run/cli.py unless True)
+    sequence_from = None        # what fixes a row's length where --seq-len does not (run/cli.py refuses the flag)
     family_class = ModelFamily  # the kind of model it trains (for checks before it is built)
     resume_policy = {}          # meta() key -> True (--allow-change KEY), why it cannot change, or f(saved, now)
     unit = "samples"            # what units_per_step counts
@@ -196,7 +196,7 @@ class Workload:
 
     @classmethod
     def loss_reduction(cls, cfg):
-        """"mean", "sum" or None (accum.py): undeclared, a workload refuses --grad-accum rather than guess."""
+        """"mean", "sum" or None (step.py): undeclared, a workload refuses --grad-accum rather than guess."""
         return None
 
     @property

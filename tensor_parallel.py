@@ -113,7 +113,7 @@ def split_dims(model):
     """{parameter name: the dim tp splits it on}, read from the same plans parallelize applies (a name
     not there is replicated over tp): a column-wise Linear's output rows (dim 0), a row-wise one's input
     columns (dim 1), the embedding's vocabulary rows. The compiled step gives these to GSPMD as each
-    weight's tp axis (step_compile.py), which then splits the activations as the styles' hooks do here."""
+    weight's tp axis (tpu_pod/step_compile.py), which then splits the activations as the styles' hooks do here."""
     plans = [("", top_plan(model))] + [(f"layers.{i}.", block_plan(model.args.qk_norm)) for i in range(len(model.layers))]
     dims = {}
     for prefix, plan in plans:

@@ -7,7 +7,7 @@ task.WORKLOADS by --task) on every parallel layout (parallel.py, chosen by paral
 
 `--mode` is the optimization ladder: eager (plain loop) -> compile (each block torch.compile'd) ->
 graph (the whole step, optimizer included, as one traced graph: graph_trainer.py). A failure ends in
-one line and the exit code of its kind (process.py; the table: errors.py); the last good checkpoint always stays.
+one line and the exit code of its kind (run/process.py; the table: errors.py); the last good checkpoint always stays.
 """
 import contextlib
 import math
@@ -17,21 +17,19 @@ import time
 
 import torch
 
-import accum
-import checkpoint
 import device as dev
 import fsdp_passes
 import graph_trainer
 import materialize
 import mesh
 import optim
-import process
-import profiling
-import resume
-import rundir
-from cli import parse_config
+import spmd
 from errors import EXIT_NONFINITE, ConfigError
 from parallel import Parallel, layout_kind
+from planner import dryrun
+from run import checkpoint, process, profiling, resume, rundir
+from run.cli import parse_config
+from step import Microbatches, train_step
 from task import workload_class
 
 
@@ -50,7 +48,6 @@ def choose_parallel(cfg):
     XLA device), a torchrun mesh, or one device."""
     kind = layout_kind(cfg.mesh, cfg.device)
     if kind == "spmd":
-        import spmd
         return spmd.XlaSpmd(cfg.mesh)
     if kind == "torchrun":
         return mesh.TorchrunMesh.from_cli(cfg.mesh, cfg.device, cfg.dp_impl,
@@ -65,12 +62,12 @@ class Trainer:
     def __init__(self, cfg, parallel=None, task=None):
         self.cfg, self.parallel = cfg, parallel or choose_parallel(cfg)
         self.device = self.parallel.device
-        dp = self.parallel.dp_size  # (--batch-size divides over it: cli.py's checks)
+        dp = self.parallel.dp_size  # (--batch-size divides over it: run/cli.py's checks)
         self.out_dir = cfg.out_dir or os.path.join("runs", f"{cfg.flavor}-{time.strftime('%Y%m%d-%H%M%S')}")
         rundir.check_writable(self.out_dir, ("checkpoints",) + (("profile",) if cfg.profile else ()))
         self.task = task or make_workload(cfg)
         self.family = self.task.family
-        self.microbatches = accum.Microbatches(cfg.grad_accum, self.task.loss_reduction(cfg) or "mean")
+        self.microbatches = Microbatches(cfg.grad_accum, self.task.loss_reduction(cfg) or "mean")
         self.model_args = self.parallel.model_args(self.task.args, self.family)
         self.check_memory()  # (before the data is prepared: a batch too large is refused at once)
         self.task.setup_data(self.parallel.dp_rank, dp)
@@ -143,13 +140,10 @@ class Trainer:
         return self.eager_step
 
     def eager_step(self, *batch_and_lr):
-        *batch, lr = batch_and_lr  # (--grad-accum N: N microbatches' gradients summed, accum.py)
-        reported, grads = accum.loss_and_grads(self.task.loss, self.model, batch, self.microbatches,
-                                               lambda loss, last: self.parallel.grads(loss, self.params, last), self.autocast)
-        grads, norm = optim.clip_by_global_norm(grads, self.cfg.clip, self.parallel.global_sq_norm)
-        step = dev.scalar(self.opt.step_count + 1, self.device) if dev.is_xla(self.device) else None
-        self.opt.step(grads, lr, self.parallel.local(self.params), step)
-        return self.parallel.mean_over_dp(reported), norm
+        """The step, as step.py writes it: forward, loss, backward, clipping, AdamW."""
+        *batch, lr = batch_and_lr
+        return train_step(self.model, self.task.loss, batch, lr, self.opt, self.parallel, self.params,
+                               self.microbatches, self.cfg.clip, self.autocast)
 
     @torch.no_grad()
     def evaluate(self):
@@ -330,14 +324,14 @@ class Trainer:
 
 # ------------------------------------------------------------------------------------------------
 def main(argv=None):
-    """A run from its command line: exit code 0, or one line and the code of its kind (process.py)."""
+    """A run from its command line: exit code 0, or one line and the code of its kind (run/process.py)."""
     return process.run(_run, argv)
 
 
 def _run(argv, at):
     cfg = parse_config(argv)
     if cfg.dry_run:
-        import dryrun
+        from planner import dryrun
         workload = make_workload(cfg)
         try:
             plan = workload.family.plan(workload.args, cfg)

@@ -7,7 +7,7 @@ Read in this order (each file imports only those above it, and the core at the r
                  latent packing; flux_dev / flux_schnell (11.9B) and flux_debug; torchtitan's FLOP formula
     sample.py    the rectified flow (x_t = (1 - t) x0 + t eps, target eps - x0), timestep samplers, seeded
                  Euler sampling with classifier-free guidance; text to image through a FLUX directory's parts
-    hf.py        diffusers FluxTransformer2DModel directories in and out
+    interop/hf.py        diffusers FluxTransformer2DModel directories in and out
     latents.py   the data FLUX trains on at scale: VAE latents + T5 / CLIP outputs cached in a file
     pipeline.py  FLUX's frozen parts from a diffusers FLUX directory (VAE, CLIP, T5): encode, decode
     prepare.py   captioned images -> that latent file (`python -m flux.prepare`), batched, resumable

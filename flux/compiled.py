@@ -5,7 +5,7 @@
         --dry-run --compile --chip tpu_v5p --mesh ici=4 --against-jax
 
 TorchTitan's FLUX headline is "99% of JAX MaxDiffusion". On a chip that is a measured step; here the
-TPU compiler can price both programs for the same pod: our step (step_compile.py: ConditionedFlux's
+TPU compiler can price both programs for the same pod: our step (tpu_pod/step_compile.py: ConditionedFlux's
 forward, the flow-matching loss, backward, clipping, AdamW, captured as one graph and run by torchax)
 and flux/jax_step.py's (the same step written in jax.numpy, one jit), on the same compile-only
 devices, with the same shardings (each parameter and AdamW moment split by
@@ -28,7 +28,7 @@ def program(model, loss, args, S, T, batch_size, kernels, saved_bytes, twin=Fals
     t, conditioning) as the trainer feeds it, fp32 latents of S tokens. The digits' 4-channel tokens take a class (its learned
     prompt); VAE latents take T text tokens and the pooled vector. `twin`: with the pure-JAX step to
     compile beside it."""
-    import step_compile
+    from tpu_pod import step_compile
     classes = args.in_channels == 4
     if twin and not classes:
         raise ValueError("--against-jax: the pure-JAX step trains the digits' class prompts; compile 4-channel tokens "
@@ -50,7 +50,7 @@ def jax_twin(model, args, S, B):
         import jax
         import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec
-        import step_compile
+        from tpu_pod import step_compile
         from flux import jax_step
         struct = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
         params = {n: struct(p.shape, jnp.float32, step_compile.param_sharding(mesh, p.shape))

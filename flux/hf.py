@@ -42,7 +42,7 @@ class FluxHFError(BadInput):
 # ------------------------------------------------------------------------------------------------
 # config.json <-> FluxArgs
 
-# config.json's fields flux/model.py reads: (JSON type(s), diffusers' default); typed as hf.py types a
+# config.json's fields flux/model.py reads: (JSON type(s), diffusers' default); typed as interop/hf.py types a
 # language model's ("false" is not a bool, 2.9 not a layer count: refused, never coerced)
 CONFIG_FIELDS = {"patch_size": (int, 1), "in_channels": (int, 64), "out_channels": ((int, None), None),
                  "num_layers": (int, 19), "num_single_layers": (int, 38), "attention_head_dim": (int, 128),
@@ -52,7 +52,7 @@ CONFIG_FIELDS = {"patch_size": (int, 1), "in_channels": (int, 64), "out_channels
 
 
 def args_from_config(cfg):
-    import hf
+    from interop import hf
     if not isinstance(cfg, dict):
         raise FluxHFError(f"config.json must be a JSON object, got {type(cfg).__name__}")
     if cfg.get("_class_name") != "FluxTransformer2DModel":
@@ -274,7 +274,7 @@ def main(argv=None):
     """python -m flux.hf export RUN_DIR OUT_DIR: a FLUX run's transformer as a diffusers FluxTransformer2DModel
     directory (e.g. a FLUX pipeline's transformer/, in a copy of the pipeline: FluxPipeline loads it)."""
     import sys
-    import checkpoint
+    from run import checkpoint
     from flux.model import KIND
     if not argv or argv[0] != "export" or len(argv) != 3:
         sys.stderr.write(f"usage: {main.__doc__.splitlines()[0]}\n")

@@ -206,7 +206,7 @@ def main(argv=None):
     by the run (or without RUN_DIR by FLUX_DIR's own transformer), decoded into --out."""
     import argparse
     import sys
-    import checkpoint
+    from run import checkpoint
     from errors import BadInput, WriteFailed, describe_write_failure, error_line
     p = argparse.ArgumentParser(description=main.__doc__.split(":")[0])
     p.add_argument("run_dir", nargs="?")

@@ -27,7 +27,7 @@ is FLUX's own, after torchtitan's `models/flux` (its train.py / validate.py):
     latents' first channel; `python -m flux.sample RUN --flux FLUX_DIR --data FILE` decodes them through
     the directory's VAE (flux/pipeline.py).
 
-The dry run (`--dry-run [--plan --chips N]`, dryrun.py) plans the published flavors at full scale
+The dry run (`--dry-run [--plan --chips N]`, planner/dryrun.py) plans the published flavors at full scale
 through `plan_workload`: FLUX itself on cached VAE latents and T5 / CLIP outputs (the frozen encoders
 run ahead of training, as the MLPerf reference caches them), an --image-size image, e.g.
 
@@ -50,8 +50,8 @@ from flux import latents as flux_latents
 from flux import sample as flux_sample
 from flux.sample import GUIDANCE, sample_grid
 import materialize
-from checkpoint import CheckpointError
-from flags import flag, with_overrides
+from run.checkpoint import CheckpointError
+from run.flags import flag, with_overrides
 from errors import ConfigError
 from parallel import local_block, local_tensor
 from task import ModelFamily, Workload
@@ -240,7 +240,7 @@ class FluxDigits(Workload):
     name, default_flavor, Flags, unit = "flux", "flux_debug", FluxFlags, "img"
     family_class = FluxFamily
     sequence_from = "its image's latent tokens (--image-size)"
-    loss_reduction = classmethod(lambda cls, cfg: "mean")  # (the MSE over rows of one latent size: accum.py)
+    loss_reduction = classmethod(lambda cls, cfg: "mean")  # (the MSE over rows of one latent size: step.py)
     resume_policy = {"data": lambda saved, now: None if (saved is None) == (now is None) else (  # (None: the digits)
         "the data source (the digits or a --data latent file) fixes the model's conditioning weights: resume "
         "with the run's --data"),  # another latent file may replace one (--allow-change data); digits <-> a file may not
@@ -376,7 +376,7 @@ def plan_workload(args, cfg):
     meta at one double and one single block, then one more of each, extrapolated to the depths.
     All of it is data parallel (no tp / ep); FSDP gathers one block at a time, the double one
     the larger."""
-    import dryrun
+    from planner import dryrun
     from flux import compiled as flux_compiled
     from planner import activations
     from flux.shape import flux_shape

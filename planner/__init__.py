@@ -1,4 +1,4 @@
-"""planner/: what dryrun.py predicts a full-scale TPU step from, and how that was checked. Nothing here
+"""planner/: what planner/dryrun.py predicts a full-scale TPU step from, and how that was checked. Nothing here
 has a TPU: every number is the planner's, calibrated against published runs.
 
 Read in this order:
@@ -15,7 +15,7 @@ Read in this order:
                       host offload, a host overhead; the host memory a process needs; `fits`, the one verdict
     report.py         the dry run's printed report of one layout and --plan's table
     calibrate.py      calibration.json's published runs predicted and compared; the fit of the free
-                      constants, leave-one-out and the held-out runs (`python dryrun.py --calibrate`)
+                      constants, leave-one-out and the held-out runs (`python -m planner.dryrun --calibrate`)
     anchor.py         this CPU as the chip: predicted against the measured default step (`python -m planner.anchor`)
-    compile_column.py the calibration table's compiler column (`python dryrun.py --calibrate --compile`)
+    compile_column.py the calibration table's compiler column (`python -m planner.dryrun --calibrate --compile`)
 """

@@ -7,7 +7,7 @@ so the non-matmul bytes are counted on the step as it runs (EagerBytes), not tak
 fused table.
 
     python -m planner.anchor [--flux]   # measure rates and the step; print predicted / measured (--flux: FLUX too)
-    python -m planner.anchor --profile  # also each term beside a traced step's category (profiling.py),
+    python -m planner.anchor --profile  # also each term beside a traced step's category (run/profiling.py),
                                         # drawn into ./<flavor>_profile.png
 
 Everything is measured in one process, one after the other, because the machine is shared and noisy:
@@ -309,8 +309,8 @@ def measure(cfg, steps=12, profile=False):
     with counter:   # one more step, counted (not timed)
         run(steps + 1)
     wall, secs, counts, top = step_profile(lambda: run(steps + 2))
-    if profile:   # three more steps traced, each into a file, broken down by category (profiling.py):
-        import profiling  # the fastest, the least disturbed by the other jobs on this machine
+    if profile:   # three more steps traced, each into a file, broken down by category (run/profiling.py):
+        from run import profiling  # the fastest, the least disturbed by the other jobs on this machine
         breakdown = min((profiling.profile_call(lambda: run(steps + 3 + i), trainer.out_dir, f"{cfg['flavor']}{i}")
                          for i in range(3)), key=lambda r: r["measured_s"])
     opt_bytes = optimizer_bytes(trainer)
@@ -341,7 +341,7 @@ def beside(name, pred, report, step_s, chart_path=None):
     to `step_s` (the median untraced step: the trace gives the shares, the clock the step; a traced
     step on this shared machine runs 1-2x the median): ms each, the ratio, and whether a term that is
     >= 10% of the step lands within +-30% (the goal); optionally the chart of both."""
-    import profiling
+    from run import profiling
     want = predicted_by_category(pred)
     scale = step_s / report["traced_s"]
     got = {k: v * scale for k, v in report["category_s"].items()}

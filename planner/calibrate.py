@@ -1,5 +1,5 @@
 """calibrate.py: the planner against published TPU runs (calibration.json), and the fit of its few
-free constants. `python dryrun.py --calibrate` prints, for every run, the predicted and the published
+free constants. `python -m planner.dryrun --calibrate` prints, for every run, the predicted and the published
 step, their ratio and whether the published layout is predicted to fit; then the fitted constants.
 
 The free constants are two a chip generation (chips.FITTED): the dense matmul efficiency and the MoE
@@ -60,7 +60,7 @@ def family_shape(task_name, flags):
     """The Shape a model family describes itself by (ModelFamily.plan(args, cfg).shape) for the command
     line `--task task_name --dry-run *flags`: reached through task.WORKLOADS, so planner/ imports no
     workload. (Nothing is traced: the Workload's activation bytes are traced only when asked for.)"""
-    import cli
+    from run import cli
     import task as task_lib
     cfg = cli.parse_config(["--task", task_name, "--dry-run", *flags])
     w = task_lib.workload_class(task_name)(cfg)

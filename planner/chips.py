@@ -4,7 +4,7 @@ Two kinds of constants. Published ones (peak bf16 FLOP/s, HBM bytes and bandwidt
 bandwidth, torus shape, host memory) come from the vendors' pages cited beside each. Assumed ones
 (host-link bandwidth, DCN where no per-chip figure is published, collective latency, H100's host)
 are marked "assumed". The achievable fractions of peak (`matmul_efficiency`, `moe_efficiency`) are not
-published anywhere: they are the few free constants `python dryrun.py --calibrate` fits on the
+published anywhere: they are the few free constants `python -m planner.dryrun --calibrate` fits on the
 published runs in calibration.json (calibrate.py), recorded here as `FITTED` so the planner uses the
 same numbers everywhere. A chip without a fitted value uses `DEFAULT_EFFICIENCY` (said in the report).
 
@@ -90,7 +90,7 @@ def matmul_peak(chip, matmul):
 
 
 # Achievable fraction of peak for large, tile-aligned dense matmuls and for the MoE experts' grouped
-# (or capacity-padded) matmuls: fitted by `python dryrun.py --calibrate` (calibrate.fit) on the
+# (or capacity-padded) matmuls: fitted by `python -m planner.dryrun --calibrate` (calibrate.fit) on the
 # runs marked "fit" in calibration.json; a chip with no fitted run uses DEFAULT_EFFICIENCY.
 FITTED = {
     "tpu_v5p": {"matmul_efficiency": 0.84, "moe_efficiency": 0.695},   # (moe: one run, Mixtral 8x7B)

@@ -1,4 +1,4 @@
-"""compile_column.py: the calibration table's compiler column. `python dryrun.py --calibrate --compile
+"""compile_column.py: the calibration table's compiler column. `python -m planner.dryrun --calibrate --compile
 [RUN_ID ...]` compiles each published run of calibration.json that a family here can express, at its
 published layout, global batch and sequence, for its chip's pod topology, with the real TPU compiler
 (`train.py --dry-run --compile --scan --kernels pallas --dtype bf16`, one child process a run, one at a
@@ -11,7 +11,7 @@ published runs keep them), the blocks under --scan (each layer's input kept, its
 the backward: MaxText's "full" remat; with --offload, where the run offloads an activation (theirs
 `decoder_layer_input`, or others such as `context` and `mlpwo`: ours offloads only the layer input),
 that input in host memory), and our Pallas kernels for the attention and the loss (splash and the
-fused loss under shard_map: sharded_kernels.py), as the published runs use splash attention. FLUX
+fused loss under shard_map: tpu_pod/sharded_kernels.py), as the published runs use splash attention. FLUX
 is compiled the same way, its two block stacks scanned (each block's input kept, its forward replayed,
 where FLUX_OPTIMIZED keeps some matmul outputs).
 Several slices (dcn > 1) are compiled as that many slices of the topology, joined by DCN: a run
@@ -20,7 +20,7 @@ SLICE --mesh ici=ALL`), else as train.py's HSDP (the weights replicated across s
 cost model does not see inside a Mosaic kernel,
 so its step and MFU are the program outside the kernels' (their FLOPs left out on both sides).
 So the planner's HBM beside it is for that same program (remat "full"); the published layout's own
-planner figures (its remat policy, precision and kernels) are in `dryrun.py --calibrate`.
+planner figures (its remat policy, precision and kernels) are in `python -m planner.dryrun --calibrate`.
 An MoE's experts are our grouped-matmul kernel (one routing group a device: step_compile.lm_program),
 whatever the run's dispatch (MaxText's capacity-padded "dropped" einsums included): dropless, but
 under ep a run's published capacity factor bounds the exchange's buffers (ep_buffer_factor: each
@@ -67,7 +67,7 @@ def command(run):
                 "--image-size", str(run["image_size"]), "--dry-run", "--compile", "--kernels", "pallas", "--dtype",
                 "bf16", "--scan", "--chip", run["chip"], "--mesh", f"ici={run['ici']}",
                 "--batch-size", str(run["global_batch"])]
-    import tpu_target
+    from tpu_pod import target as tpu_target
     flavor, extra = FLAVOR_OF.get(run["model"], (run["model"], []))
     # (FSDP over DCN: one ici axis over every slice's chips, the slice named; else dcn slices of HSDP)
     over_dcn = run["dcn"] > 1 and run.get("dcn_mode") == "fsdp"
@@ -86,7 +86,7 @@ def command(run):
 
 def compile_run(run):
     """The compile's JSON line (step_compile.compare), or {"error": one line}."""
-    import tpu_target
+    from tpu_pod import target as tpu_target
     start = time.perf_counter()
     try:
         proc = subprocess.run(command(run), capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT,

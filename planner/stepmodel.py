@@ -251,7 +251,7 @@ EXCHANGE_COPIES = 4  # D-wide copies of a device's arrivals live at the exchange
 
 def exchanged_elems(shape, ep):
     """Elements a token a layer that minititan's ep exchange adds to a layer's peak: its traced
-    dispatch (expert_parallel.AllToAll's padded form, expert_exchange.py in the compiled step) sends
+    dispatch (expert_parallel.AllToAll's padded form, tpu_pod/expert_exchange.py in the compiled step) sends
     each peer a buffer of all the rows a device routes, so a device's experts run on ep x its routed
     rows (their activations ep - 1 more times), and the rows' D-wide copies in the exchange are ep x
     them too. Against the compiler's temporaries (bf16, --kernels pallas, v5p): Mixtral 8x7B's block

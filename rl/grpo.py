@@ -47,7 +47,7 @@ class GRPOConfig:
         """ValueError (one line) for a setting the algorithm cannot run with."""
         if self.group_size < 2:
             raise ValueError(f"group size G must be >= 2 (a group of one has no baseline), got {self.group_size}")
-        # (written so that NaN fails them: NaN <= 0 is False; cli.py refuses NaN flags before this)
+        # (written so that NaN fails them: NaN <= 0 is False; run/cli.py refuses NaN flags before this)
         if not (0 < self.eps_low < math.inf and 0 < self.eps_high < math.inf):
             raise ValueError(f"clip bounds must be > 0 and finite, got eps_low={self.eps_low} eps_high={self.eps_high}")
         if self.eps_low >= 1:

@@ -22,7 +22,7 @@ or rl/vllm_engine.py, --engine vllm, for both):
   - the loss is grpo.policy_loss on the policy's logprobs of the completions (graph mode traces it
     whole); --kl-beta > 0 adds k3 KL to a frozen copy of the warm start, scored on each rank's rows;
   - the batch is a pure function of (seed, step) and the weights at the batch's first step, so a
-    checkpoint on a rollout-batch boundary (GRPOArithmetic.check_flags, called by cli.py's checks,
+    checkpoint on a rollout-batch boundary (GRPOArithmetic.check_flags, called by run/cli.py's checks,
     refuses any other) resumes bit for bit;
   - evaluations: greedy accuracy on the task's 500 held-out prompts, sampled by the engine from the
     policy at that step; a few completions in the log at the first and last evaluation. The warm
@@ -36,11 +36,11 @@ import os
 
 import torch
 
-import checkpoint
-import resume
-from flags import flag
+from run import checkpoint
+from run import resume
+from run.flags import flag
 from errors import ConfigError
-from lm_task import LanguageModelFamily
+from workloads.lm import LanguageModelFamily
 from model import flops_per_token
 from parallel import local_block, local_tensor
 from rl import arithmetic, grpo, rollout, vllm_engine, weight_sync
@@ -314,7 +314,7 @@ class GRPOArithmetic(ArithmeticPolicy):
 
     @classmethod
     def loss_reduction(cls, cfg):
-        """The policy update's (accum.py): DAPO divides by the batch's completion-token count, which the batch
+        """The policy update's (step.py): DAPO divides by the batch's completion-token count, which the batch
         carries (microbatch losses add up); grpo's mean of per-sequence means and Dr. GRPO's fixed count per
         row average over microbatches of equal rows. The rollout is drawn for the whole batch first."""
         return "sum" if cfg.aggregation == "dapo" else "mean"

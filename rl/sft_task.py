@@ -32,7 +32,7 @@ class SFTArithmetic(ArithmeticPolicy):
     """Batches of solved problems; the loss is the cross-entropy of the answer bytes."""
     name, plotted = "sft", ("held_out_accuracy",)
     resume_policy = {"init_from": True, "reward_task": True}  # (what meta() records: ArithmeticPolicy.meta)
-    # the loss divides by the whole batch's answer-byte count (a 0-d entry): microbatch losses add up (accum.py)
+    # the loss divides by the whole batch's answer-byte count (a 0-d entry): microbatch losses add up (step.py)
     loss_reduction = classmethod(lambda cls, cfg: "sum")
 
     def __init__(self, cfg):

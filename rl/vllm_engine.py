@@ -35,7 +35,7 @@ import time
 
 import torch
 
-import hf
+from interop import hf
 from errors import ConfigError
 from rl import weight_sync
 from rl.engine import EngineError, EngineHandle, Rollout, through_first_eos

@@ -1,4 +1,4 @@
-# accum.py: gradient accumulation. Oracles: plain autograd on the whole batch (gradients before any
+# step.py: the step and its gradient accumulation. Oracles: plain autograd on the whole batch (gradients before any
 # update), the unaccumulated trainer on the same global batch (losses, pre-clip norms, weights after AdamW)
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import json
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-import accum
+import step as step_lib
 from model import Transformer, next_token_loss
 
 from tests import launch
@@ -38,7 +38,7 @@ def test_microbatch_gradients_sum_to_the_whole_batch_gradient_mean_and_sum_reduc
     def grads_of(loss, last=True):
         return torch.autograd.grad(loss, params)
     want = grads_of(next_token_loss(model, (x, y))[1])
-    reported, got = accum.loss_and_grads(next_token_loss, model, (x, y), accum.Microbatches(4, "mean"), grads_of,
+    reported, got = step.loss_and_grads(next_token_loss, model, (x, y), step_lib.Microbatches(4, "mean"), grads_of,
                                          _no_autocast)
     gap, scale = _grad_gap(want, got)
     assert gap <= 1e-6 * scale, (gap, scale)
@@ -55,14 +55,28 @@ def test_microbatch_gradients_sum_to_the_whole_batch_gradient_mean_and_sum_reduc
                                                reduction="sum") / n
         return ce, ce
     want = grads_of(masked_loss(model, (x, masked, count))[1])
-    _, got = accum.loss_and_grads(masked_loss, model, (x, masked, count), accum.Microbatches(4, "sum"), grads_of,
+    _, got = step.loss_and_grads(masked_loss, model, (x, masked, count), step_lib.Microbatches(4, "sum"), grads_of,
                                   _no_autocast)
     gap, scale = _grad_gap(want, got)
     assert gap <= 1e-6 * scale, (gap, scale)
     micro_means = [grads_of(masked_loss(model, (mx, my, (my != -100).sum()))[1])  # each its own count
-                   for (mx, my, _), _ in accum.Microbatches(4, "sum").split((x, masked, count))]
+                   for (mx, my, _), _ in step_lib.Microbatches(4, "sum").split((x, masked, count))]
     wrong = [sum(g) / 4 for g in zip(*micro_means)]  # what a mean of microbatch means would step on
     assert _grad_gap(want, wrong)[0] > 100 * gap + 1e-3 * scale
+
+
+class _Autograd:
+    """The layout hooks step.loss_and_grads calls (parallel.Parallel's), as plain autograd: the oracle's."""
+
+    def __init__(self, grads_of):
+        self.grads_of = grads_of
+
+    def grads(self, loss, params, last=True):
+        return self.grads_of(loss, last)
+
+    @staticmethod
+    def after_microbatch(grads_sum, micro):
+        return micro
 
 
 def _no_autocast():
@@ -203,7 +217,7 @@ def test_fsdp2_reduces_gradients_once_a_step_under_accumulation(nproc, mesh, cor
 
 def test_grad_accum_under_xla_spmd_equals_one_cpu_process(corpus, tmp_path):
     """XLA SPMD on 4 virtual devices, graph mode, 8 rows as 2 microbatches (each device holds 1 row of
-    each: accum.Microbatches' strided split): losses, norms and weights against one eager CPU process on
+    each: step_lib.Microbatches' strided split): losses, norms and weights against one eager CPU process on
     the 8 rows at once; one step program, compiled once."""
     from tests.check_parallel import SPMD_ENV
     args = [*TINY, "--data", corpus, "--steps", "3", "--ckpt-interval", "0", "--eval-batches", "0", "--batch-size", "8"]
@@ -316,7 +330,7 @@ def test_check_memory_and_the_planner_count_one_microbatch(corpus, tmp_path, cap
     published policy."""
     import dataclasses
     import types
-    import dryrun
+    from planner import dryrun
     import train
     from model import FLAVORS
     from planner import stepmodel
@@ -393,7 +407,7 @@ def test_each_workloads_loss_splits_into_microbatches_as_it_declares(argv):
     def grads_of(loss, last=True):
         return torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
     want = grads_of(workload.loss(model, batch)[1])
-    _, got = accum.loss_and_grads(workload.loss, model, batch, accum.Microbatches(2, type(workload).loss_reduction(cfg)),
+    _, got = step.loss_and_grads(workload.loss, model, batch, step_lib.Microbatches(2, type(workload).loss_reduction(cfg)),
                                   grads_of, _no_autocast)
     gap, scale = _grad_gap(want, got)
     assert scale > 0 and gap <= 1e-6 * scale, (gap, scale)
@@ -404,7 +418,7 @@ def test_a_workload_that_does_not_declare_its_loss_reduction_refuses_the_flag(mo
     (exit 2); --grad-accum 1 is its ordinary run."""
     import task as task_lib
     monkeypatch.setitem(task_lib.WORKLOADS, "linreg", "tests.check_seams:LinearRegression")
-    import cli
+    from run import cli
     assert cli.parse_config(["--task", "linreg", "--batch-size", "8", "--grad-accum", "1"]).grad_accum == 1
     assert _main(["--task", "linreg", "--batch-size", "8", "--grad-accum", "2"]) == 2
     err = capsys.readouterr().err

@@ -1,4 +1,4 @@
-# checkpoint.py + rundir.py + train.py: the promises (README). Oracles: the uninterrupted run,
+# run/checkpoint.py + run/rundir.py + train.py: the promises (README). Oracles: the uninterrupted run,
 # checksums of the files on disk before and after, real processes (SIGKILL, a file-size limit, SIGSTOP)
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import json
@@ -18,7 +18,7 @@ from tests.common import HERE, TINY, _files, _full_params, _main, _trainer, back
 def test_resume_equals_uninterrupted_bit_for_bit(corpus, tmp_path):
     """Also: a garbage `latest` pointer neither hides the checkpoints from a fresh run (refused) nor
     from --resume (newest verified step_N), and the saved RNG state is the uninterrupted run's."""
-    import checkpoint
+    from run import checkpoint
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     common = [*TINY, "--data", corpus, "--steps", "8", "--ckpt-interval", "0"]
     full_run = background(run_train, [*common, "--out-dir", full])
@@ -159,7 +159,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(what, value, corpus
     assert rc == 3 and f"error: {what} is {value} at step 5" in capsys.readouterr().err
     ckpts = os.path.join(out_dir, "checkpoints")
     assert sorted(os.listdir(ckpts)) == ["latest", "step_000003"]
-    import resume
+    from run import resume
     assert resume.find_resumable(ckpts)[0].endswith("step_000003")
 
 
@@ -190,8 +190,8 @@ def test_checkpoint_write_protocol_survives_a_crash_at_every_step(tmp_path, monk
     """Fault injection at each write step in turn: the DCP write, the checksums, meta.json, the
     rename, the `latest` pointer. After each crash `latest` names a complete checkpoint and the
     resumable one holds exactly what its step saved (a crash before the rename: the previous one)."""
-    import checkpoint
-    import resume
+    from run import checkpoint
+    from run import resume
     ckpt_dir = str(tmp_path / "ck")
     checkpoint.save(ckpt_dir, 1, {"w": torch.full((4,), 1.0)}, {"flavor": "x"})
     committed = 1
@@ -320,7 +320,7 @@ def test_small_data_says_validation_is_skipped(tmp_path, capsys):
 
 
 def test_disk_full_during_a_checkpoint_removes_the_partial_one_and_keeps_the_last(corpus, tmp_path):
-    import resume
+    from run import resume
     out = str(tmp_path / "run")
     common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "3", "--out-dir", out]
     assert run_train([*common, "--halt-at", "3"])[0] == 0
@@ -342,7 +342,7 @@ def test_a_signal_during_a_checkpoint_removes_it_and_exits_like_a_shell(sig, cod
     signal and the checkpoint kept, exit 128 + signal number (as a shell reports it), no partial
     step_4 left, and the run resumes from step 2 to the uninterrupted losses."""
     import signal
-    import checkpoint
+    from run import checkpoint
     out = str(tmp_path / "run")
     common = [*TINY, "--data", corpus, "--steps", "6", "--ckpt-interval", "2", "--eval-batches", "0",
               "--sample-tokens", "0", "--out-dir", out]
@@ -369,8 +369,8 @@ def test_own_failures_and_peer_failures_are_told_apart(corpus, tmp_path, monkeyp
     connection dropping while a checkpoint is written (DCP wraps it) is a peer failure (exit 4), not
     a failed write (exit 5); a cut last line in metrics.jsonl (a crash mid-write) does not stop a
     --resume; a loss.png that cannot be written is named."""
-    import checkpoint
-    import lm_task
+    from run import checkpoint
+    from workloads import lm as lm_task
     out = str(tmp_path / "run")
     common = [*(a for a in TINY if a != "--no-plot"), "--data", corpus, "--steps", "4", "--ckpt-interval", "2",
               "--eval-batches", "1", "--eval-interval", "2", "--sample-tokens", "0", "--out-dir", out]
@@ -416,7 +416,7 @@ def test_the_watchdog_of_one_process_blames_no_peer_and_evaluation_batches_are_p
     rc, _, err = launch.python(["-c", code], timeout=60)
     assert rc == 4 and "the process is stuck or too slow" in err and "peer" not in err
     assert re.search(r"^error: no progress for 0\.\d+ s in ", err, re.M), err  # (a short one's seconds: was "1 s")
-    import rundir
+    from run import rundir
     beats = []
     monkeypatch_beat = rundir.Watchdog.beat
     try:

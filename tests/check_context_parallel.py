@@ -158,7 +158,7 @@ def test_plan_offers_context_parallel_for_a_long_sequence_with_its_kv_gather_on_
     the dry run's traces of this model at the two lengths, recorded: 394.09 / 184 GiB at 65536, remat
     off / on; 24.63 / 11.5 GiB at 4096.)"""
     import dataclasses as dc
-    import dryrun
+    from planner import dryrun
     from model import FLAVORS
     from planner import chips as chips_lib
     from planner import stepmodel

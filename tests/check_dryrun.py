@@ -1,4 +1,4 @@
-# dryrun.py. Oracle: a real run's allocation
+# planner/dryrun.py. Oracle: a real run's allocation
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import dataclasses
 import json
@@ -42,7 +42,7 @@ def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones(c
     assert all(128 % d.get("ep", 1) == 0 and (d.get("dcn", 1) * d["ici"]) % d.get("ep", 1) == 0 for d in dims)
     policies = {json.dumps(r["remat"]) for r in rows}  # (every layout under each memory policy an LM takes)
     assert any(d.get("ep", 1) > 1 for d in dims) and len({r["mesh"] for r in rows}) * len(policies) == len(rows)
-    import dryrun
+    from planner import dryrun
     assert len(policies) == len(dryrun.plan_policies(dryrun.lm_workload(FLAVORS["qwen3_235b_a22b"], "", 4096))) >= 10
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True) and any(fits)
@@ -51,7 +51,7 @@ def test_plan_ranks_every_layout_of_the_chips_fast_and_refuses_impossible_ones(c
         assert steps == sorted(steps)
     # Every row equals its layout's own dry run (in this process; the activation bytes a sequence,
     # the one traced figure, traced once per remat setting as a single dry run does)
-    import dryrun
+    from planner import dryrun
     from planner import activations
     import mesh as mesh_lib
     import model
@@ -86,7 +86,7 @@ def test_dry_run_of_the_largest_flavors_is_fast_and_says_whether_it_fits(flavor,
     assert rc == 0, err[-2000:]
     assert time.time() - t0 < 120
     report = json.loads(out.strip().splitlines()[-1])
-    import dryrun
+    from planner import dryrun
     whole, _ = dryrun.param_groups(FLAVORS[flavor])  # experts over all 256 data-parallel ranks, the rest over ici
     shard = math.ceil(whole["tp"] / 128) + math.ceil(whole["experts"] / 256) + math.ceil(whole["rest"] / 128)
     assert report["memory_bytes"]["params (fp32 shard)"] == 4 * shard
@@ -107,7 +107,7 @@ def test_flux_dry_run_at_1024_through_the_task_seam_flops_shards_plan_and_a_bad_
     the gathered unit is one double block, counted here from the published config. --plan offers
     data-parallel layouts only (dcn x ici = 8, no tp / ep), its row for ici=8 equals the dry run.
     An image size the VAE (8x) and 2 x 2 packing cannot divide is one error line, exit 2."""
-    import dryrun
+    from planner import dryrun
     from flux import model as flux
     import train
     flags = ["--task", "flux", "--flavor", "flux_dev", "--dry-run", "--image-size", "1024", "--batch-size", "16"]
@@ -248,7 +248,7 @@ def test_the_compiler_columns_stand_in_flavors_have_the_published_shapes():
     the ep compile took no --scan); the two-slice 405B as published, FSDP over DCN (before, as HSDP);
     a DDP run is skipped, naming it."""
     import dataclasses
-    from flags import with_overrides
+    from run.flags import with_overrides
     from model import FLAVORS, param_counts
     from planner import calibrate, compile_column
     from planner.shapes import PLANNER_MODELS
@@ -304,7 +304,7 @@ def test_planner_ranks_layouts_x_memory_policies_finds_the_published_offload_and
     Fitting rows rank first, each group by step. At a batch no policy fits (65536), one line says so
     and names the cheapest change that fits."""
     import types
-    import dryrun
+    from planner import dryrun
     from planner import calibrate, chips, report, stepmodel
     w = dryrun.lm_workload(FLAVORS["qwen3_235b_a22b"], "qwen3_235b_a22b", 4096)
     traced = {False: 40 * 2**30, True: 12 * 2**30}                  # bytes a sequence (the order of the trace)
@@ -401,7 +401,7 @@ def test_planner_workload_without_a_shape_is_its_flops_at_the_matmul_efficiency(
     carrying all its FLOPs: on one chip the step is those FLOPs at the chip's fitted matmul
     efficiency, the optimizer's and the host's terms, nothing else."""
     from planner import chips
-    import dryrun
+    from planner import dryrun
     w = dryrun.Workload("custom", {"tp": 0, "experts": 0, "rest": 10**6}, {"tp": 0, "experts": 0, "rest": 10**5},
                         6e12, 1024, lambda remat: 2**20, lambda dims: None, dim=512, n_layers=10)
     r = dryrun.estimate(w, {"dcn": 1, "ici": 1, "tp": 1, "ep": 1}, 2, "tpu_v5p", False)

@@ -1,4 +1,4 @@
-# expert_exchange.py: expert parallelism in the step compiled for a TPU pod. Oracles: the MoE's plain
+# tpu_pod/expert_exchange.py: expert parallelism in the step compiled for a TPU pod. Oracles: the MoE's plain
 # dispatch (every expert on the device that routed the rows, model.run_here) for the global form; that
 # global form for the one-device form under shard_map on 4 CPU devices; the compiler's own FSDP step
 # (every device gathering every expert) for the compiled layout. The buffer factor's rule, written out
@@ -54,7 +54,7 @@ def test_the_exchange_routes_every_row_as_the_plain_moe_does():
     input, the router and the three expert weights equal, relative to the largest value, within 1e-6
     (measured: at most 3.5e-7, the grouped matmul's sums in another order; a row sent to the wrong
     device or slot is off by O(1))."""
-    import expert_exchange
+    from tpu_pod import expert_exchange
     from model import run_here
     _, run = _moe_block_run()
     want = run(run_here)
@@ -93,7 +93,7 @@ def test_a_buffer_factor_drops_the_rows_past_a_peers_slots_as_the_rule_says():
     1e-6 relative (measured: at most 3.6e-7), at ep = 2 and 4 with f = 1 and 0.5, each dropping rows
     (counted; a dropped row counted as kept is off by O(1)); f = ep keeps every row: the dropless
     output, and C never exceeds M."""
-    import expert_exchange
+    from tpu_pod import expert_exchange
     from model import run_here
     args, run = _moe_block_run()
     M = 16 * args.top_k  # rows a routing group
@@ -194,10 +194,10 @@ def child_expert_exchange():
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
-    import expert_exchange  # noqa: F401  (registers the exchange)
+    from tpu_pod import expert_exchange  # noqa: F401  (registers the exchange)
     import jax_op
     import kernels_gmm  # noqa: F401  (registers the grouped matmul)
-    import sharded_kernels
+    from tpu_pod import sharded_kernels
     sharded_kernels.use(Mesh(np.array(jax.devices()).reshape(1, 2, 2), ("dcn", "ici", "ep")))
     rng = np.random.default_rng(0)
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731

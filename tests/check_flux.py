@@ -309,7 +309,7 @@ def test_flux_jax_forward_and_adamw_steps_equal_torch():
 
 
 def test_flux_hf_types_config_json_and_refuses_non_float_nonfinite_or_misshapen_tensors(tmp_path):
-    """config.json is read as hf.py reads a language model's: a list, the string "false" for a bool, 2.9 or
+    """config.json is read as interop/hf.py reads a language model's: a list, the string "false" for a bool, 2.9 or
     "4" for a size, out_channels 0 are refused, never coerced (bool("false") is True, int(2.9) is 2). Every
     tensor is checked before it is used: an int32 / int8 / bool weight (cast to float it would be taken
     for values), NaN or a float64 beyond float32's range (it would train from a NaN loss), a 0-d bias or
@@ -360,7 +360,7 @@ def test_flux_mlp_ratio_that_is_not_finite_or_rounds_to_no_mlp_is_refused(tmp_pa
         out = str(tmp_path / "run")
         assert _main(["--task", "flux", "--set", f"mlp_ratio={ratio}", "--steps", "1", "--out-dir", out]) == 2
         err = capsys.readouterr().err
-        said = needle if ratio == 0.001 else "not a finite number"  # (--set refuses NaN / inf as it parses: flags.py)
+        said = needle if ratio == 0.001 else "not a finite number"  # (--set refuses NaN / inf as it parses: run/flags.py)
         assert err.startswith("error: ") and said in err and err.count("\n") == 1, err
         assert not os.path.exists(out)
     flux.check_args(dataclasses.replace(base, mlp_ratio=1 / 128))

@@ -359,7 +359,7 @@ def test_flux_latent_run_decodes_exports_back_and_fluxpipeline_loads_it(tiny_flu
     its image for a prompt equals our sampler with the run's model to 1e-4."""
     from PIL import Image
     from safetensors.torch import load_file, save_file
-    import checkpoint
+    from run import checkpoint
     from flux import hf as flux_hf, latents, pipeline, sample as flux_sample, tiny
     d, file, run = tiny_flux["dir"], tiny_flux["file"], str(tmp_path / "run")
     assert _main(["--task", "flux", "--data", file, "--init-from", os.path.join(d, "transformer"), "--distilled-guidance",

@@ -18,8 +18,8 @@ from tests.check_graph import _gathers
 
 def _flux_weights(run_dir, task=None, scan=False):
     """The final weights; a --scan run's (L, ...) stacks unstacked into the plain model's names."""
-    import checkpoint
-    import resume
+    from run import checkpoint
+    from run import resume
     from flux import model as flux
     from flux import task as flux_task
     import layer_scan
@@ -141,7 +141,7 @@ def test_flux_latent_file_batches_are_its_rows_loss_is_the_flow_mse_and_a_run_tr
     --prompt-dropout asks (by default none, as diffusers' training scripts); the
     task's loss equals the rectified-flow MSE computed here from those tensors; validation holds out the
     last tenth, unconditional; a 2-step run trains and draws a grid per evaluation, named by step."""
-    import cli
+    from run import cli
     from flux import task as flux_task
     path = _latent_file(tmp_path / "cache.safetensors")
     from safetensors.torch import load_file
@@ -344,7 +344,7 @@ def test_flux_sampling_cli_samples_a_scan_run_and_a_dcp_failure_is_one_line(tmp_
     model stacked as the run did and samples it (it used to end in DCP's CheckpointException
     traceback), unstacked into the plain blocks; its images equal the stacked model's. DCP's
     exception is a BaseException: checkpoint.load turns it into one CheckpointError line."""
-    import checkpoint
+    from run import checkpoint
     from flux import model as flux
     from flux import sample as flux_sample
     from flux import task as flux_task
@@ -390,14 +390,14 @@ def test_the_sampling_cli_refuses_what_it_would_ignore_in_one_line(tmp_path, cap
 
 
 def test_a_flux_run_given_as_a_language_model_is_named_a_flux_run(tmp_path, capsys):
-    """generate.py --run, hf.py export and --task grpo --init-from on a FLUX run: one line saying it is a
+    """generate.py --run, python -m interop.hf export and --task grpo --init-from on a FLUX run: one line saying it is a
     FLUX run, not a language model (not "model_args ... unknown to this version"), exit 2, nothing
     written. The run: a checkpoint directory whose meta.json is a flux_debug run's (no weight files:
     it is refused before any is read)."""
     import dataclasses
     from flux import model as flux
     import generate
-    import hf
+    from interop import hf
     step = tmp_path / "flux_run" / "checkpoints" / "step_000002"
     step.mkdir(parents=True)
     args = {k: v for k, v in dataclasses.asdict(flux.FLAVORS["flux_debug"]).items() if k != "attn_impl"}

@@ -335,13 +335,13 @@ def grpo_warm(tmp_path_factory):
 
 def test_a_policy_run_samples_and_exports_ending_at_its_newline(grpo_warm, tmp_path, capsys):
     """An SFT run records the token its answers end with (the workload's eos_id: a newline), so that
-    generate.py --run stops after it, and hf.py export writes it as config.json's eos_token_id, which
+    generate.py --run stops after it, and python -m interop.hf export writes it as config.json's eos_token_id, which
     generate.py --hf and transformers' generate() stop at. Oracles: our greedy ids with no end token,
     cut after their first newline; transformers' greedy generate() on the export. Before, a sample ran
     on past its answer to --max-new-tokens, and an export named no end token."""
-    import checkpoint
+    from run import checkpoint
     import generate
-    import hf
+    from interop import hf
     from transformers import AutoModelForCausalLM
     model, meta = checkpoint.load_run(grpo_warm)
     assert meta["eos_id"] == ord("\n"), meta.get("eos_id")
@@ -374,7 +374,7 @@ def _grpo_args(warm, out_dir, *extra):
 
 
 def _grpo_weights(run_dir):
-    import checkpoint
+    from run import checkpoint
     return checkpoint.load_run(run_dir)[0].state_dict()
 
 
@@ -527,10 +527,10 @@ def test_grpo_resume_keeps_its_warm_start_checkpoint_and_offers_only_accepted_ch
     which holds every file's sha256). Resumed after the warm-start run gained a newer checkpoint, it
     takes the recorded one again (its KL reference; it used to take the newest silently); if that one
     is gone, one line, exit 2. A changed --temperature names `temperature` and offers
-    --allow-change temperature, which cli.py accepts and the resume then takes (it used to offer
+    --allow-change temperature, which run/cli.py accepts and the resume then takes (it used to offer
     `grpo`, refused as unknown); --updates-per-batch cannot change on a resume (not offered)."""
     import shutil
-    import checkpoint
+    from run import checkpoint
     import train
     from tests.common import _files
     warm = str(tmp_path / "warm")
@@ -628,7 +628,7 @@ def test_a_warm_start_halts_at_its_first_evaluation_meeting_the_accuracy_and_grp
     here (the task's evaluation replaced: no engine, and the criterion is the thing tested): 0.9 at
     step 0 (not a checkpoint: ignored), 0.2, 0.4 below, 0.5 meets 0.5 at step 6, 0.8 after it is never
     reached. Bad values and tasks without a held-out accuracy: one line, exit 2."""
-    import checkpoint
+    from run import checkpoint
     from rl import sft_task
     import train
     scripted = {0: 0.9, 2: 0.2, 4: 0.4, 6: 0.5, 8: 0.8}

@@ -1,4 +1,4 @@
-# hf.py + generate.py. Oracles: transformers' logits and greedy generate() on tiny random
+# interop/hf.py + generate.py. Oracles: transformers' logits and greedy generate() on tiny random
 # checkpoints (fixtures/make_hf_fixtures.py), full recomputation (KV cache), sort-based filters
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import dataclasses
@@ -31,7 +31,7 @@ def test_hf_checkpoint_logits_and_greedy_text_equal_transformers(name, tmp_path)
     """Every module's arithmetic (norms, llama3 rope scaling, q/k norm, tied embeddings, MoE routing)
     against transformers' own forward and generate(); export -> import is bit for bit."""
     import generate
-    import hf
+    from interop import hf
     want = _expected(name)
     model = hf.load(os.path.join(HF_FIXTURES, name))
     with torch.no_grad():
@@ -53,7 +53,7 @@ def test_hf_checkpoint_logits_and_greedy_text_equal_transformers(name, tmp_path)
 
 def test_hf_bf16_checkpoints_load_converted_and_generation_stops_at_eos(tmp_path):
     import generate
-    import hf
+    from interop import hf
     from safetensors.torch import load_file, save_file
     src = os.path.join(HF_FIXTURES, "qwen3_moe")
     bf16 = tmp_path / "bf16"
@@ -112,7 +112,7 @@ def test_top_k_and_top_p_filters_match_a_sort_based_reference():
 
 def test_sampling_same_seed_same_text_and_the_cli(tmp_path, capsys):
     import generate
-    import hf
+    from interop import hf
     model = hf.load(os.path.join(HF_FIXTURES, "qwen3"))
     draw = lambda seed: generate.generate(model, [5, 6, 7], 24, temperature=1.0, top_k=40, top_p=0.9, seed=seed)
     assert draw(1) == draw(1) and draw(1) != draw(2)
@@ -124,7 +124,7 @@ def test_sampling_same_seed_same_text_and_the_cli(tmp_path, capsys):
 def test_bad_hf_and_generation_inputs_are_one_line(tmp_path, capsys):
     import shutil
     import generate
-    import hf
+    from interop import hf
     broken = {}
     for label, edit in [("model_type", {"model_type": "gpt2"}), ("norm_topk_prob", {"norm_topk_prob": False}),
                         ("attention_bias", {"attention_bias": True}), ("shape", {"moe_intermediate_size": 30})]:
@@ -148,7 +148,7 @@ def test_bad_hf_and_generation_inputs_are_one_line(tmp_path, capsys):
     for argv, message in [(["--hf", str(mixed), "x"], "the tokenizer has 300 tokens, the model only 256"),
                           (["--hf", os.path.join(HF_FIXTURES, "qwen3"), ""], "the prompt is empty"),
                           (["--run", str(tmp_path), "x"], "holds no checkpoint to read"),
-                          (["--hf", str(run_dir), "x"], "is a train.py run, not a Hugging Face directory: `python hf.py export")]:
+                          (["--hf", str(run_dir), "x"], "is a train.py run, not a Hugging Face directory: `python -m interop.hf export")]:
         assert generate.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
@@ -159,13 +159,13 @@ def test_generate_on_a_tokenizer_run_picks_its_tokenizer_and_checkpoint_and_refu
     """A run trained with --tokenizer records it, and generate.py --run writes that tokenizer's text
     (oracle: the tokenizers library's encode / decode around a greedy argmax over the full sequence,
     on weights DCP loads straight from the checkpoint). A broken newest checkpoint names the good
-    one to pass instead, which generate and hf.py export both accept; a model_args key from another
+    one to pass instead, which generate and python -m interop.hf export both accept; a model_args key from another
     version, a NaN or infinite temperature and a vanished tokenizer are one line; an error after
     the prompt was echoed starts on its own line; a character split between tokens prints whole."""
     import shutil
     import generate
-    import hf
-    import tokenizer
+    from interop import hf
+    from interop import tokenizer
     import train
     from tokenizers import Tokenizer
     monkeypatch.setenv("MINITITAN_CACHE", str(tmp_path / "cache"))
@@ -240,10 +240,10 @@ HF_FIELDS = {"rope_theta": ("rope_theta", float), "rms_norm_eps": ("norm_eps", f
 
 
 def test_every_config_field_reaches_the_model():
-    """Each config.json field hf.py reads is set in some fixture away from the value a loader that
+    """Each config.json field interop/hf.py reads is set in some fixture away from the value a loader that
     ignored it would use (ModelArgs' default, HF's num_key_value_heads = heads), and arrives in
     ModelArgs. The logits test above then shows each one is also used as transformers uses it."""
-    import hf
+    from interop import hf
     shown = set()
     for name in ("llama", "qwen3", "qwen3_moe"):
         cfg = json.load(open(os.path.join(HF_FIXTURES, name, "config.json")))
@@ -314,7 +314,7 @@ def test_hf_loader_uses_every_tensor_and_finds_every_one_it_needs(tmp_path, caps
     both a model.safetensors and an index is ambiguous. Oracle for the TP / FSDP reads: any block of
     any parameter, read alone, is that block of the whole parameter."""
     import generate
-    import hf
+    from interop import hf
     layer = lambda w, i, j: {k.replace(f"layers.{i}.", f"layers.{j}."): v.clone() for k, v in w.items() if f"layers.{i}." in k}
     bad = [("four_layers", "llama", lambda w: {**layer(w, 0, 2), **layer(w, 1, 3)}, (),
             "the checkpoint holds 18 tensors config.json does not describe (they would be dropped): "
@@ -360,13 +360,13 @@ def test_hf_loader_uses_every_tensor_and_finds_every_one_it_needs(tmp_path, caps
 
 
 def test_export_never_clobbers_and_a_failed_write_keeps_the_old_files(corpus, tmp_path, capsys):
-    """hf.py export writes a whole directory or nothing: a non-empty target is refused (a user's files
+    """python -m interop.hf export writes a whole directory or nothing: a non-empty target is refused (a user's files
     there stay), --overwrite replaces it whole (an old sharded export's index does not survive to be
     loaded instead) but never the run it reads, and a write that fails (a 256 KiB file-size limit)
     leaves the previous export bit for bit, no temporary directory behind, one line, exit 5. Oracle:
     the run's own weights."""
-    import checkpoint
-    import hf
+    from run import checkpoint
+    from interop import hf
     run = str(tmp_path / "run")
     assert _main([*TINY, "--data", corpus, "--steps", "1", "--eval-batches", "0", "--sample-tokens", "0",
                   "--out-dir", run]) == 0
@@ -399,7 +399,7 @@ def test_export_never_clobbers_and_a_failed_write_keeps_the_old_files(corpus, tm
     for (n, p), (_, q) in zip(model.named_parameters(), hf.load(str(tmp_path / "out")).named_parameters()):
         assert torch.equal(p, q), n
     before = {f: checkpoint.sha256_of(tmp_path / "out" / f) for f in os.listdir(tmp_path / "out")}
-    rc, _, err = launch.python(["hf.py", "export", run, str(tmp_path / "out"), "--overwrite"],
+    rc, _, err = launch.python(["-m", "interop.hf", "export", run, str(tmp_path / "out"), "--overwrite"],
                                limits={resource.RLIMIT_FSIZE: 256 * 1024})
     err = err.strip()
     assert rc == 5 and len(err.splitlines()) == 1 and err.startswith("error: a write failed"), err
@@ -409,15 +409,15 @@ def test_export_never_clobbers_and_a_failed_write_keeps_the_old_files(corpus, tm
 
 @pytest.mark.fast
 def test_a_byte_runs_export_reads_in_transformers_as_its_tokenizer_and_model(corpus, tmp_path, capsys):
-    """hf.py export writes a byte run's tokenizer beside the weights. Oracles, none of them ours:
+    """python -m interop.hf export writes a byte run's tokenizer beside the weights. Oracles, none of them ours:
     transformers' AutoTokenizer turns text in several scripts into exactly its UTF-8 bytes and back, its
     vocabulary is the 256 byte values, and transformers' model on those ids gives our model's logits
     (within 1e-4 of their scale, as for the HF fixtures). generate.py --hf on the export then writes
     what generate.py --run writes on the run. Before, an export had no tokenizer: AutoTokenizer and
     generate.py --hf both failed on it."""
-    import checkpoint
+    from run import checkpoint
     import generate
-    import hf
+    from interop import hf
     from transformers import AutoModelForCausalLM, AutoTokenizer
     run, out = str(tmp_path / "run"), str(tmp_path / "out")
     assert _main([*TINY, "--data", corpus, "--steps", "2", "--eval-batches", "0", "--sample-tokens", "0",
@@ -446,7 +446,7 @@ def test_fine_tuning_starts_from_the_hf_weights_on_one_process_and_under_a_mesh(
     """--init-from: the step-0 validation loss is the HF model's own loss on that batch (one process),
     and 2 ranks, each reading only its own piece (FSDP rows; under tp=2 column blocks too), train
     exactly like one process. The run also draws its loss plot and ends with a sample."""
-    import hf
+    from interop import hf
     llama = os.path.join(HF_FIXTURES, "llama")
     common = ["--init-from", llama, "--data", corpus, "--steps", "4", "--batch-size", "4", "--seq-len", "32",
               "--eval-batches", "1", "--log-interval", "1", "--ckpt-interval", "0"]

@@ -468,7 +468,7 @@ def test_tensor_and_expert_parallel_match_single_process(nproc, mesh, flavor, ex
     start = start_record(multi)
     assert start["param_bytes_local"] == want_bytes and start["optim_bytes_local"] == 2 * want_bytes
     # the planner's per-device figures for this layout are the run's measured allocation
-    import dryrun
+    from planner import dryrun
     import mesh as mesh_lib
     import train
     cfg = train.parse_config([*common, *extra])

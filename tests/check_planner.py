@@ -19,7 +19,7 @@ def test_planner_calibrate_fit_leave_one_out_and_held_out_bands(capsys, tmp_path
     with their published figures tripled, is chips.FITTED; a held-out run made a fit run moves it).
     Fit, leave-one-out and held-out rows are each within +-25% or name why not: the rows outside are
     exactly the ones docs/planning.md explains (a constant resting on one run; TorchTitan's assumed
-    configurations). Every published layout is predicted to fit. `python dryrun.py --calibrate` prints
+    configurations). Every published layout is predicted to fit. `python -m planner.dryrun --calibrate` prints
     the three tables, one row a run in each."""
     from planner import calibrate
     from planner import chips
@@ -123,9 +123,9 @@ def test_planner_remat_policies_are_never_silent_and_state_dtypes_are_fields():
 
 def test_plan_layouts_use_exactly_the_chips_asked_and_the_anchor_takes_help(capsys):
     """--plan --chips 7 (and 12): every ranked layout's dcn x ici x tp is the chips asked (tp=2 on 7
-    chips was rounded down to 6 before); `python -m planner.anchor --help` and `python dryrun.py --help`
-    print their usage, exit 0 (dryrun.py's was an error), and dryrun.py's unknown flag is one line, exit 2."""
-    import dryrun
+    chips was rounded down to 6 before); `python -m planner.anchor --help` and `python -m planner.dryrun --help`
+    print their usage, exit 0 (planner/dryrun.py's was an error), and planner/dryrun.py's unknown flag is one line, exit 2."""
+    from planner import dryrun
     w = dryrun.lm_workload(FLAVORS["llama3_8b"], "llama3_8b", 1024)
     w = dataclasses.replace(w, saved_bytes=lambda remat: 2**30)
     for chips in (7, 12):
@@ -137,7 +137,7 @@ def test_plan_layouts_use_exactly_the_chips_asked_and_the_anchor_takes_help(caps
     assert any("tp=2" in r["mesh"] for r in dryrun.plan(w, 12, 48, "tpu_v5p"))
     from planner import anchor
     assert anchor.main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: python -m planner.anchor")
-    assert dryrun.cli(["--help"]) == 0 and capsys.readouterr().out.startswith("python dryrun.py --calibrate")
+    assert dryrun.cli(["--help"]) == 0 and capsys.readouterr().out.startswith("python -m planner.dryrun --calibrate")
     assert dryrun.cli(["--bogus"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: expected --calibrate") and len(err.splitlines()) == 1, err
@@ -150,7 +150,7 @@ def test_dry_run_memory_is_the_step_models_and_marks_a_layout_whose_host_memory_
     bucket and the offloaded activations), by hand, against chips.py's sourced host figure: Llama 3 70B
     on 8 Ironwood chips with every named tensor offloaded fits HBM at global batch 8 and 16, and the
     host at 8 only; the report says which memory does not fit."""
-    import dryrun
+    from planner import dryrun
     from planner import chips, report, shapes, stepmodel
     w = dryrun.lm_workload(FLAVORS["llama3_70b"], "llama3_70b", 8192)
     w = dataclasses.replace(w, saved_bytes=lambda remat: 2**30)

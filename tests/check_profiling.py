@@ -1,4 +1,4 @@
-# profiling.py (--profile). Oracles: the trace file itself, read here without profiling.py (its events,
+# run/profiling.py (--profile). Oracles: the trace file itself, read here without run/profiling.py (its events,
 # their nesting), the loop's own clock (the breakdown's sum), the unprofiled run (losses), torchrun's
 # ranks each with its own file
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""

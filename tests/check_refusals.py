@@ -61,7 +61,7 @@ def test_a_pjrt_runtime_that_cannot_start_here_is_one_line_exit_2(tmp_path):
 
 @pytest.mark.fast
 def test_the_checks_refuse_nan_wherever_the_value_comes_from():
-    """A config.json or a checkpoint's record reaches model.check_args without cli.py, and GRPO's config
+    """A config.json or a checkpoint's record reaches model.check_args without run/cli.py, and GRPO's config
     is built by code too: NaN passed each of these checks (`x < 0` is False for NaN)."""
     from model import ModelArgs, check_args
     from rl.grpo import GRPOConfig
@@ -79,7 +79,7 @@ def test_the_checks_refuse_nan_wherever_the_value_comes_from():
 def test_the_vllm_head_dim_hint_works_when_followed(explicit):
     """The hint was `--set n_heads=2`, which leaves an explicit head_dim as it was: the
     same error again. Following the hint must give a config the engine takes."""
-    import cli
+    from run import cli
     from errors import ConfigError
     from model import check_args
     from rl import vllm_engine
@@ -95,7 +95,7 @@ def test_the_vllm_head_dim_hint_works_when_followed(explicit):
 
 def test_resuming_a_run_of_another_task_names_both_and_the_remedy_works(corpus, tmp_path, capsys):
     """`--task sft --resume` on an lm run was told to pass `--allow-change steps,sft`,
-    which cli.py then refused as unknown; meta.json records the task, which was never named."""
+    which run/cli.py then refused as unknown; meta.json records the task, which was never named."""
     out = str(tmp_path / "lm")
     at = TINY.index("--seq-len")  # (an lm flag: sft's rows have their own length)
     base = [*TINY[:at], *TINY[at + 2:], "--eval-batches", "0", "--out-dir", out]
@@ -117,7 +117,7 @@ def test_a_refusal_on_a_rank_above_0_waits_silent_for_rank_0_and_then_speaks_nam
     exit 2, quietly); only if it is still running after the grace period (rank 0 did not refuse) does it
     speak, naming itself. The whole launch: test_mesh_that_does_not_match_world_size_fails_fast."""
     import signal
-    import process
+    from run import process
     monkeypatch.setenv("RANK", "1")
     heard = []
     monkeypatch.setattr(process.time, "sleep", lambda s: heard.append((s, capsys.readouterr().err,
@@ -131,14 +131,14 @@ def test_a_refusal_on_a_rank_above_0_waits_silent_for_rank_0_and_then_speaks_nam
 
 
 def test_checkpoint_knows_an_interruption_by_its_class_not_its_name():
-    """checkpoint.py recognised train.Interrupted by its class name (any class called
+    """run/checkpoint.py recognised train.Interrupted by its class name (any class called
     `Interrupted`, or a message holding "Interrupted(", passed). It is errors.Interrupted now, found by
     isinstance, also inside the CheckpointException DCP gathers its writers' errors into."""
     import signal
     import traceback
     from torch.distributed.checkpoint.api import CheckpointException
     import errors
-    import process
+    from run import process
     assert process.Interrupted is errors.Interrupted and str(errors.Interrupted(signal.SIGTERM)) == "SIGTERM"
     stop = errors.Interrupted(signal.SIGTERM)
     assert errors.interrupted(stop) and errors.interrupted(KeyboardInterrupt())
@@ -156,8 +156,7 @@ def test_a_stop_that_lands_while_a_class_is_created_ends_as_a_stop(monkeypatch, 
     as `rank 1: failed: RuntimeError: Error calling __set_name__ ...`, a second error line beside rank
     0's refusal. The oracle: Python itself wrapping a real SIGTERM, sent from inside __set_name__."""
     import signal
-    import process
-
+    from run import process
     class NamedWhenTheSignalLands:
         def __set_name__(self, owner, name):
             os.kill(os.getpid(), signal.SIGTERM)  # (the handler runs here: Interrupted raised inside)
@@ -181,7 +180,7 @@ def test_graph_mode_flags_are_checked_by_cli_alone(monkeypatch):
     """`--backend xla` on a device that is not XLA and graph mode under FSDP2 are refused by cli.validate
     before any process starts, `--device auto` included (it was refused later, by graph_trainer.py, which
     checked both again); graph_trainer.py checks neither."""
-    import cli
+    from run import cli
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     for argv, message in ((["--mode", "graph", "--backend", "xla"], "--backend xla needs an XLA device"),
                           (["--mode", "graph", "--backend", "xla", "--device", "cpu"], "--backend xla needs an XLA device"),

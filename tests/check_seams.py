@@ -1,4 +1,4 @@
-# cli.py + task.py + train.py: the seams. Oracles: the dataclass's own fields, a plain PyTorch loop
+# run/cli.py + task.py + train.py: the seams. Oracles: the dataclass's own fields, a plain PyTorch loop
 # with torch.optim.AdamW and clip_grad_norm_ on a workload the trainer has never seen
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
 import dataclasses
@@ -16,7 +16,7 @@ from tests.common import _records, losses
 
 
 def test_every_config_field_is_a_flag_with_its_type_and_help():
-    import cli
+    from run import cli
     parser, fields = cli.build_parser(), [f for f in dataclasses.fields(cli.TrainConfig) if f.metadata.get("cli", True)]
     helps = {a.dest: a.help for a in parser._actions if a.dest != "help"}
     own = {name for name in task_lib.WORKLOADS for name in
@@ -64,9 +64,13 @@ def _imports(path):
     return names
 
 
+PACKAGES = ("flux", "rl", "planner", "run", "interop", "tpu_pod", "workloads")  # the product, below the lesson
+ENTRY_POINTS = {"train", "generate", "bench", "bench_flux", "bench_rollout"}  # compose the lesson and the product
+
+
 def _our_modules(root):
     ours = {}
-    for d in ("", "flux", "rl", "planner"):
+    for d in ("",) + PACKAGES:
         for f in os.listdir(os.path.join(root, d)):
             if f.endswith(".py") and not f.startswith("test") and f not in ("__init__.py", "conftest.py"):
                 ours[(d + "." if d else "") + f[:-3]] = os.path.join(root, d, f)
@@ -75,20 +79,20 @@ def _our_modules(root):
 
 @pytest.mark.fast
 def test_the_layers_import_downwards_only():
-    """task.py and parallel.py import nothing of ours but the lowest layer (errors, device); cli.py,
+    """task.py and parallel.py import nothing of ours but the lowest layer (errors, device); run/cli.py,
     train.py and planner/ import no workload (they reach one through task.WORKLOADS), and no workload
-    imports cli.py (a flag is declared with flags.py); no import cycle among our modules, function-level
+    imports run/cli.py (a flag is declared with run/flags.py); no import cycle among our modules, function-level
     imports included."""
     ours = _our_modules(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     graph = {m: {n for n in _imports(p) if n in ours} for m, p in ours.items()}
     assert graph["task"] == set() and graph["errors"] == set()
     assert graph["parallel"] <= {"device", "errors"}, graph["parallel"]
-    workload_modules = {m for m in ours if m.startswith(("flux.", "rl.")) or m == "lm_task"}
-    assert not graph["cli"] & workload_modules and not graph["train"] & workload_modules
+    workload_modules = {m for m in ours if m.startswith(("flux.", "rl.")) or m.startswith("workloads.")}
+    assert not graph["run.cli"] & workload_modules and not graph["train"] & workload_modules
     # the planner learns a model's shape from its family (ModelFamily.plan), never from a workload module
     planner = {m for m in ours if m.startswith("planner.")}
     assert planner and all(not graph[m] & workload_modules for m in planner), {m: graph[m] & workload_modules for m in planner}
-    assert graph["flags"] == set() and not any("cli" in graph[m] for m in workload_modules)  # (flags.py declares them)
+    assert graph["run.flags"] == set() and not any("run.cli" in graph[m] for m in workload_modules)  # (run/flags.py declares them)
     # The layout is the family's (ModelFamily.layout_args / split): no layout file imports a model's
     # module or its parallel plans, nor names a class of one (a model class or config)
     import ast
@@ -117,10 +121,23 @@ def test_the_layers_import_downwards_only():
 
 
 @pytest.mark.fast
+def test_the_lesson_imports_no_product_package():
+    """The top level is the lesson (the model, the step, the layouts, the kernels): none of its modules
+    imports a package below it (the run's machinery, HF interop, the planner, the TPU pod compile, the
+    workloads), at the top or inside a function. Only the entry points (train.py, generate.py, the
+    benchmarks) compose both. And the lesson stays a lesson's size: at most 26 modules."""
+    ours = _our_modules(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lesson = {m for m in ours if "." not in m and m not in ENTRY_POINTS}
+    crossing = {m: sorted(n for n in _imports(ours[m]) if n.split(".")[0] in PACKAGES) for m in lesson}
+    assert not {m: n for m, n in crossing.items() if n}, {m: n for m, n in crossing.items() if n}
+    assert 20 <= len(lesson) <= 26, sorted(lesson)
+
+
+@pytest.mark.fast
 def test_atomic_writes_and_the_process_shell_each_have_one_home():
     """Every whole-or-nothing write (a temporary renamed over its target: os.replace), fsync and file
     digest of our modules is atomic.py's; the trainer (train.py) installs no signal handler, catches no
-    interruption and ends no process: process.py does. Read from each module's own calls and names (ast)."""
+    interruption and ends no process: run/process.py does. Read from each module's own calls and names (ast)."""
     import ast
     ours = _our_modules(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     calls, names = {}, {}
@@ -133,7 +150,7 @@ def test_atomic_writes_and_the_process_shell_each_have_one_home():
     assert not {m: c for m, c in hand_rolled.items() if c}, hand_rolled
     shell = {"signal", "Interrupted", "KeyboardInterrupt", "_exit", "exit", "faulthandler"}
     assert not names["train"] & shell, names["train"] & shell
-    assert "signal.signal" in calls["process"] and "os._exit" in calls["process"]
+    assert "signal.signal" in calls["run.process"] and "os._exit" in calls["run.process"]
 
 
 
@@ -245,12 +262,12 @@ def test_a_resume_offers_only_changes_cli_accepts_and_grpo_records_what_its_poli
     """A resume's policy is one form (Workload.resume_policy). GRPO records exactly the
     keys its policy names (its key lists were written three times, and disagreed: vllm_python); a
     recorded setting this version does not know (a checkpoint of another version) is refused, not offered
-    to --allow-change, which cli.py would refuse; what it offers, cli.py takes."""
+    to --allow-change, which run/cli.py would refuse; what it offers, run/cli.py takes."""
     import functools
     import json
-    import checkpoint
-    import cli
-    import resume
+    from run import checkpoint
+    from run import cli
+    from run import resume
     import train
     cfg = cli.parse_config(["--task", "grpo", "--set", "dim=64", "--set", "n_heads=4", "--set", "n_layers=1"])
     workload = train.make_workload(cfg)
@@ -282,9 +299,9 @@ def test_ep_buffer_factor_is_a_setting_a_resume_may_change_also_from_a_record_th
     among model_args (an earlier version) reads it from there, so resuming that run unchanged is not
     "another model"; a run read back from its record has its whole config."""
     import json
-    import checkpoint
-    import cli
-    import resume
+    from run import checkpoint
+    from run import cli
+    from run import resume
     import train
     cfg = cli.parse_config(["--flavor", "qwen3_moe_debug", "--set", "ep_buffer_factor=1.5", "--set", "aux_loss_coef=0.005"])
     workload = train.make_workload(cfg)
@@ -293,7 +310,7 @@ def test_ep_buffer_factor_is_a_setting_a_resume_may_change_also_from_a_record_th
     workload.fingerprint = "corpus"  # (what setup_data would set: this test reads no corpus)
     meta = resume.run_record(cfg, workload, workload.args, "ici=2,ep=2")
     assert "ep_buffer_factor" not in meta["model_args"] and meta["train"]["ep_buffer_factor"] == 1.5
-    # what reads a run back (generate.py --run, hf.py export: router_aux_loss_coef) gets the run's config whole
+    # what reads a run back (generate.py --run, python -m interop.hf export: router_aux_loss_coef) gets the run's config whole
     assert type(workload.family).from_record(meta, "ckpt").args == workload.args
     refusal = functools.partial(resume.refusal_for, cls)
 
@@ -342,7 +359,7 @@ def test_the_flux_family_is_whole_when_the_workload_is_built(tmp_path):
 RUN_AND_LIST_WORKLOAD_MODULES = """
 import sys, train
 assert train.main(sys.argv[1:]) == 0
-print(sorted(m for m in sys.modules if m.split(".")[0] in ("flux", "rl", "lm_task")))
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("flux", "rl", "workloads")))
 """
 
 
@@ -350,7 +367,7 @@ def test_a_run_imports_only_its_own_workload(corpus, tmp_path):
     """Each parse imported every workload (`--task lm` loaded flux.*, rl.* and the
     vLLM handle), although task.py said a run imports only its own. A `--task lm` run of one step in a
     fresh process (a fork of one that has imported torch and train.py only: tests/launch.py) imports no
-    flux or rl module; a flag of another workload still names its owner (cli.py parses again with every
+    flux or rl module; a flag of another workload still names its owner (run/cli.py parses again with every
     workload: test_a_flag_of_another_workload_or_a_bad_own_flag_is_one_line_exit_2)."""
     from tests import launch
     from tests.common import TINY
@@ -372,18 +389,18 @@ def _calls(path):
 
 def test_each_decision_has_one_home(tmp_path):
     """Which checkpoint a resume takes was chosen again in rl/grpo_task.py; "the newest
-    checkpoint that verifies" was written twice in checkpoint.py; the same bad record raised
+    checkpoint that verifies" was written twice in run/checkpoint.py; the same bad record raised
     CheckpointError from the LM family and ConfigError from FLUX's; --batch-size's split over the mesh was
-    checked by the trainer, not with the other flags in cli.py."""
+    checked by the trainer, not with the other flags in run/cli.py."""
     import json
-    import checkpoint
-    import cli
+    from run import checkpoint
+    from run import cli
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for d in ("", "flux", "rl"):
         for f in os.listdir(os.path.join(root, d)):
-            if f.endswith(".py") and f not in ("checkpoint.py", "resume.py"):  # nobody else lists a run's checkpoints to pick one
+            if f.endswith(".py") and f not in ("run/checkpoint.py", "run/resume.py"):  # nobody else lists a run's checkpoints to pick one
                 assert not any("step_dirs" in called for called in _calls(os.path.join(root, d, f)).values()), f
-    verifying = {fn for f in ("checkpoint.py", "resume.py")
+    verifying = {fn for f in ("run/checkpoint.py", "run/resume.py")
                  for fn, called in _calls(os.path.join(root, f)).items() if "verify" in called}
     assert verifying == {"newest_verified", "resolve"}, verifying
     for name in ("lm", "flux"):  # a record of no model of this version: the same kind from either family

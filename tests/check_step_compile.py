@@ -1,4 +1,4 @@
-# step_compile.py (train.py --dry-run --compile) and sharded_kernels.py. Oracle: the TPU compiler itself
+# tpu_pod/step_compile.py (train.py --dry-run --compile) and tpu_pod/sharded_kernels.py. Oracle: the TPU compiler itself
 # (libtpu on compile-only v5p devices), the layout's shard shapes counted here, model.flops_per_token; the
 # unsharded JAX kernel (itself checked against plain PyTorch in tests/check_kernels.py)
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`).
@@ -35,7 +35,7 @@ def compile_run(*flags, mesh="ici=4", chip="tpu_v5p", effort=-1):
     its FLOPs, arguments, kernels and host buffers what these tests compare; effort=0 (XLA's default, a
     run's) where the oracle is the temporaries a run's compile schedules (the planner's bands, gradient
     accumulation)."""
-    import tpu_target
+    from tpu_pod import target as tpu_target
     flags = (*flags, "--compile-effort", str(effort)) if effort else flags
     if (chip, mesh, flags) not in _RUNS:
         _RUNS[chip, mesh, flags] = run_train(["--dry-run", "--compile", "--chip", chip, "--mesh", mesh, *flags],
@@ -314,7 +314,7 @@ def test_a_step_that_cannot_fit_is_the_compilers_out_of_memory_in_one_line():
 
 def test_the_pallas_kernels_fit_the_step_the_reference_attention_cannot():
     """--kernels pallas under --compile: splash attention and the fused loss run as Mosaic kernels under
-    shard_map (sharded_kernels.py) in the step whose reference attention is out of HBM (the test
+    shard_map (tpu_pod/sharded_kernels.py) in the step whose reference attention is out of HBM (the test
     above): it fits (measured: 11.2 GiB a device, fp32, 13.5 at XLA's default effort); four Mosaic calls a kernel (its forward, and in the
     backward's vjp the forward again and its two backward kernels: 8 for one layer; 0 would mean the
     reference ran); the compiler's FLOPs are flops_per_step's less the kernels' (step_compile.
@@ -336,7 +336,7 @@ def child_sharded_kernels():
     import jax_op
     import kernels_pallas  # noqa: F401  (registers the kernels)
     import kernels_splash  # noqa: F401
-    import sharded_kernels
+    from tpu_pod import sharded_kernels
     sharded_kernels.use(Mesh(np.array(jax.devices()).reshape(1, 4), ("dcn", "ici")))
     rng = np.random.default_rng(0)
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
@@ -394,7 +394,7 @@ def child_sharded_kernels():
 
 
 def test_each_kernel_under_shard_map_equals_the_unsharded_kernel_on_four_devices():
-    """sharded_kernels.py's three layouts on 4 CPU devices: splash attention split by sequence, the
+    """tpu_pod/sharded_kernels.py's three layouts on 4 CPU devices: splash attention split by sequence, the
     fused loss split by rows with its psums (the kept-row weighting, the head's gradient summed, a
     device whose rows are all ignored, the head's gradient reduce-scattered on either dim, or across
     slices on its vocabulary padded to the devices, within each slice first), and the
@@ -422,7 +422,7 @@ def test_the_compiles_jax_forms_equal_torchs_ops_on_masked_and_empty_rows():
     largest row sum of |grad x probs|, the size of the terms that cancel), the sums running in another
     order (measured 1-2)."""
     import torch
-    import compile_graph
+    from tpu_pod import compile_graph
     aten = torch.ops.aten
     gen = torch.Generator().manual_seed(0)
     scores = 4 * torch.randn(2, 3, 16, 16, generator=gen)
@@ -468,9 +468,9 @@ def child_reference_bytes():
     import torchax
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    import compile_graph
+    from tpu_pod import compile_graph
     import model
-    import tpu_target
+    from tpu_pod import target as tpu_target
     B, H, S, D = 1, 8, 2048, 128  # attention
     N, W, V = 4096, 1024, 32768   # loss: rows, width, vocabulary
     env = torchax.default_env()
@@ -550,8 +550,8 @@ def test_compile_without_a_mesh_takes_the_layout_plan_ranks_first_and_chips_that
     compile stopped on "the mesh has 1". Chips the mesh does not lay out, --chips with neither --plan
     nor --compile, chips no FSDP layout fits the batch into (under --scan: no tp), a malformed --chips or --topology,
     and a --compile-effort outside XLA's -1 to 1 are each one line, exit 2."""
-    import dryrun
-    import step_compile
+    from planner import dryrun
+    from tpu_pod import step_compile
     from tests.common import _main
     compiled_meshes = []
     monkeypatch.setattr(step_compile, "main", lambda program, planned, cfg, spec: compiled_meshes.append(

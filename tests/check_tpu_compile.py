@@ -1,4 +1,4 @@
-# tpu_target.py + tpu_kernels.py: our Pallas kernels compiled for a TPU. Oracle: the TPU compiler
+# python -m tpu_pod.target + tpu_pod/kernels.py: our Pallas kernels compiled for a TPU. Oracle: the TPU compiler
 # itself (XLA:TPU and Mosaic, in libtpu, on compile-only devices: no chip), which refuses a block
 # layout Mosaic cannot lower, a kernel whose blocks overflow VMEM, temporaries that overflow HBM.
 """Part of the suite: collected and run through test_all.py (`pytest test_all.py`)."""
@@ -9,43 +9,55 @@ import pytest
 
 from tests import launch
 
-CHIP = "tpu_v5p"  # one chip, in .venv's jax 0.7.1 + libtpu 0.0.24 (the sweep covers v6e and Ironwood)
 MiB = 2**20
 
 
-def _compiled(kernel):
-    """`tpu_kernels.py one KERNEL tpu_v5p` in a fresh process (libtpu loads into it, never into the
-    suite's): its JSON row. A missing compile environment fails here, in one line."""
-    rc, out, err = launch.python(["tpu_kernels.py", "one", kernel, CHIP], timeout=600)
+def _compiled(kernel, chip, shape):
+    """`python -m tpu_pod.kernels one KERNEL CHIP SHAPE` in a fresh process (libtpu loads into it, never
+    into the suite's): its JSON row. A missing compile environment fails here, in one line."""
+    rc, out, err = launch.python(["-m", "tpu_pod.kernels", "one", kernel, chip, *(f"{k}={v}" for k, v in shape.items())],
+                                 timeout=600)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == 0, (lines or ["(no stderr)"])[-1]
     row = json.loads(out.strip().splitlines()[-1])
     ours = row["ours"]
-    assert "error" not in ours, f"the TPU compiler refused our {kernel}: {ours.get('error')}"
+    assert "error" not in ours, f"the TPU compiler refused our {kernel} at {row['statics']}: {ours.get('error')}"
     assert ours["fits"], ours["message"]
     # forward + both backward kernels went through Mosaic (interpret mode would leave none)
     assert ours["mosaic_calls"] == row["expected_mosaic_calls"], ours["mosaic_calls"]
-    return ours
+    return row
 
 
-@pytest.mark.parametrize("kernel, temp_below", [
-    # splash, B 1, 32 query / 8 kv heads, S 8192, D 128, causal, block 512: XLA's attention keeps
-    # 32 heads of fp32 S x S scores (8 GiB); ours per-row vectors and the forward's output (measured
-    # 256 MiB): bound 1/16 of the scores
-    ("splash", 32 * 8192 * 8192 * 4 // 16),
-    # fused CE, 8192 rows, hidden 4096, Llama 3's vocab 128256: the fp32 logits are 3.9 GiB; ours
-    # none of that size (measured 4 MiB; 2 GiB when the vocabulary was padded to whole tiles: a copy
-    # of w and of its gradient): bound 64 MiB
-    ("ce", 64 * MiB),
+@pytest.mark.parametrize("kernel, chip, shape, temp_below", [
+    # splash, B 1, 32 query / 8 kv heads, S 8192, D 128, causal: XLA's attention keeps 32 heads of
+    # fp32 S x S scores (8 GiB); ours per-row vectors and the forward's output (measured 256 MiB):
+    # bound 1/16 of the scores
+    ("splash", "tpu_v5p", {}, 32 * 8192 * 8192 * 4 // 16),
+    # fused CE, 8192 rows, hidden 4096, Llama 3's vocab 128256 (Llama 3 8B): the fp32 logits are
+    # 3.9 GiB; ours none of that size (measured 4 MiB; 2 GiB when the vocabulary was padded to whole
+    # tiles: a copy of w and of its gradient): bound 64 MiB. Without the chip's VMEM limit on this
+    # path the dW kernel overflows v5p's default scoped VMEM
+    ("ce", "tpu_v5p", {}, 64 * MiB),
+    # the same at Qwen3-14B's width 5120 and vocabulary 151936 on v6e (measured: no temporaries)
+    ("ce", "tpu_v6e", dict(D=5120, V=151936), 64 * MiB),
     # gmm, Mixtral's experts: 8192 rows x 4096 by 8 x 4096 x 14336, group sizes data (any split:
-    # uneven, empty): bound the bf16 weights' size (measured 224 MiB: the row tiles' padding, dx)
-    ("gmm", 8 * 4096 * 14336 * 2),
+    # uneven, empty): bound the bf16 weights' size (measured 224 MiB: the row tiles' padding, dx).
+    # With K and N whole (interpret mode's tiles) one expert's weight is a 112 MiB block: VMEM refuses it
+    ("gmm", "tpu_v5p", {}, 8 * 4096 * 14336 * 2),
+    # Qwen3-235B-A22B's 128 experts of 4096 x 1536 on v6e (measured 48 MiB)
+    ("gmm", "tpu_v6e", dict(M=16384, G=128, K=4096, N=1536), 128 * 4096 * 1536 * 2),
 ])
-def test_kernel_forward_and_backward_compile_for_tpu_v5p(kernel, temp_below):
-    """Each kernel's forward + backward at a production shape, compiled for v5p: Mosaic lowers all
-    three of its kernels, their blocks fit VMEM (the compiler's check), and the HBM temporaries are
-    a fraction of what the XLA computation it replaces materializes."""
-    ours = _compiled(kernel)
+def test_a_training_step_on_a_chip_runs_kernels_that_compile(kernel, chip, shape, temp_below):
+    """Each kernel's forward + backward at a production shape, compiled as a training step on that
+    chip calls it: its PyTorch entry point's own tiles there (the model's tables call it), the chip
+    found as a process on it finds it (jax's device_kind, here the compile-only device's), the VMEM
+    limit set through that path alone. Mosaic lowers all three kernels, their blocks fit VMEM (the
+    compiler's check), and the HBM temporaries are a fraction of what the XLA computation it replaces
+    materializes."""
+    import kernels_pallas
+    row = _compiled(kernel, chip, shape)
+    assert kernels_pallas.chip_of(row["device_kind"]) == chip, row["device_kind"]
+    ours = row["ours"]
     assert ours["temp_bytes"] < temp_below, (ours["temp_bytes"] / MiB, temp_below / MiB)
 
 
@@ -61,7 +73,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-import tpu_target
+from tpu_pod import target as tpu_target
 mesh = Mesh(np.array(tpu_target.devices("tpu_v5p", "v5p:2x2x1")), ("x",))
 names = jax.checkpoint_policies
 policy = {"keep": names.save_only_these_names("x"), "offload": names.save_and_offload_only_these_names(
@@ -138,7 +150,7 @@ def test_the_ironwood_links_follow_a_rebuilt_tpu_environment(tmp_path, monkeypat
     libtpu's dist-info leads nowhere: the folder is made again, its links to what is there now, and
     what they led to is untouched. Oracle: the links read back (os.readlink). Before, the first
     folder was kept whatever .venv-tpu became (the old version's metadata named, the new one's not)."""
-    import tpu_target
+    from tpu_pod import target as tpu_target
     packages = tmp_path / ".venv-tpu" / "lib" / "python3.11" / "site-packages"
     for name in ("jax", "jaxlib", "libtpu", "ml_dtypes", "jax-0.10.2.dist-info", "libtpu-0.0.52.dist-info"):
         (packages / name).mkdir(parents=True)
@@ -155,11 +167,11 @@ def test_the_ironwood_links_follow_a_rebuilt_tpu_environment(tmp_path, monkeypat
 
 
 def test_the_environment_check_refuses_a_bad_command_line_in_one_line(capsys):
-    """`python tpu_target.py CHIP [TOPOLOGY | CHIPS]` (a check of the compile environment: one matmul compiled):
+    """`python -m tpu_pod.target CHIP [TOPOLOGY | CHIPS]` (a check of the compile environment: one matmul compiled):
     no chip, another chip's name, or a word past the topology (it was ignored) is the usage line; a
     topology of another chip or no chip count is one `error:` line. Exit 2 each, before any compile."""
-    import tpu_target
-    usage = "usage: tpu_target.py {tpu_v5p,tpu_v6e,tpu_v7} [TOPOLOGY | CHIPS]"
+    from tpu_pod import target as tpu_target
+    usage = "usage: python -m tpu_pod.target {tpu_v5p,tpu_v6e,tpu_v7} [TOPOLOGY | CHIPS]"
     for argv, said in (([], usage), (["tpu_v9"], usage), (["tpu_v5p", "4", "extra"], usage),
                        (["tpu_v5p", "v6e:2x2"], "error: topology 'v6e:2x2' is not a tpu_v5p one (v5p:...)"),
                        (["tpu_v5p", "0"], "error: a tpu_v5p topology has 1-4 chips (one host's) or a power of two, not 0")):

@@ -377,7 +377,7 @@ def test_grpo_through_vllm_trains_and_its_greedy_evaluation_equals_our_engine_on
     with the policy version of the pushed weights, rewards and gradients logged, and the held-out
     completions it shows at steps 0 and 4 equal our own engine's greedy decode of the warm start's
     and the final saved weights (so each push reached vLLM whole); no engine is left (the fixture above)."""
-    import checkpoint
+    from run import checkpoint
     from rl import arithmetic, rollout
     out = str(tmp_path / "run")
     assert _main(_vllm_grpo(vllm_warm, out)) == 0

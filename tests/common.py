@@ -216,8 +216,8 @@ def _restore(path, copy):
 
 def _full_params(ckpt_dir, args, name=None):
     """Load a (possibly sharded) checkpoint into full, plain tensors in this process."""
-    import checkpoint
-    import resume
+    from run import checkpoint
+    from run import resume
     import train
     cfg = train.parse_config(args)
     model = Transformer(train.model_args(cfg))
@@ -303,7 +303,7 @@ def adam_spread(args, tmp_path_factory):
 
 def _files(run_dir):
     """{relative path: sha256} of everything under run_dir/checkpoints: 'nothing lost' = unchanged."""
-    import checkpoint
+    from run import checkpoint
     root = os.path.join(run_dir, "checkpoints")
     return {os.path.relpath(os.path.join(d, f), root): checkpoint.sha256_of(os.path.join(d, f))
             for d, _, fs in os.walk(root) for f in fs}

@@ -1,9 +1,9 @@
-"""cli.py: the training configuration as one typed dataclass, its command line, and its validation:
+"""run/cli.py: the training configuration as one typed dataclass, its command line, and its validation:
 bad input becomes one `error:` line and exit code 2 before anything is touched.
 
 Each field of `TrainConfig` is a shared flag (`batch_size` -> `--batch-size`), with its type, default
 and help declared once, here. Each workload declares its own flags beside it (its `Flags` dataclass,
-task.py; declared with flags.py, as these are) with its own checks (`check_flags`); `build_parser()`
+task.py; declared with run/flags.py, as these are) with its own checks (`check_flags`); `build_parser()`
 shows them as the workload's group, and a flag of another workload than --task's is refused. A parse
 imports --task's workload only (the others only for --help, or to name a flag's owner); the run's
 config is one flat dataclass of both, TrainConfig's fields and the workload's (`config_class`). Checks of one layer's flags live with that layer
@@ -17,16 +17,16 @@ import sys
 import types
 from typing import Optional
 
-import accum
+from step import check_grad_accum
 import device as dev
 import fsdp_passes
 import mesh
 import parallel
-import profiling
+from run import profiling
 import task as workloads
 from errors import EXIT_BAD_INPUT, ConfigError, error_line
-from flags import finite_float, flag, with_overrides  # noqa: F401  (with_overrides: also reached as cli's)
-from resume import RESHARD, RESUME_CHECKED, check_allow_change
+from run.flags import finite_float, flag, with_overrides  # noqa: F401  (with_overrides: also reached as cli's)
+from run.resume import RESHARD, RESUME_CHECKED, check_allow_change
 
 @dataclasses.dataclass
 class TrainConfig:
@@ -45,7 +45,7 @@ class TrainConfig:
     batch_size: int = flag(32, "global batch size, sequences")
     grad_accum: int = flag(1, "gradient accumulation: each step's global batch (--batch-size) as N microbatches, "
                            "a forward + backward each, one update (a count, not a microbatch size: the batch a "
-                           "step trains on stays --batch-size; accum.py)", metavar="N")
+                           "step trains on stays --batch-size; step.py)", metavar="N")
     seq_len: int = flag(128, "tokens (bytes) per sequence (--task lm: the others' rows have lengths of their own)")
     lr: float = flag(3e-3, "peak learning rate")
     warmup: int = flag(30, "linear warmup steps, then cosine decay to lr/10")
@@ -88,13 +88,13 @@ class TrainConfig:
     allow_change: str = flag("", f"on resume, accept these changed settings (comma list of "
                              f"{', '.join(RESUME_CHECKED)}, {RESHARD} (another layout), and the "
                              f"workload's own: lm, flux: data; sft, grpo: init_from and their flags but "
-                             f"--updates-per-batch; resume.py)", metavar="NAMES")
+                             f"--updates-per-batch; run/resume.py)", metavar="NAMES")
     watchdog: float = flag(300.0, "end the run (exit 4) after this many seconds without progress, e.g. a stalled "
                            "peer (0: off; raise it for long first-step compiles)")
     halt_at: int = flag(0, "stop after this step as if preempted (tests resume)")
     tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars (out-dir/tensorboard)")
     profile: Optional[str] = flag(None, "trace these steps (e.g. 5,6 or 5-8) into out-dir/profile (torch.profiler; "
-                                  "--device xla: torch_xla's) and print their time by category (profiling.py)",
+                                  "--device xla: torch_xla's) and print their time by category (run/profiling.py)",
                                   metavar="STEPS")
     no_plot: bool = flag(False, "do not draw loss.png at each evaluation (metrics.jsonl has the same numbers; "
                          "drawing costs ~1-2 s of matplotlib per run, a third of a short test run)")
@@ -294,7 +294,7 @@ def _validate_grad_accum(cfg, workload):
     # for any; the chosen layout's ranks are checked once it is picked)
     later = cfg.dry_run and not cfg.mesh and (cfg.chips or cfg.topology)
     where = f"{named} (on any layout)" if later else f"{named} over {dp} data-parallel rank(s)"
-    why = accum.check(cfg.grad_accum, reduction, rows // dp, where, cfg.task)
+    why = check_grad_accum(cfg.grad_accum, reduction, rows // dp, where, cfg.task)
     if why:
         raise ConfigError(why)
 

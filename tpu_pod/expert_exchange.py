@@ -1,4 +1,4 @@
-"""expert_exchange.py: expert parallelism in the step compiled for a TPU pod (--dry-run --compile,
+"""tpu_pod/expert_exchange.py: expert parallelism in the step compiled for a TPU pod (--dry-run --compile,
 --mesh ici=N,ep=E): the trainer's all-to-all (expert_parallel.py) as two JAX ops.
 
     python train.py --dry-run --compile --flavor qwen3_moe_debug --mesh ici=4,ep=2 --chip tpu_v5p

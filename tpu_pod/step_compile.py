@@ -1,4 +1,4 @@
-"""step_compile.py: our training step compiled for a TPU pod by the real TPU compiler, on a CPU machine.
+"""tpu_pod/step_compile.py: our training step compiled for a TPU pod by the real TPU compiler, on a CPU machine.
 
     python train.py --dry-run --compile --flavor llama3_debug --mesh ici=4 --chip tpu_v5p
     python train.py --dry-run --compile --flavor llama3_8b --set n_layers=2 --mesh ici=4 --batch-size 8 --seq-len 2048
@@ -15,7 +15,7 @@ tracers, so `jax.jit` lowers the whole step to one StableHLO program (why torcha
 torch_xla's HLO: docs/planning.md), every parameter and AdamW moment sharded by the layout's
 partition spec (spmd.partition_spec: the GSPMD layout train.py gives XLA; param_sharding) and
 donated (updated in place, as torch_xla aliases them). XLA:TPU compiles it for the named topology
-through JAX's compile-only devices (tpu_target.py): the compiler's verdict, its per-device HBM
+through JAX's compile-only devices (tpu_pod/target.py): the compiler's verdict, its per-device HBM
 (arguments, temporaries, outputs; the fit judged on its peak, or with host buffers on the HBM
 its buffer assignment reserves: tpu_target.Compiled.hbm_bytes), its
 cost model's FLOPs and `optimal_seconds` (Ironwood: a chip's, its two TensorCores being two
@@ -33,7 +33,7 @@ What differs from a run on the chip, and why:
     (the S x S scores, causal by mask, chosen before autograd so that its backward is plain aten ops
     as well) and the whole logits, which the cost model prices in full, both lowered in JAX's forms
     (compile_graph.JAX_FORMS). With --kernels pallas they are our Mosaic kernels, each under
-    shard_map (sharded_kernels.py: the partitioner cannot split a custom call), which the cost model
+    shard_map (tpu_pod/sharded_kernels.py: the partitioner cannot split a custom call), which the cost model
     cannot see: FLOPs and step then leave their share out (kernel_flops).
     An MoE's experts are always the grouped-matmul kernel (the reference reads group sizes on the
     host), its tokens routed one group a device (lm_program).
@@ -44,7 +44,7 @@ What differs from a run on the chip, and why:
     whole over tp; cp is spmd.py's head-tail split of each sequence over cp. Each is kept to that
     split by a constraint on the token rows (compile_graph.rows_over_batch); neither with --scan nor
     --kernels pallas (the kernels' shard_map is over the data-parallel devices). ep is the trainer's
-    padded all-to-all as two JAX ops (expert_exchange.py). docs/planning.md has each, measured.
+    padded all-to-all as two JAX ops (tpu_pod/expert_exchange.py). docs/planning.md has each, measured.
   - --grad-accum is graph mode's unrolled loop, each microbatch after the first tied to the previous
     one's gradients (compile_graph.GradsLikeParams.after_microbatch: XLA ran every forward first).
   - the arguments' bytes include the TPU's tile padding (a shard's last two dims rounded up to the
@@ -58,8 +58,8 @@ import time
 import numpy as np
 import torch
 
-import accum
-import compile_graph
+from step import Microbatches
+from tpu_pod import compile_graph
 import graph_passes
 import graph_trainer
 import layer_scan
@@ -90,7 +90,7 @@ class Program:
     stacks: object = None  # model -> [(owner, attribute)] of its block stacks for --scan (the family's
     #                        ModelFamily.scan_stacks); None: a decoder's `layers`
     tp_split: dict = None  # {parameter name: its dim over tp} (tensor_parallel.split_dims); None: no tp plan
-    loss_reduction: str = None  # how --grad-accum's microbatches combine ("mean" / "sum": accum.py); None: refused
+    loss_reduction: str = None  # how --grad-accum's microbatches combine ("mean" / "sum": step.py); None: refused
     split_sequence: object = None  # cp -> None: the model computes on its sequences split cp ways in head-tail
     #                                order (the family's split_sequence seam, as spmd.py's cp); None: no cp
 
@@ -102,7 +102,7 @@ def lm_program(args, batch_size, seq_len, saved_bytes, shards=1):
     reference reads group sizes on the host), its tokens routed in `shards` groups, one a
     data-parallel device (model.MoE's moe_groups; sharded_kernels.by_routing_group)."""
     import context_parallel
-    import expert_exchange
+    from tpu_pod import expert_exchange
     import tensor_parallel
     from model import Transformer, next_token_loss
     if args.n_experts:
@@ -118,7 +118,7 @@ def lm_program(args, batch_size, seq_len, saved_bytes, shards=1):
 
 
 def kernel_flops(args, tokens, seq_len):
-    """The step's FLOPs inside the Pallas kernels (sharded_kernels.py), as model.flops_per_token counts
+    """The step's FLOPs inside the Pallas kernels (tpu_pod/sharded_kernels.py), as model.flops_per_token counts
     them: splash attention's scores and values, 12 L H Dh S a token (forward and backward, the full
     S x S), the fused loss's projection, 6 V D a token, and the grouped matmul's experts, 6 L k 3 D F
     a token (k of them, three matrices each)."""
@@ -149,7 +149,7 @@ def capture(program, remat, clip, dtype="fp32", microbatches=1):
     autocast = AUTOCAST if dtype == "bf16" else contextlib.nullcontext
     step_fn = graph_trainer.build_step_fn(model, names, program.loss, clip, *ADAMW_DEFAULTS,
                                           optim.decay_mask(names, metas), autocast, compile_graph.GradsLikeParams(None),
-                                          microbatches=accum.Microbatches(microbatches, program.loss_reduction)
+                                          microbatches=Microbatches(microbatches, program.loss_reduction)
                                           if microbatches > 1 else None,  # (one pass: any workload's loss)
                                           param_dtype=torch.bfloat16 if dtype == "bf16" else None)
     with sdpa_kernel(SDPBackend.MATH):
@@ -234,7 +234,7 @@ def jax_step(gm, out_shardings, unroll=1, offload=False):
     --scan's ops as lax.scan, `unroll` layers a While iteration (layer_scan.register_torchax)."""
     import jax
     import torchax
-    import sharded_kernels
+    from tpu_pod import sharded_kernels
     compile_graph.register_torchax()
     layer_scan.register_torchax(compile_graph.on_jax, unroll, offload)
     sharded_kernels.register_torchax()
@@ -259,7 +259,7 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     `dtype`: capture's; `offload` (--scan): each layer's input in host memory between its
     forward and backward (layer_scan.register_torchax); `cores`: devices a chip (Ironwood's 2);
     `effort`: the compiler's (tpu_target.EFFORTS)."""
-    import tpu_target
+    from tpu_pod import target as tpu_target
     from jax.sharding import NamedSharding, PartitionSpec
     tp, cp, ep = dims.get("tp", 1), dims.get("cp", 1), dims.get("ep", 1)
     if ep > 1 and (program.expert_parallel is None or tp > 1 or cp > 1 or dims["ici"] % ep):
@@ -306,7 +306,7 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
         batched = NamedSharding(rows.mesh, PartitionSpec(("dcn", "ici", "tp")))
         gm = compile_graph.batched_matmuls_over_batch(gm)
     compile_graph.use(rows, out_shardings[0], batched)
-    import sharded_kernels
+    from tpu_pod import sharded_kernels
     sharded_kernels.use(inputs[-1].sharding.mesh)
     capture_s = time.perf_counter() - start
 
@@ -339,7 +339,7 @@ def device_dims(dims, cores):
 def compile_twin(program, dims, chip, topology, clip, cores=1, effort=0.0):
     """The program's twin (Program.twin) compiled for the same topology (one slice's name) and (dcn,
     ici) layout."""
-    import tpu_target
+    from tpu_pod import target as tpu_target
     fn, inputs, donated = program.twin(layout_mesh(device_dims(dims, cores), tpu_target.devices(chip, topology, dims["dcn"])), clip)
     try:
         return tpu_target.per_chip(tpu_target.compile(fn, *inputs, chip=chip, topology=topology, donate_argnums=donated,
@@ -405,7 +405,7 @@ def main(program, planned, cfg, spec):
     """--compile (dryrun.compiled_report): `program` compiled for cfg's chip and topology on the
     planner's layout; the compiler's figures beside `planned` (dryrun.estimate for the same program),
     as compare's dict, which the dry run prints and judges (planner.report.judged)."""
-    import tpu_target
+    from tpu_pod import target as tpu_target
     dims = {"dcn": 1, "tp": 1, "ep": 1, **dict(p.split("=") for p in planned["mesh"].split(","))}
     dims = {k: int(v) for k, v in dims.items()}
     if cfg.scan:  # (the planner's column is then remat "full": dryrun.compiled_report)

@@ -1,9 +1,9 @@
-"""hf.py: Hugging Face checkpoints in and out (Llama 3, Qwen 3, Qwen 3-MoE), like torchtitan's
+"""interop/hf.py: Hugging Face checkpoints in and out (Llama 3, Qwen 3, Qwen 3-MoE), like torchtitan's
 state-dict adapters.
 
     model = hf.load("Qwen3-0.6B/")           # config.json + model.safetensors(.index.json) -> Transformer
     hf.save(model, "out/")                   # the other way: loads back bit for bit
-    python hf.py export runs/X out/          # a training run's newest checkpoint as a HF directory
+    python -m interop.hf export runs/X out/          # a training run's newest checkpoint as a HF directory
 
 model.py already uses Hugging Face's parameter names, so the mapping is short: a `model.` prefix, and
 Qwen 3-MoE's per-expert Linear weights (F, D) stacked into our (E, D, F) grouped-matmul tensors
@@ -31,13 +31,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import atomic
-import checkpoint
+from run import checkpoint
 from errors import BadInput
 from parallel import local_box, local_tensor
 from model import KIND, ModelArgs, Transformer, check_args
-import tokenizer
-
-
+from interop import tokenizer
 class HFError(BadInput):
     """An HF directory we cannot load exactly: one line, exit 2."""
 
@@ -172,7 +170,7 @@ def read_config(path):
             cfg = json.load(f)
     except (OSError, ValueError) as e:
         if os.path.isdir(os.path.join(path, "checkpoints")):  # (a train.py run: no HF directory yet)
-            raise HFError(f"{path} is a train.py run, not a Hugging Face directory: `python hf.py export "
+            raise HFError(f"{path} is a train.py run, not a Hugging Face directory: `python -m interop.hf export "
                           f"{path} OUT_DIR` makes one") from None
         raise HFError(f"{file}: missing or unreadable ({type(e).__name__})") from None
     if not isinstance(cfg, dict):
@@ -414,10 +412,10 @@ def save(model, path, max_shard_bytes=5 * 2**30, overwrite=False, files=None, eo
 
 
 def main(argv):
-    """python hf.py export RUN_DIR OUT_DIR [--overwrite]: a training run's newest checkpoint as a HF
+    """python -m interop.hf export RUN_DIR OUT_DIR [--overwrite]: a training run's newest checkpoint as a HF
     directory. Exit 0 done, 2 bad input (nothing written), 5 a write failed (OUT_DIR as it was)."""
     import argparse
-    p = argparse.ArgumentParser(prog="hf.py", description="a training run's newest checkpoint as a HF directory")
+    p = argparse.ArgumentParser(prog="python -m interop.hf", description="a training run's newest checkpoint as a HF directory")
     p.add_argument("command", choices=["export"])
     p.add_argument("run_dir")
     p.add_argument("out_dir")

@@ -1,4 +1,4 @@
-"""dryrun.py: will this configuration fit and how fast could it be? Answered without any hardware.
+"""planner/dryrun.py: will this configuration fit and how fast could it be? Answered without any hardware.
 
     python train.py --dry-run --flavor llama3_405b --mesh dcn=2,ici=128 --chip tpu_v5p
     python train.py --task flux --flavor flux_dev --dry-run --image-size 1024 --batch-size 4 --mesh ici=4
@@ -21,7 +21,7 @@ shape-dependent fraction of peak, splash attention with causal blocks skipped, H
 DCN collectives hidden up to an overlap fraction, TP / EP exposed, a host overhead), with the few
 free constants fitted on published TPU runs (planner/calibration.json, planner/calibrate.py):
 
-    python dryrun.py --calibrate [--breakdown]   # predicted vs published for every run, and the fit
+    python -m planner.dryrun --calibrate [--breakdown]   # predicted vs published for every run, and the fit
     python -m planner.anchor [--flux]            # this CPU as the chip: predicted vs measured step
 
 Layouts (mesh dims dcn, ici, tp, ep as in train.py): tensor parallelism splits the attention and
@@ -61,7 +61,7 @@ MEMORY_LABELS = {"parameters": "params (fp32 shard)", "gradients": "grads (fp32 
 @dataclasses.dataclass
 class Workload:
     """What a task tells the planner about one training sample at full scale (ModelFamily.plan):
-    the only seam between dryrun.py and a model. Parameters are grouped by how a layout splits them:
+    the only seam between planner/dryrun.py and a model. Parameters are grouped by how a layout splits them:
     "tp" (the matmuls tensor parallelism splits), "experts" (split over ep), "rest" (FSDP over ici only)."""
     label: str                 # the flavor, for the report
     whole: dict                # parameters of the model, by group
@@ -83,7 +83,7 @@ class Workload:
 def lm_workload(args, flavor, seq_len):
     """A language model's Workload: the TPU config rewrite, then its parameter groups and FLOPs."""
     import expert_parallel
-    import step_compile
+    from tpu_pod import step_compile
     import tensor_parallel
     args = tpu_config(args)
     whole, layer = param_groups(args)
@@ -331,7 +331,7 @@ def main(w, cfg):
         raise ValueError(f"--chips {cfg.chips} is for --plan (rank its layouts) or --compile (compile the "
                          f"first): add one, or give the layout with --mesh")
     if getattr(cfg, "compile", False):  # (a namespace without the flag: the estimate)
-        import tpu_target
+        from tpu_pod import target as tpu_target
         if not tpu_target.EFFORTS[0] <= effort <= tpu_target.EFFORTS[1]:
             raise ValueError(f"--compile-effort {effort}: XLA's exec_time_optimization_effort is from -1 to 1")
         return compiled_report(w, cfg, compile_dims(w, cfg), cfg.remat)
@@ -366,7 +366,7 @@ def compile_dims(w, cfg):
     one slice for a --topology) under the memory policy of the compiled program (--remat off or on; --scan: each
     layer's input kept, or offloaded with --offload); else one chip."""
     import mesh
-    import tpu_target
+    from tpu_pod import target as tpu_target
     topology = getattr(cfg, "topology", None)
     chips = cfg.chips or (tpu_target.topology_chips(cfg.chip, topology) if topology else 0)
     if cfg.mesh or not chips:
@@ -395,9 +395,9 @@ def compiled_policy(cfg, remat):
 
 
 def compiled_report(w, cfg, dims, remat):
-    """--compile: the step compiled by the TPU compiler (step_compile.py) beside this layout's estimate,
+    """--compile: the step compiled by the TPU compiler (tpu_pod/step_compile.py) beside this layout's estimate,
     whose activations are traced for the same implementations as the compiled program."""
-    import step_compile
+    from tpu_pod import step_compile
     if w.program is None:
         raise ValueError(f"--compile: the {w.label} workload gives no step to compile")
     shards = dims["dcn"] * dims["ici"] * TPU_SPECS[cfg.chip]["devices"]  # (the compiler's data-parallel devices)
@@ -412,10 +412,10 @@ def compiled_report(w, cfg, dims, remat):
 
 
 def cli(argv):
-    """python dryrun.py ARGS: the calibration table and its compiler column (the dry run itself is
+    """python -m planner.dryrun ARGS: the calibration table and its compiler column (the dry run itself is
     train.py --dry-run). The exit code: 0, or 2 with one `error:` line."""
-    usage = ("python dryrun.py --calibrate [--breakdown]: the planner against every published run of "
-             "planner/calibration.json;\npython dryrun.py --calibrate --compile [RUN_ID ...]: each run compiled "
+    usage = ("python -m planner.dryrun --calibrate [--breakdown]: the planner against every published run of "
+             "planner/calibration.json;\npython -m planner.dryrun --calibrate --compile [RUN_ID ...]: each run compiled "
              "by the TPU compiler (minutes a run).\nThe dry run itself is train.py --dry-run (--plan --chips N, "
              "--compile); the CPU anchor python -m planner.anchor.")
     if argv in (["-h"], ["--help"]):

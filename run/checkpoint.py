@@ -1,4 +1,4 @@
-"""checkpoint.py: atomic, verified checkpoints with torch.distributed.checkpoint (DCP).
+"""run/checkpoint.py: atomic, verified checkpoints with torch.distributed.checkpoint (DCP).
 
 DCP writes each rank's shards in parallel, so the same code serves one process and a sharded
 (SimpleFSDP) run; XLA SPMD writes its devices' shards through its own planners (spmd_checkpoint.py).
@@ -91,7 +91,7 @@ def save(ckpt_dir, step, state, meta, shards=None):
         shutil.rmtree(tmp, ignore_errors=True)  # leave nothing half-written behind
         if isinstance(e, dist.DistError) or peer_failure(e) or interrupted(e) or \
                 not isinstance(e, (Exception, dcp.api.CheckpointException)):  # (DCP's is a BaseException)
-            raise  # interrupted, or a peer died mid-save: process.py's own one-line errors
+            raise  # interrupted, or a peer died mid-save: run/process.py's own one-line errors
         raise _write_error(ckpt_dir, name, e) from None
     if _rank() == 0:
         _commit(tmp, final)                                    # 3.
@@ -192,7 +192,7 @@ def load(path, state, planner=None):
         # another version, or a state of other names: a model of another layout). DCP's CheckpointException
         # is a BaseException, which `except Exception` would let through as a traceback.
         if isinstance(e, dist.DistError) or peer_failure(e) or interrupted(e):
-            raise  # a dead peer, SIGINT / SIGTERM mid-load: process.py's own lines
+            raise  # a dead peer, SIGINT / SIGTERM mid-load: run/process.py's own lines
         raise CheckpointError(f"checkpoint {path} could not be loaded ({str(e).strip().splitlines()[-1][:200]})") from None
     return state
 
@@ -219,7 +219,7 @@ def load_into(path, live, shards=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# A run's checkpoint as a model (generate.py samples from it, hf.py exports it)
+# A run's checkpoint as a model (generate.py samples from it, python -m interop.hf exports it)
 
 def run_checkpoint(path):
     """(checkpoint directory, its meta.json) to sample from: `path` is a train.py run directory (its

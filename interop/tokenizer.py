@@ -1,11 +1,11 @@
-"""tokenizer.py: what a run's token ids are as text, in both directions, and the tokenizer an export
+"""interop/tokenizer.py: what a run's token ids are as text, in both directions, and the tokenizer an export
 carries.
 
 A run trains on bytes (data.py: id b is byte b, no tokenizer to download) or on the ids of a Hugging
 Face tokenizer.json (train.py --tokenizer DIR), which its checkpoint records. `for_run` gives back the
 one it trained on, with the token its samples end with where the run records one (its workload's
 `eos_id`), `generate.py` samples through it, and `export_files` writes it beside an export's
-weights (hf.py), so that transformers' AutoTokenizer and `generate.py --hf` read the export as any HF
+weights (interop/hf.py), so that transformers' AutoTokenizer and `generate.py --hf` read the export as any HF
 model. Our bytes become a HF tokenizer without inventing a format: GPT-2's byte-level BPE with no
 merges, whose alphabet writes each byte as one printable character (`byte_level`).
 

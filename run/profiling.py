@@ -1,4 +1,4 @@
-"""profiling.py: where a step's time goes. `--profile 5,6` traces those steps into the run directory and,
+"""run/profiling.py: where a step's time goes. `--profile 5,6` traces those steps into the run directory and,
 at the end of the run, prints their time by category (matmuls, attention, elementwise / memory-bound,
 collectives, optimizer, host / idle) and draws it as a bar chart.
 

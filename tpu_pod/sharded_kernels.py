@@ -1,11 +1,11 @@
-"""sharded_kernels.py: the Pallas kernels inside the training step compiled for a TPU pod.
+"""tpu_pod/sharded_kernels.py: the Pallas kernels inside the training step compiled for a TPU pod.
 
     python train.py --dry-run --compile --kernels pallas --chip tpu_v5p --mesh ici=4 --flavor llama3_debug \
         --set n_layers=1 --set max_seq_len=8192 --batch-size 256 --seq-len 8192
 
-step_compile.py hands the whole step to XLA's SPMD partitioner (GSPMD), which splits XLA's own ops
+tpu_pod/step_compile.py hands the whole step to XLA's SPMD partitioner (GSPMD), which splits XLA's own ops
 over the devices by the layout's shardings. A Mosaic kernel is a custom call whose inside the
-partitioner cannot see: the TPU compiler refuses to split it (tpu_target.py). So each kernel is
+partitioner cannot see: the TPU compiler refuses to split it (tpu_pod/target.py). So each kernel is
 lowered as its JAX function (the one jax_op.py registered as a PyTorch op) under `jax.shard_map` over
 the data-parallel devices, dcn x ici (x ep, which borrows them): every device calls the kernel on its own rows of the batch, as
 MaxText wraps its splash kernel. Where the kernel's result mixes rows (the loss is one mean over all
@@ -40,9 +40,9 @@ of them) the devices combine their pieces with a psum. Per kernel, what each dev
                      device's rows are its own tokens, sorted); the experts' weights w (E, D, F) whole
                      (FSDP gathers them). dx is the device's rows; dw, each device's part from its own
                      rows, is summed over the devices as the loss head's (step 3). Under ep: the rows
-                     expert_exchange.py delivered and the device's E / ep experts, dw summed over the
+                     tpu_pod/expert_exchange.py delivered and the device's E / ep experts, dw summed over the
                      devices of its ep rank.
-  ep exchange        expert_exchange.py's ops, a device's rows in and out: their one-device form,
+  ep exchange        tpu_pod/expert_exchange.py's ops, a device's rows in and out: their one-device form,
                      whose all-to-all crosses the ep axis (by_ep_exchange).
 
 The cost model does not see inside a Mosaic kernel (no FLOPs, ~0 s): with the kernels the compiler's
@@ -61,6 +61,8 @@ import torch
 from jax.sharding import PartitionSpec as P
 
 import jax_op
+import kernels_gmm
+import kernels_pallas
 
 _MESH = [None]  # (the compile in progress's (dcn, ici[, ep]) mesh: set by `use`)
 
@@ -94,7 +96,7 @@ def _by_slice(count):
     flat = _MESH[0].devices.flat
     index = [getattr(d, "slice_index", i * count // _MESH[0].devices.size) for i, d in enumerate(flat)]
     if index != sorted(index):
-        raise ValueError("sharded_kernels: the mesh's devices are not slice by slice")
+        raise ValueError("tpu_pod.sharded_kernels: the mesh's devices are not slice by slice")
     return Mesh(_MESH[0].devices.reshape(count, -1), ("slice", "chip"))
 
 
@@ -138,12 +140,11 @@ def mean_over_rows(call, ignore_index="ignore_index"):
         within the chip's limit, at the inputs' width: h and w reach the kernel in fp32, the model's
         dtype, since autocast does not cast a custom op's inputs), not the interpret-mode defaults the
         graph was captured with: at a width of 8192 those overflow VMEM (measured: Llama 2 70B's loss)."""
-        import kernels_pallas
-        import tpu_target
-        chip = tpu_target.lowering_for_tpu()
+        chip = kernels_pallas.target_chip()
         if chip:
             itemsize = max(jnp.dtype(h.dtype).itemsize, jnp.dtype(w.dtype).itemsize)
-            statics["block_n"], statics["block_v"] = kernels_pallas.ce_blocks(chip, w.shape[1], w.shape[0], itemsize)
+            statics["block_n"], statics["block_v"] = kernels_pallas.ce_tiles(h.shape[0] // _devices(batch_axes()),
+                                                                             w.shape[1], w.shape[0], itemsize, chip)
         return statics
 
     def forward(h, w, targets, *static_args):
@@ -214,12 +215,9 @@ def by_routing_group(call):
         if sizes.ndim != 2 or sizes.shape[0] % devices:
             raise ValueError(f"the grouped matmul under --compile routes one group a device: its group sizes "
                              f"are {tuple(sizes.shape)} on {devices} devices (model.MoE's moe_groups)")
-        import kernels_pallas
-        import tpu_target
-        chip = tpu_target.lowering_for_tpu()
+        chip = kernels_pallas.target_chip()
         if chip:  # (the chip's tiles, not the capture's: block_m at most the rows a group)
-            tm, statics["block_k"], statics["block_n"] = kernels_pallas.TPU_BLOCKS[chip]["gmm"]
-            statics["block_m"] = min(tm, kernels_pallas.round_up(x.shape[0] // sizes.shape[0], 128))
+            statics["block_m"], statics["block_k"], statics["block_n"] = kernels_gmm.gmm_tiles(x.shape[0] // sizes.shape[0], chip)
         return statics
 
     def mine(sizes, w):
@@ -252,7 +250,7 @@ def by_routing_group(call):
 def by_ep_exchange(call):
     """(forward, backward) of an expert_exchange op: a device's rows (and its group sizes) in and out,
     exchanged inside over the ep axis."""
-    import expert_exchange
+    from tpu_pod import expert_exchange
     return by_sequence(call, expert_exchange.ON_DEVICE[call.jax_fn])
 
 
@@ -273,7 +271,7 @@ def register_torchax():
     import kernels_gmm  # noqa: F401  (registers the grouped matmul)
     import kernels_pallas  # noqa: F401  (registers the fused loss)
     import kernels_splash  # noqa: F401  (registers splash)
-    import expert_exchange  # noqa: F401  (registers the ep exchange)
+    from tpu_pod import expert_exchange  # noqa: F401  (registers the ep exchange)
     from torchax.ops import ops_registry
     for name, make in LAYOUTS.items():
         if op_overload(name) in ops_registry.all_aten_ops:

@@ -1,4 +1,4 @@
-"""lm_task.py: the language-model family (Llama 3 / Qwen 3 / Qwen 3-MoE, model.py) and its
+"""workloads/lm.py: the language-model family (Llama 3 / Qwen 3 / Qwen 3-MoE, model.py) and its
 pretraining workload, next-token prediction on bytes or a Hugging Face tokenizer's ids (task.py's
 two interfaces).
 
@@ -13,9 +13,9 @@ import os
 from typing import Optional
 
 import data
-import hf
-from checkpoint import CheckpointError
-from flags import flag, with_overrides
+from interop import hf
+from run.checkpoint import CheckpointError
+from run.flags import flag, with_overrides
 from errors import ConfigError
 from model import (FLAVORS, KIND, ModelArgs, MoE, Transformer, check_args, dynamic_shapes_reason, flops_per_token,
                    init_value, next_token_loss, param_counts, tpu_config)
@@ -157,7 +157,7 @@ class LanguageModelFamily(ModelFamily):
         return 2 * B * saved_bytes_per_sequence(args, S, remat=False)
 
     def plan(self, args, cfg):
-        import dryrun
+        from planner import dryrun
         return dryrun.lm_workload(args, cfg.flavor, cfg.seq_len)
 
 
@@ -188,7 +188,7 @@ class Pretraining(Workload):
 
     @classmethod
     def loss_reduction(cls, cfg):
-        """Every position of every row is a target: microbatches of equal rows average (accum.py)."""
+        """Every position of every row is a target: microbatches of equal rows average (step.py)."""
         return "mean"
 
     def setup_data(self, dp_rank, dp_size):

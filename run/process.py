@@ -1,4 +1,4 @@
-"""process.py: the process around a run. The Trainer trains; this file turns what ends a run into one
+"""run/process.py: the process around a run. The Trainer trains; this file turns what ends a run into one
 `error:` line and the exit code of its kind (the table: errors.py).
 
     process.run(body, argv)   # -> exit code; body(argv, at) builds and runs, `at` holds what it built
@@ -23,9 +23,9 @@ import time
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-import checkpoint
+from run import checkpoint
 import mesh
-import resume
+from run import resume
 from errors import (EXIT_BAD_INPUT, EXIT_OWN_FAILURE, EXIT_PEER_FAILED, EXIT_WRITE_FAILED, Interrupted,
                     MinititanError, PeerGone, describe_write_failure, error_line, interruption,
                     peer_failure)

@@ -1,4 +1,4 @@
-"""resume.py: may this checkpoint resume this run? The one home of that decision.
+"""run/resume.py: may this checkpoint resume this run? The one home of that decision.
 
 A run records what it is in each checkpoint's meta.json (`run_record`): its workload, model, mesh, layer
 layout and training settings. A resume (--resume, --resume auto, --resume-from) takes a checkpoint that
@@ -12,14 +12,14 @@ verifies (`resume_path`), then refuses it if it is another run (`check_compatibl
     --allow-change), a reason it never may, or a function of (saved, now) giving one or None.
 
 Without --resume, a directory that holds checkpoints is refused (starting over would overwrite them).
-checkpoint.py writes, verifies and loads checkpoints; this file only decides which one, if any.
+run/checkpoint.py writes, verifies and loads checkpoints; this file only decides which one, if any.
 """
 import functools
 import json
 import os
 
-import checkpoint
-from checkpoint import CheckpointError
+from run import checkpoint
+from run.checkpoint import CheckpointError
 from errors import ConfigError
 
 # What --resume compares with the checkpoint's run (changing one needs --allow-change NAME):
@@ -186,7 +186,7 @@ def check_compatible(path, meta, allow_change=(), refusal=lambda key, saved, now
         raise CheckpointError(f"{path} is at step {saved.get('step')}, --steps is {new['steps']}: nothing to "
                               f"train (raise --steps, with --allow-change steps)")
     diffs = []  # (name, saved, now); a record of settings (grpo's, sft's) differs setting by setting, each
-    for k in new:  # named as its flag, so that the --allow-change offered is one cli.py accepts
+    for k in new:  # named as its flag, so that the --allow-change offered is one run/cli.py accepts
         if old.get(k) == new[k]:
             continue
         if isinstance(old.get(k), dict) and isinstance(new[k], dict):

@@ -1,4 +1,4 @@
-"""tpu_target.py: the real TPU compiler, on a machine with no TPU (JAX's compile-only devices).
+"""tpu_pod/target.py: the real TPU compiler, on a machine with no TPU (JAX's compile-only devices).
 
 libtpu, the TPU's compiler and runtime library, describes a named TPU topology on a host that has no
 chip: `jax.experimental.topologies.get_topology_desc("v5p:2x2x1", platform="tpu")` gives devices that
@@ -27,9 +27,9 @@ $MINITITAN_LIBTPU): importable, it makes every jax process look for a chip first
 seconds of waiting). It is loaded here as jax's TPU plugin when a target is first asked for, after
 jax's own backends are up, so that nothing else in the process ever looks for a chip.
 
-    .venv/bin/python tpu_target.py tpu_v5p v5p:2x2x1      # a matmul compiled: the environment works
-    .venv-tpu/bin/python tpu_target.py tpu_v7 8           # (a chip count: the topology of 8 chips)
-    PYTHONPATH=.jax-tpu7x .venv/bin/python tpu_target.py tpu_v7 8   # (the pair the step compile uses)
+    .venv/bin/python -m tpu_pod.target tpu_v5p v5p:2x2x1      # a matmul compiled: the environment works
+    .venv-tpu/bin/python -m tpu_pod.target tpu_v7 8           # (a chip count: the topology of 8 chips)
+    PYTHONPATH=.jax-tpu7x .venv/bin/python -m tpu_pod.target tpu_v7 8   # (the pair the step compile uses)
 """
 import collections
 import contextlib
@@ -45,7 +45,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+import kernels_pallas
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,16 +240,6 @@ def one_device_sharding(chip, topology=MIN_CHIPS):
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-_LOWERING_FOR_TPU = [None]
-
-
-def lowering_for_tpu():
-    """The chip compile() is tracing for (None outside it): the Pallas kernels then lower with Mosaic
-    (interpret=False), whatever this process's own backend is, within that chip's VMEM. The one
-    switch, read by kernels_pallas.pallas_call_prefetch."""
-    return _LOWERING_FOR_TPU[0]
-
-
 @dataclasses.dataclass
 class Compiled:
     """What the TPU compiler says of a program, per device (bytes)."""
@@ -267,7 +259,7 @@ class Compiled:
     compile_s: float = 0.0
     mosaic_calls: int = 0     # Mosaic kernels in the compiled program (tpu_custom_call)
     host_bytes: int = 0       # host memory the program's temporaries take (offloaded activations)
-    all_to_alls: int = 0      # all-to-alls in the program (ep's exchanges: expert_exchange.py)
+    all_to_alls: int = 0      # all-to-alls in the program (ep's exchanges: tpu_pod/expert_exchange.py)
     peak_bytes: int = 0       # the program's peak, arguments included (memory_analysis's
                               # peak_memory_in_bytes; 0: not given); with host buffers it can count them
     hbm_allocated_bytes: int = 0  # with host buffers: the HBM its buffer assignment reserves (_hbm_allocated)
@@ -305,13 +297,15 @@ def _first_line(e):
     return lines[0] if lines else type(e).__name__
 
 
-def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=(), effort=0.0):
+def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=(), effort=0.0, lower_kernels=True):
     """Compile jax function `fn` on `args` (ShapeDtypeStructs; one without a sharding is placed on
     one device of the topology) for `chip`, with its Pallas kernels lowered by Mosaic. Returns a
     Compiled; an HBM overflow is `fits=False` with the compiler's message; any other refusal raises
     CompileFailed. `donate_argnums`: arguments whose buffers the outputs may reuse (a training step's
     weights and optimizer state, updated in place: alias_bytes). `effort`: XLA's
-    exec_time_optimization_effort (EFFORTS), given here whatever $JAX_EXEC_TIME_OPTIMIZATION_EFFORT says."""
+    exec_time_optimization_effort (EFFORTS), given here whatever $JAX_EXEC_TIME_OPTIMIZATION_EFFORT says.
+    `lower_kernels`: the Pallas kernels lower for `chip` (kernels_pallas.lowering_for); False: as they
+    would in a process running on a chip (kernels_pallas.running_chip), the training step's own path."""
     if not (EFFORTS[0] <= effort <= EFFORTS[1]):  # (NaN too; XLA took -5 and NaN without a word)
         raise ValueError(f"compile effort {effort}: XLA's exec_time_optimization_effort is in [-1, 1]")
     options = {"exec_time_optimization_effort": float(effort)}
@@ -321,10 +315,10 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=(), effort=0.0):
                        if isinstance(a, jax.ShapeDtypeStruct) and a.sharding is None else a)
     args = jax.tree.map(place, args)
     start = time.perf_counter()
-    _LOWERING_FOR_TPU[0] = chip
     jax.clear_caches()  # (a trace cached in interpret mode must not be reused, nor this one after)
     try:  # (the default device: Pallas asks it which chip it lowers for, jax 0.10's tpu_info)
-        with jax.default_device(one.mesh.devices.flat[0]):
+        with kernels_pallas.lowering_for(chip if lower_kernels else None), \
+                jax.default_device(one.mesh.devices.flat[0]):
             lowered = jax.jit(lambda *a: fn(*a), donate_argnums=donate_argnums).lower(*args)
             compiled = lowered.compile(compiler_options=options)
             seconds = time.perf_counter() - start
@@ -339,7 +333,6 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=(), effort=0.0):
                             compile_s=time.perf_counter() - start)
         raise CompileFailed(text) from None
     finally:
-        _LOWERING_FOR_TPU[0] = None
         jax.clear_caches()
     text = lowered.as_text()
     cost = compiled.cost_analysis()
@@ -415,10 +408,10 @@ def _compiler_line(text):
 
 
 def main(argv):
-    """python tpu_target.py CHIP [TOPOLOGY | CHIPS]: a bf16 matmul compiled, as a check of the
+    """python -m tpu_pod.target CHIP [TOPOLOGY | CHIPS]: a bf16 matmul compiled, as a check of the
     environment; `error:` and exit 2 where it cannot be."""
     if not argv or argv[0] not in KINDS or len(argv) > 2:  # (a third word was ignored)
-        print(f"usage: tpu_target.py {{{','.join(KINDS)}}} [TOPOLOGY | CHIPS]", file=sys.stderr)
+        print(f"usage: python -m tpu_pod.target {{{','.join(KINDS)}}} [TOPOLOGY | CHIPS]", file=sys.stderr)
         return 2
     chip, topology = argv[0], (argv[1] if len(argv) > 1 else MIN_CHIPS)
     try:

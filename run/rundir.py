@@ -1,4 +1,4 @@
-"""rundir.py: the run directory as a guarded resource: one run at a time, strict metrics, no hangs.
+"""run/rundir.py: the run directory as a guarded resource: one run at a time, strict metrics, no hangs.
 
 A run directory holds what a user cannot afford to lose (checkpoints, metrics.jsonl), so:
   - `RunDir.open` checks the path before anything is written and takes an exclusive lock per rank

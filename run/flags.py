@@ -1,7 +1,7 @@
-"""flags.py: what a flag and a config value are, for every layer that declares one: a flag is a dataclass
+"""run/flags.py: what a flag and a config value are, for every layer that declares one: a flag is a dataclass
 field with its help (`flag`: cli.TrainConfig's shared flags, each workload's `Flags`); a float flag is a
 finite number (`finite_float`); `--set FIELD=VALUE` replaces a model config's field, parsed by its
-declared type (`with_overrides`). Workloads declare their flags with this module, not with cli.py (the
+declared type (`with_overrides`). Workloads declare their flags with this module, not with run/cli.py (the
 command line, which reaches the workloads through task.WORKLOADS). Imports nothing of ours.
 """
 import argparse

@@ -1,5 +1,5 @@
-"""tpu_kernels.py: our Pallas kernels, forward + backward, compiled for a TPU by the real compiler on
-this CPU machine (tpu_target.py), beside the XLA reference of the same computation.
+"""tpu_pod/kernels.py: our Pallas kernels, forward + backward, compiled for a TPU by the real compiler on
+this CPU machine (tpu_pod/target.py), beside the XLA reference of the same computation.
 
 Each case is a kernel at a production shape and the plain-JAX computation it replaces: attention
 that materializes S x S scores, a cross-entropy over the full (rows, vocab) logits,
@@ -9,19 +9,25 @@ side by side. What a compile verifies: the kernels lower, Mosaic accepts them, t
 chip's VMEM and the program its HBM. Not verified: numerics (the suite's interpret-mode tests do that
 on CPU) or speed on a chip (the cost model does not see inside a Mosaic kernel).
 
-    .venv/bin/python tpu_kernels.py sweep [--chip tpu_v5p] [--kernel splash] [--quick]
-    .venv/bin/python tpu_kernels.py one splash tpu_v5p    # one case, a JSON line (the suite's test)
-The sweep runs each chip in its environment (tpu_v7: .venv-tpu, tpu_target.py says why).
+    .venv/bin/python -m tpu_pod.kernels sweep [--chip tpu_v5p] [--kernel splash] [--quick]
+    .venv/bin/python -m tpu_pod.kernels one ce tpu_v6e D=5120   # one case, a JSON line (the suite's test)
+The sweep runs each chip in its environment (tpu_v7: .venv-tpu, python -m tpu_pod.target says why).
 """
+import inspect
 import json
 import re
 import subprocess
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import torch
 
-import tpu_target
+import kernels_gmm
+import kernels_pallas
+import kernels_splash
+from tpu_pod import target as tpu_target
 
 BF16, I32 = jnp.bfloat16, jnp.int32
 spec = jax.ShapeDtypeStruct
@@ -50,22 +56,16 @@ def _attention_reference(q, k, v, seg, window, causal):
     return jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v)
 
 
-def splash_case(chip, B=1, H=32, Hkv=8, S=8192, D=128, window=0, segments=0, causal=1):
-    import kernels_pallas
-    import kernels_splash
-    block = kernels_pallas.TPU_BLOCKS[chip]["splash"]
+def splash_case(statics, B=1, H=32, Hkv=8, S=8192, D=128, window=0, segments=0, causal=1):
     args = (spec((B, H, S, D), BF16), spec((B, Hkv, S, D), BF16), spec((B, Hkv, S, D), BF16), spec((B, S), I32))
-    ours = lambda q, k, v, s: kernels_splash.splash_jax.jax_fn(q, k, v, s, window=window, block=block,
-                                                               segments=segments, causal=causal)
+    ours = lambda q, k, v, s: kernels_splash.splash_jax.jax_fn(q, k, v, s, **statics)
     ref = lambda q, k, v, s: _attention_reference(q, k, v, s, window, causal)
     return _grad_of_sum(ours, 3), _grad_of_sum(ref, 3), args, 3  # Mosaic kernels: fwd, dq, dkv
 
 
-def ce_case(chip, N=8192, D=4096, V=128256):
-    import kernels_pallas
-    bn, bv = kernels_pallas.ce_blocks(chip, D, V)
+def ce_case(statics, N=8192, D=4096, V=128256):
     args = (spec((N, D), BF16), spec((V, D), BF16), spec((N,), I32))
-    ours = lambda h, w, t: kernels_pallas.fused_ce_jax.jax_fn(h, w, t, ignore_index=-100, block_n=bn, block_v=bv)
+    ours = lambda h, w, t: kernels_pallas.fused_ce_jax.jax_fn(h, w, t, **statics)
 
     def ref(h, w, t):
         logits = jnp.einsum("nd,vd->nv", h, w, preferred_element_type=jnp.float32)
@@ -73,14 +73,11 @@ def ce_case(chip, N=8192, D=4096, V=128256):
     return _grad_of_sum(ours, 2), _grad_of_sum(ref, 2), args, 3  # fwd, dh, dw
 
 
-def gmm_case(chip, M=8192, G=8, K=4096, N=14336):
+def gmm_case(statics, M=8192, G=8, K=4096, N=14336):
     """Uneven groups with an empty one: the group sizes are data (a ShapeDtypeStruct), so the
     compiled program serves every split of M; the kernel's grid has room for the worst."""
-    import kernels_gmm
-    import kernels_pallas
-    tm, tk, tn = kernels_pallas.TPU_BLOCKS[chip]["gmm"]
     args = (spec((M, K), BF16), spec((G, K, N), BF16), spec((G,), I32))
-    ours = lambda x, w, gs: kernels_gmm.gmm_jax.jax_fn(x, w, gs, block_m=tm, block_k=tk, block_n=tn)
+    ours = lambda x, w, gs: kernels_gmm.gmm_jax.jax_fn(x, w, gs, **statics)
     ref = lambda x, w, gs: jax.lax.ragged_dot(x, w, gs)
     return _grad_of_sum(ours, 2), _grad_of_sum(ref, 2), args, 3  # gmm, gmm (dx, w read transposed), tgmm
 
@@ -107,12 +104,44 @@ SWEEP = [
 QUICK = {0, 7, 12}  # one row per kernel
 
 
+def _entry_call(kernel, shape):
+    """Each kernel's PyTorch entry point (what the model's tables call) on meta tensors of the case's
+    shape, its op replaced by a recorder: the static arguments (the tiles) it passes its op."""
+    meta = lambda *size, dtype=torch.bfloat16: torch.empty(size, dtype=dtype, device="meta")
+    g = {name: p.default for name, p in inspect.signature(CASES[kernel]).parameters.items() if name != "statics"}
+    g.update(shape)
+    module, op, call = {
+        "splash": (kernels_splash, "splash_jax", lambda: kernels_splash.splash_attention(
+            meta(g["B"], g["H"], g["S"], g["D"]), meta(g["B"], g["Hkv"], g["S"], g["D"]),
+            meta(g["B"], g["Hkv"], g["S"], g["D"]), g["window"] or None,
+            meta(g["B"], g["S"], dtype=torch.int32) if g["segments"] else None, causal=bool(g["causal"]))),
+        "ce": (kernels_pallas, "fused_ce_jax", lambda: kernels_pallas.fused_linear_cross_entropy(
+            meta(g["N"], g["D"]), meta(g["V"], g["D"]), meta(g["N"], dtype=torch.int32))),
+        "gmm": (kernels_gmm, "gmm_jax", lambda: kernels_gmm.gmm(
+            meta(g["M"], g["K"]), meta(g["G"], g["K"], g["N"]), meta(g["G"], dtype=torch.int32))),
+    }[kernel]
+    with mock.patch.object(module, op, lambda *args, **statics: statics):
+        return call()
+
+
+def training_statics(kernel, chip, **shape):
+    """The tiles a training step running on `chip` passes the kernel (its entry point's own choice)."""
+    with mock.patch.object(kernels_pallas, "running_chip", lambda: chip):
+        return _entry_call(kernel, shape)
+
+
 def compile_case(kernel, chip, reference=True, **shape):
-    """{kernel, chip, shape, ours: Compiled fields, reference: Compiled fields or its error}."""
-    ours_fn, ref_fn, args, n_kernels = CASES[kernel](chip, **shape)
-    row = {"kernel": kernel, "chip": chip, "shape": shape, "expected_mosaic_calls": n_kernels}
+    """{kernel, chip, shape, statics, ours: Compiled fields, reference: Compiled fields or its error}.
+    Ours as a training step on `chip` runs it: this process taken for one on that chip (the chip
+    found as kernels_pallas.running_chip finds it), the kernel's tiles those its PyTorch entry point
+    passes there (training_statics), the kernels lowered through that path alone (the harness names
+    no chip: lower_kernels=False). The reference: plain JAX, as XLA compiles it."""
+    statics = training_statics(kernel, chip, **shape)
+    ours_fn, ref_fn, args, n_kernels = CASES[kernel](statics, **shape)
+    row = {"kernel": kernel, "chip": chip, "shape": shape, "expected_mosaic_calls": n_kernels, "statics": statics}
     try:
-        row["ours"] = vars(tpu_target.compile(ours_fn, *args, chip=chip))
+        with mock.patch.object(kernels_pallas, "running_chip", lambda: chip):
+            row["ours"] = vars(tpu_target.compile(ours_fn, *args, chip=chip, lower_kernels=False))
     except tpu_target.CompileFailed as e:
         row["ours"] = {"error": str(e)}
     if reference:
@@ -138,7 +167,7 @@ def sweep(chips, kernels, quick):
     print("|---|---|---|---|---|")
     for chip in chips:
         rows = [i for i, (k, _) in enumerate(SWEEP) if k in kernels and (not quick or i in QUICK)]
-        proc = subprocess.Popen([tpu_target.python_for(chip), __file__, "rows", chip, *map(str, rows)],
+        proc = subprocess.Popen([tpu_target.python_for(chip), "-m", "tpu_pod.kernels", "rows", chip, *map(str, rows)],
                                 stdout=subprocess.PIPE, text=True, cwd=tpu_target.ROOT)
         for line in proc.stdout:
             r = json.loads(line)
@@ -152,8 +181,11 @@ def sweep(chips, kernels, quick):
 
 def main(argv):
     try:
-        if argv[:1] == ["one"]:   # one KERNEL CHIP: the suite's case (no reference), as a JSON line
-            print(json.dumps(compile_case(argv[1], argv[2], reference=False)))
+        if argv[:1] == ["one"]:   # one KERNEL CHIP [NAME=INT ...]: the suite's case (no reference), a JSON line
+            shape = {k: int(v) for k, v in (a.split("=") for a in argv[3:])}
+            row = compile_case(argv[1], argv[2], reference=False, **shape)
+            row["device_kind"] = tpu_target.devices(argv[2])[0].device_kind  # (what a chip of it reports)
+            print(json.dumps(row))
         elif argv[:1] == ["rows"]:  # rows CHIP I...: sweep rows, in this environment
             for i in map(int, argv[2:]):
                 kernel, shape = SWEEP[i]

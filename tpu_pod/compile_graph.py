@@ -1,6 +1,6 @@
-"""compile_graph.py: the captured step graph made ready for torchax and XLA's SPMD partitioner.
+"""tpu_pod/compile_graph.py: the captured step graph made ready for torchax and XLA's SPMD partitioner.
 
-step_compile.py captures the training step as one aten graph (make_fx, fake tensors) and has torchax
+tpu_pod/step_compile.py captures the training step as one aten graph (make_fx, fake tensors) and has torchax
 run it on JAX tracers. Between the two, the graph needs what a GSPMD program needs and the trainer's
 graph does not say: where values must stay split, and what XLA must not merge. Each is a small
 custom op, an identity in PyTorch, lowered to one JAX primitive (register_torchax):
