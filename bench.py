@@ -25,6 +25,13 @@ import torch
 import atomic
 import bench_flux
 from bench_rollout import rollout_table
+from model import plain_cross_entropy
+import train
+import device as dev
+import optim
+from run import profiling
+import data
+import device
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -42,7 +49,6 @@ def _child_memory(kind, size):
     import gc
     import torch
     import kernels_pallas as kp  # noqa: F401 (jit caches, imports: part of the baseline)
-    from model import plain_cross_entropy
     torch.manual_seed(0)
     if kind.startswith("loss"):
         N, D = 4096, 256
@@ -77,7 +83,6 @@ def _dense_attention(q, k, v):
 def bench_trainer(config, argv):
     """(trainer, step(*batch, lr) -> (reported loss, pre-clip norm)) for one configuration: `plain` (a
     torch.optim loop, what a nanoGPT user writes) or train.py flags such as "--mode graph --backend inductor"."""
-    import train
     cfg = train.parse_config(["--eval-batches", "0", "--ckpt-interval", "0", "--out-dir", "/tmp/minititan-bench",
                               *argv, *([] if config == "plain" else config.split())])
     trainer = train.Trainer(cfg)  # (--device xla --mesh: one process over CPU_NUM_DEVICES XLA devices)
@@ -98,8 +103,6 @@ def bench_trainer(config, argv):
 def _child_train(config, steps, extra="", profile_dir=""):
     """Tokens/s of the bench model for one configuration (see bench_trainer); with `profile_dir`, one
     more step traced there and its time by category (run/profiling.py)."""
-    import device as dev
-    import optim
     trainer, step = bench_trainer(config, ["--steps", str(steps), "--data", _bench_data(), *extra.split()])
     cfg = trainer.cfg
     times = []
@@ -116,7 +119,6 @@ def _child_train(config, steps, extra="", profile_dir=""):
     result = {"mode": config, "tokens_per_s": tokens / med, "tflops": flops / 1e12, "mfu": flops / peak,
               "first_step_s": times[0], "peak_rss_mib": dev.host_peak_rss_bytes() / 2**20}
     if profile_dir:
-        from run import profiling
         one = lambda: step(*trainer.parallel.place_batch(trainer.task.batch(steps + 1)),  # noqa: E731
                            dev.scalar(optim.lr_at(steps, 1e-3, 5, steps), trainer.device))[0].item()
         result["profile"] = profiling.profile_call(one, profile_dir, "bench", trainer.device)
@@ -130,7 +132,6 @@ def _child_train(config, steps, extra="", profile_dir=""):
 def _bench_data():
     """The default corpus (this Python's stdlib sources): every clone has it, nothing to download.
     Throughput does not depend on which text the random windows come from."""
-    import data
     return data.stdlib_dir()
 
 
@@ -288,7 +289,6 @@ def dist_table(repeats, steps, only=None):
 def profile_rows(configs, steps=8):
     """Each speed-table row `configs` names, timed as in the table, then one more step traced
     (bench_results/profile/<row>/): (markdown of its time by category, the rows)."""
-    from run import profiling
     rows = []
     for c in configs:
         where = os.path.join(HERE, "bench_results", "profile", "_".join(c.replace("--", "").split()) or "plain")
@@ -336,7 +336,6 @@ def main():
         sys.path.insert(0, HERE)
         kind = sys.argv[2]
         if kind == "peak":
-            import device
             result = {"flops": device.measure_cpu_matmul_peak(repeats=20)}
         elif kind == "flux":
             result = bench_flux.serve_steps(sys.argv[3], bench_trainer)

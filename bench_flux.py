@@ -12,6 +12,9 @@ import statistics
 import subprocess
 import sys
 import time
+import device as dev
+import optim
+from flux import jax_step as flux_jax
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.join(HERE, "bench.py")  # (its `--child flux CONFIG` runs serve_steps)
@@ -28,8 +31,6 @@ def serve_steps(config, bench_trainer):
     each line N on stdin time N more steps and print their seconds. The parent keeps all configurations
     warm and alternates them, so none pays a recompile per repeat. `jax`: flux/jax_step.py's jitted step from
     the same init (the eager trainer's weights) on the same batches."""
-    import device as dev
-    import optim
     import tempfile  # (a run directory each: the four run at once, and a run directory admits one run)
     trainer, step = bench_trainer("plain" if config == "jax" else config,
                                    [*FLUX_FLAGS, "--out-dir", tempfile.mkdtemp(prefix="minititan-bench-")])
@@ -37,7 +38,6 @@ def serve_steps(config, bench_trainer):
     if config == "jax":
         import dataclasses
         import jax.numpy as jnp
-        from flux import jax_step as flux_jax
         state = [{k: jnp.array(v.detach().numpy()) for k, v in trainer.model.state_dict().items()}]
         state.append(flux_jax.init_opt(state[0]))
         jstep = flux_jax.make_train_step(dataclasses.asdict(trainer.model_args), weight_decay=trainer.cfg.weight_decay,

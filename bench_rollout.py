@@ -6,14 +6,14 @@ rollout, push, rollout), so the ratio is measured inside one run on a noisy mach
 """
 import statistics
 import time
+from model import FLAVORS, ModelArgs, Transformer
+from rl import arithmetic, rollout, vllm_engine
 
 
 def rollout_table(repeats=5):
     """Both rollout engines on the same weights, alternating call by call: the push (the trainer's
     weights into the engine process) and a GRPO rollout batch (32 prompts x G = 8 samples), on the
     README's GRPO policy (4 new tokens) and on llama3_debug (32 new tokens). Medians of `repeats`."""
-    from model import FLAVORS, ModelArgs, Transformer
-    from rl import arithmetic, rollout, vllm_engine
     prompts, rows = arithmetic.get_task("arith").prompts(0, 32), []
     policies = {"GRPO policy (dim 64, 2 layers)": (ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
                                                                 ffn_dim=192, max_seq_len=16), 4),  # (the README's)

@@ -23,6 +23,7 @@ from run import checkpoint
 import device as dev
 from model import KIND
 from interop import tokenizer
+from interop import hf
 class KVCache:
     """Keys and values of every layer, (B, Hkv, T_max, hd) each, and `pos`, the number of tokens
     already in the cache (a 0-d tensor on the device, so positions never become constants)."""
@@ -147,7 +148,6 @@ def main(argv=None):
             model, meta = checkpoint.load_run(cfg.run, device, kind=KIND)
             tok = tokenizer.for_run(meta)
         else:
-            from interop import hf
             config = hf.read_config(cfg.hf)
             tok = tokenizer.HFTokenizer(cfg.hf, config.get("eos_token_id"))
             model = hf.load(cfg.hf, device)

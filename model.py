@@ -23,6 +23,8 @@ from context_parallel import SequenceView, WholeSequence, position_mask
 # the config, its published flavors and its accounting live in model_args.py; they are this model's
 # names too, for the many callers that import them from here
 from model_args import FLAVORS, ModelArgs, dynamic_shapes_reason, flops_per_token, param_counts, tpu_config  # noqa: F401
+from tensor_parallel import vocab_parallel_cross_entropy
+import materialize
 
 
 KIND = "a language model"  # ModelFamily.kind of this file's models (checkpoint.load_run refuses other runs)
@@ -128,7 +130,6 @@ def _fused_linear_cross_entropy():
 
 
 def _vocab_parallel_cross_entropy():
-    from tensor_parallel import vocab_parallel_cross_entropy
     return vocab_parallel_cross_entropy
 
 
@@ -339,7 +340,6 @@ class Transformer(nn.Module):
     def init_weights(self):
         """Each parameter from its own (torch.initial_seed(), name) stream by `init_value`: the values the
         trainer's seed fill gives every layout (materialize.py); and the rope frequencies (a buffer)."""
-        import materialize
         self.init_buffers()
         materialize.init_module(self, lambda name, shape, g: init_value(self.args, name, shape, g))
 

@@ -36,6 +36,7 @@ import device as dev
 import mesh as mesh_lib
 from layer_scan import StackedLayers
 from parallel import Parallel
+import spmd_checkpoint
 
 
 def partition_spec(shape, ici, stacked=False, cp=1, inner="cp"):
@@ -113,7 +114,6 @@ class XlaSpmd(Parallel):
     def checkpoint_shards(self):
         """Each distinct device shard written once and read back into its device, every tensor of the
         state with its parameter's partition spec around both (spmd_checkpoint.py)."""
-        import spmd_checkpoint
         return spmd_checkpoint.DeviceShards(lambda t, spec: self.xs.mark_sharding(t, self.mesh, spec), self.spec_of_name)
 
     def place_state(self, state):

@@ -331,7 +331,6 @@ def main(argv=None):
 def _run(argv, at):
     cfg = parse_config(argv)
     if cfg.dry_run:
-        from planner import dryrun
         workload = make_workload(cfg)
         try:
             plan = workload.family.plan(workload.args, cfg)

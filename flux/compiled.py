@@ -20,6 +20,8 @@ import dataclasses
 import torch
 
 from flux import model as flux
+from tpu_pod import step_compile
+from flux import jax_step
 
 
 def program(model, loss, args, S, T, batch_size, kernels, saved_bytes, twin=False):
@@ -28,7 +30,6 @@ def program(model, loss, args, S, T, batch_size, kernels, saved_bytes, twin=Fals
     t, conditioning) as the trainer feeds it, fp32 latents of S tokens. The digits' 4-channel tokens take a class (its learned
     prompt); VAE latents take T text tokens and the pooled vector. `twin`: with the pure-JAX step to
     compile beside it."""
-    from tpu_pod import step_compile
     classes = args.in_channels == 4
     if twin and not classes:
         raise ValueError("--against-jax: the pure-JAX step trains the digits' class prompts; compile 4-channel tokens "
@@ -50,8 +51,6 @@ def jax_twin(model, args, S, B):
         import jax
         import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec
-        from tpu_pod import step_compile
-        from flux import jax_step
         struct = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
         params = {n: struct(p.shape, jnp.float32, step_compile.param_sharding(mesh, p.shape))
                   for n, p in model.named_parameters()}

@@ -28,6 +28,9 @@ from safetensors.torch import save_file
 import atomic
 from errors import BadInput
 from flux.model import Flux, FluxArgs, check_args
+from interop import hf
+from run import checkpoint
+from flux.model import KIND
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 CONFIG_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "patch_size", "in_channels", "out_channels",
@@ -52,7 +55,6 @@ CONFIG_FIELDS = {"patch_size": (int, 1), "in_channels": (int, 64), "out_channels
 
 
 def args_from_config(cfg):
-    from interop import hf
     if not isinstance(cfg, dict):
         raise FluxHFError(f"config.json must be a JSON object, got {type(cfg).__name__}")
     if cfg.get("_class_name") != "FluxTransformer2DModel":
@@ -274,8 +276,6 @@ def main(argv=None):
     """python -m flux.hf export RUN_DIR OUT_DIR: a FLUX run's transformer as a diffusers FluxTransformer2DModel
     directory (e.g. a FLUX pipeline's transformer/, in a copy of the pipeline: FluxPipeline loads it)."""
     import sys
-    from run import checkpoint
-    from flux.model import KIND
     if not argv or argv[0] != "export" or len(argv) != 3:
         sys.stderr.write(f"usage: {main.__doc__.splitlines()[0]}\n")
         return 2

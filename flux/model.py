@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import lookup_impl
+import materialize
 
 
 KIND = "a FLUX diffusion model"  # ModelFamily.kind of these models (checkpoint.load_run names other runs)
@@ -323,7 +324,6 @@ class Flux(nn.Module):
 
     def init_weights(self):
         """Each parameter from its own (torch.initial_seed(), name) stream (materialize.py), by `initializer`."""
-        import materialize
         materialize.init_module(self, initializer(self))
 
     def pack_for_scan(self, n_txt):

@@ -26,8 +26,14 @@ import os
 import torch
 import torch.nn.functional as F
 
-from flux import digits
+from flux import digits, pipeline
+from flux import hf as flux_hf
+from flux import latents as latent_files
 from flux.model import KIND, image_ids, patchify, text_ids, unpatchify
+from flux.pipeline import written
+from flux.pipeline import FluxDirError
+from run import checkpoint
+from errors import BadInput, WriteFailed, describe_write_failure, error_line
 
 
 # ------------------------------------------------------------------------------------------------
@@ -168,7 +174,6 @@ def save_grid(images_Nx1xHxW, per_row, path):
     fig = plt.figure(figsize=(per_row * 0.5, rows * 0.5))
     plt.imshow(grid.reshape(rows * H, per_row * W).numpy(), cmap="gray_r", vmin=-1, vmax=1)
     plt.axis("off")
-    from flux.pipeline import written
     try:
         with written(path) as tmp:
             fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
@@ -182,7 +187,6 @@ def text_to_image(flux_model, parts, prompts, size_HxW, steps=20, seed=0, cfg_sc
     pixels in [0, 1], (B, 3, H, W). The noise is FluxPipeline's (one CPU generator seeded `seed`, (B, 16,
     H / 8, W / 8)); cfg_scale > 1 is true classifier-free guidance against the empty prompt (its
     `true_cfg_scale` with negative_prompt ""); `guidance` flux-dev's distilled scale (its `guidance_scale`)."""
-    from flux.pipeline import FluxDirError
     H, W = size_HxW
     if H <= 0 or W <= 0 or H % (2 * parts.down) or W % (2 * parts.down):
         raise FluxDirError(f"image size {H}x{W}: FLUX needs positive sides that are multiples of {2 * parts.down}")
@@ -206,8 +210,6 @@ def main(argv=None):
     by the run (or without RUN_DIR by FLUX_DIR's own transformer), decoded into --out."""
     import argparse
     import sys
-    from run import checkpoint
-    from errors import BadInput, WriteFailed, describe_write_failure, error_line
     p = argparse.ArgumentParser(description=main.__doc__.split(":")[0])
     p.add_argument("run_dir", nargs="?")
     p.add_argument("--per-class", type=int, default=10, help="images per class / prompt")
@@ -255,10 +257,9 @@ def main(argv=None):
         elif not cfg.prompt:
             raise ValueError("give a RUN_DIR, or --flux FLUX_DIR with --prompt (its own transformer samples)")
         if cfg.flux:
-            from flux import latents, pipeline
             flux_model = model.flux if model is not None else _directory_transformer(cfg.flux)
             if cfg.data:
-                src = latents.LatentFile(cfg.data, flux_model.args)
+                src = latent_files.LatentFile(cfg.data, flux_model.args)
                 if meta is not None and src.fingerprint != meta["train"]["data"]:
                     raise ValueError(f"--data {cfg.data} is not the file {cfg.run_dir} trained on (its contents differ)")
             parts = pipeline.FluxParts(cfg.flux, src.train["txt"].shape[1] if src else cfg.max_sequence_length)
@@ -284,7 +285,6 @@ def main(argv=None):
 
 def _sample_each(cfg, scales, model, flux_model, src, parts, size, guidance):
     """main's grids, one per true-CFG scale."""
-    from flux import pipeline
     for g in scales:
         if cfg.prompt:
             images = text_to_image(flux_model, parts, [t for t in cfg.prompt for _ in range(cfg.per_class)],
@@ -312,7 +312,6 @@ def _sample_each(cfg, scales, model, flux_model, src, parts, size, guidance):
 
 
 def _directory_transformer(flux_dir):
-    from flux import hf as flux_hf, pipeline
     pipeline.check_dir(flux_dir)
     return flux_hf.load(os.path.join(flux_dir, "transformer"))
 

@@ -55,6 +55,10 @@ from run.flags import flag, with_overrides
 from errors import ConfigError
 from parallel import local_block, local_tensor
 from task import ModelFamily, Workload
+from flux import hf as flux_hf
+from planner import dryrun
+from planner import activations
+from flux.shape import flux_shape
 
 PROMPT_TOKENS = 4
 DROP_PROMPT = 0.1     # the digits' classifier-free guidance: train the empty prompt on this share of samples
@@ -141,7 +145,6 @@ class FluxFamily(ModelFamily):
         """FluxArgs from --flavor or --init-from's config, --set applied, checked (ConfigError: one line)."""
         try:
             if cfg.init_from:
-                from flux import hf as flux_hf
                 args = flux_hf.read_args(cfg.init_from)
             elif cfg.flavor not in flux.FLAVORS:
                 raise ConfigError(f"unknown FLUX flavor {cfg.flavor!r}; choose one of {', '.join(flux.FLAVORS)}")
@@ -206,7 +209,6 @@ class FluxFamily(ModelFamily):
         sharded parameter); the prompt stand-in, if any, keeps its fresh init."""
         if not self.cfg.init_from:
             return
-        from flux import hf as flux_hf
         try:
             state = flux_hf.read_state(self.cfg.init_from, self.args)
         except ValueError as e:
@@ -376,10 +378,7 @@ def plan_workload(args, cfg):
     meta at one double and one single block, then one more of each, extrapolated to the depths.
     All of it is data parallel (no tp / ep); FSDP gathers one block at a time, the double one
     the larger."""
-    from planner import dryrun
     from flux import compiled as flux_compiled
-    from planner import activations
-    from flux.shape import flux_shape
     side, T = latent_geometry(args, cfg.image_size or (PUBLISHED_SIZE if args.in_channels == 4 * VAE_CHANNELS else SIDE))
     S = (side // 2) ** 2
 

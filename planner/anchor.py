@@ -21,6 +21,13 @@ import time
 from planner import chips as chips_lib
 from planner import stepmodel
 from planner.shapes import lm_shape
+import optim
+from planner.calibrate import family_shape
+from model import FLAVORS
+import data
+import device as dev
+import train
+from run import profiling
 
 # One measurement (python -m planner.anchor on the 2-core development machine: docs/planning.md's first
 # llama3_debug row), kept so
@@ -199,7 +206,6 @@ def optimizer_bytes(trainer):
     of the trainer's parameters; pure functions, nothing updated): a part of the step's counted bytes
     that stepmodel's optimizer term prices on its own."""
     import torch
-    import optim
     params = [p.detach() for p in trainer.parallel.local(trainer.params)]
     grads = [torch.zeros_like(p) for p in params]
     counter = EagerBytes()
@@ -220,11 +226,9 @@ def run_shape(cfg):
     """The Shape of a debug run: llama3_debug at its sequence length, or flux_debug on 8 x 8 digits
     (16 packed image tokens beside 4 learned prompt tokens)."""
     if cfg["task"] == "flux":
-        from planner.calibrate import family_shape   # (the FLUX family's own Shape: planner/ imports no workload)
         shape = family_shape("flux", ["--flavor", cfg["flavor"]])
         assert shape.tokens == cfg["tokens"], (shape.tokens, cfg)
         return shape
-    from model import FLAVORS
     return lm_shape(FLAVORS[cfg["flavor"]], cfg["tokens"], cfg["flavor"])
 
 
@@ -283,10 +287,6 @@ def measure(cfg, steps=12, profile=False):
     latency of an empty op and the per-op cost through autograd (3 warm-up steps not counted); the
     non-matmul bytes and the ops of one more step, counted as it runs (EagerBytes); and one more,
     profiled by kind (step_profile)."""
-    import data
-    import device as dev
-    import optim
-    import train
     flags = ["--task", cfg["task"], "--flavor", cfg["flavor"], "--batch-size", str(cfg["batch_size"]),
              "--steps", str(steps), "--eval-batches", "0", "--ckpt-interval", "0", "--out-dir", "/tmp/minititan-anchor"]
     flags += ["--seq-len", str(cfg["tokens"]), "--data", data.stdlib_dir()] if cfg["task"] == "lm" else ["--watchdog", "0"]
@@ -310,7 +310,6 @@ def measure(cfg, steps=12, profile=False):
         run(steps + 1)
     wall, secs, counts, top = step_profile(lambda: run(steps + 2))
     if profile:   # three more steps traced, each into a file, broken down by category (run/profiling.py):
-        from run import profiling  # the fastest, the least disturbed by the other jobs on this machine
         breakdown = min((profiling.profile_call(lambda: run(steps + 3 + i), trainer.out_dir, f"{cfg['flavor']}{i}")
                          for i in range(3)), key=lambda r: r["measured_s"])
     opt_bytes = optimizer_bytes(trainer)
@@ -341,7 +340,6 @@ def beside(name, pred, report, step_s, chart_path=None):
     to `step_s` (the median untraced step: the trace gives the shares, the clock the step; a traced
     step on this shared machine runs 1-2x the median): ms each, the ratio, and whether a term that is
     >= 10% of the step lands within +-30% (the goal); optionally the chart of both."""
-    from run import profiling
     want = predicted_by_category(pred)
     scale = step_s / report["traced_s"]
     got = {k: v * scale for k, v in report["category_s"].items()}

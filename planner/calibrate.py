@@ -19,6 +19,9 @@ import os
 from planner import chips as chips_lib
 from planner import stepmodel
 from planner.shapes import PLANNER_MODELS, lm_shape
+from run import cli
+import task as task_lib
+from model import FLAVORS
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
 GRID = [round(0.20 + 0.005 * i, 3) for i in range(161)]   # efficiencies 0.20 .. 1.00
@@ -60,8 +63,6 @@ def family_shape(task_name, flags):
     """The Shape a model family describes itself by (ModelFamily.plan(args, cfg).shape) for the command
     line `--task task_name --dry-run *flags`: reached through task.WORKLOADS, so planner/ imports no
     workload. (Nothing is traced: the Workload's activation bytes are traced only when asked for.)"""
-    from run import cli
-    import task as task_lib
     cfg = cli.parse_config(["--task", task_name, "--dry-run", *flags])
     w = task_lib.workload_class(task_name)(cfg)
     return w.family.plan(w.args, cfg).shape
@@ -75,7 +76,6 @@ def _build_shape(run):
             raise ValueError(f"{run['id']}: the FLUX family plans {shape.tokens} tokens a sample, the run says "
                              f"{latent * latent} image + {run['txt_tokens']} text")
         return shape
-    from model import FLAVORS
     args = PLANNER_MODELS.get(run["model"]) or FLAVORS[run["model"]]
     return lm_shape(args, run["seq_len"], run["model"], capacity_factor=run.get("capacity_factor", 1.0),
                     moe_dispatch=run.get("moe_dispatch", "gmm"), fused_loss=run.get("fused_loss", False))

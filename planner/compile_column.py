@@ -39,6 +39,7 @@ import sys
 import time
 
 from planner import calibrate
+from tpu_pod import target as tpu_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 900
@@ -67,7 +68,6 @@ def command(run):
                 "--image-size", str(run["image_size"]), "--dry-run", "--compile", "--kernels", "pallas", "--dtype",
                 "bf16", "--scan", "--chip", run["chip"], "--mesh", f"ici={run['ici']}",
                 "--batch-size", str(run["global_batch"])]
-    from tpu_pod import target as tpu_target
     flavor, extra = FLAVOR_OF.get(run["model"], (run["model"], []))
     # (FSDP over DCN: one ici axis over every slice's chips, the slice named; else dcn slices of HSDP)
     over_dcn = run["dcn"] > 1 and run.get("dcn_mode") == "fsdp"
@@ -86,7 +86,6 @@ def command(run):
 
 def compile_run(run):
     """The compile's JSON line (step_compile.compare), or {"error": one line}."""
-    from tpu_pod import target as tpu_target
     start = time.perf_counter()
     try:
         proc = subprocess.run(command(run), capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT,

@@ -36,12 +36,16 @@ import dataclasses
 import math
 import sys
 
+import mesh as mesh_lib
 from planner import chips as chips_lib
 from planner import shapes
 from planner import stepmodel
 from planner.activations import saved_bytes_per_sequence
 from planner.report import format_plan, format_report, judged, remat_label
 from model import flops_per_token, param_counts, tpu_config
+import expert_parallel
+import tensor_parallel
+from planner import calibrate
 
 GiB = 2**30
 # Per chip (chips.py: published HBM bytes and bandwidth, ICI bandwidth, bf16 peak), in the older dict
@@ -82,9 +86,7 @@ class Workload:
 
 def lm_workload(args, flavor, seq_len):
     """A language model's Workload: the TPU config rewrite, then its parameter groups and FLOPs."""
-    import expert_parallel
     from tpu_pod import step_compile
-    import tensor_parallel
     args = tpu_config(args)
     whole, layer = param_groups(args)
     plain_loss = dataclasses.replace(args, loss_impl="plain")  # (under tp the loss is the vocab-parallel one)
@@ -310,13 +312,12 @@ def main(w, cfg):
     """train.py --dry-run [--plan --chips N | --compile]: print the report (the ranked layouts; the
     step compiled for a TPU beside its estimate) of the task's Workload `w` and its JSON."""
     import json
-    import mesh
     if cfg.chip not in chips_lib.CHIPS:
         raise ValueError(f"--chip {cfg.chip!r}: choose one of {', '.join(chips_lib.CHIPS)}")
     accumulation = getattr(cfg, "grad_accum", 1)
     if cfg.chips is not None and cfg.chips < 1:  # (0 is no chip count, not "the default")
         raise ValueError(f"--chips must be >= 1, got {cfg.chips}")
-    laid_out = math.prod(v for k, v in mesh.mesh_dims(cfg.mesh).items() if k != "ep") if cfg.mesh else 0
+    laid_out = math.prod(v for k, v in mesh_lib.mesh_dims(cfg.mesh).items() if k != "ep") if cfg.mesh else 0
     if cfg.chips and laid_out and laid_out != cfg.chips:  # (both name the chips: they must agree)
         raise ValueError(f"--mesh {cfg.mesh} lays out {laid_out} chips, --chips says {cfg.chips}: give one of them")
     if cfg.plan and cfg.mesh:  # (the ranking ignored it)
@@ -352,7 +353,7 @@ def main(w, cfg):
         print(json.dumps([{k: r[k] for k in ("mesh", "remat", "local_batch", "total_bytes", "fits", "step_s", "mfu", "bound")}
                           for r in rows]), flush=True)
         return 0
-    report = estimate(w, mesh.mesh_dims(cfg.mesh or "ici=1"), cfg.batch_size, cfg.chip, cfg.remat,
+    report = estimate(w, mesh_lib.mesh_dims(cfg.mesh or "ici=1"), cfg.batch_size, cfg.chip, cfg.remat,
                       microbatches=accumulation)
     print(format_report(report))
     print(json.dumps(report), flush=True)
@@ -365,25 +366,24 @@ def compile_dims(w, cfg):
     cp where the step has no --scan or Pallas kernels, which they do not compile; ep within a slice;
     one slice for a --topology) under the memory policy of the compiled program (--remat off or on; --scan: each
     layer's input kept, or offloaded with --offload); else one chip."""
-    import mesh
     from tpu_pod import target as tpu_target
     topology = getattr(cfg, "topology", None)
     chips = cfg.chips or (tpu_target.topology_chips(cfg.chip, topology) if topology else 0)
     if cfg.mesh or not chips:
-        return mesh.mesh_dims(cfg.mesh or "ici=1")
+        return mesh_lib.mesh_dims(cfg.mesh or "ici=1")
     policy = compiled_policy(cfg, cfg.remat)
     traced_remat = policy_name(policy) != "none"  # (the one trace saved_per_sample reads for it)
     traced = {traced_remat: w.saved_bytes(traced_remat)}
     tp_compiles = not getattr(cfg, "scan", False) and getattr(cfg, "kernels", "reference") != "pallas"  # (cp's too)
     ep_compiles = lambda d: d["ep"] == 1 or (d["tp"] == d["cp"] == 1 and d["ici"] % d["ep"] == 0)
     lays_out = lambda d: ep_compiles(d) and (d["tp"] == d["cp"] == 1 or tp_compiles) and (d["dcn"] == 1 or not topology)
-    rows = [r for r in layouts(w, chips, cfg.batch_size, cfg.chip, [policy], traced) if lays_out(mesh.mesh_dims(r["mesh"]))]
+    rows = [r for r in layouts(w, chips, cfg.batch_size, cfg.chip, [policy], traced) if lays_out(mesh_lib.mesh_dims(r["mesh"]))]
     if not rows:
         raise ValueError(f"no FSDP / HSDP{' / tp / cp' if tp_compiles else ''} layout of {chips} chips takes --batch-size "
                          f"{cfg.batch_size}")
     print(f"--compile: the layout --plan ranks first of {chips} x {cfg.chip} among those it lays out (dcn x ici x tp | cp, ep), "
           f"remat {remat_label(policy)}: --mesh {rows[0]['mesh']}", flush=True)
-    return mesh.mesh_dims(rows[0]["mesh"])
+    return mesh_lib.mesh_dims(rows[0]["mesh"])
 
 
 def compiled_policy(cfg, remat):
@@ -423,7 +423,6 @@ def cli(argv):
         return 0
     try:
         if argv[:1] == ["--calibrate"] and set(argv[1:]) <= {"--breakdown"}:
-            from planner import calibrate
             return calibrate.main(argv[1:])
         if argv[:2] == ["--calibrate", "--compile"]:  # (the compiler column: minutes a run)
             from planner import compile_column

@@ -22,6 +22,7 @@ minititan's own `--remat` (graph_passes.remat) keeps every matmul output: "save_
 import dataclasses
 
 from model import ModelArgs, param_counts
+from model import flops_per_token
 
 # Published configs (Meta's Llama 2 params.json; Mistral's Mixtral-8x7B and -8x22B config.json).
 PLANNER_MODELS = {
@@ -99,7 +100,6 @@ def lm_shape(a, seq, label="", capacity_factor=1.0, moe_dispatch="gmm", fused_lo
     expert to that many slots a routed token ("dropped", MaxText's default MoE); `moe_dispatch`
     "einsum" adds the one-hot dispatch and combine contractions (tokens x experts x capacity x dim)
     that the dropped path runs as matmuls, "gmm" (megablox / kernels_gmm) has none."""
-    from model import flops_per_token
     D, H, KV, hd, L, S = a.dim, a.n_heads, a.n_kv_heads, a.hd, a.n_layers, seq
     whole, layer = lm_param_groups(a)
     mm = [Matmul("query_proj", S, D, H * hd, L, "tp"), Matmul("key_proj", S, D, KV * hd, L, "tp"),

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 
 from expert_parallel import slots_a_peer  # (C: the trainer's rule)
 from jax_op import jax_op
+import layer_scan
+from model import MoE
 
 
 class _OnGlobalArrays:
@@ -173,8 +175,6 @@ def route(model, ep, buffer_factor=0.0):
     the experts' weights, which the compile's layout splits over ep (simplefsdp.py's choice: the block's own
     (E, ...) parameters; its router is a child, FSDP-sharded as any weight). Under --scan a stack's
     one block is routed, once for every layer, and its experts' names are the stacked (L, E, ...) ones."""
-    import layer_scan
-    from model import MoE
 
     def routed(root):
         for prefix, module in root.named_modules():

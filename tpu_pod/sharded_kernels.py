@@ -63,6 +63,7 @@ from jax.sharding import PartitionSpec as P
 import jax_op
 import kernels_gmm
 import kernels_pallas
+from tpu_pod import expert_exchange
 
 _MESH = [None]  # (the compile in progress's (dcn, ici[, ep]) mesh: set by `use`)
 
@@ -250,7 +251,6 @@ def by_routing_group(call):
 def by_ep_exchange(call):
     """(forward, backward) of an expert_exchange op: a device's rows (and its group sizes) in and out,
     exchanged inside over the ep axis."""
-    from tpu_pod import expert_exchange
     return by_sequence(call, expert_exchange.ON_DEVICE[call.jax_fn])
 
 
@@ -271,7 +271,6 @@ def register_torchax():
     import kernels_gmm  # noqa: F401  (registers the grouped matmul)
     import kernels_pallas  # noqa: F401  (registers the fused loss)
     import kernels_splash  # noqa: F401  (registers splash)
-    from tpu_pod import expert_exchange  # noqa: F401  (registers the ep exchange)
     from torchax.ops import ops_registry
     for name, make in LAYOUTS.items():
         if op_overload(name) in ops_registry.all_aten_ops:

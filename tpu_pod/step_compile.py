@@ -65,6 +65,12 @@ import graph_trainer
 import layer_scan
 import optim
 import spmd
+import context_parallel
+from tpu_pod import expert_exchange
+import tensor_parallel
+from model import Transformer, next_token_loss
+from tpu_pod import sharded_kernels
+from tpu_pod import target as tpu_target
 
 GiB = 2**30
 AUTOCAST = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # --dtype bf16's: bf16 matmuls
@@ -101,10 +107,6 @@ def lm_program(args, batch_size, seq_len, saved_bytes, shards=1):
     An MoE's experts are the grouped-matmul kernel (the one grouped matmul of static shapes: the
     reference reads group sizes on the host), its tokens routed in `shards` groups, one a
     data-parallel device (model.MoE's moe_groups; sharded_kernels.by_routing_group)."""
-    import context_parallel
-    from tpu_pod import expert_exchange
-    import tensor_parallel
-    from model import Transformer, next_token_loss
     if args.n_experts:
         args = dataclasses.replace(args, moe_impl="gmm", moe_groups=shards)
     with torch.device("meta"):
@@ -234,7 +236,6 @@ def jax_step(gm, out_shardings, unroll=1, offload=False):
     --scan's ops as lax.scan, `unroll` layers a While iteration (layer_scan.register_torchax)."""
     import jax
     import torchax
-    from tpu_pod import sharded_kernels
     compile_graph.register_torchax()
     layer_scan.register_torchax(compile_graph.on_jax, unroll, offload)
     sharded_kernels.register_torchax()
@@ -259,7 +260,6 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     `dtype`: capture's; `offload` (--scan): each layer's input in host memory between its
     forward and backward (layer_scan.register_torchax); `cores`: devices a chip (Ironwood's 2);
     `effort`: the compiler's (tpu_target.EFFORTS)."""
-    from tpu_pod import target as tpu_target
     from jax.sharding import NamedSharding, PartitionSpec
     tp, cp, ep = dims.get("tp", 1), dims.get("cp", 1), dims.get("ep", 1)
     if ep > 1 and (program.expert_parallel is None or tp > 1 or cp > 1 or dims["ici"] % ep):
@@ -306,7 +306,6 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
         batched = NamedSharding(rows.mesh, PartitionSpec(("dcn", "ici", "tp")))
         gm = compile_graph.batched_matmuls_over_batch(gm)
     compile_graph.use(rows, out_shardings[0], batched)
-    from tpu_pod import sharded_kernels
     sharded_kernels.use(inputs[-1].sharding.mesh)
     capture_s = time.perf_counter() - start
 
@@ -339,7 +338,6 @@ def device_dims(dims, cores):
 def compile_twin(program, dims, chip, topology, clip, cores=1, effort=0.0):
     """The program's twin (Program.twin) compiled for the same topology (one slice's name) and (dcn,
     ici) layout."""
-    from tpu_pod import target as tpu_target
     fn, inputs, donated = program.twin(layout_mesh(device_dims(dims, cores), tpu_target.devices(chip, topology, dims["dcn"])), clip)
     try:
         return tpu_target.per_chip(tpu_target.compile(fn, *inputs, chip=chip, topology=topology, donate_argnums=donated,
@@ -405,7 +403,6 @@ def main(program, planned, cfg, spec):
     """--compile (dryrun.compiled_report): `program` compiled for cfg's chip and topology on the
     planner's layout; the compiler's figures beside `planned` (dryrun.estimate for the same program),
     as compare's dict, which the dry run prints and judges (planner.report.judged)."""
-    from tpu_pod import target as tpu_target
     dims = {"dcn": 1, "tp": 1, "ep": 1, **dict(p.split("=") for p in planned["mesh"].split(","))}
     dims = {k: int(v) for k, v in dims.items()}
     if cfg.scan:  # (the planner's column is then remat "full": dryrun.compiled_report)

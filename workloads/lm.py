@@ -20,6 +20,12 @@ from errors import ConfigError
 from model import (FLAVORS, KIND, ModelArgs, MoE, Transformer, check_args, dynamic_shapes_reason, flops_per_token,
                    init_value, next_token_loss, param_counts, tpu_config)
 from task import ModelFamily, Workload
+import expert_parallel
+import tensor_parallel
+import layer_scan
+from planner.activations import saved_bytes_per_sequence
+from planner import dryrun
+import generate
 
 
 class LanguageModelFamily(ModelFamily):
@@ -86,8 +92,6 @@ class LanguageModelFamily(ModelFamily):
     def layout_args(self, args, tp, ep):
         """Refuse what tensor / expert parallelism cannot split, and a setting only ep uses without it;
         under tp, the loss over the vocabulary split."""
-        import expert_parallel
-        import tensor_parallel
         for refusal in (tensor_parallel.check(args, tp) if tp > 1 else None,
                         expert_parallel.check(args, ep) if ep > 1 else None, expert_parallel.check_buffer_factor(args, ep)):
             if refusal:
@@ -97,8 +101,6 @@ class LanguageModelFamily(ModelFamily):
     def split(self, model, tp_mesh, ep_mesh):
         """Megatron TP + sequence parallel over tp_mesh (tensor_parallel.py), then the MoE blocks' rows
         routed over ep_mesh (expert_parallel.py): their experts are what SimpleFSDP places over it."""
-        import expert_parallel
-        import tensor_parallel
         if tp_mesh is not None:
             tensor_parallel.parallelize(model, tp_mesh)
         if ep_mesh is None:
@@ -111,7 +113,6 @@ class LanguageModelFamily(ModelFamily):
     def _blocks_with_experts(model):
         """The model and, under --scan, each stack's one block, which all its layers run (so its MoE is
         routed once for all of them): the modules that hold every MoE."""
-        import layer_scan
         return [model, *(m.block() for m in model.modules() if isinstance(m, layer_scan.StackedLayers))]
 
     def moe_modules(self, model):
@@ -153,11 +154,9 @@ class LanguageModelFamily(ModelFamily):
         bound = 4 * (B * S * L * (16 * a.dim + 4 * ffn) + B * a.n_heads * S * S * L + 3 * B * S * a.vocab_size)
         if free_bytes is None or bound < free_bytes / 4:
             return bound
-        from planner.activations import saved_bytes_per_sequence
         return 2 * B * saved_bytes_per_sequence(args, S, remat=False)
 
     def plan(self, args, cfg):
-        from planner import dryrun
         return dryrun.lm_workload(args, cfg.flavor, cfg.seq_len)
 
 
@@ -226,7 +225,6 @@ class Pretraining(Workload):
         """ep_dropped: the share of the routed rows ep's exchange dropped (a buffer factor) since the last
         logged step, over every rank (a collective: every rank logs the same steps); absent where
         nothing was counted (no factor, or a traced step or --scan block: their counts stay in the graph)."""
-        import expert_parallel
         share = expert_parallel.dropped_share(self.moes, self.device)
         return {} if share is None else {"ep_dropped": share}
 
@@ -240,6 +238,5 @@ class Pretraining(Workload):
         n = self.cfg.sample_tokens
         if not final or not n or self.cfg.scan or self.cfg.tokenizer or model.args.vocab_size != data.BYTE_VOCAB:
             return
-        import generate
         text, count = generate.byte_sample(model, n, self.cfg.seed)
         log({"event": "sample", "text": text}, f"sample ({count} bytes, temperature 0.8):\n{text}")
