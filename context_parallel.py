@@ -14,7 +14,7 @@ keys, so contiguous chunks would leave rank C-1 with most of the work. The seque
 chunks and rank r holds chunks r and 2C-1-r: every rank holds one early and one late chunk, and the
 same number of (query, key) pairs under the causal mask.
 
-What stays right per chunk: RoPE takes the tokens' global positions (Transformer.rope(positions=)),
+What stays right per chunk: RoPE takes the tokens' global positions (the view's `positions`),
 the causal, sliding-window and packed-document masks compare global positions and document ids
 (document ids need the whole sequence's separators: the tokens are all-gathered once per forward, an
 int per token). The gathered keys stay in the gather's order (rank by rank): attention does not care
@@ -28,8 +28,9 @@ different tokens): FSDP shards over dp x cp and averages their gradients, as tor
 of the ranks' losses is the whole batch's and the averaged gradient is one process's.
 
 The model meets this through one seam (model.Transformer.split_sequence): every forward asks its
-`sequence` for a SequenceView (this process's positions, and the keys each layer attends over);
-WholeSequence, the default, is one process with every position.
+`sequence` for a view (this process's positions, and each layer's attention over the keys it may
+see); WholeSequence, the default, is one process with every position. A KV cache is the same seam
+(generate.py).
 """
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -55,11 +56,33 @@ def document_ids(tokens_BxS, doc_sep):
     return ends.cumsum(1) - ends
 
 
+def masked_attention(q_BxHxSxD, k_BxKxTxD, v_BxKxTxD, mask_SxT):
+    """Attention under an explicit mask (boolean, or additive 0 / -inf), the S x T scores materialized:
+    GQA by repeating the kv heads."""
+    groups = q_BxHxSxD.shape[1] // k_BxKxTxD.shape[1]
+    k = k_BxKxTxD.repeat_interleave(groups, dim=1)
+    v = v_BxKxTxD.repeat_interleave(groups, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q_BxHxSxD, k, v, attn_mask=mask_SxT)
+
+
+class CausalView:
+    """Whole causal sequences: positions 0..S-1, and each layer the model's own attention (None: the
+    attention implementation its config names)."""
+
+    def __init__(self, positions):
+        self.positions = positions
+
+    @staticmethod
+    def layer(i):
+        return None
+
+
 class SequenceView:
-    """How one process's tokens see a sequence in one forward: `positions` (S,), their places in the
-    whole sequence; `update(k, v)` -> (keys, values, mask) that every layer attends over (`gather`
-    brings the other processes' keys and values, None: this process has them all; `key_positions`
-    (T,) are where those keys sit). The KV cache's protocol (generate.py): Attention has one path."""
+    """How one process's tokens see a sequence in one forward, the model's one seam for it (a KV cache
+    is another, generate.py): `positions` (S,), their places in the whole sequence (RoPE's); `layer(i)`,
+    layer i's attention, attend(q, k, v) -> out: over the keys `gather` brings from the other
+    processes (None: this process has them all; `key_positions` (T,) are where those keys sit), under
+    the mask of which each query may see."""
 
     def __init__(self, positions, key_positions, window=None, q_seg=None, k_seg=None, gather=None):
         self.positions, self.gather = positions, gather
@@ -68,18 +91,18 @@ class SequenceView:
         self.additive = {}
 
     def layer(self, i):
-        return self
+        return self.attend
 
-    def update(self, k_BxKxSxD, v_BxKxSxD):
-        """The keys, values and the mask as 0 / -inf in their dtype, made once for all the layers (SDPA
-        turns a boolean mask into that per call, and saves each copy for backward: measured here)."""
+    def attend(self, q_BxHxSxD, k_BxKxSxD, v_BxKxSxD):
+        """The mask as 0 / -inf in the keys' dtype, made once for all the layers (SDPA turns a boolean
+        mask into that per call, and saves each copy for backward)."""
         dtype = k_BxKxSxD.dtype
         if dtype not in self.additive:
             self.additive[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill(
                 ~self.mask, float("-inf"))
-        if self.gather is None:
-            return k_BxKxSxD, v_BxKxSxD, self.additive[dtype]
-        return self.gather(k_BxKxSxD), self.gather(v_BxKxSxD), self.additive[dtype]
+        if self.gather is not None:
+            k_BxKxSxD, v_BxKxSxD = self.gather(k_BxKxSxD), self.gather(v_BxKxSxD)
+        return masked_attention(q_BxHxSxD, k_BxKxSxD, v_BxKxSxD, self.additive[dtype])
 
 
 class WholeSequence:
@@ -87,11 +110,11 @@ class WholeSequence:
 
     @staticmethod
     def view(tokens_BxS, args):
-        """None for plain causal attention (the attention implementation's own path), else the window /
-        packed documents as a mask over the whole sequence (the reference attention)."""
-        if args.sliding_window is None and args.doc_sep is None:
-            return None
+        """Plain causal attention (the attention implementation's own path), or the window / packed
+        documents as a mask over the whole sequence (the reference attention)."""
         pos = torch.arange(tokens_BxS.shape[1], device=tokens_BxS.device)
+        if args.sliding_window is None and args.doc_sep is None:
+            return CausalView(pos)
         seg = None if args.doc_sep is None else document_ids(tokens_BxS, args.doc_sep)
         return SequenceView(pos, pos, args.sliding_window, seg, seg)
 

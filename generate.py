@@ -14,6 +14,7 @@ Sampling: greedy (temperature 0), or temperature, then top-k, then top-p (nucleu
 arXiv 1904.09751), from a seeded generator: same seed, same text.
 """
 import argparse
+import functools
 import math
 import sys
 
@@ -21,12 +22,15 @@ import torch
 
 from run import checkpoint
 import device as dev
+from context_parallel import masked_attention
 from model import KIND
 from interop import tokenizer
 from interop import hf
 class KVCache:
     """Keys and values of every layer, (B, Hkv, T_max, hd) each, and `pos`, the number of tokens
-    already in the cache (a 0-d tensor on the device, so positions never become constants)."""
+    already in the cache (a 0-d tensor on the device, so positions never become constants). The
+    model's sequence seam (model.Transformer.hidden): `view` gives a chunk's positions and each
+    layer's attention over the cache."""
 
     def __init__(self, args, batch, max_len, device, dtype=torch.float32):
         shape = (batch, args.n_kv_heads, max_len, args.hd)
@@ -35,23 +39,28 @@ class KVCache:
         self.pos = torch.zeros((), dtype=torch.long, device=device)
         self.max_len = max_len
 
+    def view(self, tokens_BxS, args):
+        """The chunk `tokens_BxS` at positions pos..pos+S-1 (the caller advances `pos` after it)."""
+        if args.sliding_window is not None or args.doc_sep is not None:
+            raise ValueError("decoding with a sliding window or packed documents is not built (the KV cache is causal only)")
+        return _ChunkView(self, self.pos + torch.arange(tokens_BxS.shape[1], device=self.pos.device))
+
+
+class _ChunkView:
+    def __init__(self, cache, positions):
+        self.cache, self.positions = cache, positions
+
     def layer(self, i):
-        return _LayerCache(self, i)
+        return functools.partial(self.attend, i)
 
-
-class _LayerCache:
-    def __init__(self, cache, i):
-        self.cache, self.i = cache, i
-
-    def update(self, k_BxKxSxD, v_BxKxSxD):
-        """Write this chunk's S keys/values at positions pos..pos+S-1; return the whole cache and the
+    def attend(self, i, q_BxHxSxD, k_BxKxSxD, v_BxKxSxD):
+        """Write this chunk's S keys/values at their positions; attend over the whole cache under the
         (S, T_max) mask of what each of the S queries may see (itself and everything before)."""
-        c, S = self.cache, k_BxKxSxD.shape[2]
-        query_pos = c.pos + torch.arange(S, device=c.pos.device)
-        c.k[self.i].index_copy_(2, query_pos, k_BxKxSxD.to(c.k[self.i].dtype))
-        c.v[self.i].index_copy_(2, query_pos, v_BxKxSxD.to(c.v[self.i].dtype))
+        c, query_pos = self.cache, self.positions
+        c.k[i].index_copy_(2, query_pos, k_BxKxSxD.to(c.k[i].dtype))
+        c.v[i].index_copy_(2, query_pos, v_BxKxSxD.to(c.v[i].dtype))
         mask_SxT = torch.arange(c.max_len, device=c.pos.device)[None, :] <= query_pos[:, None]
-        return c.k[self.i], c.v[self.i], mask_SxT
+        return masked_attention(q_BxHxSxD, c.k[i], c.v[i], mask_SxT)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -100,7 +109,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_k=0, top_p=
     step_in = torch.tensor([prompt_ids], device=device)  # prefill: the whole prompt at once
     out = []
     for _ in range(max_new_tokens):
-        logits = model(step_in, kv_cache=cache)[0, -1]
+        logits = model(step_in, sequence=cache)[0, -1]
         cache.pos += step_in.shape[1]
         dev.sync(device)  # XLA: one program per step; the cache and pos become device data again
         token = sample(logits.cpu(), temperature, top_k, top_p, generator)

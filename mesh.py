@@ -136,8 +136,8 @@ class TorchrunMesh(Parallel):
             raise MeshError(f"--mesh {self.mesh_spec!r}: {e}") from None
 
     def parallelize(self, model, units=(), family=None):
-        """What the mesh does to a model, in order (docs/layouts.md): the family's own split (tensor
-        parallel, then expert parallel: ModelFamily.split), its sequence over cp, then data parallel
+        """What the mesh does to a model, in order (docs/layouts.md): the family's own parallelization
+        (tensor parallel, expert parallel, its sequence over cp: ModelFamily.parallelize), then data parallel
         (SimpleFSDP, or FSDP2: the oracle, one fully_shard unit per block of `units`, then the rest).
         A model on the meta device stays there until the shards are placed, then each rank allocates
         only its own (materialize.py fills them)."""
@@ -145,9 +145,7 @@ class TorchrunMesh(Parallel):
         model = model if meta else model.to(self.device)
         tp_mesh = self.mesh["tp"] if self.tp > 1 else None
         ep_mesh = expert_mesh(self.device.type, dist.get_world_size(), self.ep) if self.ep > 1 else None
-        experts = family.split(model, tp_mesh, ep_mesh) if family is not None else []
-        if self.context is not None:
-            family.split_sequence(model, self.context)
+        experts = family.parallelize(model, tp_mesh, ep_mesh, self.context) if family is not None else []
         dp_mesh = self.mesh["dcn", "ici"] if self.dcn > 1 else self.mesh["ici"]  # 1-D: nothing to replicate
         if self.dp_impl == "fsdp2":
             model = self._fsdp2(model, dp_mesh, units)

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from context_parallel import SequenceView, WholeSequence, position_mask
+from context_parallel import WholeSequence, position_mask
 # the config, its published flavors and its accounting live in model_args.py; they are this model's
 # names too, for the many callers that import them from here
 from model_args import FLAVORS, ModelArgs, dynamic_shapes_reason, flops_per_token, param_counts, tpu_config  # noqa: F401
@@ -80,14 +80,11 @@ def attention_mask(seq_len, window=None, segment_ids=None, device=None):
     return position_mask(pos, pos, window, segment_ids, segment_ids)
 
 
-def sdpa_attention(q_BxHxSxD, k_BxKxTxD, v_BxKxTxD, window=None, segment_ids=None, mask_SxT=None):
-    """Reference attention (materializes the S x T scores): GQA by repeating kv heads. Causal over
-    S = T, or under an explicit `mask_SxT` (decoding: S new queries over a T-long KV cache)."""
+def sdpa_attention(q_BxHxSxD, k_BxKxTxD, v_BxKxTxD, window=None, segment_ids=None):
+    """Reference causal attention (materializes the S x S scores): GQA by repeating kv heads."""
     groups = q_BxHxSxD.shape[1] // k_BxKxTxD.shape[1]
     k = k_BxKxTxD.repeat_interleave(groups, dim=1)
     v = v_BxKxTxD.repeat_interleave(groups, dim=1)
-    if mask_SxT is not None:
-        return F.scaled_dot_product_attention(q_BxHxSxD, k, v, attn_mask=mask_SxT)
     if window is None and segment_ids is None:
         return F.scaled_dot_product_attention(q_BxHxSxD, k, v, is_causal=True)
     mask = attention_mask(q_BxHxSxD.shape[2], window, segment_ids, q_BxHxSxD.device)
@@ -201,7 +198,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, args.norm_eps)
             self.k_norm = RMSNorm(hd, args.norm_eps)
 
-    def forward(self, x_BxSxD, cos, sin, kv_cache=None):
+    def forward(self, x_BxSxD, cos, sin, attend=None):
+        """`attend(q, k, v)`: how these tokens attend, the view of their sequence Transformer.hidden was
+        given (a window or packed documents as a mask, a cp rank's chunks, a KV cache); None: the
+        attention the config names, over whole causal sequences."""
         a = self.args
         B, S, _ = x_BxSxD.shape
         # (-1 heads: under tensor parallelism the projections hold this rank's heads only)
@@ -212,14 +212,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, S, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, S, hd)
-        if hasattr(kv_cache, "attend"):  # a context-parallel rank's kernel over its chunks (context_parallel.py)
-            out = kv_cache.attend(q, k, v.transpose(1, 2))
-        elif kv_cache is not None:  # decoding (generate.py): this chunk joins the cache; attend over all of it
-            # (or a SequenceView: the whole sequence's keys under a window / packed-document mask)
-            k, v, mask_SxT = kv_cache.update(k, v.transpose(1, 2))
-            out = sdpa_attention(q, k, v, mask_SxT=mask_SxT)
-        else:
-            out = lookup_impl(ATTENTION_IMPLS, a.attn_impl, "attention")(q, k, v.transpose(1, 2))
+        attend = attend or lookup_impl(ATTENTION_IMPLS, a.attn_impl, "attention")
+        out = attend(q, k, v.transpose(1, 2))  # (B, H, S, hd)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -316,8 +310,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MoE(args) if args.n_experts else MLP(args.dim, args.ffn_dim)
 
-    def forward(self, x_BxSxD, cos, sin, kv_cache=None):
-        h = x_BxSxD + self.self_attn(self.input_layernorm(x_BxSxD), cos, sin, kv_cache)
+    def forward(self, x_BxSxD, cos, sin, attend=None):
+        h = x_BxSxD + self.self_attn(self.input_layernorm(x_BxSxD), cos, sin, attend)
         out, aux = self.mlp(self.post_attention_layernorm(h))
         return h + out, aux
 
@@ -352,49 +346,43 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def split_sequence(self, sequence):
-        """The declared seam for context parallelism: `sequence.view(tokens_BxS, args)` gives each
-        forward's SequenceView (this process's positions, the keys it attends over), or None for whole
-        causal sequences. Default: WholeSequence."""
+        """The declared seam for how tokens sit in their sequence: `sequence.view(tokens_BxS, args)`
+        gives each forward's view, its tokens' `positions` (RoPE's) and `layer(i)`, layer i's attention
+        (None: the config's, over whole causal sequences). Default WholeSequence; context parallelism
+        gives each process its chunks (context_parallel.py)."""
         self.sequence = sequence
 
-    def rope(self, seq_len, start=0, positions=None):
-        """cos, sin (S, hd) for positions start..start+S-1 (`start` may be a tensor: the KV cache's), or
-        for the given `positions` (S,) (a process holding chunks of the sequence: their global places)."""
-        pos = torch.arange(seq_len, device=self.inv_freq.device) + start if positions is None else positions
-        freqs = torch.outer(pos.float(), self.inv_freq)
+    def rope(self, positions_S):
+        """cos, sin (S, hd) at the tokens' positions in their sequence."""
+        freqs = torch.outer(positions_S.float(), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # (S, hd): rotate-half layout
         return emb.cos(), emb.sin()
 
-    def hidden(self, tokens_BxS, kv_cache=None):
-        """Final-norm hidden states (B, S, D) and the summed MoE auxiliary loss."""
-        h = self.embed_tokens(tokens_BxS)
-        if kv_cache is None:
-            kv_cache = self.sequence.view(tokens_BxS, self.args)  # (None: whole causal sequences)
-            if kv_cache is not None and not isinstance(self.layers, nn.ModuleList):
-                raise NotImplementedError("--scan with a sliding window, packed documents or context parallelism")
-        elif self.args.sliding_window is not None or self.args.doc_sep is not None:
-            raise ValueError("decoding with a sliding window or packed documents is not built (the KV cache is causal only)")
-        if isinstance(kv_cache, SequenceView):
-            cos, sin = self.rope(tokens_BxS.shape[1], positions=kv_cache.positions)
-        else:
-            cos, sin = self.rope(tokens_BxS.shape[1], 0 if kv_cache is None else kv_cache.pos)
-        h, aux = self.run_layers(h, cos, sin, kv_cache)
+    def hidden(self, tokens_BxS, sequence=None):
+        """Final-norm hidden states (B, S, D) and the summed MoE auxiliary loss. `sequence`: what the
+        tokens continue (a KV cache while decoding: generate.py); by default the model's own."""
+        view = (sequence or self.sequence).view(tokens_BxS, self.args)
+        cos, sin = self.rope(view.positions)
+        h, aux = self.run_layers(self.embed_tokens(tokens_BxS), cos, sin, view)
         return self.norm(h), aux
 
-    def run_layers(self, h, cos, sin, kv_cache=None):
-        """The layer loop. layer_scan.py may swap self.layers for one module that scans them."""
+    def run_layers(self, h, cos, sin, view):
+        """The layer loop. layer_scan.py may swap self.layers for one module that scans them (whole
+        causal sequences only: its blocks take the config's attention)."""
         if not isinstance(self.layers, nn.ModuleList):
+            if view.layer(0) is not None:
+                raise NotImplementedError("--scan with a sliding window, packed documents or context parallelism")
             return self.layers(h, cos, sin)
         aux = h.new_zeros((), dtype=torch.float32)
         for i, layer in enumerate(self.layers):
-            h, layer_aux = layer(h, cos, sin, None if kv_cache is None else kv_cache.layer(i))
+            h, layer_aux = layer(h, cos, sin, view.layer(i))
             aux = aux + layer_aux
         return h, aux
 
-    def forward(self, tokens_BxS, targets_BxS=None, kv_cache=None):
-        """Logits (B, S, V) without targets; with targets (cross-entropy, coef * aux loss). With a
-        kv_cache (generate.py) the tokens continue the cached ones, from position kv_cache.pos."""
-        h, aux = self.hidden(tokens_BxS, kv_cache)
+    def forward(self, tokens_BxS, targets_BxS=None, sequence=None):
+        """Logits (B, S, V) without targets; with targets (cross-entropy, coef * aux loss). With a KV
+        cache as `sequence` (generate.py) the tokens continue the cached ones."""
+        h, aux = self.hidden(tokens_BxS, sequence)
         if targets_BxS is None:
             return h @ self.output_weight().t()
         loss_fn = lookup_impl(LOSS_IMPLS, self.args.loss_impl, "loss")

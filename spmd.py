@@ -90,7 +90,7 @@ class XlaSpmd(Parallel):
         specs = [self.spec(p, stacked=id(p) in stacked) for p in model.parameters()]
         model = Parallel.parallelize(self, model)
         if self.sequence is not None:
-            family.split_sequence(model, self.sequence)
+            family.parallelize(model, sequence=self.sequence)
         names, params = zip(*model.named_parameters())
         self.specs, self.spec_of = specs, {id(p): s for p, s in zip(params, specs)}
         self.spec_of_name = dict(zip(names, specs))

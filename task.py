@@ -23,12 +23,12 @@ model, parallelize function and loss beside the shared trainer):
     activation_bytes(args, local_batch, seq_len, free_bytes), plan(args, cfg) (dryrun.Workload)
     model_parallel              the layout dims beyond data parallel it can be split over ("tp", "ep")
     layout_args(args, tp, ep)   the config a layout splitting it over tp / ep ranks builds (ValueError: why not)
-    split(model, tp_mesh, ep_mesh)  its own tensor-parallel plan and expert routing (torchtitan: each
-                                model's parallelize function), called by the torchrun layout; returns
-                                the modules whose weights are experts split over ep_mesh (with --scan:
-                                a stack's block's, naming its stacked weights)
-    split_sequence(model, seq)  context parallelism: the model runs its chunks of every sequence
-                                (context_parallel.py; the LM family's; others refuse)
+    parallelize(model, tp_mesh, ep_mesh, sequence)  its whole model parallelization in one function
+                                (torchtitan's parallelize_llama): tensor parallel, expert routing, its
+                                sequences split (context parallel), in that order; the layout then
+                                shards it data-parallel. Returns the modules whose weights are experts
+                                split over ep_mesh (with --scan: a stack's block's, naming its stacked
+                                weights). The only place a layout changes a model
     kind                        what its models are, in words (a run of another kind is refused by name)
     resume_settings             config fields no weight depends on (ep's buffer factor): a checkpoint
                                 records them as training settings, which a resume may change (run/resume.py)
@@ -111,14 +111,12 @@ class ModelFamily:
             raise ValueError(f"{self.kind} splits over the data-parallel dims (dcn / ici) only")
         return args
 
-    def split(self, model, tp_mesh, ep_mesh):
-        """No tensor or expert parallelism by default (layout_args refuses them)."""
+    def parallelize(self, model, tp_mesh=None, ep_mesh=None, sequence=None):
+        """No tensor or expert parallelism (layout_args refuses them) and no split sequences (run/cli.py
+        refuses cp) by default: the layout's data parallelism alone."""
+        if sequence is not None:
+            raise NotImplementedError(f"{self.kind} does not split sequences")
         return []
-
-    def split_sequence(self, model, sequence):
-        """Context parallelism: give the model `sequence` (context_parallel.ContextParallel), so that each
-        process runs its chunks of every sequence. Families that cannot (most) are refused by run/cli.py."""
-        raise NotImplementedError(f"{self.kind} does not split sequences")
 
     def blocks(self, model):
         return [model]
@@ -170,7 +168,8 @@ class Workload:
     """A kind of training (see the module docstring); subclasses implement what raises here."""
     name = default_flavor = None
     Flags = NoFlags
-    splits_sequences = False  # (--mesh cp=C: refused by run/cli.py unless True)
+    splits_sequences = False  # (--mesh cp=C: refused by run/cli.py unless True, saying why not:)
+    no_split_reason = "its loss is not a mean over equal token sets"
     sequence_from = None        # what fixes a row's length where --seq-len does not (run/cli.py refuses the flag)
     family_class = ModelFamily  # the kind of model it trains (for checks before it is built)
     resume_policy = {}          # meta() key -> True (--allow-change KEY), why it cannot change, or f(saved, now)

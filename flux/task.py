@@ -241,6 +241,7 @@ class FluxDigits(Workload):
     """Rectified flow on the digits (or a latent file): the batches, the flow-matching loss, the grids."""
     name, default_flavor, Flags, unit = "flux", "flux_debug", FluxFlags, "img"
     family_class = FluxFamily
+    no_split_reason = "its transformer attends over text and image tokens jointly, and splitting them is not built"
     sequence_from = "its image's latent tokens (--image-size)"
     loss_reduction = classmethod(lambda cls, cfg: "mean")  # (the MSE over rows of one latent size: step.py)
     resume_policy = {"data": lambda saved, now: None if (saved is None) == (now is None) else (  # (None: the digits)

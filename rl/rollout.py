@@ -52,7 +52,7 @@ def sample_batch(model, prompts_BxP, max_new_tokens, temperature, generator, eos
     tokens, logps = [], []
     done_B = torch.zeros(B, dtype=torch.bool)
     for _ in range(max_new_tokens):
-        logits_BxV = model(step_in, kv_cache=cache)[:, -1]
+        logits_BxV = model(step_in, sequence=cache)[:, -1]
         cache.pos += step_in.shape[1]
         dev.sync(device)  # XLA: one decode program per step
         logits_BxV = logits_BxV.float().cpu()

@@ -338,7 +338,8 @@ def _validate_context_parallel(cfg, workload, sizes):
     """cp=C: what context_parallel.py is built for (eager and graph, beside SimpleFSDP / FSDP2 / HSDP)."""
     where = f"--mesh {cfg.mesh!r}"
     if not workload.splits_sequences:
-        raise ConfigError(f"{where}: the {cfg.task} workload's loss is not a mean over equal token sets: cp is for --task lm")
+        raise ConfigError(f"{where}: the {cfg.task} workload does not split its sequences over cp ranks "
+                          f"({workload.no_split_reason}): cp is for --task lm")
     if sizes["tp"] > 1 or sizes["ep"] > 1 or cfg.scan:
         raise ConfigError(f"{where}: cp with tp, ep or --scan is not built")
     if cfg.mode == "compile":

@@ -52,12 +52,10 @@ def test_a_sequence_view_attends_as_the_formula_under_a_window_and_documents():
         args = tiny_args(sliding_window=window, doc_sep=doc_sep)
         view = cp_lib.WholeSequence.view(tokens, args)
         q, k, v = torch.randn(2, 4, 12, 16), torch.randn(2, 2, 12, 16), torch.randn(2, 2, 12, 16)
-        keys, values, mask = view.update(k, v)
-        got = torch.nn.functional.scaled_dot_product_attention(
-            q, keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1), attn_mask=mask)
+        got = view.layer(0)(q, k, v)
         want = _attention_by_hand(q, k, v, window, seg if doc_sep is not None else None)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert cp_lib.WholeSequence.view(tokens, tiny_args()) is None  # (plain causal: the implementation's path)
+    assert cp_lib.WholeSequence.view(tokens, tiny_args()).layer(0) is None  # (plain causal: the implementation's path)
 
 
 def test_a_cp_ranks_splash_kernel_attends_as_the_formula_over_its_chunks(monkeypatch):
@@ -88,9 +86,7 @@ def test_a_cp_ranks_splash_kernel_attends_as_the_formula_over_its_chunks(monkeyp
                 assert isinstance(view, cp_lib.ChunkedKernelView)
                 outs[impl] = view.attend(mine[id(q)], mine[id(k)], mine[id(v)])
             else:
-                keys, values, mask = view.update(mine[id(k)], mine[id(v)])
-                outs[impl] = torch.nn.functional.scaled_dot_product_attention(
-                    mine[id(q)], keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1), attn_mask=mask)
+                outs[impl] = view.layer(0)(mine[id(q)], mine[id(k)], mine[id(v)])
         assert_close(outs["splash"], want[:, :, pos].detach(), f"rank {rank} output", atol=2e-6, rtol=0)
         cot = torch.randn_like(outs["sdpa"])
         got = torch.autograd.grad((outs["splash"] * cot).sum(), (q, k, v), retain_graph=True)
@@ -139,6 +135,7 @@ def test_context_parallel_ranks_equal_one_process(nproc, mesh, impl, extra, corp
     (["--mesh", "ici=1,cp=2,tp=2"], "cp with tp, ep or --scan is not built"),
     (["--mesh", "ici=1,cp=2", "--mode", "compile"], "cp is built for --mode eager and graph"),
     (["--mesh", "ici=2,cp=2", "--task", "sft"], "cp is for --task lm"),
+    (["--mesh", "ici=2,cp=2", "--task", "flux"], "attends over text and image tokens jointly"),
     (["--mesh", "ici=1,cp=0"], "with positive integers"),
     (["--set", "sliding_window=0"], "sliding_window must be positive"),
     (["--set", "doc_sep=256"], "doc_sep must be a token id in [0, 256)"),

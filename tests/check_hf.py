@@ -78,10 +78,10 @@ def test_kv_cache_decoding_equals_full_recomputation(flavor):
     cache = generate.KVCache(model.args, 1, 20, "cpu")
     with torch.no_grad():
         full = model(tokens)[0]
-        steps = [model(tokens[:, :8], kv_cache=cache)[0]]  # prefill 8, then one token at a time
+        steps = [model(tokens[:, :8], sequence=cache)[0]]  # prefill 8, then one token at a time
         cache.pos += 8
         for t in range(8, 20):
-            steps.append(model(tokens[:, t:t + 1], kv_cache=cache)[0])
+            steps.append(model(tokens[:, t:t + 1], sequence=cache)[0])
             cache.pos += 1
     torch.testing.assert_close(torch.cat(steps), full, rtol=1e-5, atol=1e-5)
     ids = generate.generate(model, tokens[0, :5].tolist(), 10)  # greedy with the cache == argmax of full recompute

@@ -25,6 +25,7 @@ TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2
     (2, 4, 2, 40, 16, None, False, 16),   # GQA, S not a multiple of the block
     (1, 4, 1, 50, 8, 7, True, 16),        # window + packed documents, MQA
     (1, 2, 2, 64, 16, 20, False, 32),     # window only
+    (1, 2, 2, 64, 16, 31, False, 16),     # a window one less than two blocks: a block on its edge is PARTIAL
 ])
 def test_splash_attention_matches_reference(dtype, B, H, Hkv, S, D, window, segments, block):
     import kernels_splash as kp
@@ -63,12 +64,16 @@ def test_splash_full_attention_equals_plain_softmax_attention():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("N,D,V", [(37, 16, 300), (64, 8, 256)])
-def test_fused_linear_cross_entropy_matches_reference(dtype, N, D, V):
+@pytest.mark.parametrize("N,D,V,scale", [(37, 16, 300, 1.0), (64, 8, 256, 1.0),
+                                         (37, 16, 300, 0.01)])  # (logits near 0: a padded column would count)
+def test_fused_linear_cross_entropy_matches_reference(dtype, N, D, V, scale):
+    """V = 300 in vocabulary tiles of 128: 84 padded columns, which must not enter the log-sum-exp. At
+    logits near 0 each one would add ~1 to its sum (log(384 / 300) = 0.25 in the loss); at the randn
+    scale they vanish below the tolerance."""
     import kernels_pallas as kp
     from model import plain_cross_entropy
     torch.manual_seed(0)
-    h = torch.randn(N, D, dtype=dtype, requires_grad=True)
+    h = (scale * torch.randn(N, D)).to(dtype).requires_grad_()
     w = torch.randn(V, D, dtype=dtype, requires_grad=True)
     t = torch.randint(0, V, (N,))
     t[::5] = -100  # ignored rows
@@ -101,6 +106,26 @@ def test_grouped_matmul_matches_reference(dtype, sizes):
         torch.testing.assert_close(g.float(), w_, **TOL[dtype])
     if 0 in sizes:  # an empty group's weight gradient is exactly zero
         assert grads[1][gs == 0].abs().max() == 0
+
+
+@pytest.mark.parametrize("block_k, block_n", [(128, 128), (128, 0), (0, 128)])
+def test_grouped_matmul_with_k_and_n_in_several_tiles_matches_reference(block_k, block_n):
+    """K = N = 256 in tiles of 128, as a TPU step tiles them (512 on a chip, the suite's other cases
+    one tile): the output sums every K tile's product, the weight gradient fills every (K, N) tile."""
+    import kernels_gmm
+    from model import gmm_reference
+    torch.manual_seed(0)
+    gs = torch.tensor([9, 0, 20, 3])
+    x = torch.randn(int(gs.sum()), 256, requires_grad=True)
+    w = torch.randn(4, 256, 256, requires_grad=True)
+    cot = torch.randn(x.shape[0], 256)
+    out, grads = _grads(lambda x, w: kernels_gmm.gmm(x, w, gs, block_m=8, block_k=block_k, block_n=block_n),
+                        (x, w), cot)
+    ref = [t.detach().requires_grad_() for t in (x, w)]
+    want, want_grads = _grads(lambda x, w: gmm_reference(x, w, gs), ref, cot)
+    torch.testing.assert_close(out, want, **TOL[torch.float32])
+    for g, w_ in zip(grads, want_grads):
+        torch.testing.assert_close(g, w_, **TOL[torch.float32])
 
 
 def test_splash_matches_jax_production_splash_attention():

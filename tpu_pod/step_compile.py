@@ -279,6 +279,9 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
     if slices == 1 and chips > per_slice and chips % per_slice == 0:
         slices = chips // per_slice  # (FSDP over DCN: one ici axis across the slices, MaxText's dcn_fsdp)
     devices = tpu_target.devices(chip, name, slices=slices)
+    if len(devices) != chips * cores and chips < per_slice and not topology:
+        raise ValueError(f"the smallest {chip} slice ({name}) has {per_slice} chips; the mesh lays out {chips}: "
+                         f"give --mesh ici={per_slice} or --chips {per_slice}")
     if len(devices) != chips * cores:
         raise ValueError(f"{slices} x topology {name} has {len(devices) // cores} chips; the mesh has {chips}")
     label = name if slices == 1 else f"{slices} x {name}"

@@ -179,6 +179,9 @@ def libtpu_path():
         return found
     where = os.environ.get("MINITITAN_LIBTPU") or os.path.join(ROOT, ".libtpu")
     path = where if where.endswith(".so") else os.path.join(where, "libtpu", "libtpu.so")
+    if not os.path.isfile(path) and os.environ.get("MINITITAN_LIBTPU"):
+        raise TargetError(f"MINITITAN_LIBTPU={where} names no libtpu (no file {path}): point it at a libtpu.so or "
+                          f"a pip --target directory holding libtpu, or unset it to use .libtpu")
     if not os.path.isfile(path):
         raise TargetError(f"no libtpu at {path}: the TPU compiler's environment is not built "
                           f"(.ci/run builds it; or pip install --no-deps --target .libtpu "

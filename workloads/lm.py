@@ -98,16 +98,24 @@ class LanguageModelFamily(ModelFamily):
                 raise ValueError(refusal)
         return tensor_parallel.config(args) if tp > 1 else args
 
-    def split(self, model, tp_mesh, ep_mesh):
-        """Megatron TP + sequence parallel over tp_mesh (tensor_parallel.py), then the MoE blocks' rows
-        routed over ep_mesh (expert_parallel.py): their experts are what SimpleFSDP places over it."""
+    def parallelize(self, model, tp_mesh=None, ep_mesh=None, sequence=None):
+        """Llama / Qwen 3 / Qwen 3-MoE's whole parallelization, in order (torchtitan's parallelize_llama);
+        the layout then shards what this returns data-parallel (SimpleFSDP or FSDP2, mesh.py; GSPMD, spmd.py):
+          1. tensor parallel over tp_mesh: Megatron's column / row split of attention and the MLP, the
+             norms' activations split by sequence between them (tensor_parallel.py); the loss runs over
+             the vocabulary split (the config's loss, which layout_args chose);
+          2. expert parallel over ep_mesh: each MoE's rows routed to the ranks that own their experts
+             (expert_parallel.py); the experts are returned, for the data-parallel shards to split over ep;
+          3. context parallel: the model runs this process's chunks of every `sequence`
+             (context_parallel.py)."""
         if tp_mesh is not None:
             tensor_parallel.parallelize(model, tp_mesh)
-        if ep_mesh is None:
-            return []
-        for block in self._blocks_with_experts(model):
-            expert_parallel.parallelize(block, ep_mesh)
-        return self.moe_modules(model)
+        if ep_mesh is not None:
+            for block in self._blocks_with_experts(model):
+                expert_parallel.parallelize(block, ep_mesh)
+        if sequence is not None:
+            model.split_sequence(sequence)
+        return self.moe_modules(model) if ep_mesh is not None else []
 
     @staticmethod
     def _blocks_with_experts(model):
@@ -118,9 +126,6 @@ class LanguageModelFamily(ModelFamily):
     def moe_modules(self, model):
         """Every MoE module of `model` (under --scan: of its stacks' blocks)."""
         return [m for block in self._blocks_with_experts(model) for m in block.modules() if isinstance(m, MoE)]
-
-    def split_sequence(self, model, sequence):
-        model.split_sequence(sequence)
 
     def scan_stacks(self, model):
         return [(model, "layers")]
