@@ -9,7 +9,7 @@ Each configuration runs in its own process (so peak memory is its own), configur
 A B A B across repeats, and each figure is the median of several timed steps after warm-up. Ratios
 to the baseline (a plain PyTorch loop with torch.optim.AdamW(foreach=True), as a nanoGPT user writes
 it) are computed inside the same run, because machines here are noisy. Writes bench_results/*.md and
-*.json; the README shows the latest table.
+*.json; docs/measured.md keeps the tables it quotes, each with its command.
 """
 import argparse
 import json

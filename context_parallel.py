@@ -32,8 +32,16 @@ The model meets this through one seam (model.Transformer.split_sequence): every 
 see); WholeSequence, the default, is one process with every position. A KV cache is the same seam
 (generate.py).
 """
+import warnings
+
 import torch
 import torch.distributed._functional_collectives as funcol
+
+# all_gather_tensor_autograd's own backward (the reduce-scatter) carries the keys' gradients; the
+# wait_tensor after the gather has no autograd kernel and passes them through, which PyTorch warns
+# about once a rank. cp's losses, gradient norms and weights equal one process's
+# (tests/check_context_parallel.py), so the warning says nothing about these runs.
+warnings.filterwarnings("ignore", message="wait_tensor: an autograd kernel was not registered")
 
 
 def position_mask(q_pos_S, k_pos_T, window=None, q_seg_BxS=None, k_seg_BxT=None):

@@ -1,7 +1,8 @@
 """parallel.py: the one interface between the trainer and how a model is spread over devices.
 
-The trainer holds a `Parallel` and calls its methods (it asks `mesh_spec` only to skip what needs
-the whole weights in one process: the end-of-run preview, the evaluation's pictures). Three
+The trainer holds a `Parallel` and calls its methods (it reads `mesh_spec` to record it with a
+checkpoint, to run the watchdog's peer check only under a mesh, and to skip what needs the whole
+weights in one process: the end-of-run preview, the evaluation's pictures). Three
 implementations, one per way of running:
 
     Parallel      one process, one device (this class: every method is the identity / a local sum)

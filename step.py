@@ -44,6 +44,7 @@ fsdp_passes.reduce_once), else once a microbatch, keeping only the sharded sum (
 import device as dev
 import optim
 
+
 def train_step(model, loss_fn, batch, lr, opt, layout, params, microbatches, clip, autocast):
     """One optimizer step on `batch` (this rank's rows), in place: (loss to report, averaged over the
     data-parallel ranks; the gradients' global norm before clipping). `params`: the model's parameters

@@ -37,9 +37,10 @@ def test_microbatch_gradients_sum_to_the_whole_batch_gradient_mean_and_sum_reduc
 
     def grads_of(loss, last=True):
         return torch.autograd.grad(loss, params)
+    layout = _Autograd(grads_of)
     want = grads_of(next_token_loss(model, (x, y))[1])
-    reported, got = step.loss_and_grads(next_token_loss, model, (x, y), step_lib.Microbatches(4, "mean"), grads_of,
-                                         _no_autocast)
+    reported, got = step_lib.loss_and_grads(next_token_loss, model, (x, y), step_lib.Microbatches(4, "mean"), layout,
+                                            params, _no_autocast)
     gap, scale = _grad_gap(want, got)
     assert gap <= 1e-6 * scale, (gap, scale)
     torch.testing.assert_close(reported, next_token_loss(model, (x, y))[0], rtol=1e-6, atol=0)
@@ -55,8 +56,8 @@ def test_microbatch_gradients_sum_to_the_whole_batch_gradient_mean_and_sum_reduc
                                                reduction="sum") / n
         return ce, ce
     want = grads_of(masked_loss(model, (x, masked, count))[1])
-    _, got = step.loss_and_grads(masked_loss, model, (x, masked, count), step_lib.Microbatches(4, "sum"), grads_of,
-                                  _no_autocast)
+    _, got = step_lib.loss_and_grads(masked_loss, model, (x, masked, count), step_lib.Microbatches(4, "sum"), layout,
+                                     params, _no_autocast)
     gap, scale = _grad_gap(want, got)
     assert gap <= 1e-6 * scale, (gap, scale)
     micro_means = [grads_of(masked_loss(model, (mx, my, (my != -100).sum()))[1])  # each its own count
@@ -66,7 +67,7 @@ def test_microbatch_gradients_sum_to_the_whole_batch_gradient_mean_and_sum_reduc
 
 
 class _Autograd:
-    """The layout hooks step.loss_and_grads calls (parallel.Parallel's), as plain autograd: the oracle's."""
+    """The layout hooks step_lib.loss_and_grads calls (parallel.Parallel's), as plain autograd: the oracle's."""
 
     def __init__(self, grads_of):
         self.grads_of = grads_of
@@ -407,8 +408,8 @@ def test_each_workloads_loss_splits_into_microbatches_as_it_declares(argv):
     def grads_of(loss, last=True):
         return torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
     want = grads_of(workload.loss(model, batch)[1])
-    _, got = step.loss_and_grads(workload.loss, model, batch, step_lib.Microbatches(2, type(workload).loss_reduction(cfg)),
-                                  grads_of, _no_autocast)
+    _, got = step_lib.loss_and_grads(workload.loss, model, batch, step_lib.Microbatches(2, type(workload).loss_reduction(cfg)),
+                                     _Autograd(grads_of), params, _no_autocast)
     gap, scale = _grad_gap(want, got)
     assert scale > 0 and gap <= 1e-6 * scale, (gap, scale)
 

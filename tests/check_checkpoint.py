@@ -218,7 +218,7 @@ def test_checkpoint_write_protocol_survives_a_crash_at_every_step(tmp_path, monk
 
 def test_a_second_run_on_the_same_directory_is_refused_and_a_dead_holder_leaves_no_lock(corpus, tmp_path, capsys):
     out = str(tmp_path / "run")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, rundir; rundir.RunDir(sys.argv[1]).open(); "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from run import rundir; rundir.RunDir(sys.argv[1]).open(); "
                                "print('locked', flush=True); time.sleep(300)", out], cwd=HERE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -412,7 +412,7 @@ def test_the_watchdog_of_one_process_blames_no_peer_and_evaluation_batches_are_p
     """One process has no peer: its watchdog line says the process is stuck (exit 4), and a watchdog under
     10 s its stall to two digits (whole seconds said "1 s" for 0.6, "0 s" for 0.01). Every
     evaluation batch is progress: an evaluation longer than --watchdog in all is not a stall."""
-    code = "import rundir, time; rundir.Watchdog(0.5, 0, peers=False); time.sleep(30)"
+    code = "import time; from run import rundir; rundir.Watchdog(0.5, 0, peers=False); time.sleep(30)"
     rc, _, err = launch.python(["-c", code], timeout=60)
     assert rc == 4 and "the process is stuck or too slow" in err and "peer" not in err
     assert re.search(r"^error: no progress for 0\.\d+ s in ", err, re.M), err  # (a short one's seconds: was "1 s")

@@ -189,7 +189,8 @@ def child_expert_exchange():
     shard_map (sharded_kernels.by_ep_exchange, by_routing_group), forward and backward through their
     own backward functions, against the same chain on the global arrays (the experts' weights whole)
     and its jax.vjp; and that chain's output against each row times its expert's weight, zero for a
-    row past its peer's slots (16 a peer for 24 rows: ep_buffer_factor 4/3)."""
+    row past its peer's slots (16 a peer for 24 rows: ep_buffer_factor 4/3). 8 experts, 4 a rank: a
+    device's slice of its group sizes differs from the ep rank's (with 4 experts, 2 a rank, they coincide)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -201,11 +202,11 @@ def child_expert_exchange():
     sharded_kernels.use(Mesh(np.array(jax.devices()).reshape(1, 2, 2), ("dcn", "ici", "ep")))
     rng = np.random.default_rng(0)
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    E, M, ep, C, gmm_statics = 4, 24, 2, 16, (8, 0, 0)
+    E, M, ep, C, gmm_statics = 8, 24, 2, 16, (8, 0, 0)
     ops = {n: jax_op.KERNELS[f"minititan::{n}"] for n in ("ep_to_owners", "ep_arrived_sizes", "ep_from_owners", "gmm")}
     (to_f, to_b), (sizes_f, _), (back_f, back_b), (gmm_f, gmm_b) = (sharded_kernels.LAYOUTS[f"minititan::{n}"](op)
                                                                    for n, op in ops.items())
-    # device 0 sends nothing to expert 3; device 2 sends everything to its own ep rank's experts (0, 1)
+    # device 0 sends nothing to experts 3..7; device 2 sends everything to its own ep rank's experts (0-3)
     counts = [np.bincount(rng.integers(0, 3, M), minlength=E), np.bincount(rng.integers(0, E, M), minlength=E),
               np.bincount(rng.integers(0, 2, M), minlength=E), np.bincount(rng.integers(0, E, M), minlength=E)]
     group_sizes = jnp.asarray(counts, jnp.int32)

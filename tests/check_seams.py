@@ -373,7 +373,7 @@ def test_a_run_imports_only_its_own_workload(corpus, tmp_path):
     from tests.common import TINY
     rc, out, err = launch.python(["-c", RUN_AND_LIST_WORKLOAD_MODULES, *TINY, "--data", corpus, "--steps", "1",
                                   "--eval-batches", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path / "r")])
-    assert rc == 0 and out.strip().splitlines()[-1] == "['lm_task']", (out[-2000:], err[-2000:])
+    assert rc == 0 and out.strip().splitlines()[-1] == "['workloads', 'workloads.lm']", (out[-2000:], err[-2000:])
 
 
 def _calls(path):

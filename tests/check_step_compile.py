@@ -122,13 +122,17 @@ def test_ironwood_compiles_two_devices_a_chip_with_the_shards_of_two_v5p_chips()
 
 def test_scan_compiles_one_block_in_a_loop_with_the_state_and_flops_of_the_unrolled_step():
     """--scan under --compile (layer_scan's JAX form: lax.scan over the stacked weights): the weights'
-    and AdamW state's bytes a device are the unrolled step's exactly, and the FLOPs are the unrolled
+    and AdamW state's bytes a device are the unrolled step's (but the tiles' padding), and the FLOPs are the unrolled
     step's plus the forward each layer replays in its backward (every block matmul but the MLP's down
     projection, whose output the backward does not read, and the attention's two), counted here from
-    the model's parameter shapes: within 5% (measured +0.4%). Before, --scan was refused."""
-    args, ici, (batch, seq) = DEBUG_ARGS, 4, (8, 256)
-    plain, scan = compiled(*DEBUG), compiled(*DEBUG, "--scan")
-    assert scan["argument_bytes"] == plain["argument_bytes"], (scan["argument_bytes"], plain["argument_bytes"])
+    the model's parameter shapes: within 5%. Three layers: an odd depth, whose scan at two layers a
+    While iteration has a remainder body that the per-layer count must count too (step_compile.
+    every_layer_counted; left out, the FLOPs are 1.66x)."""
+    args, ici, (batch, seq) = dataclasses.replace(DEBUG_ARGS, n_layers=3), 4, (8, 256)
+    plain, scan = compiled(*DEBUG, "--set", "n_layers=3"), compiled(*DEBUG, "--set", "n_layers=3", "--scan")
+    # (the stacks' layer axis of 3 pads to the compiler's tiles: measured 3 KiB more of 4.1 MiB; at 2 layers equal)
+    assert 0 <= scan["argument_bytes"] - plain["argument_bytes"] <= 0.002 * plain["argument_bytes"], \
+        (scan["argument_bytes"], plain["argument_bytes"])
     import torch
     with torch.device("meta"):
         block = Transformer(args).layers[0]

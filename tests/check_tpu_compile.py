@@ -170,12 +170,12 @@ def test_a_compile_environment_that_is_not_there_is_named(monkeypatch):
     """MINITITAN_LIBTPU naming no libtpu is said as that (not as an environment never built); a
     compile with neither --mesh nor --chips names the smallest slice and the flag to give."""
     from tpu_pod import target as tpu_target
-    monkeypatch.setenv("MINITITAN_LIBTPU", "/nonexistent")
-    with pytest.raises(tpu_target.TargetError, match="MINITITAN_LIBTPU=/nonexistent names no libtpu"):
-        tpu_target.libtpu_path()
     rc, out, err = launch.python(["train.py", "--dry-run", "--compile", "--flavor", "llama3_debug"], timeout=300)
     assert rc == 2 and err.strip().splitlines() == [
         "error: the smallest tpu_v5p slice (v5p:2x2x1) has 4 chips; the mesh lays out 1: give --mesh ici=4 or --chips 4"], err
+    monkeypatch.setenv("MINITITAN_LIBTPU", "/nonexistent")
+    with pytest.raises(tpu_target.TargetError, match="MINITITAN_LIBTPU=/nonexistent names no libtpu"):
+        tpu_target.libtpu_path()
 
 
 def test_the_environment_check_refuses_a_bad_command_line_in_one_line(capsys):

@@ -409,7 +409,7 @@ def main(program, planned, cfg, spec):
     dims = {"dcn": 1, "tp": 1, "ep": 1, **dict(p.split("=") for p in planned["mesh"].split(","))}
     dims = {k: int(v) for k, v in dims.items()}
     if cfg.scan:  # (the planner's column is then remat "full": dryrun.compiled_report)
-        if program.stacks is None and not hasattr(program.model, "layers"):
+        if program.stacks is None and not isinstance(getattr(program.model, "layers", None), torch.nn.ModuleList):
             raise ValueError("--compile --scan stacks a decoder's `layers` or the workload's block stacks; this "
                              "model names neither")
         layer_scan.stack_layers(program.model, program.stacks(program.model) if program.stacks else None)
