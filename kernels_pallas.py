@@ -50,12 +50,14 @@ INTERPRET_BLOCKS = {"splash": 128, "gmm": (128, 0, 0), "ce": (256, 512)}  # (gmm
 #
 # Off a TPU every kernel runs in Pallas interpret mode. On a TPU it lowers with Mosaic for that chip,
 # with the chip's blocks and VMEM limit. Two callers name the chip, and both reach the same choice
-# (`target_chip`, then `tpu_blocks` / `ce_blocks` and VMEM_LIMIT_BYTES): a training step on a TPU,
+# (`target_chip`, then each kernel's tiles, `ce_tiles` / kernels_gmm.gmm_tiles / kernels_splash.
+# splash_block, and VMEM_LIMIT_BYTES in `pallas_call_prefetch`): a training step on a TPU,
 # whose chip JAX's own device names (`running_chip`), and the compile harness (tpu_pod/target.py),
 # which compiles for a named chip on a machine without one (`lowering_for`). So the kernels a
 # training step runs are the kernels that were compiled.
-DEVICE_KINDS = {"TPU v5": "tpu_v5p", "TPU v5p": "tpu_v5p", "TPU v6 lite": "tpu_v6e", "TPU v6e": "tpu_v6e",
-                "TPU7x": "tpu_v7", "TPU v7": "tpu_v7"}  # jax's Device.device_kind -> our chip names
+# jax's Device.device_kind -> our chip names: the kinds jax names (jax/_src/mesh_utils.py), and "TPU v5",
+# what libtpu's v5p devices report (a compile-only one: tests/check_tpu_compile.py)
+DEVICE_KINDS = {"TPU v5": "tpu_v5p", "TPU v5p": "tpu_v5p", "TPU v6 lite": "tpu_v6e", "TPU7x": "tpu_v7"}
 
 
 def chip_of(device_kind):

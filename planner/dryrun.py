@@ -275,6 +275,20 @@ def plan(w, chips, batch_size, chip, traced=None, microbatches=1):
     return layouts(w, chips, batch_size, chip, plan_policies(w), traced, microbatches)
 
 
+def short_of(rows):
+    """What the layouts that do not fit lack, in words: HBM a chip, or where the smallest fits HBM, the
+    host memory a chip's process needs (its shards at start, the checkpoint's staging copy, offloaded
+    activations: stepmodel.host_terms)."""
+    small = min(rows, key=lambda r: r["total_bytes"])
+    hbm = f"the smallest needs {small['total_bytes'] / GiB:.1f} of {small['hbm_bytes'] / GiB:.0f} GiB HBM a chip"
+    in_hbm = [r for r in rows if r["total_bytes"] <= r["hbm_bytes"]]
+    if not in_hbm:
+        return hbm
+    host = min(in_hbm, key=lambda r: r["host_need"])
+    return (f"the smallest in HBM ({host['total_bytes'] / GiB:.1f} of {host['hbm_bytes'] / GiB:.0f} GiB a chip) needs "
+            f"{host['host_need'] / 1e9:.0f} GB of host memory a chip, over its {host['host_capacity'] / 1e9:.0f} GB")
+
+
 def cheapest_fix(w, chips, batch_size, chip, traced, microbatches=1):
     """When no layout fits under any policy: the change that does, cheapest in chip-seconds a sample.
     Tried: gradient accumulation (the same global batch in 2x, 4x, ... the microbatches: one
@@ -331,6 +345,9 @@ def main(w, cfg):
     if cfg.chips and not (laid_out or cfg.plan or getattr(cfg, "compile", False)):
         raise ValueError(f"--chips {cfg.chips} is for --plan (rank its layouts) or --compile (compile the "
                          f"first): add one, or give the layout with --mesh")
+    if getattr(cfg, "compile", False) and cfg.plan:  # (the compile takes --plan's first layout by itself)
+        raise ValueError("--plan ranks the layouts, --compile compiles one (without --mesh: the one --plan ranks "
+                         "first): give one of them")
     if getattr(cfg, "compile", False):  # (a namespace without the flag: the estimate)
         from tpu_pod import target as tpu_target
         if not tpu_target.EFFORTS[0] <= effort <= tpu_target.EFFORTS[1]:
@@ -344,8 +361,7 @@ def main(w, cfg):
         if not rows:
             raise ValueError(f"no layout of {cfg.chips} chips fits the model's heads/experts and --batch-size {cfg.batch_size}")
         if not rows[0]["fits"]:
-            print(f"no layout of {cfg.chips} x {cfg.chip} fits at global batch {cfg.batch_size}: the smallest needs "
-                  f"{min(r['total_bytes'] for r in rows) / GiB:.1f} of {rows[0]['hbm_bytes'] / GiB:.0f} GiB a chip; "
+            print(f"no layout of {cfg.chips} x {cfg.chip} fits at global batch {cfg.batch_size}: {short_of(rows)}; "
                   + cheapest_fix(w, cfg.chips, cfg.batch_size, cfg.chip, traced, accumulation))
             print(json.dumps([]), flush=True)
             return 0
@@ -394,6 +410,9 @@ def compiled_policy(cfg, remat):
     return remat
 
 
+FAR_PAST_HBM = 4  # a step the planner puts at more than 4x HBM is refused before the compile
+
+
 def compiled_report(w, cfg, dims, remat):
     """--compile: the step compiled by the TPU compiler (tpu_pod/step_compile.py) beside this layout's estimate,
     whose activations are traced for the same implementations as the compiled program."""
@@ -408,6 +427,11 @@ def compiled_report(w, cfg, dims, remat):
     traced = policy_name(remat) != "none"
     planned = estimate(w, dims, cfg.batch_size, cfg.chip, remat,
                        saved_per_sample(w, remat, {traced: program.saved_bytes(traced)}), getattr(cfg, "grad_accum", 1))
+    if planned["total_bytes"] > FAR_PAST_HBM * planned["hbm_bytes"]:  # (the planner's error is within +-50%)
+        raise ValueError(f"does not fit: the planner puts this step at {planned['total_bytes'] / GiB:,.0f} GiB a chip, "
+                         f"{planned['total_bytes'] / planned['hbm_bytes']:.0f}x its {planned['hbm_bytes'] / GiB:.0f} GiB HBM "
+                         f"(not compiled: the compiler would run minutes to say so); give more chips, "
+                         f"--grad-accum or a smaller --batch-size (--plan ranks what fits)")
     return judged(step_compile.main(program, planned, cfg, TPU_SPECS[cfg.chip]), planned)
 
 

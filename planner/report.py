@@ -109,8 +109,7 @@ def format_compiled(r, planned):
     if r["flops"] and not r["estimated_step_s"]:
         lines[10:13] = ["  step time: no estimate (the cost model's figure for a program across slices is negative, not a time)"]
     if not r["flops"]:
-        lines[9:13] = ["  FLOPs and step not counted: the second compile (2 layers a While iteration) ran out of HBM, "
-                       "counted no more than the first or gave no time (across slices), or was not made (--offload: refused by this libtpu; block stacks of different depths)"]
+        lines[9:13] = [f"  FLOPs and step not counted: {r.get('uncounted') or 'the compiler gave none'}"]
     return "\n".join(lines)
 
 

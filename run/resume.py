@@ -174,8 +174,9 @@ def check_compatible(path, meta, allow_change=(), refusal=lambda key, saved, now
                 was, now = [{k: d.get(k) for k in differ} for d in (was, now)]
             raise CheckpointError(f"checkpoint {path} is from another model ({key}: saved {was!r}, this run {now!r})")
     if saved.get("mesh") != meta.get("mesh") and "mesh" not in allow_change:  # (DCP reshards on load)
-        raise CheckpointError(f"checkpoint {path} was saved on mesh {saved.get('mesh')!r}, this run "
-                              f"uses {meta.get('mesh')!r} (pass --allow-change mesh to reshard it on load)")
+        layout = lambda mesh: f"mesh {mesh!r}" if mesh else "one device (no --mesh)"
+        raise CheckpointError(f"checkpoint {path} was saved on {layout(saved.get('mesh'))}, this run uses "
+                              f"{layout(meta.get('mesh'))} (pass --allow-change mesh to reshard it on load)")
     if saved.get("layers", "per-layer") != meta.get("layers", "per-layer"):  # parameter names differ
         raise CheckpointError(f"checkpoint {path} holds {saved.get('layers', 'per-layer')} layer weights, this "
                               f"run {meta.get('layers', 'per-layer')}: resume with{'out' if meta.get('layers') else ''} --scan")

@@ -95,15 +95,15 @@ def test_sharded_resume_equals_uninterrupted_and_other_mesh_is_refused(corpus, t
     assert rc == 0, err[-3000:]
     assert losses(part) == losses(full)
     rc, _, err = torchrun(4, [*common[:-2], "--mesh", "dcn=2,ici=2", "--out-dir", part, "--resume"])
-    assert rc != 0 and "was saved on mesh 'ici=2', this run uses 'dcn=2,ici=2'" in err
+    assert rc != 0 and "was saved on mesh 'ici=2', this run uses mesh 'dcn=2,ici=2'" in err
     # One process <-> two: refused both ways without --allow-change mesh (DCP reshards with it: tests/check_materialize.py).
     capsys.readouterr()
     rc = _main([*common[:-2], "--out-dir", part, "--resume", "--steps", "12", "--allow-change", "steps"])
-    assert rc == 2 and "was saved on mesh 'ici=2', this run uses None" in capsys.readouterr().err
+    assert rc == 2 and "was saved on mesh 'ici=2', this run uses one device (no --mesh)" in capsys.readouterr().err
     single = str(tmp_path / "single")
     assert _main([*common[:-2], "--out-dir", single, "--halt-at", "3"]) == 0
     rc, _, err = torchrun(2, [*common, "--out-dir", single, "--resume"])
-    assert rc != 0 and "was saved on mesh None, this run uses 'ici=2'" in err
+    assert rc != 0 and "was saved on one device (no --mesh), this run uses mesh 'ici=2'" in err
 
 
 def test_a_rank_stopped_before_its_process_group_exists_ends_quietly(corpus, tmp_path, monkeypatch, capsys):
@@ -509,7 +509,7 @@ def test_tp_and_ep_checkpoints_resume_bit_for_bit_and_another_layout_is_refused(
         assert losses(part) == losses(full)
     rc, _, err = torchrun(2, [*common, "--mesh", other, "--out-dir", part, "--resume", "--steps", "12", "--allow-change", "steps"])
     lines = [l for l in err.splitlines() if l.startswith("error:")]
-    assert rc != 0 and lines and all(f"was saved on mesh '{mesh}', this run uses '{other}'" in l for l in lines), err[-2000:]
+    assert rc != 0 and lines and all(f"was saved on mesh '{mesh}', this run uses mesh '{other}'" in l for l in lines), err[-2000:]
     if "ep" in mesh:  # ep's buffer factor changes which rows a step drops, not the weights: --allow-change names it
         bounded = [*common, "--mesh", mesh, "--out-dir", part, "--resume", "--steps", "12", "--set", "ep_buffer_factor=1"]
         rc, _, err = torchrun(2, [*bounded, "--allow-change", "steps"])

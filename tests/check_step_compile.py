@@ -9,6 +9,8 @@ is the failure's message."""
 import dataclasses
 import json
 
+import pytest
+
 from model import FLAVORS, ModelArgs, Transformer
 from tests import launch
 from tests.common import run_train, xla_flags
@@ -118,6 +120,36 @@ def test_ironwood_compiles_two_devices_a_chip_with_the_shards_of_two_v5p_chips()
     assert abs(iron["flops"] / (2 * v5p["flops"]) - 1) <= 0.01, (iron["flops"], v5p["flops"])
     assert abs(iron["flops"] / iron["flops_per_step"] - 1) <= 0.05, (iron["flops"], iron["flops_per_step"])
     assert iron["planned_state_bytes"] == layout_state_bytes(DEBUG_ARGS, ici=4)
+
+
+@pytest.mark.fast
+def test_a_program_the_compiler_accepts_past_hbm_does_not_fit_and_a_chip_is_its_cores_together():
+    """libtpu checks its temporaries against HBM, not the arguments and outputs (it compiles a 48 GiB
+    output for v6e's 32 GiB): the verdict must also hold the program's peak within the chip's HBM, and
+    say so in one line (planner.report.judged). Ironwood's chip is two TensorCores, two devices to the
+    compiler: a chip's figures (tpu_target.per_chip) are both devices' bytes and FLOPs, its peak too
+    (one core's would sit below the chip's own temporaries), and one device's seconds. Oracle: those
+    rules, on the compiler's record of such programs written out here."""
+    from planner import report
+    from tpu_pod import step_compile, target as tpu_target
+    GiB = 2**30
+    past = tpu_target.Compiled("tpu_v6e", "v6e:2x2", True, "", argument_bytes=GiB, output_bytes=48 * GiB,
+                               temp_bytes=GiB, peak_bytes=50 * GiB, flops=1e12, optimal_seconds=0.5)
+    planned = {"memory_bytes": {"params": GiB}, "total_bytes": 2 * GiB, "fits": True, "step_s": 0.4, "mfu": 0.5,
+               "devices": 4, "chip": "tpu_v6e", "mesh": "ici=4", "flavor": "llama3_8b", "local_batch": 1,
+               "seq_len": 8192, "remat": False}
+    r = step_compile.compare(past, planned, 1e12, 918e12, 32 * GiB)
+    assert r["compiler_fits"] and not r["fits"] and r["total_bytes"] == 50 * GiB, r
+    with pytest.raises(ValueError, match="does not fit v6e:2x2: the compiler's HBM at its peak .* is 50.00 GiB a "
+                                         "device, over its 32 GiB HBM"):
+        report.judged({**r, "devices_per_chip": 1}, planned)
+    core = tpu_target.Compiled("tpu_v7", "tpu7x:2x2x1", True, "", argument_bytes=3 * GiB, output_bytes=GiB,
+                               temp_bytes=5 * GiB, peak_bytes=8 * GiB, flops=2e12, bytes_accessed=1e9,
+                               optimal_seconds=0.25, alias_bytes=GiB)
+    chip = tpu_target.per_chip(core, 2)
+    for field in ("argument_bytes", "output_bytes", "temp_bytes", "peak_bytes", "alias_bytes", "flops", "bytes_accessed"):
+        assert getattr(chip, field) == 2 * getattr(core, field), field
+    assert chip.optimal_seconds == core.optimal_seconds and chip.hbm_bytes == 16 * GiB >= chip.temp_bytes
 
 
 def test_scan_compiles_one_block_in_a_loop_with_the_state_and_flops_of_the_unrolled_step():
@@ -274,6 +306,8 @@ def test_scan_offload_keeps_each_layers_bf16_input_in_host_memory():
     r = compiled(*DEBUG, "--set", f"dim={dim}", "--set", "n_heads=4", "--scan", "--offload", "--dtype", "bf16")
     assert r["compiler_fits"] and r["host_bytes"] == layers * rows * seq * dim * 2, r["host_bytes"]
     assert r["planned_host_bytes"] == r["host_bytes"], (r["planned_host_bytes"], r["host_bytes"])
+    # (no FLOPs or step under --offload, and the report says that one reason: the second compile is not made)
+    assert r["flops"] == 0 and r["uncounted"].startswith("--offload: the second compile"), r["uncounted"]
     rc, _, err = run_train(["--dry-run", "--compile", "--offload", *DEBUG])
     assert rc == 2 and err.strip().splitlines()[-1] == "error: --compile --offload offloads --scan's layer inputs " \
         "to host: add --scan", err[-2000:]
@@ -578,6 +612,10 @@ def test_compile_without_a_mesh_takes_the_layout_plan_ranks_first_and_chips_that
                            "error: no FSDP / HSDP layout of 8 chips takes --batch-size 4"),
                           ([*flags, "--compile", "--chips", "-3"], "error: --chips must be >= 1"),
                           ([*flags, "--compile", "--chips", "0"], "error: --chips must be >= 1, got 0"),  # (was the mesh's)
+                          ([*flags, "--compile", "--plan", "--chips", "8"], "error: --plan ranks the layouts, --compile compiles one"),
+                          (["--dry-run", "--flavor", "llama3_debug", "--set", "max_seq_len=4096", "--batch-size", "16384",
+                            "--seq-len", "4096", "--compile", "--mesh", "ici=4"], "error: does not fit: the planner puts this "
+                                                                                  "step at 6,893 GiB a chip, 73x its 95 GiB HBM"),
                           ([*flags, "--compile", "--compile-effort", "2"], "error: --compile-effort 2.0: XLA's "
                                                                            "exec_time_optimization_effort is from -1 to 1"),
                           ([*flags, "--compile", "--topology", "bogus"], "error: topology 'bogus': give libtpu's name"),

@@ -328,7 +328,10 @@ def compile_step(program, dims, chip, topology=None, remat=False, clip=1.0, dtyp
         # offloaded inputs' dynamic slices in a 2-layer While body, "Error encountered while compiling
         # %dynamic-slice-start"; stacks of different depths (FLUX's 19 double, 38 single blocks) add
         # one body each to the second compile, which one difference cannot split)
-        return tpu_target.per_chip(dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None), cores), capture_s
+        why = ("--offload: the second compile, 2 layers a While iteration, is not made (this libtpu refuses the "
+               "offloaded inputs' slices in it)" if offload else
+               "the block stacks have different depths, which one second compile cannot split")
+        return tpu_target.per_chip(_uncounted(once, why), cores), capture_s
     return tpu_target.per_chip(every_layer_counted(once, compiled(2), layers[0]), cores), capture_s
 
 
@@ -358,18 +361,23 @@ def every_layer_counted(once, twice, layers):
     flavor's: a block of each). Memory and the verdict are the rolled
     program's: the one a run compiles."""
     if not twice.fits:  # (2 layers' temporaries out of HBM: no second count, so no cost figures)
-        return dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None,
-                                   compile_s=once.compile_s + twice.compile_s)
+        return _uncounted(once, "the second compile, 2 layers a While iteration, ran out of HBM", twice)
     extra = 1 + layers % 2  # bodies counted: 1 at unroll=1; 2 (+1 remainder) at unroll=2
     if not (twice.flops or 0) > (once.flops or 0) or not (twice.optimal_seconds or 0) > (once.optimal_seconds or 0):
         # (the second program counted no more than the first, or the cost model gave no time (across
         # slices; the FLOPs' difference there gave 2.2x flops_per_step): no per-layer figure to take)
-        return dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None,
-                                   compile_s=once.compile_s + twice.compile_s)
+        return _uncounted(once, "the second compile counted no more than the first, or gave no time (across "
+                                "slices)", twice)
     fix = lambda a, b: a + (layers - 1) * (b - a) / extra if a is not None and b is not None else a
     return dataclasses.replace(once, flops=fix(once.flops, twice.flops), bytes_accessed=fix(once.bytes_accessed, twice.bytes_accessed),
                                optimal_seconds=fix(once.optimal_seconds, twice.optimal_seconds),
                                compile_s=once.compile_s + twice.compile_s)
+
+
+def _uncounted(once, why, twice=None):
+    """The rolled program's figures without FLOPs and seconds (a While body counted once), and why."""
+    return dataclasses.replace(once, flops=None, bytes_accessed=None, optimal_seconds=None, uncounted=why,
+                               compile_s=once.compile_s + (twice.compile_s if twice else 0.0))
 
 
 def compare(compiled, planned, flops_per_device, peak, hbm, rate=None, kernel_flops_per_device=0.0):
@@ -399,7 +407,8 @@ def compare(compiled, planned, flops_per_device, peak, hbm, rate=None, kernel_fl
             "estimated_mfu": flops_per_device / (seconds * peak) if seconds else 0.0,
             "cost_model_rate": rate or 0.0, "cost_model_mfu": flops_per_device / (seconds * rate) if seconds and rate else 0.0,
             "rescaled_step_s": seconds * rate / peak if rate else 0.0,
-            "planned_step_s": planned["step_s"], "planned_mfu": planned["mfu"], "compile_s": compiled.compile_s}
+            "planned_step_s": planned["step_s"], "planned_mfu": planned["mfu"], "compile_s": compiled.compile_s,
+            "uncounted": compiled.uncounted}
 
 
 def main(program, planned, cfg, spec):

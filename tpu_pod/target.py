@@ -266,6 +266,7 @@ class Compiled:
     peak_bytes: int = 0       # the program's peak, arguments included (memory_analysis's
                               # peak_memory_in_bytes; 0: not given); with host buffers it can count them
     hbm_allocated_bytes: int = 0  # with host buffers: the HBM its buffer assignment reserves (_hbm_allocated)
+    uncounted: str = ""       # why FLOPs and seconds are not given (a scanned step's: step_compile), or ""
 
     @property
     def summed_bytes(self):
@@ -334,6 +335,9 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=(), effort=0.0, 
                                              or "space=hbm" in text):  # one buffer larger than HBM, 0.0.24)
             return Compiled(chip, name, False, _first_line(text.split("RESOURCE_EXHAUSTED: ")[-1]),
                             compile_s=time.perf_counter() - start)
+        if "allocation_size_words <= " in text:  # (libtpu's RET_CHECK on a buffer of 2^31 words or more)
+            return Compiled(chip, name, False, "one buffer is larger than the compiler can allocate (2^31 words "
+                                               "or more): far past HBM", compile_s=time.perf_counter() - start)
         raise CompileFailed(text) from None
     finally:
         jax.clear_caches()
