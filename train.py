@@ -331,6 +331,7 @@ def main(argv=None):
 def _run(argv, at):
     cfg = parse_config(argv)
     if cfg.dry_run:
+        at.dry_run = True
         workload = make_workload(cfg)
         try:
             plan = workload.family.plan(workload.args, cfg)

@@ -18,6 +18,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -37,6 +38,7 @@ class Built:
     """What the run has built when it ends, for its last line: the layout (`parallel`: the rank, the
     mesh, close()) and the Trainer (`trainer`: the step reached, the checkpoint directory)."""
     parallel = trainer = None
+    dry_run = False  # (a dry run writes nothing; a compile's worker thread may still run when it ends)
 
 
 def _raise_interrupted(signum, frame):
@@ -119,6 +121,12 @@ def _interrupted_by(signum, at):
     if at.trainer is None and _rank(at.parallel) != 0:
         return 128 + signum  # (before the trainer exists rank 0 speaks: torchrun stopping this rank as
         #                      rank 0 refused first, even before any process group, or a stop to all)
+    if at.dry_run:
+        error_line(f"interrupted by {signal.Signals(signum).name} during the dry run (it writes nothing)")
+        if any(t.name == "tpu-compile" and t.is_alive() for t in threading.enumerate()):
+            sys.stdout.flush()  # (the TPU compiler's thread is mid-compile, inside libtpu: end without waiting on it)
+            os._exit(128 + signum)
+        return 128 + signum
     kept = _kept(at)
     error_line(f"interrupted by {signal.Signals(signum).name} at step {_step(at)}; "
                f"{f'checkpoint {kept} is kept' if kept else 'no checkpoint was written'} (a partial one is removed)")

@@ -178,6 +178,48 @@ def test_a_compile_environment_that_is_not_there_is_named(monkeypatch):
         tpu_target.libtpu_path()
 
 
+_LONG_COMPILE = """
+import os, signal, sys, threading, time
+import jax, jax.numpy as jnp
+from tpu_pod import target
+def f(x):
+    for i in range(1500):
+        x = jnp.sin(x) * (i + 1.0) + jnp.cos(x[::-1])
+    return x
+lowered = jax.jit(f).lower(jax.ShapeDtypeStruct((64,), jnp.float32))
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+start = time.perf_counter()
+try:
+    (target.interruptible if sys.argv[1] == "worker" else (lambda g: g()))(lambda: lowered.compile())
+    print(f"compiled in {time.perf_counter() - start:.2f} s", flush=True)
+except KeyboardInterrupt:
+    print(f"interrupted after {time.perf_counter() - start:.2f} s", flush=True)
+os._exit(0)
+"""
+
+
+def test_ctrl_c_stops_a_compile_at_once_and_a_dry_run_says_it_wrote_nothing(capsys):
+    """A compile spends its time inside the compiler's C++, where Python runs no signal handler: Ctrl-C
+    during `--dry-run --compile` waited for the compile's end (tens of seconds to minutes). The compile
+    runs in a worker thread (tpu_target.interruptible) and the main thread takes SIGINT at once. Oracle:
+    the same compile (XLA:CPU, ~7 s here) called directly, which SIGINT 1 s in does not stop before
+    its end. And the dry run's line says it wrote nothing (there is no checkpoint to name)."""
+    import signal
+    from run import process
+    env = {"JAX_PLATFORMS": "cpu"}
+    _, direct, _ = launch.python(["-c", _LONG_COMPILE, "direct"], env=env, timeout=300)
+    _, worker, _ = launch.python(["-c", _LONG_COMPILE, "worker"], env=env, timeout=300)
+    waited, stopped = (float(out.split()[-2]) for out in (direct, worker))
+    assert direct.startswith("interrupted after") and waited > 2.5, direct  # (the compile itself outlasts 2.5 s)
+    assert worker.startswith("interrupted after") and stopped < 2.0, worker
+
+    def dry_run(argv, at):
+        at.dry_run = True
+        raise KeyboardInterrupt
+    assert process.run(dry_run) == 128 + signal.SIGINT
+    assert capsys.readouterr().err == "error: interrupted by SIGINT during the dry run (it writes nothing)\n"
+
+
 def test_the_environment_check_refuses_a_bad_command_line_in_one_line(capsys):
     """`python -m tpu_pod.target CHIP [TOPOLOGY | CHIPS]` (a check of the compile environment: one matmul compiled):
     no chip, another chip's name, or a word past the topology (it was ignored) is the usage line; a

@@ -40,6 +40,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 import jax
@@ -301,6 +302,26 @@ def _first_line(e):
     return lines[0] if lines else type(e).__name__
 
 
+def interruptible(fn):
+    """fn() run in a worker thread while the main thread waits on it: a compile spends minutes inside
+    libtpu, where Python runs no signal handler, so Ctrl-C or SIGTERM would wait for its end; the main
+    thread takes them at once (the worker, a daemon, is left to the process's exit)."""
+    out = {}
+
+    def work():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # (handed to the main thread, raised there)
+            out["error"] = e
+    worker = threading.Thread(target=work, name="tpu-compile", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=(), effort=0.0, lower_kernels=True):
     """Compile jax function `fn` on `args` (ShapeDtypeStructs; one without a sharding is placed on
     one device of the topology) for `chip`, with its Pallas kernels lowered by Mosaic. Returns a
@@ -324,7 +345,7 @@ def compile(fn, *args, chip, topology=MIN_CHIPS, donate_argnums=(), effort=0.0, 
         with kernels_pallas.lowering_for(chip if lower_kernels else None), \
                 jax.default_device(one.mesh.devices.flat[0]):
             lowered = jax.jit(lambda *a: fn(*a), donate_argnums=donate_argnums).lower(*args)
-            compiled = lowered.compile(compiler_options=options)
+            compiled = interruptible(lambda: lowered.compile(compiler_options=options))
             seconds = time.perf_counter() - start
             mem = compiled.memory_analysis()
             host = getattr(mem, "host_temp_size_in_bytes", 0)
@@ -367,7 +388,7 @@ def _hbm_allocated(lowered, options, host_bytes):
     are memory_analysis's host temporaries, exactly."""
     with tempfile.TemporaryDirectory() as where:
         try:
-            lowered.compile(compiler_options={**options, "xla_dump_to": where})  # (the same program's)
+            interruptible(lambda: lowered.compile(compiler_options={**options, "xla_dump_to": where}))  # (the same program's)
         except Exception:  # (a jax or libtpu without the option: no HBM figure, not a failed compile)
             return 0
         found = glob.glob(os.path.join(where, "*after_optimizations-buffer-assignment.txt"))
