@@ -29,8 +29,8 @@ import device as dev
 import train
 from run import profiling
 
-# One measurement (python -m planner.anchor on the 2-core development machine: docs/planning.md's first
-# llama3_debug row), kept so
+# One measurement (python -m planner.anchor on the 2-core development machine: docs/profiling.md's CPU
+# anchor, its first llama3_debug row), kept so
 # tests can hold the arithmetic to it without timing anything.
 RECORDED = {"measured_step_s": 9.062, "peak_flops": 2.183e10, "mem_bw": 8.996e8, "eager_bytes": 2329494464,
             "eager_ops": 1241, "forward_ops": 357, "autograd_op_s": 9.580e-05,

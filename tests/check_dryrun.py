@@ -347,7 +347,7 @@ def test_planner_cpu_anchor_arithmetic_on_recorded_measurements():
     measured on the step's own SDPA; no collectives; the host overhead the forward's ops x an op's
     cost through autograd. Without the measured rates it is the old law (the 1024^3 GEMM rate under
     the short-dim law with a 64-wide tile). (The live measurement, python -m planner.anchor, is in
-    docs/planning.md: too noisy on a shared machine to assert here.)"""
+    docs/profiling.md (the CPU anchor): too noisy on a shared machine to assert here.)"""
     from planner import anchor
     from planner import stepmodel
     from planner.chips import measured_chip

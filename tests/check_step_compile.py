@@ -267,7 +267,7 @@ def test_gradient_accumulation_compiles_one_microbatch_at_a_time():
     """--grad-accum 4 at 16 sequences of llama3_debug (graph mode's step: the microbatches unrolled, one
     gradient sum, one update) beside one pass over 4: the oracle is the compiler's own step of one microbatch. The
     FLOPs are four such steps' within 1% (measured -0.2%: one AdamW, not four); the peak, what must
-    fit (docs/planning.md), is one microbatch's and its running sum within 25% (measured 1.013x; the
+    fit (docs/planning.md; the table: docs/accumulation.md), is one microbatch's and its running sum within 25% (measured 1.013x; the
     16 sequences in one pass 2.2x). Without the barrier that ties each microbatch to the previous one's
     gradients (compile_graph.GradsLikeParams.after_microbatch) XLA scheduled the forwards together:
     1.9x. At XLA's default effort, a run's (at -1 the less-worked schedule's peak grows with the count:

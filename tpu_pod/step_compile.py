@@ -98,7 +98,7 @@ class Program:
     tp_split: dict = None  # {parameter name: its dim over tp} (tensor_parallel.split_dims); None: no tp plan
     loss_reduction: str = None  # how --grad-accum's microbatches combine ("mean" / "sum": step.py); None: refused
     split_sequence: object = None  # cp -> None: the model computes on its sequences split cp ways in head-tail
-    #                                order (the family's split_sequence seam, as spmd.py's cp); None: no cp
+    #                                order (the model's split_sequence seam, as spmd.py's cp); None: no cp
 
 
 def lm_program(args, batch_size, seq_len, saved_bytes, shards=1):
