@@ -76,6 +76,7 @@ WORKLOADS = {  # --task NAME -> "module:Class"
     "flux": "flux.task:FluxDigits",
     "sft": "rl.sft_task:SFTArithmetic",
     "grpo": "rl.grpo_task:GRPOArithmetic",
+    "dpo": "rl.dpo_task:DPOPreferences",
 }
 
 

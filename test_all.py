@@ -43,6 +43,7 @@ from tests.check_flux import *  # noqa: E402,F401,F403
 from tests.check_flux_trainer import *  # noqa: E402,F401,F403
 from tests.check_flux_pipeline import *  # noqa: E402,F401,F403
 from tests.check_grpo import *  # noqa: E402,F401,F403
+from tests.check_dpo import *  # noqa: E402,F401,F403
 from tests.check_vllm import *  # noqa: E402,F401,F403
 from tests.check_profiling import *  # noqa: E402,F401,F403
 from tests.check_step_compile import *  # noqa: E402,F401,F403

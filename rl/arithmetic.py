@@ -20,6 +20,7 @@ never decodes or `int()`s them, so any junk a policy writes (non-UTF-8, NULs, a 
 newline at all) scores 0 instead of raising: the parser is `split at the first newline, compare`.
 """
 import argparse
+import importlib
 import sys
 
 import torch
@@ -28,7 +29,7 @@ import atomic
 
 EOS = ord("\n")
 DIGITS = frozenset(b"0123456789")
-_SPLIT_SEED = 20240205  # the held-out split is the task's, not the run's
+SPLIT_SEED = 20240205  # the held-out split is the task's, not the run's
 
 
 class Arithmetic:
@@ -37,6 +38,7 @@ class Arithmetic:
     low, high = 10, 99
     n_test = 500
     max_answer_bytes = 4  # "198\n": the longest answer with its newline
+    score_names = ("held_out_accuracy",)  # what score() returns, in this order
 
     def __init__(self, seed=0, format_credit=0.0):
         if seed < 0:
@@ -45,7 +47,7 @@ class Arithmetic:
             raise ValueError(f"format credit must be in [0, 1), got {format_credit}")
         self.seed, self.format_credit = seed, format_credit
         span = self.high - self.low + 1
-        order = torch.randperm(span * span, generator=torch.Generator().manual_seed(_SPLIT_SEED)).tolist()
+        order = torch.randperm(span * span, generator=torch.Generator().manual_seed(SPLIT_SEED)).tolist()
         pairs = [(self.low + i // span, self.low + i % span) for i in order]
         self._test, self._train = pairs[:self.n_test], pairs[self.n_test:]
 
@@ -66,6 +68,15 @@ class Arithmetic:
         """The same n training problems as prompts(step, n), each as (prompt bytes, answer bytes)."""
         return [(self.prompt_bytes(a, b), self.answer_bytes(a, b)) for a, b in self._draw(step, n)]
 
+    def pairs(self, step, n):
+        """Preference pairs of the same problems (DPO, rl/dpo_task.py): (prompt, the sum, the sum + 1)."""
+        return [(self.prompt_bytes(a, b), self.answer_bytes(a, b), list(f"{a + b + 1}\n".encode()))
+                for a, b in self._draw(step, n)]
+
+    def test_pairs(self):
+        """The held-out problems' pairs, in the test set's order."""
+        return [(self.prompt_bytes(a, b), self.answer_bytes(a, b), list(f"{a + b + 1}\n".encode())) for a, b in self._test]
+
     def _draw(self, step, n):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         return [self._train[i] for i in torch.randint(len(self._train), (n,), generator=g).tolist()]
@@ -79,6 +90,10 @@ class Arithmetic:
         g = torch.Generator().manual_seed(seed)
         idx = torch.randint(len(self._train), (n,), generator=g).tolist()
         return b"".join(bytes(self.prompt_bytes(*self._train[i]) + self.answer_bytes(*self._train[i])) for i in idx)
+
+    def score(self, prompts, completions):
+        """The evaluation of completions of the test set: {held_out_accuracy: the exact-answer rate}."""
+        return {"held_out_accuracy": sum(self.reward(p, c) == 1.0 for p, c in zip(prompts, completions)) / len(prompts)}
 
     def reward(self, prompt, completion):
         """Score a completion (bytes or a list of byte values, possibly junk, possibly with bytes
@@ -102,14 +117,16 @@ class Arithmetic:
         return int(left), int(right[:-1])
 
 
-TASKS = {"arith": Arithmetic}
+TASKS = {"arith": "rl.arithmetic:Arithmetic", "safety": "rl.safety:Safety"}  # --reward-task NAME -> "module:Class"
 
 
 def get_task(name, seed=0, format_credit=0.0):
-    """The task called `name`; ValueError (one line, naming the known ones) for any other name."""
+    """The task called `name` (its module imported on first use, as task.py's workloads); ValueError
+    (one line, naming the known ones) for any other name."""
     if name not in TASKS:
         raise ValueError(f"unknown reward task {name!r}; known: {', '.join(sorted(TASKS))}")
-    return TASKS[name](seed, format_credit)
+    module, _, cls = TASKS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)(seed, format_credit)
 
 
 def main(argv=None):

@@ -146,11 +146,12 @@ class ArithmeticPolicy(Workload):
     @classmethod
     def check_flags(cls, cfg):
         try:
-            arithmetic.get_task(cfg.reward_task, format_credit=cfg.format_credit)
+            longest = arithmetic.get_task(cfg.reward_task, format_credit=cfg.format_credit).max_answer_bytes
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if cfg.max_new_tokens <= 0:
-            raise ConfigError(f"--max-new-tokens must be positive, got {cfg.max_new_tokens}")
+        if cfg.max_new_tokens < longest:
+            raise ConfigError(f"--max-new-tokens {cfg.max_new_tokens} cannot write the {cfg.reward_task} task's "
+                              f"longest answer ({longest} bytes with its newline)")
         if not (cfg.engine_timeout > 0 and math.isfinite(cfg.engine_timeout)):
             raise ConfigError(f"--engine-timeout must be a positive number of seconds, got {cfg.engine_timeout}")
         if cfg.scan or cfg.dry_run:
@@ -188,7 +189,7 @@ class ArithmeticPolicy(Workload):
             raise ConfigError(f"the policy's vocab_size {self.args.vocab_size} cannot write the task's bytes")
         if cfg.engine == "vllm":
             vllm_engine.check_model(self.args)
-        self.model = self.engine = self.sender = self.synced = None
+        self.model = self.engine = self.sender = self.synced = self.ref = None
         self.stats = {}
 
     def setup_data(self, dp_rank, dp_size):
@@ -238,20 +239,33 @@ class ArithmeticPolicy(Workload):
         return ro.completions_BxC.long(), ro.logprobs_BxC.float(), ro.mask_BxC.bool(), torch.tensor(rewards)
 
     def evaluate(self, model, step, log):
-        """Greedy exact-answer rate on the held-out prompts, sampled by the engine from the policy at `step`."""
+        """The task's scores (reward_task.score: the held-out accuracy, and the safety task's refusal
+        rates) of greedy completions of its test set, sampled by the engine from the policy at `step`."""
         self._sync(step)
-        test = self.reward_task.test_set()
-        accuracy_1 = torch.zeros(1)
+        test, names = self.reward_task.test_set(), self.reward_task.score_names
+        scores_K = torch.zeros(len(names))
         drawn = self._generate(test, 1, 0.0, 0)
         if drawn is not None:
-            comp_BxC, _, _, reward_B = drawn
-            accuracy_1[0] = (reward_B == 1.0).float().mean()
+            comp_BxC = drawn[0]
+            scores = self.reward_task.score(test, comp_BxC.tolist())
+            scores_K[:] = torch.tensor([scores[k] for k in names])
             if step in (0, self.cfg.steps):
-                shown = [bytes(p).decode() + repr(bytes(c).split(b"\n")[0].decode("utf-8", "replace"))
+                shown = [bytes(p).decode().lstrip() + repr(bytes(c).split(b"\n")[0].decode("utf-8", "replace"))
                          for p, c in zip(test[:SHOWN], comp_BxC[:SHOWN].tolist())]
                 log({"event": "completions", "step": step, "text": shown},
                     f"held-out completions at step {step}: " + "  ".join(shown))
-        return {"held_out_accuracy": self.parallel.broadcast_from_first(accuracy_1).item()}  # (every rank halts alike)
+        scores_K = self.parallel.broadcast_from_first(scores_K)  # (every rank halts alike)
+        return dict(zip(names, scores_K.tolist()))
+
+    def _reference(self):
+        """The frozen warm start (or the seeded initial weights) on the host: the KL's (GRPO) or DPO's reference."""
+        if self.ref is None:
+            with torch.random.fork_rng():
+                torch.manual_seed(self.cfg.seed)  # (as the trainer seeds before building the policy)
+                self.ref = self.family.build(self.args)
+            self.family.load_pretrained(self.ref)  # (the warm start, a HF directory, or nothing)
+            self.ref.eval()
+        return self.ref
 
     def meta(self):
         """The flags its resume_policy names, under the workload's name, and the warm start."""
@@ -328,7 +342,7 @@ class GRPOArithmetic(ArithmeticPolicy):
         super().__init__(cfg)
         self.algo = self.algorithm(cfg)
         self.rows, _ = self.global_rows(cfg)  # rows of one rollout batch
-        self.ref = self.current = None
+        self.current = None
 
     def _rollout(self, r):
         """Rollout batch r: sampled by the policy after r U optimizer steps; this rank's rows."""
@@ -357,16 +371,6 @@ class GRPOArithmetic(ArithmeticPolicy):
                                                    self.algo.temperature),)
         self.current = (r, batch)
         self.stats.update(reward=reward, policy_version=self.synced)
-
-    def _reference(self):
-        """The frozen warm start (or the seeded initial weights) on the host: the KL's reference."""
-        if self.ref is None:
-            with torch.random.fork_rng():
-                torch.manual_seed(self.cfg.seed)  # (as the trainer seeds before building the policy)
-                self.ref = self.family.build(self.args)
-            self.family.load_pretrained(self.ref)  # (the warm start, a HF directory, or nothing)
-            self.ref.eval()
-        return self.ref
 
     def batch(self, step):
         """(tokens (B/N, T), mask (B/N, C), engine logprobs (B/N, C), advantages (B/N,), token normalizer
