@@ -649,7 +649,7 @@ def test_a_warm_start_halts_at_its_first_evaluation_meeting_the_accuracy_and_grp
                                                   checkpoint.load_run(step6)[0].state_dict().values()))
     for extra, msg in ((["--halt-at-accuracy", "1.5"], "--halt-at-accuracy 1.5: a held-out accuracy in (0, 1]"),
                        (["--halt-at-accuracy", "nan"], "--halt-at-accuracy: 'nan' is not a finite number"),
-                       (["--task", "lm", "--halt-at-accuracy", "0.5"], "is a flag of --task sft, grpo, not of --task lm")):
+                       (["--task", "lm", "--halt-at-accuracy", "0.5"], "is a flag of --task sft, grpo, dpo, not of --task lm")):
         bad = str(tmp_path / "bad")
         assert _main([*warm, *extra, "--out-dir", bad]) == 2, extra
         err = capsys.readouterr().err
