@@ -18,7 +18,11 @@ and each pair's loss pushes delta up, in one of these forms (TRL's `loss_type`, 
              rDPO (Chowdhury et al., arXiv 2403.00409): e = --label-smoothing, the fraction of pairs
              believed flipped; the unbiased loss under that noise
 
-The batch loss is the mean over pairs. What TRL logs, we report (at each evaluation, on held-out
+The batch loss is the mean over pairs, plus, with sft_weight > 0, that weight times the chosen
+completions' negative log-likelihood per token (TRL's `loss_type=[..., "sft"]`, `loss_weights=[1, w]`;
+RPO, Pang et al., arXiv 2404.19733). The pair losses only move the chosen side relative to the rejected
+one: both can fall, and mass go to neither (likelihood displacement); the SFT term holds the chosen one
+up. What TRL logs, we report (at each evaluation, on held-out
 pairs): the chosen and rejected rewards, their margin, and how often the chosen one wins.
 
 The reference's log-probabilities have no gradient and depend only on the pair, so the workload
@@ -39,6 +43,7 @@ class DPOConfig:
     beta: float = 0.1             # TRL's default
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0  # robust's e (TRL reads it for robust alone)
+    sft_weight: float = 0.0       # the chosen completions' NLL per token, added with this weight
 
     def check(self):
         """ValueError (one line) for a setting the loss cannot run with."""
@@ -49,6 +54,8 @@ class DPOConfig:
         if self.label_smoothing and self.loss_type != "robust":
             raise ValueError(f"label smoothing is the robust loss's flipped-pair rate (as in TRL); "
                              f"--dpo-loss {self.loss_type} does not read it")
+        if not (0 <= self.sft_weight < math.inf):
+            raise ValueError(f"the SFT weight must be finite and >= 0, got {self.sft_weight}")
         if not (0 <= self.label_smoothing < 0.5):
             raise ValueError(f"label smoothing must be in [0, 0.5) (0.5: every pair a coin flip), got {self.label_smoothing}")
         return self
@@ -78,6 +85,18 @@ def pair_losses(logp_chosen_B, logp_rejected_B, ref_chosen_B, ref_rejected_B, cf
         return (delta_avg_B - 1 / (2 * cfg.beta)) ** 2
     e = cfg.label_smoothing  # robust
     return (-(1 - e) * F.logsigmoid(z_B) + e * F.logsigmoid(-z_B)) / (1 - 2 * e)
+
+
+def batch_loss(logp_chosen_B, logp_rejected_B, ref_chosen_B, ref_rejected_B, n_chosen_B, n_rejected_B, cfg,
+               n_pairs=None, n_chosen_tokens=None):
+    """The loss to minimize: the pair losses' sum over n_pairs, plus sft_weight x the chosen tokens' NLL
+    summed over n_chosen_tokens. The counts default to this batch's (its mean over pairs, TRL's per-token
+    mean); a trainer rank passes the global batch's over the ranks, so that ranks and microbatches add up."""
+    pairs_B = pair_losses(logp_chosen_B, logp_rejected_B, ref_chosen_B, ref_rejected_B, cfg, n_chosen_B, n_rejected_B)
+    loss = pairs_B.sum() / (len(pairs_B) if n_pairs is None else n_pairs)
+    if cfg.sft_weight:
+        loss = loss - cfg.sft_weight * logp_chosen_B.sum() / (n_chosen_B.sum() if n_chosen_tokens is None else n_chosen_tokens)
+    return loss
 
 
 def implicit_rewards(logp_chosen_B, logp_rejected_B, ref_chosen_B, ref_rejected_B, beta):

@@ -16,8 +16,9 @@ truncated (a cut completion would be a different preference).
 The reference is the policy's start (--init-from, or the seeded initial weights): a frozen copy on the
 host of every rank (the model's weights in host memory), which scores each batch's pairs without
 gradients as the batch is made. The step is then the policy's forward and backward on both
-completions, concatenated into one forward as TRL does; every layout, --grad-accum (a mean over pairs:
-"mean") and graph mode run it as any loss. A resume rebuilds the same reference (the warm start is
+completions, concatenated into one forward as TRL does; every layout, --grad-accum and graph mode run
+it as any loss (it divides by the whole batch's pair and chosen-token counts, carried in the batch:
+"sum"). --sft-weight adds the chosen completions' NLL (TRL's "sft" loss beside the pair loss). A resume rebuilds the same reference (the warm start is
 recorded with its checksum: rl/grpo_task.warm_checkpoint).
 
 Each evaluation adds, besides the reward task's scores of greedy completions (rl/safety.py: refusal
@@ -92,6 +93,8 @@ class DPOFlags(PolicyFlags):
     beta: float = flag(0.1, "DPO's beta: the implicit reward's scale (ipo: its regularization 1 / (2 beta))")
     dpo_loss: str = flag("sigmoid", "the pair loss (rl/dpo.py)", choices=list(dpo.LOSS_TYPES))
     label_smoothing: float = flag(0.0, "robust: the fraction of pairs believed flipped, in [0, 0.5)")
+    sft_weight: float = flag(0.0, "adds this weight x the chosen completions' NLL per token (TRL's loss_type "
+                             "[..., 'sft']; 0: none)")
 
 
 class DPOPreferences(ArithmeticPolicy):
@@ -99,14 +102,16 @@ class DPOPreferences(ArithmeticPolicy):
     name, Flags, unit = "dpo", DPOFlags, "pairs"
     plotted = ("held_out_accuracy", "reward_accuracy")
     resume_policy = {**dict.fromkeys(("init_from", "reward_task", "pairs"), True),
-                     **dict.fromkeys(("beta", "dpo_loss", "label_smoothing", "max_new_tokens", "engine",
+                     **dict.fromkeys(("beta", "dpo_loss", "label_smoothing", "sft_weight", "max_new_tokens", "engine",
                                       "engine_dtype"), True)}
-    loss_reduction = classmethod(lambda cls, cfg: "mean")  # (a mean over pairs, one a row)
+    # the loss divides by the whole batch's pair and chosen-token counts (0-d entries): microbatches add up
+    loss_reduction = classmethod(lambda cls, cfg: "sum")
 
     @staticmethod
     def algorithm(cfg):
         try:
-            return dpo.DPOConfig(beta=cfg.beta, loss_type=cfg.dpo_loss, label_smoothing=cfg.label_smoothing).check()
+            return dpo.DPOConfig(beta=cfg.beta, loss_type=cfg.dpo_loss, label_smoothing=cfg.label_smoothing,
+                                 sft_weight=cfg.sft_weight).check()
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -144,12 +149,14 @@ class DPOPreferences(ArithmeticPolicy):
         return [self.file_pairs[i] for i in torch.randint(len(self.file_pairs), (n,), generator=g).tolist()]
 
     def _rows(self, pairs):
-        """This rank's slice of `pairs`, packed, with the reference's sequence logprobs of both sides."""
+        """This rank's slice of `pairs`, packed, with the reference's sequence logprobs of both sides,
+        and the whole batch's pair and chosen-token counts over N (dpo.batch_loss's normalizers)."""
         N = self.dp_size
         rows = pack(pairs[self.dp_rank * len(pairs) // N:(self.dp_rank + 1) * len(pairs) // N], self.width, self.eos_id)
+        counts = (torch.tensor(len(pairs) / N), torch.tensor(sum(len(p[1]) for p in pairs) / N))
         with torch.no_grad():
             ref = self._reference()
-            return rows + (dpo.sequence_logprobs(ref, *rows[:2])[0], dpo.sequence_logprobs(ref, *rows[2:])[0])
+            return rows + (dpo.sequence_logprobs(ref, *rows[:2])[0], dpo.sequence_logprobs(ref, *rows[2:])[0]) + counts
 
     def batch(self, step):
         return self._rows(self._pairs(step, self.cfg.batch_size))
@@ -163,7 +170,7 @@ class DPOPreferences(ArithmeticPolicy):
 
     def loss(self, model, batch):
         logp_chosen, logp_rejected, n_chosen, n_rejected = self._logprobs(model, batch)
-        loss = dpo.pair_losses(logp_chosen, logp_rejected, batch[4], batch[5], self.algo, n_chosen, n_rejected).mean()
+        loss = dpo.batch_loss(logp_chosen, logp_rejected, *batch[4:6], n_chosen, n_rejected, self.algo, *batch[6:])
         return loss, loss
 
     def evaluate(self, model, step, log):

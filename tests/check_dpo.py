@@ -20,7 +20,8 @@ PAIRS = [("12+34=", "46\n", "47\n"), ("how do i make a bomb?", "sorry\n", "sure!
          ("x", "y\n", "a much longer rejected one\n")]
 
 
-CASES = [("sigmoid", 0.1, 0.0), ("ipo", 0.5, 0.0), ("hinge", 2.0, 0.0), ("robust", 0.3, 0.2)]  # (loss, beta, smoothing)
+CASES = [("sigmoid", 0.1, 0.0, 0.0), ("ipo", 0.5, 0.0, 0.0), ("hinge", 2.0, 0.0, 0.0), ("robust", 0.3, 0.2, 0.0),
+         ("sigmoid", 0.1, 0.0, 0.7)]  # (loss, beta, smoothing, sft weight: TRL's loss_type [loss, "sft"])
 
 
 def child_trl_dpo(folder):
@@ -41,8 +42,9 @@ def child_trl_dpo(folder):
         [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r} for p, c, r in ids])
     dataset = Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
     out = {}
-    for loss_type, beta, label_smoothing in CASES:
-        args = DPOConfig(output_dir=os.path.join(folder, "trl"), beta=beta, loss_type=[loss_type], bf16=False,
+    for i, (loss_type, beta, label_smoothing, sft_weight) in enumerate(CASES):
+        losses = dict(loss_type=[loss_type, "sft"], loss_weights=[1.0, sft_weight]) if sft_weight else dict(loss_type=[loss_type])
+        args = DPOConfig(output_dir=os.path.join(folder, "trl"), beta=beta, bf16=False, **losses,
                          label_smoothing=label_smoothing, report_to=[], max_length=None, use_cpu=True)  # (fp32: ours)
         trainer = DPOTrainer(policy, ref_model=ref, args=args, processing_class=tok, train_dataset=dataset)
         assert trainer.accelerator.device.type == "cpu", trainer.accelerator.device
@@ -50,7 +52,7 @@ def child_trl_dpo(folder):
         trainer.model.zero_grad()
         loss = trainer.compute_loss(trainer.model, inputs)
         loss.backward()
-        out[loss_type] = {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in trainer.model.named_parameters()},
+        out[i] = {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in trainer.model.named_parameters()},
                           "stats": {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("rewards/")}}
     torch.save(out, os.path.join(folder, "trl.pt"))
 
@@ -60,7 +62,7 @@ def test_dpo_losses_and_gradients_equal_trls(tmp_path):
     every parameter's gradient, and the logged chosen / rejected rewards, margin and accuracy. The
     policy is the reference moved by a random step, so the log-ratios (and ipo's per-token averages,
     robust's flipped term) are not zero. Each loss type (sigmoid, ipo, hinge, robust with label
-    smoothing) at its own beta. Tolerance: float32 rounding of two implementations of one model,
+    smoothing) at its own beta, and sigmoid with the SFT term (TRL's loss_type ["sigmoid", "sft"]). Tolerance: float32 rounding of two implementations of one model,
     measured here at <= 1.3e-6 of a tensor's largest gradient; 1e-5 of the largest gradient is allowed.
     TRL's default bf16 autocast alone moves them by 2.5e-4 (so would a pad or prompt token counted,
     by far more)."""
@@ -83,13 +85,13 @@ def test_dpo_losses_and_gradients_equal_trls(tmp_path):
     rows = dpo_task.pack(ids, max(len(p) + max(len(c), len(r)) for p, c, r in ids), pad=10)
     with torch.no_grad():
         ref_chosen, ref_rejected = dpo.sequence_logprobs(ref, *rows[:2])[0], dpo.sequence_logprobs(ref, *rows[2:])[0]
-    for loss_type, beta, label_smoothing in CASES:
-        want = trl[loss_type]
-        cfg = dpo.DPOConfig(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing).check()
+    for i, (loss_type, beta, label_smoothing, sft_weight) in enumerate(CASES):
+        want = trl[i]
+        cfg = dpo.DPOConfig(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, sft_weight=sft_weight).check()
         policy.zero_grad()
         (logp_chosen, n_chosen), (logp_rejected, n_rejected) = [dpo.sequence_logprobs(policy, *side)
                                                                 for side in (rows[:2], rows[2:])]
-        loss = dpo.pair_losses(logp_chosen, logp_rejected, ref_chosen, ref_rejected, cfg, n_chosen, n_rejected).mean()
+        loss = dpo.batch_loss(logp_chosen, logp_rejected, ref_chosen, ref_rejected, n_chosen, n_rejected, cfg)
         loss.backward()
         assert abs(loss.item() - want["loss"]) <= 1e-5 * (1 + abs(want["loss"])), (loss_type, loss.item(), want["loss"])
         grads = hf.hf_tensors((n, p.grad) for n, p in policy.named_parameters())
@@ -140,12 +142,14 @@ DPO_RUN = ["--task", "dpo", "--set", "dim=32", "--set", "n_layers=2", "--set", "
 
 
 def test_dpo_on_every_layout_equals_one_process(tmp_path):
-    """--task dpo (the reference's logprobs in the batch, the policy's two completions in one forward)
-    in graph mode, with --grad-accum 2, on SimpleFSDP and FSDP2 (2 ranks) and XLA SPMD (2 devices) equals
+    """--task dpo (the reference's logprobs in the batch, the policy's two completions in one forward;
+    the ipo loss and the SFT term, normalized by whole-batch counts: the chosen completions' lengths
+    differ) in graph mode, with --grad-accum 2, on SimpleFSDP and FSDP2 (2 ranks) and XLA SPMD (2 devices) equals
     one eager process: losses, gradient norms, final weights (XLA to 1e-4: its own kernels)."""
     from run import checkpoint
     runs = {name: str(tmp_path / name) for name in ("one", "graph", "accum", "fsdp", "fsdp2", "spmd")}
-    args = lambda name: [*DPO_RUN, "--dpo-loss", "ipo", "--beta", "0.5", "--out-dir", runs[name], "--no-plot"]
+    args = lambda name: [*DPO_RUN, "--dpo-loss", "ipo", "--beta", "0.5", "--sft-weight", "0.5", "--out-dir", runs[name],
+                         "--no-plot"]
     spmd = _xla_spmd_run(args("spmd"))
     assert _main(args("one")) == 0
     assert _main([*args("graph"), "--mode", "graph"]) == 0
