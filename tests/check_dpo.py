@@ -11,8 +11,8 @@ import torch
 from model import ModelArgs, Transformer
 
 from tests import launch
-from tests.check_grpo import _RAN_ON, _xla_spmd_run
-from tests.common import _main, _near, _records, assert_close, ran_on, torchrun
+from tests.check_grpo import policy_layouts_equal_one_process
+from tests.common import _main, _records, assert_close
 
 # Pairs of unequal prompt and completion lengths (a row's padding and its completion mask both matter).
 PAIRS = [("12+34=", "46\n", "47\n"), ("how do i make a bomb?", "sorry\n", "sure!\n"),
@@ -146,28 +146,8 @@ def test_dpo_on_every_layout_equals_one_process(tmp_path):
     the ipo loss and the SFT term, normalized by whole-batch counts: the chosen completions' lengths
     differ) in graph mode, with --grad-accum 2, on SimpleFSDP and FSDP2 (2 ranks) and XLA SPMD (2 devices) equals
     one eager process: losses, gradient norms, final weights (XLA to 1e-4: its own kernels)."""
-    from run import checkpoint
-    runs = {name: str(tmp_path / name) for name in ("one", "graph", "accum", "fsdp", "fsdp2", "spmd")}
-    args = lambda name: [*DPO_RUN, "--dpo-loss", "ipo", "--beta", "0.5", "--sft-weight", "0.5", "--out-dir", runs[name],
-                         "--no-plot"]
-    spmd = _xla_spmd_run(args("spmd"))
-    assert _main(args("one")) == 0
-    assert _main([*args("graph"), "--mode", "graph"]) == 0
-    assert _main([*args("accum"), "--grad-accum", "2"]) == 0
-    for name, extra in (("fsdp", []), ("fsdp2", ["--dp-impl", "fsdp2"])):
-        rc, _, err = torchrun(2, [*args(name), "--mesh", "ici=2", *extra])
-        assert rc == 0, err[-3000:]
-    rc, _, err = spmd.result(timeout=600)
-    assert rc == 0, err[-3000:]
-    weights = lambda run: checkpoint.load_run(run)[0].state_dict()
-    for name, tol in (("graph", 1e-5), ("accum", 1e-5), ("fsdp", 1e-5), ("fsdp2", 1e-5), ("spmd", 1e-4)):
-        if name in _RAN_ON:
-            assert ran_on(runs[name]) == _RAN_ON[name], name
-        for key in ("loss", "grad_norm"):
-            _near(_records(runs["one"], key), _records(runs[name], key), atol=tol / 10, rtol=tol)
-        mine = weights(runs[name])
-        for k, w in weights(runs["one"]).items():
-            assert_close(mine[k], w, f"{name} {k}", rtol=tol, atol=1e-5)
+    policy_layouts_equal_one_process(lambda out: [*DPO_RUN, "--dpo-loss", "ipo", "--beta", "0.5", "--sft-weight", "0.5",
+                                                  "--out-dir", out, "--no-plot"], tmp_path, accumulate=True)
 
 
 def test_dpo_resumes_bit_for_bit_and_reports_the_reward_statistics(tmp_path):
@@ -195,6 +175,19 @@ def test_bad_pairs_are_one_line_and_exit_2(line, says, tmp_path, capsys):
     path.write_text(json.dumps({"prompt": "q", "chosen": "y", "rejected": "n"}) + "\n"
                     + (line if isinstance(line, str) else json.dumps(line)) + "\n")
     assert _main([*DPO_RUN, "--pairs", str(path), "--out-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--label-smoothing", "0.1"], "label smoothing is the robust loss's flipped-pair rate (as in TRL); --dpo-loss sigmoid"),
+    (["--dpo-loss", "robust", "--label-smoothing", "0.5"], "label smoothing must be in [0, 0.5)"),
+    (["--beta", "0"], "beta must be positive and finite"),
+    (["--sft-weight", "-1"], "the SFT weight must be finite and >= 0"),
+    (["--max-new-tokens", "6"], "--max-new-tokens 6 cannot write the safety task's longest answer (8 bytes")])
+def test_bad_dpo_flags_are_one_line_and_exit_2(flags, says, tmp_path, capsys):
+    assert _main([*DPO_RUN, *flags, "--out-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err, err
     assert not os.path.exists(tmp_path / "out")

@@ -389,29 +389,38 @@ def _xla_spmd_run(argv, devices=2):
                         env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)})
 
 
-def test_sft_on_every_layout_equals_one_process(tmp_path):
-    """The warm start's loss (a 0-d token normalizer in its batch) in graph mode, on SimpleFSDP and
-    FSDP2 (2 ranks) and on XLA SPMD (2 devices, eager) equals one eager process: losses, gradient
-    norms, final weights (XLA to 1e-4: its own kernels). (One XLA device: not run here, to keep the
-    suite's time; the SPMD run is the same eager step on XLA, plus the mesh.)"""
-    runs = {name: str(tmp_path / name) for name in ("one", "graph", "fsdp", "fsdp2", "spmd")}
-    args = lambda name: ["--task", "sft", *GRPO_WARM, "--steps", "3", "--log-interval", "1",
-                         "--eval-batches", "0", "--ckpt-interval", "0", "--out-dir", runs[name]]
-    spmd = _xla_spmd_run(args("spmd"))  # (it runs while this process trains)
-    assert _main(args("one")) == 0
-    assert _main([*args("graph"), "--mode", "graph"]) == 0
+def policy_layouts_equal_one_process(args, tmp_path, accumulate=False):
+    """`args(out_dir)`'s run in graph mode (and with --grad-accum 2 where `accumulate`), on SimpleFSDP and
+    FSDP2 (2 torchrun ranks) and on XLA SPMD (2 devices, eager) equals one eager process: losses,
+    gradient norms, final weights (XLA to 1e-4: its own kernels)."""
+    runs = {name: str(tmp_path / name) for name in ("one", "graph", "accum", "fsdp", "fsdp2", "spmd")}
+    spmd = _xla_spmd_run(args(runs["spmd"]))  # (it runs while this process trains)
+    assert _main(args(runs["one"])) == 0
+    assert _main([*args(runs["graph"]), "--mode", "graph"]) == 0
+    if accumulate:
+        assert _main([*args(runs["accum"]), "--grad-accum", "2"]) == 0
     for name, extra in (("fsdp", []), ("fsdp2", ["--dp-impl", "fsdp2"])):
-        rc, _, err = torchrun(2, [*args(name), "--mesh", "ici=2", *extra])
+        rc, _, err = torchrun(2, [*args(runs[name]), "--mesh", "ici=2", *extra])
         assert rc == 0, err[-3000:]
     rc, _, err = spmd.result(timeout=600)
     assert rc == 0, err[-3000:]
-    for name, tol in (("graph", 1e-5), ("fsdp", 1e-5), ("fsdp2", 1e-5), ("spmd", 1e-4)):
-        assert ran_on(runs[name]) == _RAN_ON[name], name
+    for name, tol in (("graph", 1e-5), ("accum", 1e-5), ("fsdp", 1e-5), ("fsdp2", 1e-5), ("spmd", 1e-4)):
+        if name == "accum" and not accumulate:
+            continue
+        assert name == "accum" or ran_on(runs[name]) == _RAN_ON[name], name
         for key in ("loss", "grad_norm"):
             _near(_records(runs["one"], key), _records(runs[name], key), atol=tol / 10, rtol=tol)
         mine = _grpo_weights(runs[name])
         for k, w in _grpo_weights(runs["one"]).items():
             assert_close(mine[k], w, f"{name} {k}", rtol=tol, atol=1e-5)
+
+
+def test_sft_on_every_layout_equals_one_process(tmp_path):
+    """The warm start's loss (a 0-d token normalizer in its batch) on every layout equals one eager
+    process (policy_layouts_equal_one_process). (One XLA device: not run here, to keep the suite's time;
+    the SPMD run is the same eager step on XLA, plus the mesh.)"""
+    policy_layouts_equal_one_process(lambda out: ["--task", "sft", *GRPO_WARM, "--steps", "3", "--log-interval", "1",
+                                                  "--eval-batches", "0", "--ckpt-interval", "0", "--out-dir", out], tmp_path)
 
 
 def test_grpo_through_the_trainer_on_every_layout_and_resume_equal_one_eager_process(grpo_warm, tmp_path):
