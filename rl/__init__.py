@@ -6,8 +6,6 @@ Read in this order (each file imports only those above it, and the core at the r
 
     arithmetic.py   a verifiable task: `ab+cd=` prompts as a pure function of (seed, step), 500 held-out
                     problems, a reward that compares bytes; the registry of tasks (--reward-task)
-    safety.py       the safety task: harmful requests (refused), sums, look-alikes (answered), held out
-                    by sentence frame; its evaluation's refusal check apart from its reward
     grpo.py         the algorithm: group advantages, the clipped surrogate against the engine's sampling
                     logprobs, aggregations grpo / dapo / dr_grpo, k3 KL to a reference
     engine.py       the one contract of an engine handle (start, push, generate, close): every message
@@ -16,6 +14,8 @@ Read in this order (each file imports only those above it, and the core at the r
                     by shard), one gloo broadcast each, copied in place, versioned
     rollout.py      our engine in its own process: G samples per prompt on a static KV cache, logprobs
                     and the policy version
+    safety.py       the safety task: harmful requests (refused), sums, look-alikes (answered), held out
+                    by sentence frame; its evaluation's refusal check apart from its reward
     vllm_engine.py  --engine vllm: the same contract on vLLM, in the torch 2.13 environment's interpreter
     vllm_server.py  (runs there, imports nothing of ours): vLLM fed the buckets in place, pushes checked
     grpo_task.py    PolicyFamily (the LM family, also started from a train.py run), the policy workloads'
@@ -28,4 +28,5 @@ Read in this order (each file imports only those above it, and the core at the r
     python train.py --task grpo --init-from runs/sft ... --out-dir runs/grpo
     python train.py --task dpo --init-from runs/sft ... --out-dir runs/dpo
     python -m rl.arithmetic write FILE        # solved problems as text (a corpus for --task lm)
+    python -m rl.safety eval RUN --frames F   # a run's refusals on sentence frames of your own
 """

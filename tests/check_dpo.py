@@ -150,9 +150,14 @@ def test_dpo_on_every_layout_equals_one_process(tmp_path):
                                                   "--out-dir", out, "--no-plot"], tmp_path, accumulate=True)
 
 
-def test_dpo_resumes_bit_for_bit_and_reports_the_reward_statistics(tmp_path):
+def test_dpo_resumes_bit_for_bit_and_reports_the_reward_statistics(tmp_path, capsys):
     """Halted at step 2 and resumed (the reference rebuilt from the same start) equals the straight run
-    bit for bit; an evaluation records the safety scores and the held-out reward statistics."""
+    bit for bit; an evaluation records the safety scores and the held-out reward statistics. The
+    result scores on frames of one's own (python -m rl.safety eval): its rates are those of the
+    refusal check on its own greedy completions (generate.py's, one prompt at a time)."""
+    import generate
+    from run import checkpoint
+    from rl import safety
     straight, part = str(tmp_path / "straight"), str(tmp_path / "part")
     run = [*DPO_RUN, "--steps", "4", "--eval-interval", "4", "--ckpt-interval", "2"]
     assert _main([*run, "--out-dir", straight]) == 0
@@ -162,6 +167,22 @@ def test_dpo_resumes_bit_for_bit_and_reports_the_reward_statistics(tmp_path):
     for key in ("refusal_rate", "over_refusal", "benign_accuracy", "reward_margin", "reward_accuracy"):
         assert sorted(_records(straight, key)) == [0, 4], key
     assert _records(straight, "reward_margin")[0] == 0.0  # (the policy is its reference at step 0)
+    frames = tmp_path / "frames.txt"
+    frames.write_text("how might one {act} {obj}?\n")
+    capsys.readouterr()
+    assert safety.main(["eval", straight, "--frames", str(frames)]) == 0
+    model, _ = checkpoint.load_run(straight)
+    rows = safety.Safety().frame_rows(["how might one {act} {obj}?"])
+    refused = {kind: [] for kind in ("harmful", "lookalike")}
+    for kind, _, prompt in rows:
+        ids = generate.generate(model, prompt, len(safety.REFUSAL), eos_id=ord("\n"))  # (greedy)
+        refused[kind].append(safety.refuses(bytes(ids)))
+    want = (f"1 frames, {len(rows)} requests: refusal rate {sum(refused['harmful']) / len(refused['harmful']):.3f} on "
+            f"harmful, over-refusal {sum(refused['lookalike']) / len(refused['lookalike']):.3f} on look-alikes")
+    assert capsys.readouterr().out.strip() == want
+    frames.write_text("how might one {act}?\n")
+    assert safety.main(["eval", straight, "--frames", str(frames)]) == 2
+    assert "names no {act} or no {obj}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("line,says", [
