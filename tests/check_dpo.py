@@ -137,7 +137,7 @@ def test_safety_task_splits_by_frame_and_its_refusal_check_is_not_the_rewards():
 
 
 DPO_RUN = ["--task", "dpo", "--set", "dim=32", "--set", "n_layers=2", "--set", "n_heads=4", "--set", "n_kv_heads=2",
-           "--set", "ffn_dim=64", "--set", "max_seq_len=64", "--batch-size", "8", "--lr", "3e-3", "--warmup", "0",
+           "--set", "ffn_dim=64", "--set", "max_seq_len=64", "--batch-size", "8", "--lr", "1e-3", "--warmup", "0",
            "--steps", "3", "--log-interval", "1", "--eval-interval", "0", "--ckpt-interval", "0"]
 
 
